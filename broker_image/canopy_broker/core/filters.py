@@ -1,0 +1,408 @@
+"""Subscription filters: constraints, their text syntax, matching and covering.
+
+A filter is a conjunction of constraints ``attr op value``. The empty conjunction matches every
+event (``true`` in the text syntax). Every constraint except ``exists`` carries a value of one
+*kind* (number, string, bool) and only matches attributes of that kind, so ``price < 10`` never
+matches ``price = "cheap"``.
+
+Covering (``covers(f1, f2)``: every event matching f2 also matches f1) drives covering-based
+routing. It must be **sound** — claiming a cover that does not hold would lose events — and it
+must be **transitive**, because the router keeps only the maximal filters of a set and relies on
+"dominated by something dominated by a kept filter" implying "covered by a kept filter". We get both
+by deciding, per attribute, whether the constraints of f2 imply each constraint of f1:
+
+* numbers and booleans: exactly, by asking whether ``f2|attr ∧ ¬c1`` is empty over the reals;
+* strings: exactly when f2 pins the attribute to one value; otherwise by pairwise implication
+  (one constraint of f2 implies c1) and by interval containment of the range constraints. This
+  misses some covers that need several string constraints together (``prefix "ab" and
+  suffix "c"`` implies ``contains "b"``), which costs routing-table size but never correctness.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+
+from canopy_broker.core.events import Kind, Value, kind_of
+
+
+class Op(Enum):
+    EQ = "="
+    NE = "!="
+    LT = "<"
+    LE = "<="
+    GT = ">"
+    GE = ">="
+    PREFIX = "prefix"
+    SUFFIX = "suffix"
+    CONTAINS = "contains"
+    EXISTS = "exists"
+
+
+RANGE_OPS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE})
+STRING_OPS = frozenset({Op.PREFIX, Op.SUFFIX, Op.CONTAINS})
+_OP_ORDER = {op: i for i, op in enumerate(Op)}
+
+
+class FilterError(ValueError):
+    """A filter text or structure is invalid; the message says where and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    attr: str
+    op: Op
+    value: Value | None = None
+
+    def __post_init__(self) -> None:
+        if not self.attr or not isinstance(self.attr, str):
+            raise FilterError(f"constraint needs an attribute name, got {self.attr!r}")
+        if self.op is Op.EXISTS:
+            if self.value is not None:
+                raise FilterError(f"'{self.attr} exists' takes no value")
+            return
+        kind = kind_of(self.value)
+        if kind is None:
+            raise FilterError(
+                f"constraint on {self.attr!r}: value {self.value!r} is not a string, number or bool"
+            )
+        if self.op in STRING_OPS and kind is not Kind.STRING:
+            raise FilterError(f"'{self.op.value}' on {self.attr!r} needs a string value")
+        if self.op in RANGE_OPS and kind is Kind.BOOL:
+            raise FilterError(f"'{self.op.value}' on {self.attr!r} cannot compare booleans")
+
+    @property
+    def kind(self) -> Kind | None:
+        return None if self.op is Op.EXISTS else kind_of(self.value)
+
+    def matches_value(self, value: Value) -> bool:
+        """Whether an attribute value (known to be present) satisfies this constraint."""
+        op = self.op
+        if op is Op.EXISTS:
+            return True
+        if kind_of(value) is not kind_of(self.value):
+            return False
+        c = self.value
+        if op is Op.EQ:
+            return value == c
+        if op is Op.NE:
+            return value != c
+        if op is Op.LT:
+            return value < c  # type: ignore[operator]
+        if op is Op.LE:
+            return value <= c  # type: ignore[operator]
+        if op is Op.GT:
+            return value > c  # type: ignore[operator]
+        if op is Op.GE:
+            return value >= c  # type: ignore[operator]
+        assert isinstance(value, str) and isinstance(c, str)
+        if op is Op.PREFIX:
+            return value.startswith(c)
+        if op is Op.SUFFIX:
+            return value.endswith(c)
+        return c in value  # CONTAINS
+
+    def sort_key(self) -> tuple[str, int, str, str]:
+        kind = self.kind
+        return (self.attr, _OP_ORDER[self.op], kind.value if kind else "", repr(self.value))
+
+    def __str__(self) -> str:
+        if self.op is Op.EXISTS:
+            return f"{self.attr} exists"
+        return f"{self.attr} {self.op.value} {format_value(self.value)}"
+
+
+def format_value(value: Value | None) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """A conjunction of constraints, kept sorted and de-duplicated so equal filters compare equal."""
+
+    constraints: tuple[Constraint, ...] = ()
+    _by_attr: dict[str, tuple[Constraint, ...]] = field(
+        default_factory=dict, compare=False, hash=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        canon = tuple(sorted(set(self.constraints), key=Constraint.sort_key))
+        object.__setattr__(self, "constraints", canon)
+        by_attr: dict[str, list[Constraint]] = {}
+        for c in canon:
+            by_attr.setdefault(c.attr, []).append(c)
+        object.__setattr__(self, "_by_attr", {a: tuple(cs) for a, cs in by_attr.items()})
+
+    @classmethod
+    def of(cls, constraints: Iterable[Constraint]) -> Filter:
+        return cls(tuple(constraints))
+
+    @classmethod
+    def parse(cls, text: str) -> Filter:
+        return parse_filter(text)
+
+    def on(self, attr: str) -> tuple[Constraint, ...]:
+        return self._by_attr.get(attr, ())
+
+    @property
+    def attrs(self) -> Iterable[str]:
+        return self._by_attr.keys()
+
+    def matches(self, attrs: Mapping[str, Value]) -> bool:
+        for c in self.constraints:
+            value = attrs.get(c.attr)
+            if value is None or not c.matches_value(value):
+                return False
+        return True
+
+    def __str__(self) -> str:
+        return " and ".join(map(str, self.constraints)) if self.constraints else "true"
+
+    def sort_key(self) -> tuple[int, str]:
+        """Total order used to break ties between equivalent filters deterministically."""
+        return (len(self.constraints), str(self))
+
+
+MATCH_ALL = Filter()
+
+
+# --------------------------------------------------------------------------- text syntax
+
+_TOKEN = re.compile(
+    r"""
+    (?P<ws>\s+)
+  | (?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')
+  | (?P<number>[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?)
+  | (?P<op><=|>=|!=|==|=|<|>)
+  | (?P<word>[A-Za-z_][A-Za-z0-9_.\-/]*)
+    """,
+    re.VERBOSE,
+)
+_WORD_OPS = {"prefix": Op.PREFIX, "suffix": Op.SUFFIX, "contains": Op.CONTAINS}
+_SYM_OPS = {"=": Op.EQ, "==": Op.EQ, "!=": Op.NE, "<": Op.LT, "<=": Op.LE, ">": Op.GT, ">=": Op.GE}
+
+
+@dataclass(frozen=True, slots=True)
+class _Tok:
+    kind: str
+    text: str
+    col: int
+
+
+def _tokenize(text: str) -> list[_Tok]:
+    toks: list[_Tok] = []
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            raise FilterError(f"unexpected character {text[pos]!r} at column {pos + 1} in {text!r}")
+        kind = m.lastgroup
+        assert kind is not None
+        if kind != "ws":
+            toks.append(_Tok(kind, m.group(), pos + 1))
+        pos = m.end()
+    return toks
+
+
+def _unquote(raw: str) -> str:
+    body = raw[1:-1]
+    return re.sub(r"\\(.)", r"\1", body)
+
+
+def parse_filter(text: str) -> Filter:
+    """Parse ``attr op value [and attr op value]...``; ``true`` or ``*`` is the match-all filter.
+
+    Values: double- or single-quoted strings, numbers, ``true`` / ``false``. Operators: ``=``
+    (or ``==``), ``!=``, ``<``, ``<=``, ``>``, ``>=``, ``prefix``, ``suffix``, ``contains`` and
+    the unary ``exists``.
+    """
+    toks = _tokenize(text)
+    if not toks:
+        raise FilterError("empty filter; use 'true' to match every event")
+    if len(toks) == 1 and toks[0].text in ("true", "*"):
+        return MATCH_ALL
+    constraints: list[Constraint] = []
+    i = 0
+
+    def want(what: str) -> _Tok:
+        if i >= len(toks):
+            raise FilterError(f"expected {what} at end of filter {text!r}")
+        return toks[i]
+
+    while True:
+        attr_tok = want("an attribute name")
+        if attr_tok.kind != "word" or attr_tok.text in ("and", "exists", *_WORD_OPS):
+            raise FilterError(
+                f"expected an attribute name at column {attr_tok.col}, got {attr_tok.text!r}"
+            )
+        i += 1
+        op_tok = want(f"an operator after {attr_tok.text!r}")
+        i += 1
+        if op_tok.kind == "word" and op_tok.text == "exists":
+            constraints.append(Constraint(attr_tok.text, Op.EXISTS))
+        else:
+            if op_tok.kind == "op":
+                op = _SYM_OPS[op_tok.text]
+            elif op_tok.kind == "word" and op_tok.text in _WORD_OPS:
+                op = _WORD_OPS[op_tok.text]
+            else:
+                raise FilterError(
+                    f"expected an operator after {attr_tok.text!r} at column {op_tok.col}, "
+                    f"got {op_tok.text!r} (one of = != < <= > >= prefix suffix contains exists)"
+                )
+            val_tok = want(f"a value after '{attr_tok.text} {op_tok.text}'")
+            i += 1
+            value: Value
+            if val_tok.kind == "string":
+                value = _unquote(val_tok.text)
+            elif val_tok.kind == "number":
+                num = float(val_tok.text)
+                is_int = re.fullmatch(r"[-+]?\d+", val_tok.text) is not None
+                value = int(val_tok.text) if is_int else num
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise FilterError(f"number {val_tok.text!r} at column {val_tok.col} is too large")
+            elif val_tok.kind == "word" and val_tok.text in ("true", "false"):
+                value = val_tok.text == "true"
+            else:
+                raise FilterError(
+                    f"expected a value (quoted string, number, true/false) at column "
+                    f"{val_tok.col}, got {val_tok.text!r}"
+                )
+            try:
+                constraints.append(Constraint(attr_tok.text, op, value))
+            except FilterError as exc:
+                raise FilterError(f"{exc} (column {attr_tok.col})") from None
+        if i == len(toks):
+            return Filter.of(constraints)
+        sep = toks[i]
+        if sep.kind != "word" or sep.text != "and":
+            raise FilterError(f"expected 'and' at column {sep.col}, got {sep.text!r}")
+        i += 1
+
+
+# --------------------------------------------------------------------------- covering
+
+
+def _negate(c: Constraint) -> Constraint | None:
+    """The constraint matching exactly the same-kind values ``c`` rejects (None for exists)."""
+    neg = {
+        Op.EQ: Op.NE, Op.NE: Op.EQ, Op.LT: Op.GE, Op.GE: Op.LT, Op.LE: Op.GT, Op.GT: Op.LE,
+    }.get(c.op)
+    return None if neg is None else Constraint(c.attr, neg, c.value)
+
+
+def _interval(cs: Iterable[Constraint]) -> tuple[Value | None, bool, Value | None, bool]:
+    """Tightest (lo, lo_inclusive, hi, hi_inclusive) from the range constraints in ``cs``."""
+    lo: Value | None = None
+    hi: Value | None = None
+    lo_in = hi_in = True
+    for c in cs:
+        v = c.value
+        if c.op in (Op.GT, Op.GE):
+            strict = c.op is Op.GT
+            if lo is None or v > lo or (v == lo and strict):  # type: ignore[operator]
+                lo, lo_in = v, not strict
+        elif c.op in (Op.LT, Op.LE):
+            strict = c.op is Op.LT
+            if hi is None or v < hi or (v == hi and strict):  # type: ignore[operator]
+                hi, hi_in = v, not strict
+    return lo, lo_in, hi, hi_in
+
+
+def _dense_empty(cs: tuple[Constraint, ...]) -> bool:
+    """Emptiness of a same-kind conjunction, exact for numbers/bools (dense model for strings)."""
+    eqs = {c.value for c in cs if c.op is Op.EQ}
+    if eqs:
+        if len(eqs) > 1:
+            return True
+        (v,) = eqs
+        assert v is not None
+        return not all(c.matches_value(v) for c in cs)
+    if cs and cs[0].kind is Kind.BOOL:
+        excluded = {c.value for c in cs if c.op is Op.NE}
+        return excluded >= {True, False}
+    lo, lo_in, hi, hi_in = _interval(cs)
+    if lo is not None and hi is not None:
+        if lo > hi:  # type: ignore[operator]
+            return True
+        if lo == hi:  # pinned to one value: evaluate every constraint exactly
+            return not (lo_in and hi_in) or not all(c.matches_value(lo) for c in cs)
+    return False
+
+
+def _same_kind(cs: Iterable[Constraint]) -> tuple[Kind | None, tuple[Constraint, ...], bool]:
+    """Split off ``exists``; return (kind, valued constraints, mixed-kinds flag)."""
+    valued = tuple(c for c in cs if c.op is not Op.EXISTS)
+    kinds = {c.kind for c in valued}
+    if len(kinds) > 1:
+        return None, valued, True
+    return (next(iter(kinds)) if kinds else None), valued, False
+
+
+def _string_pair_implies(c2: Constraint, c1: Constraint) -> bool:
+    """Exact implication between two single string constraints (c2 ⇒ c1), conservative across
+    families that would need order reasoning on prefixes (prefix vs range)."""
+    a, b = c2.value, c1.value
+    assert isinstance(b, str) and isinstance(a, str)
+    if c1.op is Op.NE:
+        return not c2.matches_value(b) if c2.op is not Op.NE else a == b
+    if c1.op is Op.PREFIX:
+        return c2.op is Op.PREFIX and a.startswith(b)
+    if c1.op is Op.SUFFIX:
+        return c2.op is Op.SUFFIX and a.endswith(b)
+    if c1.op is Op.CONTAINS:
+        return c2.op in STRING_OPS and b in a
+    return False
+
+
+def implies(cs: tuple[Constraint, ...], c1: Constraint) -> bool:
+    """Do the constraints ``cs`` on one attribute imply ``c1`` on that attribute? (sound)"""
+    if not cs:
+        return False
+    if c1.op is Op.EXISTS:
+        return True
+    kind, valued, mixed = _same_kind(cs)
+    if mixed:
+        return True  # no value has two kinds: cs is unsatisfiable
+    if kind is None:
+        return False  # only 'exists': any value of any kind
+    if _dense_empty(valued):
+        return True
+    if c1.kind is not kind:
+        return False
+    eqs = [c.value for c in valued if c.op is Op.EQ]
+    if eqs:  # satisfiable and pinned to one value: evaluate exactly
+        return c1.matches_value(eqs[0])  # type: ignore[arg-type]
+    if kind is not Kind.STRING or c1.op in RANGE_OPS or c1.op is Op.EQ:
+        neg = _negate(c1)
+        assert neg is not None
+        return _dense_empty((*valued, neg))
+    if c1.op is Op.NE and _dense_empty((*valued, Constraint(c1.attr, Op.EQ, c1.value))):
+        return True
+    return any(_string_pair_implies(c2, c1) for c2 in valued)
+
+
+def satisfiable(f: Filter) -> bool:
+    """False only when some event provably cannot match ``f`` (sound: True may be optimistic)."""
+    for attr in f.attrs:
+        kind, valued, mixed = _same_kind(f.on(attr))
+        if mixed or (valued and _dense_empty(valued)):
+            return False
+    return True
+
+
+def covers(f1: Filter, f2: Filter) -> bool:
+    """Sound, transitive covering test: True only if every event matching f2 matches f1."""
+    if f1 == f2 or not f1.constraints:
+        return True
+    if not satisfiable(f2):
+        return True
+    return all(implies(f2.on(c.attr), c) for c in f1.constraints)

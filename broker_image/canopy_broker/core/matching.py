@@ -1,0 +1,267 @@
+"""Indexed event matching.
+
+Each distinct filter is filed under one *access constraint* — the one expected to be most
+selective — in an index suited to its operator:
+
+* ``=``: a hash table keyed by (attribute, kind, value): one lookup per event attribute;
+* ``prefix`` / ``suffix``: hash tables keyed by the affix; an event value probes only the affix
+  lengths that occur, so the cost is independent of the number of filters;
+* ``<`` ``<=`` ``>`` ``>=``: sorted threshold arrays; one bisection yields the whole slice of
+  filters whose bound the value satisfies;
+* ``!=``, ``contains``, ``exists``: per-attribute lists, only consulted when the event carries the
+  attribute.
+
+Candidates found this way are then checked against their remaining constraints. Compared with the
+counting algorithm this does less bookkeeping per event in Python (no per-constraint counters),
+and compared with a scan it never looks at a filter whose access attribute is absent or whose
+access value cannot match. :class:`ScanMatcher` is the same interface without an index, kept as the
+oracle for tests and the baseline for the benchmark.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Hashable, Iterator, Mapping
+from typing import Generic, TypeVar
+
+from canopy_broker.core.events import Kind, Value, kind_of
+from canopy_broker.core.filters import Constraint, Filter, Op
+
+P = TypeVar("P", bound=Hashable)
+
+# Lower rank = preferred access constraint.
+_RANK = {
+    Op.EQ: 0, Op.PREFIX: 1, Op.SUFFIX: 1, Op.LT: 2, Op.LE: 2, Op.GT: 2, Op.GE: 2,
+    Op.CONTAINS: 3, Op.NE: 4, Op.EXISTS: 5,
+}
+
+
+def access_constraint(f: Filter) -> Constraint | None:
+    """The constraint a filter is indexed under (None for the match-all filter)."""
+    if not f.constraints:
+        return None
+
+    def rank(c: Constraint) -> tuple[int, int]:
+        longer_affix_first = -len(c.value) if isinstance(c.value, str) else 0
+        return (_RANK[c.op], longer_affix_first)
+
+    return min(f.constraints, key=rank)
+
+
+class _Sorted:
+    """Thresholds kept sorted with their filters alongside (parallel arrays)."""
+
+    __slots__ = ("filters", "values")
+
+    def __init__(self) -> None:
+        self.values: list[Value] = []
+        self.filters: list[Filter] = []
+
+    def add(self, value: Value, f: Filter) -> None:
+        i = bisect_right(self.values, value)  # type: ignore[type-var]
+        self.values.insert(i, value)
+        self.filters.insert(i, f)
+
+    def remove(self, value: Value, f: Filter) -> None:
+        i = bisect_left(self.values, value)  # type: ignore[type-var]
+        while self.filters[i] != f:
+            i += 1
+        del self.values[i]
+        del self.filters[i]
+
+
+class IndexedMatcher(Generic[P]):
+    """Maps filters to payloads (e.g. destinations) and finds the payloads an event matches."""
+
+    def __init__(self) -> None:
+        self._payloads: dict[Filter, dict[P, int]] = {}
+        self._always: list[Filter] = []
+        self._eq: dict[tuple[str, Kind, Value], list[Filter]] = {}
+        self._affix: dict[tuple[Op, str, str], list[Filter]] = {}
+        self._affix_lengths: dict[tuple[Op, str], dict[int, int]] = {}
+        self._ranges: dict[tuple[Op, str, Kind], _Sorted] = {}
+        self._by_attr: dict[str, list[Filter]] = {}
+        self._range_keys_by_attr: dict[str, set[tuple[Op, str, Kind]]] = {}
+        self._affix_keys_by_attr: dict[str, set[tuple[Op, str]]] = {}
+
+    # -- maintenance -----------------------------------------------------------------------
+
+    def add(self, f: Filter, payload: P) -> None:
+        payloads = self._payloads.get(f)
+        if payloads is None:
+            self._payloads[f] = {payload: 1}
+            self._index(f, add=True)
+        else:
+            payloads[payload] = payloads.get(payload, 0) + 1
+
+    def remove(self, f: Filter, payload: P) -> None:
+        payloads = self._payloads[f]
+        n = payloads[payload] - 1
+        if n:
+            payloads[payload] = n
+            return
+        del payloads[payload]
+        if not payloads:
+            del self._payloads[f]
+            self._index(f, add=False)
+
+    def _index(self, f: Filter, *, add: bool) -> None:
+        c = access_constraint(f)
+        if c is None:
+            _toggle(self._always, f, add)
+            return
+        kind = c.kind
+        if c.op is Op.EQ:
+            assert kind is not None and c.value is not None
+            _toggle_in(self._eq, (c.attr, kind, c.value), f, add)
+        elif c.op in (Op.PREFIX, Op.SUFFIX):
+            assert isinstance(c.value, str)
+            _toggle_in(self._affix, (c.op, c.attr, c.value), f, add)
+            lengths = self._affix_lengths.setdefault((c.op, c.attr), {})
+            n = lengths.get(len(c.value), 0) + (1 if add else -1)
+            if n:
+                lengths[len(c.value)] = n
+            else:
+                del lengths[len(c.value)]
+            keys = self._affix_keys_by_attr.setdefault(c.attr, set())
+            if lengths:
+                keys.add((c.op, c.attr))
+            else:
+                keys.discard((c.op, c.attr))
+        elif c.op in (Op.LT, Op.LE, Op.GT, Op.GE):
+            assert kind is not None and c.value is not None
+            key = (c.op, c.attr, kind)
+            arr = self._ranges.get(key)
+            if arr is None:
+                arr = self._ranges[key] = _Sorted()
+            if add:
+                arr.add(c.value, f)
+            else:
+                arr.remove(c.value, f)
+            keys2 = self._range_keys_by_attr.setdefault(c.attr, set())
+            if arr.values:
+                keys2.add(key)
+            else:
+                keys2.discard(key)
+                del self._ranges[key]
+        else:
+            _toggle_in(self._by_attr, c.attr, f, add)
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._payloads)
+
+    def filters(self) -> Iterator[tuple[Filter, Mapping[P, int]]]:
+        return iter(self._payloads.items())
+
+    def candidates(self, attrs: Mapping[str, Value]) -> Iterator[Filter]:
+        """Filters whose access constraint the event satisfies (each filter at most once)."""
+        yield from self._always
+        eq = self._eq
+        for attr, value in attrs.items():
+            kind = kind_of(value)
+            if kind is None:
+                continue
+            if eq:
+                hit = eq.get((attr, kind, value))
+                if hit:
+                    yield from hit
+            if kind is Kind.STRING and attr in self._affix_keys_by_attr:
+                assert isinstance(value, str)
+                yield from self._affix_candidates(attr, value)
+            range_keys = self._range_keys_by_attr.get(attr)
+            if range_keys:
+                for key in range_keys:
+                    if key[2] is not kind:
+                        continue
+                    arr = self._ranges[key]
+                    op = key[0]
+                    if op is Op.GT:  # bound < value
+                        yield from arr.filters[: bisect_left(arr.values, value)]  # type: ignore[type-var]
+                    elif op is Op.GE:  # bound <= value
+                        yield from arr.filters[: bisect_right(arr.values, value)]  # type: ignore[type-var]
+                    elif op is Op.LT:  # bound > value
+                        yield from arr.filters[bisect_right(arr.values, value) :]  # type: ignore[type-var]
+                    else:  # LE: bound >= value
+                        yield from arr.filters[bisect_left(arr.values, value) :]  # type: ignore[type-var]
+            rest = self._by_attr.get(attr)
+            if rest:
+                yield from rest
+
+    def _affix_candidates(self, attr: str, value: str) -> Iterator[Filter]:
+        for op, _attr in self._affix_keys_by_attr[attr]:
+            lengths = self._affix_lengths[(op, attr)]
+            for n in lengths:
+                if n > len(value):
+                    continue
+                affix = value[:n] if op is Op.PREFIX else value[len(value) - n :]
+                hit = self._affix.get((op, attr, affix))
+                if hit:
+                    yield from hit
+
+    def match(self, attrs: Mapping[str, Value]) -> list[Filter]:
+        """All stored filters matching the event."""
+        return [f for f in self.candidates(attrs) if f.matches(attrs)]
+
+    def match_payloads(self, attrs: Mapping[str, Value]) -> set[P]:
+        out: set[P] = set()
+        payloads = self._payloads
+        for f in self.candidates(attrs):
+            if f.matches(attrs):
+                out.update(payloads[f])
+        return out
+
+
+class ScanMatcher(Generic[P]):
+    """Same interface, no index: test oracle and benchmark baseline."""
+
+    def __init__(self) -> None:
+        self._payloads: dict[Filter, dict[P, int]] = {}
+
+    def add(self, f: Filter, payload: P) -> None:
+        payloads = self._payloads.setdefault(f, {})
+        payloads[payload] = payloads.get(payload, 0) + 1
+
+    def remove(self, f: Filter, payload: P) -> None:
+        payloads = self._payloads[f]
+        payloads[payload] -= 1
+        if not payloads[payload]:
+            del payloads[payload]
+        if not payloads:
+            del self._payloads[f]
+
+    def __len__(self) -> int:
+        return len(self._payloads)
+
+    def match(self, attrs: Mapping[str, Value]) -> list[Filter]:
+        return [f for f in self._payloads if f.matches(attrs)]
+
+    def match_payloads(self, attrs: Mapping[str, Value]) -> set[P]:
+        out: set[P] = set()
+        for f, payloads in self._payloads.items():
+            if f.matches(attrs):
+                out.update(payloads)
+        return out
+
+
+def _toggle(items: list[Filter], f: Filter, add: bool) -> None:
+    if add:
+        items.append(f)
+    else:
+        items.remove(f)
+
+
+def _toggle_in(table: dict[_K, list[Filter]], key: _K, f: Filter, add: bool) -> None:
+    if add:
+        table.setdefault(key, []).append(f)
+        return
+    items = table[key]
+    items.remove(f)
+    if not items:
+        del table[key]
+
+
+_K = TypeVar("_K", bound=Hashable)
+
+__all__ = ["IndexedMatcher", "ScanMatcher", "access_constraint", "insort"]
