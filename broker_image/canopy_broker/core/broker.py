@@ -119,6 +119,9 @@ class BrokerCore:
     def neighbours(self) -> list[str]:
         return sorted(self._from_link)
 
+    def is_neighbour(self, peer: str) -> bool:
+        return peer in self._from_link
+
     @property
     def clients(self) -> list[str]:
         return sorted(self._clients)
@@ -155,7 +158,9 @@ class BrokerCore:
         elif isinstance(inp, ClientSubscribe):
             subs = self._check_client(inp.client)
             if inp.sub_id in subs:
-                raise ProtocolError(f"client {inp.client!r} already has subscription {inp.sub_id!r}")
+                raise ProtocolError(
+                    f"client {inp.client!r} already has subscription {inp.sub_id!r}"
+                )
             subs[inp.sub_id] = inp.filter
             self._matcher.add(inp.filter, (inp.client, inp.sub_id))
             self._key_added(client_key(self.mode, inp.client, inp.sub_id, inp.filter), None, out)

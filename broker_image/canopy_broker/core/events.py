@@ -12,6 +12,7 @@ purpose: Python treats ``True == 1``, but a subscriber asking for ``count = 1`` 
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ def kind_of(value: object) -> Kind | None:
     if isinstance(value, bool):
         return Kind.BOOL
     if isinstance(value, int | float):
-        if isinstance(value, float) and value != value:  # NaN compares false with everything
+        if isinstance(value, float) and math.isnan(value):
             return None
         return Kind.NUMBER
     if isinstance(value, str):

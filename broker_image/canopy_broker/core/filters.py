@@ -25,7 +25,6 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from functools import cached_property
 
 from canopy_broker.core.events import Kind, Value, kind_of
 
@@ -57,6 +56,8 @@ class Constraint:
     attr: str
     op: Op
     value: Value | None = None
+    # Part of equality and hashing on purpose: Python says ``True == 1``, Canopy does not.
+    kind: Kind | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not self.attr or not isinstance(self.attr, str):
@@ -74,17 +75,14 @@ class Constraint:
             raise FilterError(f"'{self.op.value}' on {self.attr!r} needs a string value")
         if self.op in RANGE_OPS and kind is Kind.BOOL:
             raise FilterError(f"'{self.op.value}' on {self.attr!r} cannot compare booleans")
-
-    @property
-    def kind(self) -> Kind | None:
-        return None if self.op is Op.EXISTS else kind_of(self.value)
+        object.__setattr__(self, "kind", kind)
 
     def matches_value(self, value: Value) -> bool:
         """Whether an attribute value (known to be present) satisfies this constraint."""
         op = self.op
         if op is Op.EXISTS:
             return True
-        if kind_of(value) is not kind_of(self.value):
+        if kind_of(value) is not self.kind:
             return False
         c = self.value
         if op is Op.EQ:
@@ -126,7 +124,7 @@ def format_value(value: Value | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Filter:
-    """A conjunction of constraints, kept sorted and de-duplicated so equal filters compare equal."""
+    """A conjunction of constraints, sorted and de-duplicated so equal filters compare equal."""
 
     constraints: tuple[Constraint, ...] = ()
     _by_attr: dict[str, tuple[Constraint, ...]] = field(
@@ -182,7 +180,7 @@ _TOKEN = re.compile(
   | (?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')
   | (?P<number>[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?)
   | (?P<op><=|>=|!=|==|=|<|>)
-  | (?P<word>[A-Za-z_][A-Za-z0-9_.\-/]*)
+  | (?P<word>[A-Za-z_][A-Za-z0-9_.\-/]*|\*)
     """,
     re.VERBOSE,
 )
@@ -268,7 +266,9 @@ def parse_filter(text: str) -> Filter:
                 is_int = re.fullmatch(r"[-+]?\d+", val_tok.text) is not None
                 value = int(val_tok.text) if is_int else num
                 if isinstance(value, float) and not math.isfinite(value):
-                    raise FilterError(f"number {val_tok.text!r} at column {val_tok.col} is too large")
+                    raise FilterError(
+                        f"number {val_tok.text!r} at column {val_tok.col} is too large"
+                    )
             elif val_tok.kind == "word" and val_tok.text in ("true", "false"):
                 value = val_tok.text == "true"
             else:
@@ -294,7 +294,12 @@ def parse_filter(text: str) -> Filter:
 def _negate(c: Constraint) -> Constraint | None:
     """The constraint matching exactly the same-kind values ``c`` rejects (None for exists)."""
     neg = {
-        Op.EQ: Op.NE, Op.NE: Op.EQ, Op.LT: Op.GE, Op.GE: Op.LT, Op.LE: Op.GT, Op.GT: Op.LE,
+        Op.EQ: Op.NE,
+        Op.NE: Op.EQ,
+        Op.LT: Op.GE,
+        Op.GE: Op.LT,
+        Op.LE: Op.GT,
+        Op.GT: Op.LE,
     }.get(c.op)
     return None if neg is None else Constraint(c.attr, neg, c.value)
 
@@ -393,7 +398,7 @@ def implies(cs: tuple[Constraint, ...], c1: Constraint) -> bool:
 def satisfiable(f: Filter) -> bool:
     """False only when some event provably cannot match ``f`` (sound: True may be optimistic)."""
     for attr in f.attrs:
-        kind, valued, mixed = _same_kind(f.on(attr))
+        _, valued, mixed = _same_kind(f.on(attr))
         if mixed or (valued and _dense_empty(valued)):
             return False
     return True

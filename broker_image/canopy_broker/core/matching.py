@@ -20,7 +20,7 @@ oracle for tests and the baseline for the benchmark.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Iterator, Mapping
 from typing import Generic, TypeVar
 
@@ -31,8 +31,16 @@ P = TypeVar("P", bound=Hashable)
 
 # Lower rank = preferred access constraint.
 _RANK = {
-    Op.EQ: 0, Op.PREFIX: 1, Op.SUFFIX: 1, Op.LT: 2, Op.LE: 2, Op.GT: 2, Op.GE: 2,
-    Op.CONTAINS: 3, Op.NE: 4, Op.EXISTS: 5,
+    Op.EQ: 0,
+    Op.PREFIX: 1,
+    Op.SUFFIX: 1,
+    Op.LT: 2,
+    Op.LE: 2,
+    Op.GT: 2,
+    Op.GE: 2,
+    Op.CONTAINS: 3,
+    Op.NE: 4,
+    Op.EXISTS: 5,
 }
 
 
@@ -58,12 +66,12 @@ class _Sorted:
         self.filters: list[Filter] = []
 
     def add(self, value: Value, f: Filter) -> None:
-        i = bisect_right(self.values, value)  # type: ignore[type-var]
+        i = bisect_right(self.values, value)
         self.values.insert(i, value)
         self.filters.insert(i, f)
 
     def remove(self, value: Value, f: Filter) -> None:
-        i = bisect_left(self.values, value)  # type: ignore[type-var]
+        i = bisect_left(self.values, value)
         while self.filters[i] != f:
             i += 1
         del self.values[i]
@@ -178,13 +186,13 @@ class IndexedMatcher(Generic[P]):
                     arr = self._ranges[key]
                     op = key[0]
                     if op is Op.GT:  # bound < value
-                        yield from arr.filters[: bisect_left(arr.values, value)]  # type: ignore[type-var]
+                        yield from arr.filters[: bisect_left(arr.values, value)]
                     elif op is Op.GE:  # bound <= value
-                        yield from arr.filters[: bisect_right(arr.values, value)]  # type: ignore[type-var]
+                        yield from arr.filters[: bisect_right(arr.values, value)]
                     elif op is Op.LT:  # bound > value
-                        yield from arr.filters[bisect_right(arr.values, value) :]  # type: ignore[type-var]
+                        yield from arr.filters[bisect_right(arr.values, value) :]
                     else:  # LE: bound >= value
-                        yield from arr.filters[bisect_left(arr.values, value) :]  # type: ignore[type-var]
+                        yield from arr.filters[bisect_left(arr.values, value) :]
             rest = self._by_attr.get(attr)
             if rest:
                 yield from rest
@@ -263,5 +271,3 @@ def _toggle_in(table: dict[_K, list[Filter]], key: _K, f: Filter, add: bool) -> 
 
 
 _K = TypeVar("_K", bound=Hashable)
-
-__all__ = ["IndexedMatcher", "ScanMatcher", "access_constraint", "insort"]

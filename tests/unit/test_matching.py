@@ -1,0 +1,53 @@
+"""The indexed matcher agrees with a plain scan, including through removals."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from canopy_broker.core.filters import Filter
+from canopy_broker.core.matching import IndexedMatcher, ScanMatcher, access_constraint
+from tests.strategies import events, filters
+
+
+@given(
+    st.lists(st.tuples(filters, st.sampled_from(["p", "q", "r"])), max_size=40),
+    st.lists(st.integers(min_value=0, max_value=39), max_size=20),
+    st.lists(events, min_size=1, max_size=20),
+)
+def test_indexed_equals_scan(
+    entries: list[tuple[Filter, str]], removals: list[int], evs: list[dict[str, object]]
+) -> None:
+    indexed: IndexedMatcher[str] = IndexedMatcher()
+    scan: ScanMatcher[str] = ScanMatcher()
+    for f, p in entries:
+        indexed.add(f, p)
+        scan.add(f, p)
+    live = list(entries)
+    for i in removals:
+        if i < len(live):
+            f, p = live.pop(i)
+            indexed.remove(f, p)
+            scan.remove(f, p)
+    assert len(indexed) == len(scan)
+    for e in evs:
+        assert sorted(map(str, indexed.match(e))) == sorted(map(str, scan.match(e)))  # type: ignore[arg-type]
+        assert indexed.match_payloads(e) == scan.match_payloads(e)  # type: ignore[arg-type]
+
+
+def test_candidates_skip_filters_that_cannot_match() -> None:
+    """The index is an index: an event only looks at filters its attributes can satisfy."""
+    m: IndexedMatcher[int] = IndexedMatcher()
+    for i in range(1000):
+        m.add(Filter.parse(f'symbol = "S{i}" and price < {i}'), i)
+    m.add(Filter.parse('name prefix "ab"'), -1)
+    cands = list(m.candidates({"symbol": "S7", "price": 3, "name": "abc"}))
+    assert len(cands) == 2
+    assert m.match_payloads({"symbol": "S7", "price": 3, "name": "abc"}) == {7, -1}
+
+
+def test_access_constraint_prefers_equality() -> None:
+    f = Filter.parse('a exists and b != 2 and c < 3 and d = "x"')
+    c = access_constraint(f)
+    assert c is not None and c.attr == "d"
+    assert access_constraint(Filter()) is None
