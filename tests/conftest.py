@@ -1,10 +1,17 @@
-"""Test-wide settings: hypothesis profiles (CI runs the default, `HYPOTHESIS_PROFILE=thorough`
-runs more examples locally)."""
+"""Test-wide settings.
+
+* Hypothesis profiles: CI runs ``default``; ``HYPOTHESIS_PROFILE=thorough`` runs more examples.
+* Async tests must not leak asyncio tasks: a task still pending when the test ends is a bug
+  (a forgotten reader, an unawaited close), so the fixture below cancels it and fails the test.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import AsyncIterator
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -12,3 +19,22 @@ settings.register_profile(
 )
 settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture
+async def no_leaked_tasks() -> AsyncIterator[None]:
+    before = asyncio.all_tasks()
+    yield
+    await asyncio.sleep(0)
+    me = asyncio.current_task()
+    leaked = [t for t in asyncio.all_tasks() - before if t is not me and not t.done()]
+    for t in leaked:
+        t.cancel()
+    assert not leaked, f"test leaked {len(leaked)} asyncio task(s): {leaked}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every coroutine test gets the leak check, without each test having to ask for it."""
+    for item in items:
+        if isinstance(item, pytest.Function) and asyncio.iscoroutinefunction(item.obj):
+            item.fixturenames.insert(0, "no_leaked_tasks")

@@ -1,0 +1,28 @@
+# The two commands of the README are `make demo` and `make test`; both set everything up first.
+.PHONY: setup demo test lint typecheck contracts pytest bench
+
+VENV := .venv/bin
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/canopy demo
+
+test: setup lint typecheck contracts pytest
+
+lint:
+	$(VENV)/ruff check .
+	$(VENV)/ruff format --check .
+
+typecheck:
+	$(VENV)/mypy
+
+contracts:
+	$(VENV)/lint-imports
+
+pytest:
+	$(VENV)/pytest
+
+bench: setup
+	$(VENV)/canopy bench dataplane
