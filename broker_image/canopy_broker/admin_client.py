@@ -1,0 +1,141 @@
+"""Async client for a broker's admin API (shared by tests, the benchmark and the operator).
+
+One :class:`aiohttp.ClientSession` per :class:`AdminClient`, or a session the caller owns and
+shares across many brokers (the operator does: one connection pool for the whole overlay).
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+
+class AdminError(Exception):
+    """The admin API answered with an error status."""
+
+    def __init__(self, status: int, message: str, url: str) -> None:
+        super().__init__(f"{url}: HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def base_url(address: str) -> str:
+    """``HOST:PORT`` or a full ``http://`` URL -> URL without trailing slash."""
+    if "://" not in address:
+        address = "http://" + address
+    return address.rstrip("/")
+
+
+class AdminClient:
+    """Typed calls for every admin endpoint; raises :class:`AdminError` on error statuses."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        *,
+        session: aiohttp.ClientSession | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.url = base_url(address)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._own_session = session is None
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def __aenter__(self) -> AdminClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        ok: tuple[int, ...] = (200,),
+        params: dict[str, str] | None = None,
+    ) -> Any:
+        url = self.url + path
+        async with self._sess().request(
+            method, url, json=json, headers=self._headers, params=params
+        ) as resp:
+            if resp.status not in ok:
+                text = await resp.text()
+                try:
+                    message = str((await resp.json()).get("error", text))
+                except (aiohttp.ContentTypeError, ValueError, AttributeError):
+                    message = text
+                raise AdminError(resp.status, message, url)
+            if resp.content_type == "application/json":
+                return await resp.json()
+            return await resp.text()
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    async def healthz(self) -> bool:
+        try:
+            await self._request("GET", "/healthz")
+        except (AdminError, aiohttp.ClientError, TimeoutError):
+            return False
+        return True
+
+    async def readyz(self) -> bool:
+        try:
+            await self._request("GET", "/readyz")
+        except (AdminError, aiohttp.ClientError, TimeoutError):
+            return False
+        return True
+
+    async def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._request("GET", "/status")
+        return result
+
+    async def routing(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._request("GET", "/routing")
+        return result
+
+    async def add_link(self, peer: str, address: str, *, wait: float = 5.0) -> dict[str, Any]:
+        """Make this broker dial ``peer`` at ``address``; waits up to ``wait`` s for it to be up
+        (``result["up"]`` says whether it is). Idempotent."""
+        result: dict[str, Any] = await self._request(
+            "POST",
+            "/links",
+            json={"peer": peer, "address": address, "timeout": wait},
+            ok=(200, 202),
+        )
+        return result
+
+    async def remove_link(self, peer: str) -> bool:
+        result = await self._request("DELETE", f"/links/{peer}")
+        return bool(result["removed"])
+
+    async def drop_link_connection(self, peer: str) -> bool:
+        """Abort the link's TCP connection (it reconnects and resumes): fault injection."""
+        result = await self._request("POST", f"/links/{peer}/drop")
+        return bool(result["dropped"])
+
+    async def telemetry(self, since: int = 0, limit: int = 10_000) -> dict[str, Any]:
+        result: dict[str, Any] = await self._request(
+            "GET", "/telemetry", params={"since": str(since), "limit": str(limit)}
+        )
+        return result
+
+    async def metrics(self) -> str:
+        return str(await self._request("GET", "/metrics"))

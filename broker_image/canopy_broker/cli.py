@@ -1,0 +1,138 @@
+"""``canopy-broker serve``: run one broker process (overlay/client port + admin HTTP port).
+
+Once both ports listen, one line goes to stdout::
+
+    CANOPY_READY {"name": "b1", "listen": "127.0.0.1:40123", "admin": "127.0.0.1:40124", ...}
+
+so a supervisor that asked for port 0 learns the real ports without racing for free ones (see
+procs.py). Logs go to stderr. SIGTERM / SIGINT stop the broker gracefully and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from canopy_broker.core.messages import RoutingMode
+from canopy_broker.runtime.admin import make_admin_app
+from canopy_broker.runtime.framing import parse_address
+from canopy_broker.runtime.server import Broker, BrokerConfig
+
+READY_PREFIX = "CANOPY_READY "
+TOKEN_ENV = "CANOPY_ADMIN_TOKEN"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="canopy-broker", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run a broker")
+    s.add_argument("--name", required=True, help="broker name, unique in the overlay")
+    s.add_argument(
+        "--listen",
+        default="127.0.0.1:7400",
+        help="HOST:PORT for links and clients (port 0: any free port)",
+    )
+    s.add_argument("--admin", default="127.0.0.1:7401", help="HOST:PORT of the admin HTTP API")
+    s.add_argument("--routing", choices=[m.value for m in RoutingMode], default="covering")
+    tok = s.add_mutually_exclusive_group()
+    tok.add_argument("--token", help=f"admin bearer token (or ${TOKEN_ENV})")
+    tok.add_argument("--token-file", help="file holding the admin bearer token")
+    tok.add_argument(
+        "--insecure-no-token",
+        action="store_true",
+        help="run the admin API without authentication (development only)",
+    )
+    s.add_argument("--telemetry-dir", help="also write telemetry as partitioned JSON lines here")
+    s.add_argument(
+        "--telemetry-sample",
+        type=float,
+        default=0.01,
+        help="fraction of events kept in telemetry (consistent across brokers)",
+    )
+    s.add_argument("--history", type=int, default=10_000, help="telemetry ring-buffer records")
+    s.add_argument("--heartbeat", type=float, default=1.0, help="link heartbeat interval, s")
+    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def resolve_token(args: argparse.Namespace) -> str | None:
+    """The admin token from the flags or environment; exits if none and not explicitly insecure."""
+    if args.token_file:
+        with open(args.token_file, encoding="utf-8") as fh:
+            token: str | None = fh.read().strip()
+    else:
+        token = args.token or os.environ.get(TOKEN_ENV)
+    if not token and not args.insecure_no_token:
+        sys.exit(
+            "canopy-broker: no admin token: pass --token, --token-file or set "
+            f"${TOKEN_ENV} (or --insecure-no-token for local development)"
+        )
+    return token or None
+
+
+async def serve(args: argparse.Namespace) -> int:
+    token = resolve_token(args)
+    host, port = parse_address(args.listen)
+    admin_host, admin_port = parse_address(args.admin)
+    config = BrokerConfig(
+        name=args.name,
+        routing=RoutingMode(args.routing),
+        host=host,
+        port=port,
+        heartbeat_interval=args.heartbeat,
+        telemetry_sample=args.telemetry_sample,
+        history=args.history,
+        telemetry_dir=args.telemetry_dir,
+    )
+    broker = Broker(config)
+    await broker.start()
+    runner = web.AppRunner(make_admin_app(broker, token), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, admin_host, admin_port)
+    await site.start()
+    assert broker.address is not None
+    admin_sock = runner.addresses[0]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready = {
+        "name": broker.name,
+        "listen": f"{broker.address[0]}:{broker.address[1]}",
+        "admin": f"{admin_sock[0]}:{admin_sock[1]}",
+        "routing": config.routing.value,
+        "pid": os.getpid(),
+    }
+    print(READY_PREFIX + json.dumps(ready), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        logging.getLogger("canopy.broker").info("stopping %s", broker.name)
+        await broker.stop()
+        await runner.cleanup()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

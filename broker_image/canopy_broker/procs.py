@@ -1,0 +1,273 @@
+"""Run real ``canopy-broker serve`` processes on 127.0.0.1 and wire them into a tree.
+
+Used by the integration tests, the data-plane benchmark and ``canopy demo``. Brokers are started
+with port 0 and report their real ports on stdout (``CANOPY_READY {...}``), so there is no race
+for "free" ports. Links are made through the admin API exactly as the operator makes them, and
+:func:`wait_settled` polls the brokers instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import canopy_broker
+from canopy_broker.admin_client import AdminClient
+from canopy_broker.cli import READY_PREFIX
+
+Edge = tuple[str, str]
+
+
+def broker_env() -> dict[str, str]:
+    """The environment for a child broker: PYTHONPATH reaches this package even when the project
+    is not pip-installed."""
+    env = dict(os.environ)
+    root = str(Path(canopy_broker.__file__).resolve().parent.parent)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in parts:
+        env["PYTHONPATH"] = os.pathsep.join([root, *parts])
+    return env
+
+
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process in MiB (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+@dataclass
+class BrokerProc:
+    """A running broker process and how to reach it."""
+
+    name: str
+    process: asyncio.subprocess.Process
+    listen: str
+    admin_address: str
+    token: str
+    log_path: Path | None
+    admin: AdminClient = field(init=False)
+    _log: IO[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        self.admin = AdminClient(self.admin_address, self.token)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def rss_mb(self) -> float:
+        return rss_mb(self.pid)
+
+    async def stop(self, grace: float = 10.0) -> int:
+        """SIGTERM, wait up to ``grace`` seconds, then SIGKILL; returns the exit code."""
+        await self.admin.close()
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.process.wait(), grace)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.kill()
+                await self.process.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        assert self.process.returncode is not None
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (a crash); call :meth:`stop` afterwards to reap it."""
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+
+
+async def spawn_broker(
+    name: str,
+    *,
+    token: str | None = None,
+    routing: str = "covering",
+    log_dir: Path | None = None,
+    extra_args: Sequence[str] = (),
+    ready_within: float = 30.0,
+) -> BrokerProc:
+    """Start ``canopy-broker serve`` for ``name`` on free loopback ports; wait until it is ready."""
+    token = token or secrets.token_urlsafe(16)
+    log_path = (log_dir / f"{name}.log") if log_dir is not None else None
+    log = log_path.open("wb") if log_path is not None else None
+    env = broker_env()
+    env["CANOPY_ADMIN_TOKEN"] = token
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "canopy_broker.cli",
+        "serve",
+        "--name",
+        name,
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--routing",
+        routing,
+        *extra_args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=log if log is not None else asyncio.subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        info: dict[str, Any] | None = None
+        async with asyncio.timeout(ready_within):
+            while info is None:
+                line = await process.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"broker {name} exited before it was ready (see {log_path})")
+                text = line.decode(errors="replace")
+                if text.startswith(READY_PREFIX):
+                    info = json.loads(text[len(READY_PREFIX) :])
+        proc = BrokerProc(name, process, info["listen"], info["admin"], token, log_path, log)
+        async with asyncio.timeout(ready_within):
+            while not await proc.admin.readyz():  # noqa: ASYNC110 - polling another process
+                await asyncio.sleep(0.05)
+        return proc
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+        if log is not None:
+            log.close()
+        raise
+
+
+async def wait_settled(
+    brokers: Iterable[BrokerProc], *, within: float = 30.0, interval: float = 0.05
+) -> list[dict[str, Any]]:
+    """Poll until routing is quiet everywhere: every link up, nothing queued or unacknowledged on
+    any link, and all routing tables unchanged between two consecutive rounds.
+
+    An acknowledged message has been *processed* by the receiver (acks are sent after handling),
+    so empty queues everywhere plus an unchanged snapshot means no routing message is in flight.
+    Returns the last ``GET /routing`` of each broker.
+    """
+    brokers = list(brokers)
+    previous: list[Any] | None = None
+    async with asyncio.timeout(within):
+        while True:
+            statuses = await asyncio.gather(*(b.admin.status() for b in brokers))
+            tables = await asyncio.gather(*(b.admin.routing() for b in brokers))
+            quiet = all(
+                n["state"] == "up" and n["queue_depth"] == 0
+                for s in statuses
+                for n in s["neighbours"]
+            )
+            snapshot = [t["table"] for t in tables]
+            if quiet and snapshot == previous:
+                return tables
+            previous = snapshot if quiet else None
+            await asyncio.sleep(interval)
+
+
+class Overlay:
+    """A set of broker processes linked into a tree; an async context manager that stops them.
+
+    >>> async with Overlay(["b1", "b2", "b3"], [("b1", "b2"), ("b2", "b3")]) as ov:
+    ...     ov["b1"].listen   # client address of broker b1
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        edges: Sequence[Edge] = (),
+        *,
+        routing: str = "covering",
+        log_dir: Path | None = None,
+        extra_args: Sequence[str] = (),
+        token: str | None = None,
+    ) -> None:
+        self.names = list(names)
+        self.edges = list(edges)
+        self.routing = routing
+        self.extra_args = list(extra_args)
+        self.token = token or secrets.token_urlsafe(16)
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if log_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="canopy-logs-")
+            log_dir = Path(self._tmp.name)
+        self.log_dir = log_dir
+        self.brokers: dict[str, BrokerProc] = {}
+
+    def __getitem__(self, name: str) -> BrokerProc:
+        return self.brokers[name]
+
+    async def start(self) -> Overlay:
+        try:
+            procs = await asyncio.gather(
+                *(
+                    spawn_broker(
+                        n,
+                        token=self.token,
+                        routing=self.routing,
+                        log_dir=self.log_dir,
+                        extra_args=self.extra_args,
+                    )
+                    for n in self.names
+                ),
+                return_exceptions=True,
+            )
+            for p in procs:
+                if isinstance(p, BrokerProc):
+                    self.brokers[p.name] = p
+            for p in procs:
+                if isinstance(p, BaseException):
+                    raise p
+            for a, b in self.edges:
+                await self.link(a, b)
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def link(self, a: str, b: str, within: float = 10.0) -> None:
+        """``a`` dials ``b``; returns once the link is up on both ends."""
+        result = await self.brokers[a].admin.add_link(b, self.brokers[b].listen, wait=within)
+        if not result["up"]:
+            raise RuntimeError(f"link {a}-{b} did not come up within {within}s")
+
+    async def unlink(self, a: str, b: str) -> None:
+        await self.brokers[a].admin.remove_link(b)
+
+    async def settle(self, within: float = 30.0) -> list[dict[str, Any]]:
+        return await wait_settled(self.brokers.values(), within=within)
+
+    async def stop(self) -> dict[str, int]:
+        procs = list(self.brokers.values())
+        codes = await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
+        self.brokers.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        return {p.name: c for p, c in zip(procs, codes, strict=True) if isinstance(c, int)}
+
+    async def __aenter__(self) -> Overlay:
+        return await self.start()
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

@@ -1,0 +1,141 @@
+"""The admin HTTP API (aiohttp), documented in docs/broker.md.
+
+Authentication is a static bearer token compared in constant time (``hmac.compare_digest``), so
+response timing does not leak how much of a guessed token was right. ``/healthz``, ``/readyz`` and
+``/metrics`` are open: kubelet probes and Prometheus scrapers do not carry the token, and none of
+the three reveals or changes anything that matters. Every other endpoint needs the token; a broker
+started without one refuses to run unless ``--insecure-no-token`` says so explicitly (see cli.py).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from canopy_broker.runtime.metrics import CONTENT_TYPE
+from canopy_broker.runtime.server import Broker
+
+BROKER: web.AppKey[Broker] = web.AppKey("broker", Broker)
+PUBLIC = frozenset({"/healthz", "/readyz", "/metrics"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _auth_middleware(token: str | None) -> Middleware:
+    expected = f"Bearer {token}".encode() if token is not None else None
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if expected is not None and request.path not in PUBLIC:
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                resp = _error(401, "missing or wrong bearer token")
+                resp.headers["WWW-Authenticate"] = 'Bearer realm="canopy-broker"'
+                return resp
+        return await handler(request)
+
+    return auth
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    if broker.ready:
+        return web.json_response({"status": "ready"})
+    return web.json_response({"status": "not ready"}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[BROKER].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[BROKER].status())
+
+
+async def routing(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    table = broker.core.routing_table()
+    return web.json_response(
+        {
+            "broker": broker.name,
+            "routing": broker.core.mode.value,
+            "size": table.size(),
+            "table": table.to_json(),
+        }
+    )
+
+
+async def add_link(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    try:
+        body = await request.json()
+    except ValueError:
+        return _error(400, "body must be JSON")
+    if not isinstance(body, dict):
+        return _error(400, "body must be a JSON object")
+    peer, address, timeout = body.get("peer"), body.get("address"), body.get("timeout", 5.0)
+    if not isinstance(peer, str) or not peer or not isinstance(address, str):
+        return _error(400, "need 'peer' (name) and 'address' (HOST:PORT)")
+    if not isinstance(timeout, int | float) or not 0 <= timeout <= 120:
+        return _error(400, "'timeout' must be a number of seconds in [0, 120]")
+    existed = peer in broker.links
+    try:
+        broker.add_link(peer, address)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    up = await broker.wait_link_up(peer, float(timeout)) if timeout else False
+    link = broker.links.get(peer)
+    if link is None:
+        return _error(409, f"the link to {peer} was removed while connecting")
+    return web.json_response(
+        {"created": not existed, "up": up, "link": link.status()}, status=200 if up else 202
+    )
+
+
+async def remove_link(request: web.Request) -> web.Response:
+    removed = request.app[BROKER].remove_link(request.match_info["peer"])
+    return web.json_response({"removed": removed})
+
+
+async def drop_link(request: web.Request) -> web.Response:
+    dropped = request.app[BROKER].drop_link_connection(request.match_info["peer"])
+    return web.json_response({"dropped": dropped})
+
+
+async def telemetry(request: web.Request) -> web.Response:
+    try:
+        since = int(request.query.get("since", "0"))
+        limit = int(request.query.get("limit", "10000"))
+    except ValueError:
+        return _error(400, "'since' and 'limit' must be integers")
+    if limit < 1:
+        return _error(400, "'limit' must be positive")
+    return web.json_response(request.app[BROKER].telemetry.since(since, limit))
+
+
+def make_admin_app(broker: Broker, token: str | None) -> web.Application:
+    """The admin application for ``broker``; ``token=None`` disables authentication."""
+    app = web.Application(middlewares=[_auth_middleware(token)])
+    app[BROKER] = broker
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/status", status)
+    app.router.add_get("/routing", routing)
+    app.router.add_post("/links", add_link)
+    app.router.add_delete("/links/{peer}", remove_link)
+    app.router.add_post("/links/{peer}/drop", drop_link)
+    app.router.add_get("/telemetry", telemetry)
+    return app

@@ -1,0 +1,799 @@
+"""The broker process: the asyncio shell that feeds a :class:`BrokerCore` and carries out its
+effects.
+
+One listening port serves both overlay links and clients; the first frame (the hello) says which
+a connection is. The core is called synchronously from ``data_received``, so a TCP read's worth of
+frames is decoded and routed without a task switch, and its effects are appended to per-destination
+queues that are flushed once per loop iteration (see :mod:`canopy_broker.runtime.links`).
+
+Backpressure. Links are *never* paused for reading: two brokers that both stop reading until the
+other drains would deadlock. Instead, while any outbound queue (a link's unacknowledged messages
+or a client's unsent notifications) is above ``high_water``, the broker pauses reading from the
+clients that publish, and resumes them once every queue is below ``low_water``. A client whose
+queue passes ``client_hard_cap``, or stays above high water for ``slow_consumer_grace`` seconds,
+is disconnected as a slow consumer so it cannot hold the overlay hostage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from canopy_broker.core.broker import BrokerCore
+from canopy_broker.core.events import Event
+from canopy_broker.core.messages import (
+    AddLink,
+    ClientAttach,
+    ClientDetach,
+    ClientPublish,
+    ClientSubscribe,
+    ClientUnsubscribe,
+    Effect,
+    FromLink,
+    Input,
+    Publish,
+    RemoveLink,
+    RoutingMode,
+    SendToLink,
+)
+from canopy_broker.runtime.framing import (
+    B_SUBSCRIBED,
+    B_UNSUBSCRIBED,
+    C_PUBLISH,
+    C_SUBSCRIBE,
+    C_UNSUBSCRIBE,
+    F_ACK,
+    F_BYE,
+    F_DATA,
+    F_ERROR,
+    F_HELLO,
+    F_MSGS,
+    F_PING,
+    F_PONG,
+    MAX_FRAME,
+    PROTOCOL_VERSION,
+    FrameError,
+    check_wire_attributes,
+    control_frame,
+    decode_filter,
+    decode_link_message,
+    dumps,
+    encode_event_body,
+    encode_link_message,
+    notify_message,
+    parse_address,
+)
+from canopy_broker.runtime.links import Client, Conn, Link
+from canopy_broker.runtime.metrics import BrokerMetrics, Gauges
+from canopy_broker.runtime.telemetry import Telemetry
+
+log = logging.getLogger("canopy.broker")
+
+
+@dataclass(slots=True)
+class BrokerConfig:
+    """Everything a broker process is started with (see ``canopy-broker serve --help``)."""
+
+    name: str
+    routing: RoutingMode = RoutingMode.COVERING
+    host: str = "127.0.0.1"
+    port: int = 0
+    heartbeat_interval: float = 1.0
+    dead_after: int = 3
+    high_water: int = 20_000
+    low_water: int = 5_000
+    client_hard_cap: int = 200_000
+    slow_consumer_grace: float = 10.0
+    max_frame: int = MAX_FRAME
+    telemetry_sample: float = 0.01
+    history: int = 10_000
+    telemetry_dir: str | None = None
+    telemetry_interval: float = 10.0
+    reconnect_min: float = 0.05
+    reconnect_max: float = 2.0
+    handshake_timeout: float = 5.0
+
+
+def _str_field(hello: dict[str, Any], key: str) -> str:
+    value = hello.get(key)
+    if type(value) is not str or not value:
+        raise FrameError(f"hello needs a non-empty string {key!r}", "bad-hello")
+    return value
+
+
+class Broker:
+    """One broker: core + links + clients + metrics + telemetry; no HTTP (see admin.py)."""
+
+    def __init__(self, config: BrokerConfig) -> None:
+        self.config = config
+        self.name = config.name
+        self.core = BrokerCore(config.name, config.routing)
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.links: dict[str, Link] = {}
+        self.clients: dict[str, Client] = {}
+        self.metrics = BrokerMetrics(self._gauges)
+        self.telemetry = Telemetry(
+            config.name,
+            sample_rate=config.telemetry_sample,
+            history=config.history,
+            directory=config.telemetry_dir,
+        )
+        self.started = time.monotonic()
+        self.address: tuple[str, int] | None = None
+        self.stopping = False
+        self._loop = asyncio.get_running_loop()
+        self._server: asyncio.Server | None = None
+        self._conns: set[Conn] = set()
+        self._removed: dict[str, str] = {}  # peer -> session removed here (answers a late resume)
+        self._dirty: list[Link | Client] = []
+        self._flush_scheduled = False
+        self._over: set[Link | Client] = set()
+        self._publishers_paused = False
+        self._client_counter = 0
+        self._events = 0
+        self._ticker: asyncio.Task[None] | None = None
+        self._m_published = self.metrics.published
+        self._m_delivered = self.metrics.delivered
+        self._m_client_in = self.metrics.client_messages.labels("in")
+        self._m_client_out = self.metrics.client_messages.labels("out")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._server = await self._loop.create_server(
+            lambda: Conn(self), self.config.host, self.config.port, reuse_address=True
+        )
+        sock = self._server.sockets[0].getsockname()
+        self.address = (sock[0], sock[1])
+        self._ticker = asyncio.create_task(self._tick(), name=f"{self.name}-ticker")
+        log.info("broker %s listening on %s:%d", self.name, *self.address)
+
+    @property
+    def ready(self) -> bool:
+        return self._server is not None and not self.stopping
+
+    async def stop(self, flush_timeout: float = 2.0) -> None:
+        """Graceful stop: no new connections, flush queues briefly, say goodbye, close all."""
+        if self.stopping:
+            return
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        tasks = [t for t in (self._ticker, *(lk.dial_task for lk in self.links.values())) if t]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._flush()
+        deadline = self._loop.time() + flush_timeout
+        while self._loop.time() < deadline and self._undelivered():  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        for link in self.links.values():
+            if link.conn is not None:
+                link.conn.write(control_frame(F_BYE, "shutdown"))
+        conns = list(self._conns)
+        for conn in conns:
+            conn.close()
+        if conns:
+            _, pending = await asyncio.wait([c.lost for c in conns], timeout=1.0)
+            for conn in conns:
+                if not conn.lost.done():
+                    conn.abort()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+        if self._server is not None:
+            await self._server.wait_closed()
+        await self.telemetry.flush()
+        log.info("broker %s stopped", self.name)
+
+    def _undelivered(self) -> bool:
+        if any(lk.conn is not None and lk.out for lk in self.links.values()):
+            return True
+        return any(
+            c.pending or (c.conn.transport is not None and c.conn.transport.get_write_buffer_size())
+            for c in self.clients.values()
+        )
+
+    async def _tick(self) -> None:
+        """Heartbeats, dead-link detection, slow-consumer grace, telemetry snapshots."""
+        cfg = self.config
+        next_snapshot = self._loop.time() + cfg.telemetry_interval
+        while True:
+            await asyncio.sleep(cfg.heartbeat_interval)
+            now = self._loop.time()
+            for link in list(self.links.values()):
+                conn = link.conn
+                if conn is None:
+                    continue
+                if now - link.last_heard > cfg.heartbeat_interval * cfg.dead_after:
+                    log.warning(
+                        "%s: link to %s missed heartbeats; dropping it", self.name, link.peer
+                    )
+                    conn.abort()
+                    continue
+                conn.write(control_frame(F_PING, now, link.rx_seq))
+                link.acked_rx = link.rx_seq
+            for client in list(self._over):
+                if (
+                    isinstance(client, Client)
+                    and client.over_since is not None
+                    and now - client.over_since > cfg.slow_consumer_grace
+                ):
+                    self._slow_consumer(client, "stayed above high water")
+            if now >= next_snapshot:
+                next_snapshot = now + cfg.telemetry_interval
+                for link in self.links.values():
+                    st = link.status()
+                    self.telemetry.link(
+                        link.peer,
+                        {
+                            k: st[k]
+                            for k in (
+                                "state",
+                                "msgs_in",
+                                "msgs_out",
+                                "bytes_in",
+                                "bytes_out",
+                                "rtt_ms",
+                            )
+                        },
+                    )
+            await self.telemetry.flush()
+
+    # ------------------------------------------------------------------ connections
+
+    def conn_made(self, conn: Conn) -> None:
+        self._conns.add(conn)
+        if conn.dialing:
+            link = conn.link
+            assert link is not None
+            conn.write(
+                control_frame(
+                    F_HELLO,
+                    {
+                        "v": PROTOCOL_VERSION,
+                        "role": "link",
+                        "name": self.name,
+                        "session": link.session,
+                        "resume": link.established,
+                        "last_rx": link.rx_seq,
+                    },
+                )
+            )
+
+    def conn_failed(self, conn: Conn, exc: FrameError) -> None:
+        role = conn.role or "unknown"
+        self.metrics.malformed.labels(role, exc.code).inc()
+        who = conn.link.peer if conn.link else conn.client.id if conn.client else "?"
+        log.warning("%s: closing %s connection (%s): %s", self.name, role, who, exc)
+
+    def conn_lost(self, conn: Conn) -> None:
+        self._conns.discard(conn)
+        if conn.role == "client":
+            client = conn.client
+            assert client is not None
+            if self.clients.get(client.id) is client:
+                del self.clients[client.id]
+                self._unpressure(client)
+                self._apply(self.core.handle(ClientDetach(client.id)))
+        elif conn.role == "link":
+            link = conn.link
+            assert link is not None
+            if link.conn is conn:
+                link.conn = None
+                link.up.clear()
+                log.info("%s: link to %s is down", self.name, link.peer)
+
+    def mark_dirty(self, dest: Link | Client) -> None:
+        if not dest.dirty:
+            dest.dirty = True
+            self._dirty.append(dest)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        dirty, self._dirty = self._dirty, []
+        high = self.config.high_water
+        low = self.config.low_water
+        for dest in dirty:
+            dest.dirty = False
+            dest.flush()
+            if dest.over:
+                if dest.depth < low:
+                    self._unpressure(dest)
+            elif dest.depth > high:
+                self._pressure(dest)
+        if self._over:
+            for dest in dirty:
+                if isinstance(dest, Client) and dest.depth > self.config.client_hard_cap:
+                    self._slow_consumer(dest, f"queue above {self.config.client_hard_cap}")
+
+    # ------------------------------------------------------------------ backpressure
+
+    def _pressure(self, dest: Link | Client) -> None:
+        dest.over = True
+        if isinstance(dest, Client):
+            dest.over_since = self._loop.time()
+        self._over.add(dest)
+        if not self._publishers_paused:
+            self._publishers_paused = True
+            self.metrics.backpressure.inc()
+            for client in self.clients.values():
+                if client.publisher and client.conn.transport is not None:
+                    client.conn.transport.pause_reading()
+
+    def _unpressure(self, dest: Link | Client) -> None:
+        if not dest.over:
+            return
+        dest.over = False
+        if isinstance(dest, Client):
+            dest.over_since = None
+        self._over.discard(dest)
+        if not self._over and self._publishers_paused:
+            self._publishers_paused = False
+            for client in self.clients.values():
+                if client.publisher and not client.conn.is_closing():
+                    assert client.conn.transport is not None
+                    client.conn.transport.resume_reading()
+
+    def _check_low(self, dest: Link | Client) -> None:
+        if dest.over and dest.depth < self.config.low_water:
+            self._unpressure(dest)
+
+    def _slow_consumer(self, client: Client, why: str) -> None:
+        log.warning("%s: disconnecting slow consumer %s (%s)", self.name, client.id, why)
+        self.metrics.slow_consumers.inc()
+        client.pending.clear()
+        self._unpressure(client)
+        client.conn.write(control_frame(F_ERROR, "slow-consumer", why))
+        client.conn.abort()
+
+    # ------------------------------------------------------------------ frames
+
+    def frame_received(self, conn: Conn, frame: list[Any]) -> None:
+        ftype = frame[0]
+        role = conn.role
+        if role == "client":
+            if ftype == F_MSGS and len(frame) == 2 and type(frame[1]) is list:
+                client = conn.client
+                assert client is not None
+                self._client_msgs(client, frame[1])
+                return
+        elif role == "link":
+            link = conn.link
+            assert link is not None
+            if link.removed:
+                return
+            link.last_heard = self._loop.time()
+            self._link_frame(link, conn, ftype, frame)
+            return
+        elif ftype == F_HELLO and len(frame) == 2 and isinstance(frame[1], dict):
+            if conn.dialing:
+                self._dial_answered(conn, frame[1])
+            else:
+                self._hello(conn, frame[1])
+            return
+        elif ftype == F_ERROR and conn.dialing:
+            self._dial_refused(conn, frame)
+            return
+        raise FrameError(
+            f"unexpected frame type {ftype!r} for a {role or 'new'} connection", "unknown-type"
+        )
+
+    def _hello(self, conn: Conn, hello: dict[str, Any]) -> None:
+        if hello.get("v") != PROTOCOL_VERSION:
+            raise FrameError(
+                f"protocol version {hello.get('v')!r} is not {PROTOCOL_VERSION}", "version"
+            )
+        role = hello.get("role")
+        if role == "client":
+            self._client_hello(conn, hello)
+        elif role == "link":
+            self._link_hello(conn, hello)
+        else:
+            raise FrameError(f"hello role must be 'link' or 'client', got {role!r}", "bad-hello")
+
+    def _answer_hello(self, conn: Conn, **fields: object) -> None:
+        conn.write(
+            control_frame(
+                F_HELLO,
+                {
+                    "v": PROTOCOL_VERSION,
+                    "role": "broker",
+                    "name": self.name,
+                    "routing": self.core.mode.value,
+                    **fields,
+                },
+            )
+        )
+
+    # ------------------------------------------------------------------ clients
+
+    def _client_hello(self, conn: Conn, hello: dict[str, Any]) -> None:
+        cid = hello.get("client_id")
+        if cid is None:
+            self._client_counter += 1
+            cid = f"{self.name}-{self.incarnation}-{self._client_counter}"
+        elif type(cid) is not str or not cid:
+            raise FrameError(f"client_id must be a non-empty string, got {cid!r}", "bad-hello")
+        if cid in self.clients:
+            raise FrameError(f"client id {cid!r} is already attached here", "client-id-in-use")
+        self._apply(self.core.handle(ClientAttach(cid)))
+        client = Client(cid, conn)
+        self.clients[cid] = client
+        conn.role = "client"
+        conn.client = client
+        self._answer_hello(conn, client_id=cid)
+
+    def _client_msgs(self, client: Client, items: list[Any]) -> None:
+        cid = client.id
+        self._m_client_in.inc(len(items))
+        published = 0
+        for item in items:
+            if type(item) is not list or not item:
+                raise FrameError(f"a client message must be a non-empty array, got {item!r}")
+            code = item[0]
+            if code == C_PUBLISH and len(item) == 3:
+                seq = item[1]
+                if (
+                    type(seq) is not int
+                    or seq < 1
+                    or (client.last_seq and seq != client.last_seq + 1)
+                ):
+                    raise FrameError(
+                        f"publish seq {seq!r} after {client.last_seq}: seq must grow by one",
+                        "sequence",
+                    )
+                event = Event(cid, seq, check_wire_attributes(item[2]))
+                client.last_seq = seq
+                published += 1
+                self._route_event(ClientPublish(cid, event), event, "client", cid)
+            elif code == C_SUBSCRIBE and len(item) == 3:
+                sub_id = item[1]
+                if type(sub_id) is not str or not sub_id:
+                    raise FrameError(f"sub_id must be a non-empty string, got {sub_id!r}")
+                f = decode_filter(item[2])
+                self._apply(self.core.handle(ClientSubscribe(cid, sub_id, f)))
+                self._to_client(client, dumps([B_SUBSCRIBED, sub_id]))
+            elif code == C_UNSUBSCRIBE and len(item) == 2:
+                sub_id = item[1]
+                if type(sub_id) is not str:
+                    raise FrameError(f"sub_id must be a string, got {sub_id!r}")
+                self._apply(self.core.handle(ClientUnsubscribe(cid, sub_id)))
+                self._to_client(client, dumps([B_UNSUBSCRIBED, sub_id]))
+            else:
+                raise FrameError(f"unknown client message {item!r}", "unknown-type")
+        if published:
+            self._m_published.inc(published)
+            if not client.publisher:
+                client.publisher = True
+                if self._publishers_paused and client.conn.transport is not None:
+                    client.conn.transport.pause_reading()
+
+    def _to_client(self, client: Client, msg: bytes) -> None:
+        client.pending.append(msg)
+        self.mark_dirty(client)
+
+    # ------------------------------------------------------------------ events and effects
+
+    def _route_event(self, inp: Input, event: Event, source_kind: str, source: str) -> None:
+        self._events += 1
+        if self._events & 31:
+            effects = self.core.handle(inp)
+        else:
+            t0 = time.perf_counter()
+            effects = self.core.handle(inp)
+            self.metrics.matching.observe(time.perf_counter() - t0)
+        if effects:
+            self._apply(effects)
+        if self.telemetry.sample_rate > 0.0:
+            self.telemetry.event(event, source_kind, source, effects)
+
+    def _apply(self, effects: list[Effect]) -> None:
+        """Carry out effects, encoding each distinct message or event once."""
+        last_msg: object = None
+        last_bytes = b""
+        last_event: object = None
+        body = b""
+        delivered = 0
+        for eff in effects:
+            if isinstance(eff, SendToLink):
+                msg = eff.message
+                if msg is not last_msg:
+                    last_bytes = encode_link_message(msg)
+                    last_msg = msg
+                link = self.links[eff.peer]
+                link.out.append(last_bytes)
+                if not link.dirty:
+                    self.mark_dirty(link)
+            else:
+                client = self.clients.get(eff.client)
+                if client is None:
+                    continue
+                event = eff.event
+                if event is not last_event:
+                    body = encode_event_body(event)
+                    last_event = event
+                client.pending.append(notify_message(body, eff.sub_ids))
+                delivered += 1
+                if not client.dirty:
+                    self.mark_dirty(client)
+        if delivered:
+            self._m_delivered.inc(delivered)
+            self._m_client_out.inc(delivered)
+
+    # ------------------------------------------------------------------ links: frames
+
+    def _link_frame(self, link: Link, conn: Conn, ftype: object, frame: list[Any]) -> None:
+        if ftype == F_DATA and len(frame) == 3:
+            self._link_data(link, frame[1], frame[2])
+        elif ftype == F_ACK and len(frame) == 2 and type(frame[1]) is int:
+            link.ack(frame[1])
+            self._check_low(link)
+        elif ftype == F_PING and len(frame) == 3 and type(frame[2]) is int:
+            link.ack(frame[2])
+            self._check_low(link)
+            conn.write(control_frame(F_PONG, frame[1], link.rx_seq))
+            link.acked_rx = link.rx_seq
+        elif ftype == F_PONG and len(frame) == 3 and type(frame[2]) is int:
+            link.ack(frame[2])
+            self._check_low(link)
+            if isinstance(frame[1], int | float):
+                link.rtt_ms = (self._loop.time() - frame[1]) * 1000.0
+                self.telemetry.rtt(link.peer, link.rtt_ms)
+        elif ftype == F_BYE:
+            reason = frame[1] if len(frame) > 1 else "?"
+            log.info("%s: %s said goodbye (%s)", self.name, link.peer, reason)
+            if reason == "removed":
+                self._drop_link(link, bye=False)
+            else:
+                conn.close()
+        elif ftype == F_ERROR:
+            log.warning("%s: %s reported an error: %s", self.name, link.peer, frame[1:])
+            conn.close()
+        else:
+            raise FrameError(f"unexpected link frame {frame[:2]!r}", "unknown-type")
+
+    def _link_data(self, link: Link, first: object, items: object) -> None:
+        if type(first) is not int or type(items) is not list:
+            raise FrameError("data frame must be [1, first_seq, [messages]]")
+        skip = link.rx_seq + 1 - first
+        if skip < 0:
+            raise FrameError(f"sequence gap: expected {link.rx_seq + 1}, got {first}", "sequence")
+        if skip:
+            items = items[skip:]
+        peer = link.peer
+        handle = self.core.handle
+        n = 0
+        try:
+            for item in items:
+                msg = decode_link_message(item)
+                if type(msg) is Publish:
+                    self._route_event(FromLink(peer, msg), msg.event, "link", peer)
+                else:
+                    self._apply(handle(FromLink(peer, msg)))
+                n += 1
+        finally:
+            link.rx_seq += n
+            link.msgs_in += n
+            if link.m_msgs_in is not None:
+                link.m_msgs_in.inc(n)
+            if not link.dirty:
+                self.mark_dirty(link)  # to acknowledge
+
+    # ------------------------------------------------------------------ links: lifecycle
+
+    def _new_link(self, peer: str, session: str, *, dialer: bool, address: str | None) -> Link:
+        link = Link(peer, session, dialer=dialer, address=address)
+        m = self.metrics
+        link.m_msgs_in = m.link_messages.labels(peer, "in")
+        link.m_msgs_out = m.link_messages.labels(peer, "out")
+        link.m_bytes_in = m.link_bytes.labels(peer, "in")
+        link.m_bytes_out = m.link_bytes.labels(peer, "out")
+        self.links[peer] = link
+        self._removed.pop(peer, None)
+        return link
+
+    def add_link(self, peer: str, address: str) -> Link:
+        """Declare a link this broker dials (idempotent: an existing link is returned as is)."""
+        if peer == self.name:
+            raise ValueError("a broker cannot link to itself")
+        parse_address(address)
+        link = self.links.get(peer)
+        if link is not None:
+            if link.dialer and link.address != address:
+                link.address = address  # a moved peer: the next dial uses the new address
+            return link
+        link = self._new_link(peer, uuid.uuid4().hex, dialer=True, address=address)
+        link.dial_task = asyncio.create_task(self._dial_loop(link), name=f"{self.name}->{peer}")
+        return link
+
+    def remove_link(self, peer: str) -> bool:
+        """Uncoordinated removal: RemoveLink here, BYE to the peer (which does the same)."""
+        link = self.links.get(peer)
+        if link is None:
+            return False
+        self._drop_link(link, bye=True)
+        return True
+
+    def _drop_link(self, link: Link, *, bye: bool) -> None:
+        if self.links.get(link.peer) is link:
+            del self.links[link.peer]
+        link.removed = True
+        self._removed[link.peer] = link.session
+        if link.dial_task is not None and link.dial_task is not asyncio.current_task():
+            link.dial_task.cancel()
+        self._unpressure(link)
+        if link.established:
+            link.established = False
+            self._apply(self.core.handle(RemoveLink(link.peer)))
+        conn, link.conn = link.conn, None
+        link.up.clear()
+        if conn is not None:
+            if bye:
+                conn.write(control_frame(F_BYE, "removed"))
+            conn.close()
+        link.out.clear()
+        log.info("%s: link to %s removed", self.name, link.peer)
+
+    def _link_up(self, link: Link, conn: Conn, peer_last_rx: object) -> None:
+        if type(peer_last_rx) is not int:
+            raise FrameError("hello needs an integer last_rx", "bad-hello")
+        link.rewind(peer_last_rx)
+        old = link.conn
+        if old is not None and old is not conn:
+            old.role = None  # its late connection_lost must not touch the link
+            old.abort()
+        link.conn = conn
+        conn.link = link
+        conn.role = "link"
+        link.last_heard = self._loop.time()
+        link.connects += 1
+        self.metrics.link_reconnects.labels(link.peer).inc()
+        if not link.established:
+            link.established = True
+            self._apply(self.core.handle(AddLink(link.peer)))
+        link.up.set()
+        self.mark_dirty(link)
+        log.info(
+            "%s: link to %s is up (session %s, resend from %d)",
+            self.name,
+            link.peer,
+            link.session[:8],
+            link.sent,
+        )
+
+    def _link_hello(self, conn: Conn, hello: dict[str, Any]) -> None:
+        peer = _str_field(hello, "name")
+        session = _str_field(hello, "session")
+        if peer == self.name:
+            raise FrameError("a broker cannot link to itself", "bad-hello")
+        link = self.links.get(peer)
+        if link is not None and link.session == session:
+            self._answer_hello(conn, last_rx=link.rx_seq)
+            self._link_up(link, conn, hello.get("last_rx"))
+            return
+        if hello.get("resume"):
+            code = "link-removed" if self._removed.get(peer) == session else "unknown-session"
+            raise FrameError(f"no link session {session[:8]} with {peer}", code)
+        if link is not None:  # the peer started a new session (restarted or re-added the link)
+            log.info("%s: %s opened a new session; resetting the link", self.name, peer)
+            self._drop_link(link, bye=False)
+        link = self._new_link(peer, session, dialer=False, address=None)
+        self._answer_hello(conn, last_rx=0)
+        self._link_up(link, conn, hello.get("last_rx"))
+
+    def _dial_answered(self, conn: Conn, hello: dict[str, Any]) -> None:
+        link = conn.link
+        assert link is not None
+        if link.removed:
+            conn.close()
+            return
+        if hello.get("name") != link.peer:
+            raise FrameError(f"dialed {link.peer} but {hello.get('name')!r} answered", "wrong-peer")
+        self._link_up(link, conn, hello.get("last_rx"))
+        if not conn.handshake.done():
+            conn.handshake.set_result(None)
+
+    def _dial_refused(self, conn: Conn, frame: list[Any]) -> None:
+        link = conn.link
+        assert link is not None
+        code = frame[1] if len(frame) > 1 else "?"
+        log.warning("%s: %s refused the link: %s", self.name, link.peer, frame[1:])
+        if code == "link-removed":
+            self._drop_link(link, bye=False)
+        elif code == "unknown-session":  # the peer lost our session (it restarted): start anew
+            if link.established:
+                link.established = False
+                self._apply(self.core.handle(RemoveLink(link.peer)))
+            link.session = uuid.uuid4().hex
+            link.out.clear()
+            link.base = link.sent = 1
+            link.rx_seq = link.acked_rx = 0
+        conn.close()
+        if not conn.handshake.done():
+            conn.handshake.set_exception(ConnectionRefusedError(f"{link.peer} refused: {code}"))
+
+    async def _dial_loop(self, link: Link) -> None:
+        """Keep the link's connection up: dial, hello, wait for loss, back off, repeat."""
+        assert link.address is not None
+        delay = self.config.reconnect_min
+        while not link.removed and not self.stopping:
+            host, port = parse_address(link.address)
+            conn: Conn | None = None
+            try:
+                _, dialed = await asyncio.wait_for(
+                    self._loop.create_connection(lambda: Conn(self, link), host, port),
+                    self.config.handshake_timeout,
+                )
+                conn = dialed
+                await asyncio.wait_for(
+                    asyncio.shield(dialed.handshake), self.config.handshake_timeout
+                )
+                delay = self.config.reconnect_min
+                await dialed.lost
+            except (OSError, TimeoutError, FrameError) as exc:
+                log.debug("%s: dialing %s failed: %s", self.name, link.peer, exc)
+                if conn is not None:
+                    conn.abort()
+            if link.removed or self.stopping:
+                break
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, self.config.reconnect_max)
+
+    # ------------------------------------------------------------------ views for the admin API
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "routing": self.core.mode.value,
+            "incarnation": self.incarnation,
+            "address": f"{self.address[0]}:{self.address[1]}" if self.address else None,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "ready": self.ready,
+            "neighbours": [self.links[p].status() for p in sorted(self.links)],
+            "clients": len(self.clients),
+            "queue_depths": {
+                "links": {p: lk.depth for p, lk in sorted(self.links.items())},
+                "clients_total": sum(c.depth for c in self.clients.values()),
+                "clients_max": max((c.depth for c in self.clients.values()), default=0),
+            },
+            "publishers_paused": self._publishers_paused,
+            "routing_table_size": self.core.routing_table_size(),
+        }
+
+    def _gauges(self) -> Gauges:
+        depths = [c.depth for c in self.clients.values()]
+        return Gauges(
+            routing_table_entries=self.core.routing_table_size(),
+            clients=len(self.clients),
+            publishers_paused=self._publishers_paused,
+            link_queue_depth={p: lk.depth for p, lk in self.links.items()},
+            link_up={p: lk.conn is not None for p, lk in self.links.items()},
+            client_queue_depth_max=max(depths, default=0),
+            client_queue_depth_total=sum(depths),
+        )
+
+    def drop_link_connection(self, peer: str) -> bool:
+        """Abort a link's TCP connection without removing the link (fault injection for tests
+        and operators: the dialing side reconnects and resumes the session)."""
+        link = self.links.get(peer)
+        if link is None or link.conn is None:
+            return False
+        link.conn.abort()
+        return True
+
+    async def wait_link_up(self, peer: str, within: float) -> bool:
+        link = self.links.get(peer)
+        if link is None:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(link.up.wait(), within)
+        return link.conn is not None
