@@ -47,6 +47,7 @@ F_PONG: Final = 4  # [4, echoed_clock, cumulative_ack]      link only
 F_BYE: Final = 5  # [5, reason]                            link only: "removed" | "shutdown"
 F_MSGS: Final = 6  # [6, [client messages]]                 client connections, both directions
 F_ERROR: Final = 7  # [7, code, text]                        then the sender closes
+F_PRESSURE: Final = 8  # [8, true|false]                     link only: congestion on / off
 
 # Link messages (inside F_DATA).
 L_PUBLISH: Final = 0  # [0, publisher, seq, hops, attrs]
@@ -272,6 +273,8 @@ def notify_message(body: bytes, sub_ids: tuple[str, ...]) -> bytes:
 
 def batches(msgs: list[bytes], limit: int = BATCH_BYTES) -> list[list[bytes]]:
     """Split encoded messages into runs of about ``limit`` bytes each (at least one message)."""
+    if sum(map(len, msgs)) + len(msgs) <= limit:  # the common case, at C speed
+        return [msgs]
     out: list[list[bytes]] = []
     cur: list[bytes] = []
     size = 0

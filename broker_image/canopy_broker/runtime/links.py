@@ -111,6 +111,8 @@ class Link:
         self.connects = 0
         self.dirty = False
         self.over = False  # above high water, counted in the broker's pressure set
+        self.remote_pressure = False  # the peer says it (or a broker behind it) is congested
+        self.sent_pressure = False  # what we last told the peer
         self.up = asyncio.Event()
         self.dial_task: asyncio.Task[None] | None = None
         self.msgs_in = self.msgs_out = self.bytes_in = self.bytes_out = 0
@@ -184,6 +186,8 @@ class Link:
             "session": self.session,
             "established": self.established,
             "rtt_ms": self.rtt_ms,
+            "pressure_in": self.remote_pressure,
+            "pressure_out": self.sent_pressure,
             "queue_depth": self.depth,
             "unsent": self.base + len(self.out) - self.sent,
             "tx_seq": self.base + len(self.out) - 1,

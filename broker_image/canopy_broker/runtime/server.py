@@ -56,6 +56,7 @@ from canopy_broker.runtime.framing import (
     F_MSGS,
     F_PING,
     F_PONG,
+    F_PRESSURE,
     MAX_FRAME,
     PROTOCOL_VERSION,
     FrameError,
@@ -74,6 +75,11 @@ from canopy_broker.runtime.metrics import BrokerMetrics, Gauges
 from canopy_broker.runtime.telemetry import Telemetry
 
 log = logging.getLogger("canopy.broker")
+
+FLUSH_EVERY = 64
+"""Flush after this many routed events even within one TCP read. A read can hold thousands of
+events; routing all of them before writing anything would hold the first notification back for
+the whole read (tens of ms), while 64 events still make batches of hundreds of messages."""
 
 
 @dataclass(slots=True)
@@ -133,6 +139,7 @@ class Broker:
         self._removed: dict[str, str] = {}  # peer -> session removed here (answers a late resume)
         self._dirty: list[Link | Client] = []
         self._flush_scheduled = False
+        self._unflushed = 0  # events routed since the last flush
         self._over: set[Link | Client] = set()
         self._publishers_paused = False
         self._client_counter = 0
@@ -287,6 +294,11 @@ class Broker:
             if link.conn is conn:
                 link.conn = None
                 link.up.clear()
+                link.remote_pressure = link.sent_pressure = False
+                if link.over:
+                    self._unpressure(link)  # a down link's backlog must not stop the overlay
+                else:
+                    self._update_pressure()
                 log.info("%s: link to %s is down", self.name, link.peer)
 
     def mark_dirty(self, dest: Link | Client) -> None:
@@ -299,6 +311,7 @@ class Broker:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        self._unflushed = 0
         dirty, self._dirty = self._dirty, []
         high = self.config.high_water
         low = self.config.low_water
@@ -308,7 +321,7 @@ class Broker:
             if dest.over:
                 if dest.depth < low:
                     self._unpressure(dest)
-            elif dest.depth > high:
+            elif dest.depth > high and (isinstance(dest, Client) or dest.conn is not None):
                 self._pressure(dest)
         if self._over:
             for dest in dirty:
@@ -322,12 +335,7 @@ class Broker:
         if isinstance(dest, Client):
             dest.over_since = self._loop.time()
         self._over.add(dest)
-        if not self._publishers_paused:
-            self._publishers_paused = True
-            self.metrics.backpressure.inc()
-            for client in self.clients.values():
-                if client.publisher and client.conn.transport is not None:
-                    client.conn.transport.pause_reading()
+        self._update_pressure()
 
     def _unpressure(self, dest: Link | Client) -> None:
         if not dest.over:
@@ -336,12 +344,38 @@ class Broker:
         if isinstance(dest, Client):
             dest.over_since = None
         self._over.discard(dest)
-        if not self._over and self._publishers_paused:
-            self._publishers_paused = False
-            for client in self.clients.values():
-                if client.publisher and not client.conn.is_closing():
-                    assert client.conn.transport is not None
-                    client.conn.transport.resume_reading()
+        self._update_pressure()
+
+    def _update_pressure(self) -> None:
+        """Recompute who must pause, after any change of a queue's state or a neighbour's signal.
+
+        A broker pauses its publishers while one of its own queues is over high water *or* a
+        neighbour reports pressure; it reports pressure to neighbour N when it is congested
+        itself or another neighbour reported it (split horizon: a tree has no other path back,
+        so the signal cannot latch itself on). The effect is an overlay-wide XOFF for publishers
+        while any broker is congested, carried by control frames that bypass the data queues;
+        links keep being read throughout, so there is no deadlock.
+        """
+        local = bool(self._over)
+        remote = [lk for lk in self.links.values() if lk.remote_pressure]
+        for link in self.links.values():
+            want = local or any(r is not link for r in remote)
+            if want != link.sent_pressure and link.conn is not None:
+                link.sent_pressure = want
+                link.conn.write(control_frame(F_PRESSURE, want))
+        paused = local or bool(remote)
+        if paused == self._publishers_paused:
+            return
+        self._publishers_paused = paused
+        if paused:
+            self.metrics.backpressure.inc()
+        for client in self.clients.values():
+            transport = client.conn.transport
+            if client.publisher and transport is not None and not transport.is_closing():
+                if paused:
+                    transport.pause_reading()
+                else:
+                    transport.resume_reading()
 
     def _check_low(self, dest: Link | Client) -> None:
         if dest.over and dest.depth < self.config.low_water:
@@ -495,6 +529,9 @@ class Broker:
             self._apply(effects)
         if self.telemetry.sample_rate > 0.0:
             self.telemetry.event(event, source_kind, source, effects)
+        self._unflushed += 1
+        if self._unflushed >= FLUSH_EVERY:
+            self._flush()
 
     def _apply(self, effects: list[Effect]) -> None:
         """Carry out effects, encoding each distinct message or event once."""
@@ -548,6 +585,10 @@ class Broker:
             if isinstance(frame[1], int | float):
                 link.rtt_ms = (self._loop.time() - frame[1]) * 1000.0
                 self.telemetry.rtt(link.peer, link.rtt_ms)
+        elif ftype == F_PRESSURE and len(frame) == 2 and type(frame[1]) is bool:
+            if link.remote_pressure != frame[1]:
+                link.remote_pressure = frame[1]
+                self._update_pressure()
         elif ftype == F_BYE:
             reason = frame[1] if len(frame) > 1 else "?"
             log.info("%s: %s said goodbye (%s)", self.name, link.peer, reason)
@@ -641,6 +682,7 @@ class Broker:
                 conn.write(control_frame(F_BYE, "removed"))
             conn.close()
         link.out.clear()
+        self._update_pressure()
         log.info("%s: link to %s removed", self.name, link.peer)
 
     def _link_up(self, link: Link, conn: Conn, peer_last_rx: object) -> None:
@@ -661,6 +703,8 @@ class Broker:
             link.established = True
             self._apply(self.core.handle(AddLink(link.peer)))
         link.up.set()
+        link.remote_pressure = link.sent_pressure = False
+        self._update_pressure()
         self.mark_dirty(link)
         log.info(
             "%s: link to %s is up (session %s, resend from %d)",

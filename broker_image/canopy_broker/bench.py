@@ -1,0 +1,378 @@
+"""``canopy bench dataplane``: measured throughput, latency, matching speed-up and memory.
+
+Everything printed is measured on this run; nothing is a constant. The scenarios:
+
+* **matching**: 10k filters (``symbol = S and price < P`` over 1000 symbols, plus range-only and
+  prefix filters) in :class:`IndexedMatcher` vs :class:`ScanMatcher`, same events, in-process.
+* **single broker**: one broker process, one publisher client, 50 subscriber clients with 20
+  filters each (1k filters), symbols drawn so that an event matches ~10 filters. The publisher
+  runs flat out under the broker's backpressure; the figure is notifications *received* by the
+  subscribers per second.
+* **chain of 3**: brokers b1-b2-b3, the publisher on b1, the same subscribers on b3.
+* **latency**: the publisher paced at half the measured maximum event rate (single broker and
+  chain); latency = receive time - publish time stamped into the event (``time.monotonic_ns``,
+  one clock for all processes on this machine).
+* **RSS**: ``VmRSS`` of each broker process at the end.
+
+Progress goes to stderr; with ``--json`` the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from canopy_broker.cli import tune_gc
+from canopy_broker.client import Client, connect
+from canopy_broker.core.events import Value
+from canopy_broker.core.filters import Constraint, Filter, Op
+from canopy_broker.core.matching import IndexedMatcher, ScanMatcher
+from canopy_broker.procs import Overlay
+
+N_SUBSCRIBERS = 50
+FILTERS_PER_SUBSCRIBER = 20
+HOT_SYMBOLS = 50  # data-plane scenarios: 1000 filters over 50 symbols -> ~10 matches per event
+
+
+def progress(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- matching
+
+
+def matching_workload(
+    n_filters: int, rng: random.Random
+) -> tuple[list[Filter], list[dict[str, Value]]]:
+    """90% ``symbol = S and price < P``, 5% ``price > a and volume < b``, 5% symbol prefixes."""
+    symbols = [f"S{i:04d}" for i in range(1000)]
+    filters: list[Filter] = []
+    for i in range(n_filters):
+        r = i % 20
+        if r < 18:
+            f = Filter.of(
+                [
+                    Constraint("symbol", Op.EQ, rng.choice(symbols)),
+                    Constraint("price", Op.LT, rng.randint(1, 100)),
+                ]
+            )
+        elif r == 18:
+            f = Filter.of(
+                [
+                    Constraint("price", Op.GT, rng.randint(90, 100)),
+                    Constraint("volume", Op.LT, rng.randint(1, 1000)),
+                ]
+            )
+        else:
+            f = Filter.of(
+                [
+                    Constraint("symbol", Op.PREFIX, rng.choice(symbols)[:4]),
+                    Constraint("price", Op.GT, rng.randint(50, 100)),
+                ]
+            )
+        filters.append(f)
+    events: list[dict[str, Value]] = [
+        {
+            "symbol": rng.choice(symbols),
+            "price": round(rng.uniform(0, 100), 2),
+            "volume": rng.randint(1, 10_000),
+            "venue": rng.choice(["XNAS", "XNYS", "BATS"]),
+        }
+        for _ in range(2000)
+    ]
+    return filters, events
+
+
+def bench_matching(n_filters: int = 10_000, seed: int = 7) -> dict[str, float]:
+    rng = random.Random(seed)
+    filters, events = matching_workload(n_filters, rng)
+    indexed: IndexedMatcher[int] = IndexedMatcher()
+    scan: ScanMatcher[int] = ScanMatcher()
+    for i, f in enumerate(filters):
+        indexed.add(f, i)
+        scan.add(f, i)
+
+    def per_event(
+        matcher: IndexedMatcher[int] | ScanMatcher[int], evs: list[dict[str, Value]]
+    ) -> float:
+        t0 = time.perf_counter()
+        for e in evs:
+            matcher.match_payloads(e)
+        return (time.perf_counter() - t0) / len(evs)
+
+    # Same answers, or the speed-up means nothing.
+    for e in events[:50]:
+        assert indexed.match_payloads(e) == scan.match_payloads(e)
+    t_indexed = per_event(indexed, events)
+    t_scan = per_event(scan, events[:100])
+    return {
+        "filters": float(len(filters)),
+        "indexed_us_per_event": t_indexed * 1e6,
+        "scan_us_per_event": t_scan * 1e6,
+        "speedup": t_scan / t_indexed,
+    }
+
+
+# --------------------------------------------------------------------------- data plane
+
+
+def subscriber_filters(rng: random.Random) -> list[list[str]]:
+    return [
+        [
+            f'symbol = "H{rng.randrange(HOT_SYMBOLS):02d}" and price < {rng.randint(1, 100)}'
+            for _ in range(FILTERS_PER_SUBSCRIBER)
+        ]
+        for _ in range(N_SUBSCRIBERS)
+    ]
+
+
+class Sink:
+    """Counts what the subscribers receive and, when asked, the latency of each notification."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last_arrival = 0.0
+        self.latencies_ns: list[int] = []
+        self.record_latency = False
+
+    async def drain(self, client: Client) -> None:
+        while True:
+            batch = await client.receive(10_000)
+            if not batch:
+                return
+            self.count += len(batch)
+            self.last_arrival = time.perf_counter()
+            if self.record_latency:
+                now = time.monotonic_ns()
+                self.latencies_ns.extend(now - int(n.attrs["ts"]) for n in batch)
+
+
+async def _publish_flat_out(pub: Client, stop: asyncio.Event, rng: random.Random) -> int:
+    symbols = [f"H{i:02d}" for i in range(HOT_SYMBOLS)]
+    sent = 0
+    while not stop.is_set():
+        for _ in range(200):
+            pub.publish_nowait(
+                {
+                    "symbol": symbols[rng.randrange(HOT_SYMBOLS)],
+                    "price": rng.randrange(100),
+                    "ts": time.monotonic_ns(),
+                }
+            )
+        sent += 200
+        await pub.flush()
+    return sent
+
+
+async def _publish_paced(pub: Client, rate: float, duration: float, rng: random.Random) -> int:
+    symbols = [f"H{i:02d}" for i in range(HOT_SYMBOLS)]
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    sent = 0
+    while (now := loop.time()) - start < duration:
+        due = int((now - start) * rate)
+        while sent < due:
+            pub.publish_nowait(
+                {
+                    "symbol": symbols[rng.randrange(HOT_SYMBOLS)],
+                    "price": rng.randrange(100),
+                    "ts": time.monotonic_ns(),
+                }
+            )
+            sent += 1
+        await pub.flush()
+        await asyncio.sleep(0.001)
+    return sent
+
+
+async def _settle_clients(overlay: Overlay) -> None:
+    await overlay.settle(within=60)
+
+
+async def run_dataplane(
+    overlay: Overlay, pub_broker: str, sub_broker: str, duration: float, label: str
+) -> dict[str, float]:
+    """Max throughput, then latency at half the max event rate, on an already running overlay."""
+    rng = random.Random(11)
+    subs = [await connect(overlay[sub_broker].listen) for _ in range(N_SUBSCRIBERS)]
+    pub = await connect(overlay[pub_broker].listen, client_id=f"bench-pub-{label}")
+    sink = Sink()
+    drains = [asyncio.create_task(sink.drain(c)) for c in subs]
+    try:
+        for c, texts in zip(subs, subscriber_filters(rng), strict=True):
+            await asyncio.gather(*(c.subscribe(t) for t in texts))
+        await _settle_clients(overlay)
+
+        progress(f"{label}: publishing flat out for {duration:.1f}s")
+        # Rate = everything delivered / (last arrival - first publish): counting a window while
+        # publishing would credit backlog drained from before the window (or miss backlog left
+        # after it), since brokers buffer up to their high-water marks.
+        stop = asyncio.Event()
+        c0, p0, t0 = sink.count, pub.last_seq, time.perf_counter()
+        publisher = asyncio.create_task(_publish_flat_out(pub, stop, rng))
+        await asyncio.sleep(duration)
+        stop.set()
+        await publisher
+        await _quiesce(sink)
+        c1, p1, t1 = sink.count, pub.last_seq, sink.last_arrival
+        notif_rate = (c1 - c0) / (t1 - t0)
+        event_rate = (p1 - p0) / (t1 - t0)
+        fanout = (c1 - c0) / max(1, p1 - p0)
+        progress(
+            f"{label}: {notif_rate:,.0f} notifications/s ({event_rate:,.0f} events/s "
+            f"published, {fanout:.1f} notifications per event)"
+        )
+
+        half = event_rate / 2
+        progress(f"{label}: latency at half load ({half:,.0f} events/s) for {duration:.1f}s")
+        sink.latencies_ns.clear()
+        sink.record_latency = True
+        await _publish_paced(pub, half, duration, rng)
+        await _quiesce(sink)
+        sink.record_latency = False
+        lat = sorted(sink.latencies_ns)
+        p50 = lat[len(lat) // 2] / 1e6 if lat else float("nan")
+        p99 = lat[int(len(lat) * 0.99)] / 1e6 if lat else float("nan")
+        progress(
+            f"{label}: latency p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(lat)} notifications"
+        )
+        return {
+            "notif_per_s": notif_rate,
+            "events_per_s": event_rate,
+            "fanout": fanout,
+            "p50_ms": p50,
+            "p99_ms": p99,
+            "latency_samples": float(len(lat)),
+        }
+    finally:
+        await pub.close()
+        for c in subs:
+            await c.close()
+        await asyncio.gather(*drains, return_exceptions=True)
+
+
+async def _quiesce(sink: Sink, quiet: float = 0.3) -> None:
+    """Wait until no notification has arrived for ``quiet`` seconds (queues drained)."""
+    last = -1
+    while sink.count != last:
+        last = sink.count
+        await asyncio.sleep(quiet)
+
+
+async def run(duration: float = 4.0) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    progress("matching: 10k filters, indexed vs scan")
+    m = bench_matching()
+    progress(
+        f"matching: indexed {m['indexed_us_per_event']:.1f} us/event, scan "
+        f"{m['scan_us_per_event']:.0f} us/event, speed-up {m['speedup']:.0f}x"
+    )
+
+    progress("starting 1 broker")
+    async with Overlay(["solo"], [], extra_args=["--telemetry-sample", "0.01"]) as ov:
+        single = await run_dataplane(ov, "solo", "solo", duration, "single broker")
+        rss = {"solo": ov["solo"].rss_mb()}
+    progress("starting a chain of 3 brokers")
+    async with Overlay(
+        ["b1", "b2", "b3"], [("b1", "b2"), ("b2", "b3")], extra_args=["--telemetry-sample", "0.01"]
+    ) as ov:
+        chain = await run_dataplane(ov, "b1", "b3", duration, "chain of 3")
+        rss.update({n: ov[n].rss_mb() for n in ("b1", "b2", "b3")})
+    result: dict[str, Any] = {
+        "single_broker_notif_per_s": round(single["notif_per_s"]),
+        "chain3_notif_per_s": round(chain["notif_per_s"]),
+        "p99_latency_ms": round(single["p99_ms"], 3),
+        "matching_speedup_10k": round(m["speedup"], 1),
+        "broker_rss_mb": round(max(rss.values()), 1),
+        "detail": {
+            "single": single,
+            "chain3": chain,
+            "matching": m,
+            "rss_mb": rss,
+            "subscribers": N_SUBSCRIBERS,
+            "filters": N_SUBSCRIBERS * FILTERS_PER_SUBSCRIBER,
+            "wall_s": round(time.perf_counter() - t_start, 1),
+        },
+    }
+    return result
+
+
+def report(r: dict[str, Any]) -> str:
+    d = r["detail"]
+    s, c = d["single"], d["chain3"]
+    rows = [
+        (
+            "notifications/s, 1 broker (1 pub -> 50 subs, 1k filters)",
+            f"{r['single_broker_notif_per_s']:,}",
+            ">= 100,000",
+            f"{s['events_per_s']:,.0f} events/s x {s['fanout']:.1f}",
+        ),
+        (
+            "notifications/s, chain of 3 brokers",
+            f"{r['chain3_notif_per_s']:,}",
+            ">= 50,000",
+            f"{c['events_per_s']:,.0f} events/s x {c['fanout']:.1f}",
+        ),
+        (
+            "latency at half load, 1 broker, p50 / p99 ms",
+            f"{s['p50_ms']:.2f} / {s['p99_ms']:.2f}",
+            "p99 <= 5",
+            "",
+        ),
+        (
+            "latency at half load, chain of 3, p50 / p99 ms",
+            f"{c['p50_ms']:.2f} / {c['p99_ms']:.2f}",
+            "",
+            "",
+        ),
+        (
+            "matching speed-up, 10k filters (indexed vs scan)",
+            f"{r['matching_speedup_10k']:.0f}x",
+            ">= 20x",
+            f"{d['matching']['indexed_us_per_event']:.1f} vs "
+            f"{d['matching']['scan_us_per_event']:.0f} us/event",
+        ),
+        (
+            "broker RSS, MiB (max over brokers)",
+            f"{r['broker_rss_mb']:.1f}",
+            "",
+            ", ".join(f"{k} {v:.0f}" for k, v in d["rss_mb"].items()),
+        ),
+    ]
+    w = max(len(a) for a, *_ in rows)
+    lines = [f"{'measure':<{w}}  {'measured':>14}  {'target':>10}  detail"]
+    lines += [f"{a:<{w}}  {b:>14}  {t:>10}  {x}" for a, b, t, x in rows]
+    lines.append(f"(wall time {d['wall_s']} s)")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=4.0,
+        help="seconds per measured phase (default 4; total stays under 60 s)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="canopy bench dataplane", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    tune_gc()  # the subscribers here are measured too: same GC settings as the brokers
+    result = asyncio.run(run(args.duration))
+    print(report(result))
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
