@@ -111,7 +111,7 @@ async def serve(args: argparse.Namespace) -> int:
         "name": broker.name,
         "listen": f"{broker.address[0]}:{broker.address[1]}",
         "admin": f"{admin_sock[0]}:{admin_sock[1]}",
-        "routing": config.routing.value,
+        "routing": broker.core.mode.value,
         "pid": os.getpid(),
     }
     print(READY_PREFIX + json.dumps(ready), flush=True)

@@ -278,27 +278,34 @@ class Client:
         connection closed cleanly or ``timeout`` seconds passed. Raises :class:`ClientError` if
         the broker closed the connection with an error (e.g. slow consumer)."""
         inbox = self._inbox
-        if not inbox:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not inbox:
             if self.closed:
-                if self._error is not None and self._error.code not in ("closed",):
+                if self._error is not None and self._error.code != "closed":
                     raise self._error
                 return []
-            self._inbox_waiter = asyncio.get_running_loop().create_future()
+            self._resume_reading()
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return []
+            self._inbox_waiter = loop.create_future()
             try:
-                await asyncio.wait_for(self._inbox_waiter, timeout)
+                await asyncio.wait_for(self._inbox_waiter, remaining)
             except TimeoutError:
                 return []
             finally:
                 self._inbox_waiter = None
-            if not inbox:
-                return await self.receive(max_items, 0)
-        n = min(max_items, len(inbox))
-        out = [inbox.popleft() for _ in range(n)]
-        if self._reading_paused and len(inbox) < self.max_buffered // 2:
+        out = [inbox.popleft() for _ in range(min(max_items, len(inbox)))]
+        self._resume_reading()
+        return out
+
+    def _resume_reading(self) -> None:
+        """Read the socket again once the application has drained half the inbox."""
+        if self._reading_paused and len(self._inbox) <= self.max_buffered // 2:
             self._reading_paused = False
             if self._proto is not None and self._proto.transport is not None:
                 self._proto.transport.resume_reading()
-        return out
 
     def notifications(self) -> _Notifications:
         """``async for n in client.notifications()`` until the connection closes."""

@@ -21,13 +21,16 @@ offending connection when it does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
+from enum import Enum
 from typing import Any, Final
 
 import orjson
 
+from canopy_broker.core import messages as core_messages
 from canopy_broker.core.events import Event, Value, check_attributes
 from canopy_broker.core.filters import Constraint, Filter, FilterError, Op
 from canopy_broker.core.messages import LinkMessage, Publish, RouteKey, Subscribe, Unsubscribe
@@ -53,6 +56,7 @@ F_PRESSURE: Final = 8  # [8, true|false]                     link only: congesti
 L_PUBLISH: Final = 0  # [0, publisher, seq, hops, attrs]
 L_SUBSCRIBE: Final = 1  # [1, filter, tag]
 L_UNSUBSCRIBE: Final = 2  # [2, filter, tag]
+L_GENERIC: Final = 3  # [3, {"$": "TypeName", ...}]   every other core message (see to_wire)
 
 # Client -> broker messages (inside F_MSGS).
 C_SUBSCRIBE: Final = 10  # [10, sub_id, filter]   filter: text or [[attr, op, value?], ...]
@@ -223,10 +227,83 @@ def encode_event_body(event: Event) -> bytes:
 
 
 def encode_link_message(msg: LinkMessage) -> bytes:
-    if isinstance(msg, Publish):
+    """Compact arrays for the data plane; the tagged generic form for everything else."""
+    if isinstance(msg, Publish) and getattr(msg, "tag", None) is None:
         return b"[0," + encode_event_body(msg.event) + b"]"
-    code = L_SUBSCRIBE if isinstance(msg, Subscribe) else L_UNSUBSCRIBE
-    return orjson.dumps([code, encode_filter(msg.key.filter), msg.key.tag])
+    if isinstance(msg, Subscribe | Unsubscribe):
+        code = L_SUBSCRIBE if isinstance(msg, Subscribe) else L_UNSUBSCRIBE
+        return orjson.dumps([code, encode_filter(msg.key.filter), msg.key.tag])
+    return b"[3," + orjson.dumps(to_wire(msg)) + b"]"
+
+
+# Generic form. The reconfiguration protocols add core messages faster than a hand-written
+# array layout per type could follow, and they are rare (a few per link exchange), so they travel
+# as self-describing JSON: a dataclass of the core's message module is {"$": "Name", field: ...},
+# an Enum {"$e": "Name", "v": value}, a Filter {"$f": structured}, an Event {"$ev": [p, s, h, a]};
+# arrays decode to tuples (the core's dataclasses are frozen and hold tuples). Only classes
+# defined in canopy_broker.core.messages can be instantiated from the wire.
+_WIRE_TYPES: dict[str, type] = {
+    name: obj
+    for name, obj in vars(core_messages).items()
+    if isinstance(obj, type)
+    and obj.__module__ == core_messages.__name__
+    and (dataclasses.is_dataclass(obj) or issubclass(obj, Enum))
+}
+_MAX_DEPTH = 32
+
+
+def to_wire(obj: object) -> Any:
+    """A core message (or any value inside one) as JSON-able data; see the comment above."""
+    if obj is None or type(obj) in (str, int, float, bool):
+        return obj
+    if isinstance(obj, Enum):
+        return {"$e": type(obj).__name__, "v": obj.value}
+    if isinstance(obj, Filter):
+        return {"$f": encode_filter(obj)}
+    if isinstance(obj, Event):
+        return {"$ev": [obj.publisher, obj.seq, obj.hops, dict(obj.attrs)]}
+    if isinstance(obj, tuple | list | frozenset):
+        return [to_wire(x) for x in obj]
+    name = type(obj).__name__
+    if _WIRE_TYPES.get(name) is type(obj) and dataclasses.is_dataclass(obj):
+        out: dict[str, Any] = {"$": name}
+        for f in dataclasses.fields(obj):
+            out[f.name] = to_wire(getattr(obj, f.name))
+        return out
+    raise TypeError(f"{name} cannot be put on the wire")
+
+
+def from_wire(obj: object, depth: int = 0) -> Any:
+    """Inverse of :func:`to_wire`; raises :class:`FrameError` on anything it would not make."""
+    if depth > _MAX_DEPTH:
+        raise FrameError("message nested too deeply")
+    if obj is None or type(obj) in (str, int, float, bool):
+        return obj
+    if type(obj) is list:
+        return tuple(from_wire(x, depth + 1) for x in obj)
+    if type(obj) is dict:
+        if "$" in obj:
+            cls = _WIRE_TYPES.get(obj["$"]) if isinstance(obj["$"], str) else None
+            if cls is None or not dataclasses.is_dataclass(cls):
+                raise FrameError(f"unknown message type {obj['$']!r}", "unknown-type")
+            fields = {k: from_wire(v, depth + 1) for k, v in obj.items() if k != "$"}
+            try:
+                return cls(**fields)
+            except (TypeError, ValueError) as exc:
+                raise FrameError(f"bad {cls.__name__}: {exc}") from None
+        if "$e" in obj:
+            cls = _WIRE_TYPES.get(obj["$e"]) if isinstance(obj["$e"], str) else None
+            if cls is None or not issubclass(cls, Enum):
+                raise FrameError(f"unknown enum {obj['$e']!r}", "unknown-type")
+            try:
+                return cls(obj.get("v"))
+            except ValueError as exc:
+                raise FrameError(str(exc)) from None
+        if "$f" in obj:
+            return decode_filter(obj["$f"])
+        if "$ev" in obj and type(obj["$ev"]) is list and len(obj["$ev"]) == 4:
+            return decode_event(obj["$ev"], 0)
+    raise FrameError(f"cannot decode {str(obj)[:80]!r}")
 
 
 def decode_event(item: list[Any], start: int) -> Event:
@@ -251,6 +328,11 @@ def decode_link_message(item: object) -> LinkMessage:
             raise FrameError(f"route tag must be a string, got {tag!r}")
         key = RouteKey(decode_filter(item[1]), tag)
         return Subscribe(key) if code == L_SUBSCRIBE else Unsubscribe(key)
+    if code == L_GENERIC and len(item) == 2:
+        msg = from_wire(item[1])
+        if not isinstance(msg, LinkMessage):
+            raise FrameError(f"{type(msg).__name__} is not a link message", "unknown-type")
+        return msg
     raise FrameError(f"unknown link message {item!r}", "unknown-type")
 
 

@@ -1,0 +1,82 @@
+"""The client library's own behaviour: iteration, batching, close, errors."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from canopy_broker.client import ClientError, Notification, connect
+from canopy_broker.core.filters import Filter
+from tests.unit.test_runtime_broker import MakeBroker, addr, collect, make_broker
+
+__all__ = ["make_broker"]
+
+
+async def test_async_for_over_notifications_ends_when_the_broker_goes(
+    make_broker: MakeBroker,
+) -> None:
+    b = await make_broker("b")
+    sub = await connect(addr(b))
+    await sub.subscribe(Filter.parse("n < 3"))
+    async with await connect(addr(b), "p") as pub:
+        for n in range(5):
+            pub.publish_nowait({"n": n})
+        assert pub.last_seq == 5
+    seen: list[Notification] = []
+    async for note in sub.notifications():
+        seen.append(note)
+        if len(seen) == 3:
+            await b.stop()
+    assert [n.id for n in seen] == ["p:1", "p:2", "p:3"]
+    assert seen[0].to_json() == {
+        "id": "p:1",
+        "publisher": "p",
+        "seq": 1,
+        "hops": 0,
+        "attrs": {"n": 0},
+        "sub_ids": ["s1"],
+    }
+    assert "p:1" in repr(seen[0])
+    with pytest.raises(ClientError):
+        await sub.publish({"n": 1})
+    await sub.close()
+    await sub.close()  # idempotent
+
+
+async def test_many_publishes_are_batched_into_few_frames(make_broker: MakeBroker) -> None:
+    b = await make_broker("b")
+    frames: list[int] = []
+    handle = b._client_msgs
+
+    def counting(client: Any, items: list[Any]) -> None:
+        frames.append(len(items))
+        handle(client, items)
+
+    b._client_msgs = counting  # type: ignore[method-assign]
+    async with await connect(addr(b)) as sub, await connect(addr(b), "p") as pub:
+        await sub.subscribe([("i", ">=", 0)])
+        for i in range(2000):
+            pub.publish_nowait({"i": i})
+        await pub.flush()
+        got = await collect(sub, 2000)
+        assert [n.seq for n in got] == list(range(1, 2001))
+    assert sum(frames) == 2001  # one subscribe + 2000 publishes...
+    assert len(frames) < 20  # ...in a handful of frames (one per loop tick or 256 KiB)
+
+
+async def test_connect_failures_are_reported() -> None:
+    with pytest.raises(OSError):
+        await connect("127.0.0.1:9", connect_timeout=2)
+    with pytest.raises(ValueError):
+        await connect("no-port")
+
+
+async def test_receive_timeout_returns_empty(make_broker: MakeBroker) -> None:
+    b = await make_broker("b")
+    async with await connect(addr(b)) as c:
+        await c.subscribe("true")
+        t0 = asyncio.get_running_loop().time()
+        assert await c.receive(10, timeout=0.1) == []
+        assert asyncio.get_running_loop().time() - t0 >= 0.09

@@ -1,0 +1,181 @@
+"""The admin HTTP API, served by aiohttp's test server and driven through :class:`AdminClient`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from canopy_broker.admin_client import AdminClient, AdminError
+from canopy_broker.client import connect
+from canopy_broker.runtime.admin import make_admin_app
+from canopy_broker.runtime.server import Broker
+from tests.unit.test_runtime_broker import MakeBroker, addr, eventually, make_broker, settled
+
+__all__ = ["make_broker"]  # the fixture, re-exported for pytest
+
+TOKEN = "s3cret-token"
+Serve = Callable[[Broker], Awaitable[AdminClient]]
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Serve]:
+    servers: list[TestServer] = []
+    clients: list[AdminClient] = []
+
+    async def start(broker: Broker, token: str | None = TOKEN) -> AdminClient:
+        server = TestServer(make_admin_app(broker, token))
+        await server.start_server()
+        servers.append(server)
+        client = AdminClient(str(server.make_url("")), token)
+        clients.append(client)
+        return client
+
+    yield start
+    for c in clients:
+        await c.close()
+    for s in servers:
+        await s.close()
+
+
+async def test_token_is_required_except_for_probes_and_metrics(
+    make_broker: MakeBroker, serve: Serve
+) -> None:
+    b = await make_broker("b")
+    good = await serve(b)
+    async with aiohttp.ClientSession() as http:
+        for path in ("/status", "/routing", "/telemetry"):
+            async with http.get(good.url + path) as resp:
+                assert resp.status == 401
+                assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+            headers = {"Authorization": "Bearer wrong"}
+            async with http.get(good.url + path, headers=headers) as resp:
+                assert resp.status == 401
+        for path in ("/healthz", "/readyz", "/metrics"):
+            async with http.get(good.url + path) as resp:
+                assert resp.status == 200
+    assert (await good.status())["name"] == "b"
+    async with AdminClient(good.url, "wrong") as bad:
+        with pytest.raises(AdminError) as info:
+            await bad.routing()
+        assert info.value.status == 401
+
+
+async def test_status_routing_and_metrics(make_broker: MakeBroker, serve: Serve) -> None:
+    b = await make_broker("b")
+    admin = await serve(b)
+    async with await connect(addr(b), "c1") as c:
+        await c.subscribe('kind = "x"', sub_id="one")
+        st = await admin.status()
+        assert st["name"] == "b" and st["routing"] == "covering" and st["clients"] == 1
+        assert st["neighbours"] == [] and st["ready"] and st["uptime_s"] >= 0
+        assert st["queue_depths"] == {"links": {}, "clients_total": 0, "clients_max": 0}
+        routing = await admin.routing()
+        assert routing["table"]["clients"] == {"c1": {"one": 'kind = "x"'}}
+        assert routing["size"] == 1
+        await c.publish({"kind": "x"})
+        await c.receive(1)
+    text = await admin.metrics()
+    for name in (
+        "canopy_link_messages_total",
+        "canopy_matching_seconds_bucket",
+        "canopy_routing_table_entries 0.0",
+        "canopy_clients 0.0",
+        "canopy_events_published_total 1.0",
+        "canopy_notifications_delivered_total 1.0",
+        "canopy_slow_consumer_disconnects_total 0.0",
+        "canopy_client_queue_depth_max",
+        "canopy_publishers_paused 0.0",
+    ):
+        assert name in text, name
+    assert await admin.healthz() and await admin.readyz()
+
+
+async def test_links_are_added_idempotently_and_removed_on_both_ends(
+    make_broker: MakeBroker, serve: Serve
+) -> None:
+    a = await make_broker("a")
+    z = await make_broker("z")
+    admin_a, admin_z = await serve(a), await serve(z)
+    first = await admin_a.add_link("z", addr(z))
+    assert first["created"] and first["up"] and first["link"]["state"] == "up"
+    again = await admin_a.add_link("z", addr(z))
+    assert not again["created"] and again["up"]
+    await settled(a, z)
+    [nz] = (await admin_z.status())["neighbours"]
+    assert nz["peer"] == "a" and nz["state"] == "up" and not nz["dialer"]
+    metrics = await admin_a.metrics()
+    assert 'canopy_link_up{peer="z"} 1.0' in metrics
+    assert 'canopy_link_bytes_total{direction="out",peer="z"}' in metrics
+    assert await admin_a.drop_link_connection("z")
+    await eventually(lambda: a.links["z"].connects == 2 and a.links["z"].conn is not None)
+    assert await admin_a.remove_link("z")
+    await eventually(lambda: not z.links)
+    assert not await admin_a.remove_link("z")
+    assert not await admin_a.drop_link_connection("z")
+    assert (await admin_z.routing())["table"]["links"] == {}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"peer": "x"},
+        {"address": "1.2.3.4:5"},
+        {"peer": "x", "address": "nope"},
+        {"peer": "x", "address": "h:1", "timeout": -1},
+        ["not", "an", "object"],
+    ],
+)
+async def test_bad_link_requests_are_400(
+    make_broker: MakeBroker, serve: Serve, body: object
+) -> None:
+    admin = await serve(await make_broker("a"))
+    async with aiohttp.ClientSession() as http:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with http.post(admin.url + "/links", json=body, headers=headers) as resp:
+            assert resp.status == 400
+        async with http.post(admin.url + "/links", data=b"{", headers=headers) as resp:
+            assert resp.status == 400
+
+
+async def test_link_to_self_and_unreachable_peer(make_broker: MakeBroker, serve: Serve) -> None:
+    a = await make_broker("a")
+    admin = await serve(a)
+    with pytest.raises(AdminError) as info:
+        await admin.add_link("a", addr(a))
+    assert info.value.status == 400
+    result = await admin.add_link("ghost", "127.0.0.1:9", wait=0.2)
+    assert not result["up"] and result["link"]["state"] == "connecting"
+    assert await admin.remove_link("ghost")
+
+
+async def test_telemetry_pull_with_cursor(make_broker: MakeBroker, serve: Serve) -> None:
+    b = await make_broker("b", telemetry_sample=1.0)
+    admin = await serve(b)
+    async with await connect(addr(b), "p") as p:
+        for i in range(5):
+            await p.publish({"i": i})
+        await p.flush()
+        await eventually(lambda: len(b.telemetry.since(0)["records"]) == 5)
+    page = await admin.telemetry(since=0, limit=3)
+    assert page["schema"] == "canopy.telemetry/v1" and page["broker"] == "b"
+    assert [r["event_id"] for r in page["records"]] == ["p:1", "p:2", "p:3"]
+    rest = await admin.telemetry(since=page["next"])
+    assert [r["event_id"] for r in rest["records"]] == ["p:4", "p:5"]
+    async with aiohttp.ClientSession() as http:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with http.get(admin.url + "/telemetry?since=x", headers=headers) as resp:
+            assert resp.status == 400
+
+
+async def test_no_token_means_no_auth(make_broker: MakeBroker, serve: Serve) -> None:
+    b = await make_broker("b")
+    server = TestServer(make_admin_app(b, None))
+    await server.start_server()
+    try:
+        async with AdminClient(str(server.make_url(""))) as open_admin:
+            assert (await open_admin.status())["name"] == "b"
+    finally:
+        await server.close()

@@ -1,0 +1,455 @@
+"""The broker runtime in-process: clients, links, reconnects, garbage, slow consumers, telemetry.
+
+Brokers here run inside the test's event loop on 127.0.0.1 with port 0; the real-process versions
+of the end-to-end checks live in tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from canopy_broker.client import Client, ClientError, Notification, connect
+from canopy_broker.core.events import is_sampled
+from canopy_broker.runtime.framing import control_frame, frame
+from canopy_broker.runtime.server import Broker, BrokerConfig
+
+MakeBroker = Callable[..., Awaitable[Broker]]
+
+
+@pytest.fixture
+async def make_broker() -> AsyncIterator[MakeBroker]:
+    brokers: list[Broker] = []
+
+    async def make(name: str, **config: Any) -> Broker:
+        config.setdefault("heartbeat_interval", 0.2)
+        b = Broker(BrokerConfig(name=name, **config))
+        await b.start()
+        brokers.append(b)
+        return b
+
+    yield make
+    for b in brokers:
+        await b.stop(flush_timeout=0.5)
+
+
+def addr(b: Broker) -> str:
+    assert b.address is not None
+    return f"{b.address[0]}:{b.address[1]}"
+
+
+async def eventually(cond: Callable[[], bool], within: float = 10.0) -> None:
+    """Poll a condition (the broker has no callback for every state we want to observe)."""
+    async with asyncio.timeout(within):
+        while not cond():  # noqa: ASYNC110 - polling state of another component
+            await asyncio.sleep(0.01)
+
+
+async def collect(c: Client, n: int, within: float = 10.0) -> list[Notification]:
+    got: list[Notification] = []
+    async with asyncio.timeout(within):
+        while len(got) < n:
+            got += await c.receive(n - len(got))
+    return got
+
+
+async def link(a: Broker, b: Broker) -> None:
+    a.add_link(b.name, addr(b))
+    assert await a.wait_link_up(b.name, 5.0)
+    await eventually(lambda: a.name in b.links and b.links[a.name].conn is not None)
+
+
+async def settled(*brokers: Broker) -> None:
+    """Every link up with nothing unacknowledged, on every broker."""
+    await eventually(
+        lambda: all(lk.conn is not None and not lk.out for b in brokers for lk in b.links.values())
+    )
+
+
+# --------------------------------------------------------------------------- one broker
+
+
+async def test_subscribe_publish_unsubscribe_on_one_broker(make_broker: MakeBroker) -> None:
+    b = await make_broker("b")
+    async with await connect(addr(b)) as sub, await connect(addr(b), "pub") as pub:
+        assert sub.broker == "b" and sub.client_id.startswith("b-")
+        cheap = await sub.subscribe('price < 10 and symbol = "ACME"')
+        await sub.subscribe([["symbol", "exists"]], sub_id="all")
+        assert b.core.routing_table().clients[sub.client_id] == {
+            cheap: sub.subscriptions[cheap],
+            "all": sub.subscriptions["all"],
+        }
+        await pub.publish({"symbol": "ACME", "price": 5})
+        await pub.publish({"symbol": "ACME", "price": 50})
+        first, second = await collect(sub, 2)
+        assert (first.id, first.sub_ids, first.hops) == ("pub:1", ("all", cheap), 0)
+        assert (second.id, second.sub_ids) == ("pub:2", ("all",))
+        assert first.event.attrs == {"symbol": "ACME", "price": 5}
+        await sub.unsubscribe("all")
+        await pub.publish({"symbol": "ACME", "price": 1})
+        [third] = await collect(sub, 1)
+        assert (third.seq, third.sub_ids) == (3, (cheap,))
+
+
+async def test_client_side_validation_costs_no_connection(make_broker: MakeBroker) -> None:
+    b = await make_broker("b")
+    async with await connect(addr(b)) as c:
+        with pytest.raises(ValueError):
+            await c.subscribe("price <")
+        with pytest.raises(ValueError):
+            c.publish_nowait({"x": float("inf")})
+        sid = await c.subscribe("x > 1", sub_id="mine")
+        with pytest.raises(ValueError):
+            await c.subscribe("x > 2", sub_id=sid)
+        with pytest.raises(ValueError):
+            await c.unsubscribe("nope")
+        assert await c.subscribe("x > 3")  # still connected and working
+
+
+async def test_duplicate_client_id_is_refused(make_broker: MakeBroker) -> None:
+    b = await make_broker("b")
+    async with await connect(addr(b), "same"):
+        with pytest.raises(ClientError) as info:
+            await connect(addr(b), "same")
+        assert info.value.code == "client-id-in-use"
+
+
+async def raw_connection(b: Broker) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    assert b.address is not None
+    return await asyncio.open_connection(*b.address)
+
+
+async def closed_by_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """Read until EOF (the broker closed us); returns what it said first."""
+    try:
+        async with asyncio.timeout(5):
+            return await reader.read()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x00\x00\x00\x05hello",  # not JSON
+        b"\xff\xff\xff\xff",  # 4 GiB length prefix
+        frame(b'{"not": "an array"}'),
+        control_frame(0, {"v": 1, "role": "spy"}),  # unknown role
+        control_frame(0, {"v": 99, "role": "client"}),  # wrong version
+        control_frame(6, [[12, 1, {}]]),  # data before the hello
+    ],
+)
+async def test_garbage_closes_only_that_connection(make_broker: MakeBroker, garbage: bytes) -> None:
+    b = await make_broker("b")
+    async with await connect(addr(b)) as sub, await connect(addr(b), "pub") as pub:
+        await sub.subscribe("true")
+        reader, writer = await raw_connection(b)
+        writer.write(garbage)
+        said = await closed_by_peer(reader, writer)
+        assert said == b"" or b"[7," in said  # an error frame, then EOF
+        await pub.publish({"still": "works"})
+        [n] = await collect(sub, 1)
+        assert n.attrs == {"still": "works"}
+    text = b.metrics.render().decode()
+    assert "canopy_malformed_frames_total{" in text
+
+
+@pytest.mark.parametrize(
+    ("messages", "code"),
+    [
+        ([[10, "s", "price <"]], "invalid-filter"),
+        ([[12, 1, {"y": 1}], [12, 3, {"y": 1}]], "sequence"),
+        ([[12, 1, {"x": None}]], "invalid-event"),
+        ([[11, "never-subscribed"]], "protocol"),  # the core's ProtocolError
+        ([[99]], "unknown-type"),
+    ],
+)
+async def test_illegal_client_messages_close_that_client(
+    make_broker: MakeBroker, messages: list[Any], code: str
+) -> None:
+    b = await make_broker("b")
+    async with await connect(addr(b)) as bystander:
+        await bystander.subscribe("x exists")
+        reader, writer = await raw_connection(b)
+        writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "rogue"}))
+        writer.write(control_frame(6, messages))
+        said = await closed_by_peer(reader, writer)
+        assert f'[7,"{code}"'.encode() in said
+        await eventually(lambda: "rogue" not in b.clients)
+        async with await connect(addr(b), "pub") as pub:
+            await pub.publish({"x": 1})
+            assert [n.id for n in await collect(bystander, 1)] == ["pub:1"]
+
+
+async def test_client_vanishing_mid_stream_harms_nobody(make_broker: MakeBroker) -> None:
+    b = await make_broker("b")
+    async with await connect(addr(b)) as steady, await connect(addr(b), "pub") as pub:
+        await steady.subscribe("n >= 0")
+        flaky = await connect(addr(b))
+        await flaky.subscribe("n >= 0")
+        for i in range(500):
+            pub.publish_nowait({"n": i})
+            if i == 250:
+                flaky.abort()
+        await pub.flush()
+        got = await collect(steady, 500)
+        assert [n.seq for n in got] == list(range(1, 501))
+        await flaky.close()
+        await eventually(lambda: len(b.clients) == 2)
+        assert all(flaky.client_id not in subs for subs in [b.core.routing_table().clients])
+
+
+async def test_slow_consumer_is_disconnected_and_publisher_keeps_going(
+    make_broker: MakeBroker,
+) -> None:
+    b = await make_broker(
+        "b", high_water=50, low_water=10, client_hard_cap=100_000, slow_consumer_grace=0.5
+    )
+    async with await connect(addr(b)) as healthy, await connect(addr(b), "pub") as pub:
+        await healthy.subscribe("true")
+        # A subscriber that never reads its socket (a hung application).
+        _reader, writer = await raw_connection(b)
+        writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "stuck"}))
+        writer.write(control_frame(6, [[10, "s", "true"]]))
+        await eventually(lambda: "stuck" in b.core.routing_table().clients)
+        total = 0
+        while "stuck" in b.clients:  # publish until the broker gives up on it
+            for _ in range(100):
+                await pub.publish({"blob": "x" * 2000})
+            total += 100
+        assert b.metrics.slow_consumers._value.get() == 1
+        writer.close()
+        await writer.wait_closed()
+        await eventually(lambda: not b.status()["publishers_paused"])
+        await pub.publish({"after": True})
+        total += 1
+        got = await collect(healthy, total, within=30)  # the healthy one lost nothing
+        assert [n.seq for n in got] == list(range(1, total + 1))
+
+
+# --------------------------------------------------------------------------- links
+
+
+async def test_two_brokers_route_and_remove_link(make_broker: MakeBroker) -> None:
+    a = await make_broker("a")
+    z = await make_broker("z", routing="identity")
+    await link(a, z)
+    assert a.links["z"].dialer and not z.links["a"].dialer
+    async with await connect(addr(z)) as sub, await connect(addr(a), "pub") as pub:
+        await sub.subscribe("v > 1")
+        await settled(a, z)
+        assert [str(k) for k in a.core.routing_table().links["z"]] == ["v > 1"]
+        await pub.publish({"v": 2})
+        [n] = await collect(sub, 1)
+        assert (n.id, n.hops) == ("pub:1", 1)
+        assert a.remove_link("z")
+        await eventually(lambda: "a" not in z.links)
+        assert a.core.neighbours == [] and z.core.neighbours == []
+        assert not a.remove_link("z")
+
+
+async def test_add_link_is_idempotent(make_broker: MakeBroker) -> None:
+    a = await make_broker("a")
+    z = await make_broker("z")
+    await link(a, z)
+    first = a.links["z"]
+    assert a.add_link("z", addr(z)) is first
+    with pytest.raises(ValueError):
+        a.add_link("a", addr(z))
+
+
+async def test_link_reconnects_without_loss_or_duplicates(make_broker: MakeBroker) -> None:
+    a = await make_broker("a")
+    m = await make_broker("m")
+    z = await make_broker("z")
+    await link(a, m)
+    await link(m, z)  # m dials z, and is dialed by a: both roles are exercised
+    async with await connect(addr(z)) as sub, await connect(addr(a), "pub") as pub:
+        await sub.subscribe("i >= 0")
+        await settled(a, m, z)
+        total = 3000
+        for i in range(total):
+            pub.publish_nowait({"i": i})
+            if i % 600 == 300:
+                await pub.flush()
+                await eventually(lambda: a.links["m"].conn is not None)
+                assert a.drop_link_connection("m")  # the dialer's end
+                await eventually(lambda: z.links["m"].conn is not None)
+                assert z.drop_link_connection("m")  # the accepting end
+        await pub.flush()
+        got = await collect(sub, total, within=30)
+        assert [n.seq for n in got] == list(range(1, total + 1))
+        await settled(a, m, z)
+        assert await sub.receive(10, timeout=0.2) == []  # and nothing more
+    assert a.links["m"].connects > 1 and m.links["z"].connects > 1
+    assert a.links["m"].session == m.links["a"].session
+
+
+async def test_restarted_peer_gets_a_fresh_session(make_broker: MakeBroker) -> None:
+    a = await make_broker("a")
+    z = await make_broker("z")
+    await link(a, z)
+    old_session = a.links["z"].session
+    port = z.address[1] if z.address else 0
+    await z.stop(flush_timeout=0.1)
+    z2 = await make_broker("z", port=port)  # same name and port, no memory of the session
+    await eventually(lambda: "a" in z2.links and z2.links["a"].conn is not None)
+    assert a.links["z"].session != old_session
+    async with await connect(addr(a)) as sub:
+        await sub.subscribe("k = 1")
+        await settled(a, z2)
+        assert [str(k) for k in z2.core.routing_table().links["a"]] == ["k = 1"]
+
+
+async def test_link_garbage_closes_only_the_link(make_broker: MakeBroker) -> None:
+    a = await make_broker("a")
+    reader, writer = await raw_connection(a)
+    writer.write(
+        control_frame(
+            0, {"v": 1, "role": "link", "name": "x", "session": "s1", "resume": False, "last_rx": 0}
+        )
+    )
+    writer.write(control_frame(1, 5, []))  # sequence gap: first frame must start at 1
+    said = await closed_by_peer(reader, writer)
+    assert b'"sequence"' in said
+    await eventually(lambda: a.links["x"].conn is None)
+    assert a.ready
+
+
+async def test_resume_of_an_unknown_session_is_refused(make_broker: MakeBroker) -> None:
+    a = await make_broker("a")
+    reader, writer = await raw_connection(a)
+    writer.write(
+        control_frame(
+            0,
+            {"v": 1, "role": "link", "name": "x", "session": "gone", "resume": True, "last_rx": 3},
+        )
+    )
+    assert b'"unknown-session"' in await closed_by_peer(reader, writer)
+
+
+async def test_heartbeats_measure_rtt_and_detect_a_dead_peer(make_broker: MakeBroker) -> None:
+    a = await make_broker("a")
+    await eventually(lambda: a.ready)
+    # A fake peer that completes the hello and then never says anything again.
+    _reader, writer = await raw_connection(a)
+    writer.write(
+        control_frame(
+            0,
+            {"v": 1, "role": "link", "name": "mute", "session": "s", "resume": False, "last_rx": 0},
+        )
+    )
+    await eventually(lambda: "mute" in a.links and a.links["mute"].conn is not None)
+    await eventually(lambda: a.links["mute"].conn is None, within=5)  # 3 x 0.2 s missed
+    writer.close()
+    await writer.wait_closed()
+    z = await make_broker("z")
+    await link(z, a)
+    await eventually(lambda: z.links["a"].rtt_ms is not None)
+    assert 0 <= (z.links["a"].rtt_ms or 0) < 1000
+
+
+async def test_backpressure_pauses_publishers_across_brokers(make_broker: MakeBroker) -> None:
+    a = await make_broker("a", high_water=20, low_water=5)
+    z = await make_broker("z", high_water=20, low_water=5, slow_consumer_grace=60)
+    await link(a, z)
+    async with await connect(addr(z)) as healthy, await connect(addr(a), "pub") as pub:
+        await healthy.subscribe("true")
+        _reader, writer = await raw_connection(z)  # a subscriber on z that never reads
+        writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "stuck"}))
+        writer.write(control_frame(6, [[10, "s", "true"]]))
+        await settled(a, z)
+        stop = asyncio.Event()
+
+        async def publish() -> None:
+            while not stop.is_set():
+                await pub.publish({"pad": "y" * 1000})
+
+        task = asyncio.create_task(publish())
+        # z's queue to "stuck" passes high water; z tells a, which stops reading its publisher.
+        await eventually(lambda: a.links["z"].remote_pressure and a.status()["publishers_paused"])
+        assert z.links["a"].sent_pressure and not a.status()["queue_depths"]["clients_max"]
+        writer.close()  # the hung subscriber goes away: its queue with it
+        await writer.wait_closed()
+        await eventually(lambda: not a.status()["publishers_paused"])
+        stop.set()
+        await task
+        got = await collect(healthy, pub.last_seq, within=30)
+        assert [n.seq for n in got] == list(range(1, pub.last_seq + 1))
+
+
+# --------------------------------------------------------------------------- telemetry
+
+
+async def test_telemetry_samples_the_same_events_on_every_broker(
+    make_broker: MakeBroker, tmp_path: Path
+) -> None:
+    a = await make_broker("a", telemetry_sample=0.5, telemetry_dir=str(tmp_path))
+    z = await make_broker("z", telemetry_sample=0.5)
+    await link(a, z)
+    async with await connect(addr(z)) as sub, await connect(addr(a), "pub") as pub:
+        await sub.subscribe("i >= 0")
+        await settled(a, z)
+        for i in range(200):
+            pub.publish_nowait({"i": i})
+        await pub.flush()
+        await collect(sub, 200)
+    expected = {f"pub:{s}" for s in range(1, 201) if is_sampled(f"pub:{s}", 0.5)}
+    assert 50 < len(expected) < 150
+
+    def events(b: Broker) -> list[dict[str, Any]]:
+        return [r for r in b.telemetry.since(0)["records"] if r["type"] == "event"]
+
+    ea, ez = events(a), events(z)
+    assert {r["event_id"] for r in ea} == {r["event_id"] for r in ez} == expected
+    first_a, first_z = ea[0], ez[0]
+    assert first_a["schema"] == "canopy.telemetry/v1"
+    assert (first_a["source_kind"], first_a["source"], first_a["hops"]) == ("client", "pub", 0)
+    assert first_a["forwarded_to"] == ["z"] and not first_a["matched_local"]
+    assert (first_z["source_kind"], first_z["source"], first_z["hops"]) == ("link", "a", 1)
+    assert first_z["matched_local"] and first_z["deliveries"] == 1
+    # Pull with a cursor returns only what is newer.
+    page = a.telemetry.since(ea[10]["cursor"])
+    assert page["records"][0]["cursor"] == ea[10]["cursor"] + 1 and not page["truncated"]
+    await a.telemetry.flush()
+    assert {r["event_id"] for r in read_jsonl(tmp_path, "a") if r["type"] == "event"} == expected
+
+
+def read_jsonl(root: Path, broker: str) -> list[dict[str, Any]]:
+    """The records of one broker's partitioned telemetry files (exactly one part file)."""
+    [part] = root.glob(f"broker={broker}/date=*/hour=*/part-*.jsonl")
+    return [json.loads(x) for x in part.read_text().splitlines()]
+
+
+def test_telemetry_ring_reports_truncation() -> None:
+    from canopy_broker.runtime.telemetry import Telemetry  # noqa: PLC0415
+
+    t = Telemetry("b", sample_rate=1.0, history=3)
+    for i in range(5):
+        t.rtt("p", float(i))
+    page = t.since(0)
+    assert [r["cursor"] for r in page["records"]] == [3, 4, 5]
+    assert page["truncated"] and page["next"] == 5
+    assert t.since(5) == {**t.since(5), "records": [], "next": 5, "truncated": False}
+
+
+async def test_stop_says_goodbye_and_closes_everything(make_broker: MakeBroker) -> None:
+    a = await make_broker("a")
+    z = await make_broker("z")
+    await link(a, z)
+    c = await connect(addr(a))
+    await z.stop()
+    await eventually(lambda: a.links["z"].conn is None)
+    await a.stop()
+    assert await c.receive(1, timeout=5) == []
+    await c.close()
+    with socket.socket() as s:
+        assert a.address is not None
+        assert s.connect_ex(a.address) != 0

@@ -1,0 +1,224 @@
+"""Wire format: frame splitting, message codecs and the checks that protect the broker."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from canopy_broker.core import messages as core_messages
+from canopy_broker.core.events import Event
+from canopy_broker.core.filters import Filter
+from canopy_broker.core.messages import Publish, RouteKey, RoutingMode, Subscribe, Unsubscribe
+from canopy_broker.runtime.framing import (
+    MAX_FRAME,
+    FrameError,
+    FrameSplitter,
+    batches,
+    check_wire_attributes,
+    data_frame,
+    decode_filter,
+    decode_link_message,
+    encode_event_body,
+    encode_filter,
+    encode_link_message,
+    frame,
+    from_wire,
+    loads_frame,
+    notify_message,
+    parse_address,
+    to_wire,
+)
+
+
+@given(
+    payloads=st.lists(st.binary(max_size=300), max_size=20),
+    cuts=st.lists(st.integers(min_value=0, max_value=7000), max_size=30),
+)
+def test_splitter_recovers_frames_from_any_chunking(payloads: list[bytes], cuts: list[int]) -> None:
+    stream = b"".join(frame(p) for p in payloads)
+    bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+    splitter = FrameSplitter()
+    got: list[bytes] = []
+    for a, b in itertools.pairwise(bounds):
+        got.extend(splitter.feed(stream[a:b]))
+    assert got == payloads
+    assert splitter.buffered == 0
+
+
+def test_oversized_length_is_rejected_before_the_body_arrives() -> None:
+    splitter = FrameSplitter(max_frame=1024)
+    with pytest.raises(FrameError) as info:
+        splitter.feed((1025).to_bytes(4, "big") + b"x")
+    assert info.value.code == "too-large"
+    assert FrameSplitter().max_frame == MAX_FRAME
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"\xff\xfe garbage", b"{}", b"[]", b'["x"]', b"[1.5]", b"not json at all"],
+)
+def test_malformed_payloads_raise_frame_error(payload: bytes) -> None:
+    with pytest.raises(FrameError):
+        loads_frame(payload)
+
+
+FILTER_TEXTS = [
+    "true",
+    'symbol = "ACME" and price < 10',
+    "price >= 1.5 and price <= 2 and volume != 3",
+    'name prefix "ab" and name suffix "z" and name contains "q"',
+    "flag = true and tag exists and count > -4",
+]
+
+
+@pytest.mark.parametrize("text", FILTER_TEXTS)
+def test_filters_round_trip_in_structured_and_text_form(text: str) -> None:
+    f = Filter.parse(text)
+    wire = orjson.loads(orjson.dumps(encode_filter(f)))
+    assert decode_filter(wire) == f
+    assert decode_filter(str(f)) == f
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "price <",
+        "price ~ 3",
+        [["price", "like", 3]],
+        [["price"]],
+        [["", "=", 1]],
+        [["a", "<", True]],
+        42,
+    ],
+)
+def test_invalid_filters_are_frame_errors(bad: object) -> None:
+    with pytest.raises(FrameError) as info:
+        decode_filter(bad)
+    assert info.value.code in ("invalid-filter", "malformed")
+
+
+def test_link_messages_round_trip() -> None:
+    event = Event("pub-1", 7, {"s": "x", "i": 3, "f": 2.0, "b": False}, hops=2)
+    key = RouteKey(Filter.parse("i > 1"), "c/s1")
+    for msg in (Publish(event), Subscribe(key), Unsubscribe(key)):
+        assert decode_link_message(orjson.loads(encode_link_message(msg))) == msg
+    # Kinds survive the trip: 2.0 stays a float, False stays a bool, 3 stays an int.
+    back = decode_link_message(orjson.loads(encode_link_message(Publish(event))))
+    assert isinstance(back, Publish)
+    assert [type(v) for v in back.event.attrs.values()] == [str, int, float, bool]
+
+
+def test_data_frame_carries_its_first_sequence_number() -> None:
+    msgs = [encode_link_message(Publish(Event("p", i, {"a": i}))) for i in (1, 2)]
+    [payload] = FrameSplitter().feed(data_frame(41, msgs))
+    ftype, first, items = loads_frame(payload)
+    assert (ftype, first, len(items)) == (1, 41, 2)
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        [],
+        [9, "x"],
+        [0, "p", 0, 0, {}],  # seq must be >= 1
+        [0, "p", 1, -1, {}],  # hops >= 0
+        [0, "p", 1, 0, []],  # attrs must be an object
+        [0, "", 1, 0, {}],  # publisher non-empty
+        [1, [["a", "=", 1]], 5],  # tag must be a string
+        "string",
+    ],
+)
+def test_bad_link_messages_are_rejected(item: object) -> None:
+    with pytest.raises(FrameError):
+        decode_link_message(item)
+
+
+@pytest.mark.parametrize(
+    "attrs",
+    [{"x": math.inf}, {"x": math.nan}, {"x": 2**70}, {"x": None}, {"": 1}, {"x": [1]}, [1, 2]],
+)
+def test_wire_attributes_refuse_what_json_or_the_core_cannot_carry(attrs: object) -> None:
+    with pytest.raises(FrameError):
+        check_wire_attributes(attrs)
+
+
+def test_notify_message_reuses_one_encoded_event_body() -> None:
+    body = encode_event_body(Event("p", 3, {"a": 1}, hops=1))
+    assert orjson.loads(notify_message(body, ("s1", "s2"))) == [
+        20,
+        "p",
+        3,
+        1,
+        {"a": 1},
+        ["s1", "s2"],
+    ]
+
+
+def test_batches_split_at_the_byte_limit_and_keep_order() -> None:
+    msgs = [bytes([65 + i % 26]) * 100 for i in range(50)]
+    chunks = batches(msgs, limit=1000)
+    assert [m for c in chunks for m in c] == msgs
+    assert all(sum(map(len, c)) <= 1000 for c in chunks)
+    assert batches([b"x" * 5000], limit=1000) == [[b"x" * 5000]]  # one oversize message alone
+
+
+def test_parse_address() -> None:
+    assert parse_address("10.0.0.1:80") == ("10.0.0.1", 80)
+    assert parse_address(":7400") == ("127.0.0.1", 7400)
+    assert parse_address("[::1]:9") == ("::1", 9)
+    with pytest.raises(ValueError):
+        parse_address("nohost")
+
+
+def test_generic_form_round_trips_core_values() -> None:
+    key = RouteKey(Filter.parse('a prefix "x"'), "t")
+    for value in (
+        Publish(Event("p", 2, {"k": 1.5}, hops=3)),
+        Subscribe(key),
+        (key, key),
+        RoutingMode.IDENTITY,
+        ("a", 1, None, True),
+    ):
+        assert from_wire(orjson.loads(orjson.dumps(to_wire(value)))) == value
+
+
+def test_reconfiguration_messages_travel_in_the_generic_form() -> None:
+    lock_type = getattr(core_messages, "Lock", None)
+    if lock_type is None:
+        pytest.skip("this core has no link-exchange messages yet")
+    lock = lock_type("x1", ("a", "b", "c"), 1)
+    wire = encode_link_message(lock)
+    assert wire.startswith(b"[3,")
+    assert decode_link_message(orjson.loads(wire)) == lock
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"$": "Nope"},
+        {"$": "Subscribe", "key": "not a key", "extra": 1},
+        {"$": "AddLink"},  # missing field
+        {"$e": "RoutingMode", "v": "fancy"},
+        {"$e": "AddLink", "v": 1},
+        {"plain": "dict"},
+        {"$": "ClientAttach", "client": "c"},  # a core type, but not a link message
+    ],
+)
+def test_generic_form_rejects_what_it_would_not_make(obj: object) -> None:
+    with pytest.raises(FrameError):
+        decode_link_message([3, obj])
+
+
+def test_generic_form_refuses_deep_nesting_and_foreign_types() -> None:
+    deep: object = "x"
+    for _ in range(40):
+        deep = [deep]
+    with pytest.raises(FrameError):
+        from_wire(deep)
+    with pytest.raises(TypeError):
+        to_wire(object())
