@@ -16,7 +16,8 @@ from typing import Any
 from canopy_broker.core.filters import Constraint, Filter, Op
 from canopy_broker.core.messages import RoutingMode
 from canopy_broker.sim.checker import check_deliveries, check_routing
-from canopy_broker.sim.simulator import Simulator, random_tree
+from canopy_broker.sim.simulator import Simulator
+from canopy_broker.sim.topology import random_tree
 
 # Paper 002's set-up: 96 one-character patterns, at most 10 per broker.
 PATTERNS = [chr(c) for c in range(ord("!"), ord("!") + 96)]

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import RoutingMode
-from canopy_broker.sim.simulator import CoreFactory, Simulator, random_tree
+from canopy_broker.sim.simulator import CoreFactory, Simulator
+from canopy_broker.sim.topology import random_tree
 from tests.strategies import events, filters
 
 

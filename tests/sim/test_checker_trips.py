@@ -25,7 +25,8 @@ from canopy_broker.core.messages import (
     Unsubscribe,
 )
 from canopy_broker.sim.checker import DeliveryReport, check_deliveries, check_routing
-from canopy_broker.sim.simulator import Simulator, random_tree
+from canopy_broker.sim.simulator import Simulator
+from canopy_broker.sim.topology import random_tree
 
 
 class LossyCore(BrokerCore):

@@ -13,7 +13,8 @@ from hypothesis import find, given, settings
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import RoutingMode
 from canopy_broker.sim.checker import check_deliveries, check_routing
-from canopy_broker.sim.simulator import Simulator, random_tree
+from canopy_broker.sim.simulator import Simulator
+from canopy_broker.sim.topology import random_tree
 from tests.sim.scenarios import Workload, build, workloads
 
 

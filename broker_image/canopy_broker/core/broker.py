@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from canopy_broker.core.events import Event
+from canopy_broker.core.exchange import Exchange, backoff, validate_path
 from canopy_broker.core.filters import Filter, covers
 from canopy_broker.core.matching import IndexedMatcher
 from canopy_broker.core.messages import (
@@ -33,18 +34,39 @@ from canopy_broker.core.messages import (
     ClientPublish,
     ClientSubscribe,
     ClientUnsubscribe,
+    CloseLink,
     Deliver,
+    Done,
     Effect,
+    End,
+    ExchangeFinished,
     FromLink,
+    FromPeer,
+    Granted,
     Input,
+    Lock,
+    LockRefused,
+    OpenLink,
+    PeerMessage,
     Publish,
+    Relay,
+    RelayEnd,
     RemoveLink,
     RouteKey,
     RoutingMode,
     SendToLink,
+    SendToPeer,
+    Separator,
+    StartExchange,
+    StartTimer,
     Subscribe,
+    Tag,
+    TimerFired,
+    Transfer,
     Unsubscribe,
 )
+
+MAX_LOCK_ATTEMPTS = 60
 
 
 class ProtocolError(Exception):
@@ -112,6 +134,11 @@ class BrokerCore:
         # How many sources (neighbours, local subscriptions) hold each key.
         self._holders: dict[RouteKey, int] = {}
         self._matcher: IndexedMatcher[Dest] = IndexedMatcher()
+        # Link exchange: this broker takes part in at most one at a time (the lock).
+        self._ex: Exchange | None = None
+        self._frozen: set[str] = set()  # links whose advertisements are held back
+        self._retired: set[str] = set()  # removed link after phase 2: routing entries dropped
+        self._attempts: dict[str, tuple[StartExchange, int]] = {}  # initiator's requests
 
     # ------------------------------------------------------------------ queries
 
@@ -121,6 +148,16 @@ class BrokerCore:
 
     def is_neighbour(self, peer: str) -> bool:
         return peer in self._from_link
+
+    @property
+    def exchange(self) -> Exchange | None:
+        """The exchange this broker is locked for, if any."""
+        return self._ex
+
+    @property
+    def pending_exchanges(self) -> list[str]:
+        """Exchanges this broker initiated that are not finished (locking or running)."""
+        return sorted(self._attempts)
 
     @property
     def clients(self) -> list[str]:
@@ -182,6 +219,12 @@ class BrokerCore:
             self._add_link(inp.peer, out)
         elif isinstance(inp, RemoveLink):
             self._remove_link(inp.peer, out)
+        elif isinstance(inp, FromPeer):
+            self._from_peer(inp.peer, inp.message, out)
+        elif isinstance(inp, StartExchange):
+            self._start_exchange(inp, out)
+        elif isinstance(inp, TimerFired):
+            self._timer(inp.key, out)
         else:  # pragma: no cover - the type checker proves this unreachable
             raise ProtocolError(f"unknown input {inp!r}")
         return out
@@ -197,26 +240,50 @@ class BrokerCore:
         if table is None:
             raise ProtocolError(f"{self.name}: message from {inp.peer!r}, which is not a neighbour")
         msg = inp.message
+        ex = self._ex
+        if ex is not None and inp.peer == ex.a_peer and not ex.queue_released:
+            # Everything crossing the new link waits until the old path has drained.
+            ex.queue.append(inp)
+            ex.queued_total += 1
+            return
         if isinstance(msg, Publish):
-            self._route(msg.event, inp.peer, out)
-        elif isinstance(msg, Subscribe):
+            self._route(msg.event, inp.peer, out, msg.tag)
+        elif (
+            isinstance(msg, Subscribe | Unsubscribe)
+            and ex is not None
+            and (inp.peer == ex.r_peer and ex.granted)
+        ):
+            # The removed link is frozen: its routing changes go to this side's A end, and
+            # apply here only until phase 2 has dropped the link's entries.
+            if inp.peer not in self._retired:
+                self._apply_route_msg(table, inp.peer, msg, out)
+            self._to_peer(ex.a_end_of_my_side, Relay(ex.xid, msg), out)
+        elif isinstance(msg, Subscribe | Unsubscribe):
+            self._apply_route_msg(table, inp.peer, msg, out)
+        else:
+            self._exchange_msg(inp.peer, msg, out)
+
+    def _apply_route_msg(
+        self, table: set[RouteKey], peer: str, msg: Subscribe | Unsubscribe, out: list[Effect]
+    ) -> None:
+        if isinstance(msg, Subscribe):
             if msg.key in table:
-                raise ProtocolError(f"{inp.peer!r} subscribed twice to {msg.key}")
+                raise ProtocolError(f"{peer!r} subscribed twice to {msg.key}")
             table.add(msg.key)
-            self._matcher.add(msg.key.filter, inp.peer)
-            self._key_added(msg.key, inp.peer, out)
-        elif isinstance(msg, Unsubscribe):
+            self._matcher.add(msg.key.filter, peer)
+            self._key_added(msg.key, peer, out)
+        else:
             if msg.key not in table:
-                raise ProtocolError(f"{inp.peer!r} unsubscribed {msg.key} it never subscribed")
+                raise ProtocolError(f"{peer!r} unsubscribed {msg.key} it never subscribed")
             table.remove(msg.key)
-            self._matcher.remove(msg.key.filter, inp.peer)
-            self._key_removed(msg.key, inp.peer, out)
-        else:  # pragma: no cover
-            raise ProtocolError(f"unknown link message {msg!r}")
+            self._matcher.remove(msg.key.filter, peer)
+            self._key_removed(msg.key, peer, out)
 
     # ------------------------------------------------------------------ events
 
-    def _route(self, event: Event, source: str | None, out: list[Effect]) -> None:
+    def _route(
+        self, event: Event, source: str | None, out: list[Effect], tag: Tag | None = None
+    ) -> None:
         dests = self._matcher.match_payloads(event.attrs)
         if not dests:
             return
@@ -229,9 +296,13 @@ class BrokerCore:
             else:
                 local.setdefault(d[0], []).append(d[1])
         if peers:
+            ex = self._ex
             copy = Publish(event.forwarded())
-            for peer in sorted(peers):
-                out.append(SendToLink(peer, copy))
+            if ex is None:
+                for peer in sorted(peers):
+                    out.append(SendToLink(peer, copy))
+            else:
+                self._route_on_cycle(ex, copy, sorted(peers), out, source=source, tag=tag)
         for client in sorted(local):
             out.append(Deliver(client, event, tuple(sorted(local[client]))))
 
@@ -252,6 +323,10 @@ class BrokerCore:
         table = self._from_link.get(peer)
         if table is None:
             raise ProtocolError(f"{self.name}: no link to {peer!r}")
+        if self._ex is not None and peer in self._ex.cycle_peers():
+            raise ProtocolError(
+                f"{self.name}: link to {peer!r} is on the cycle of exchange {self._ex.xid}"
+            )
         del self._advertised[peer]
         del self._from_link[peer]
         for key in sorted(table, key=RouteKey.sort_key):
@@ -273,7 +348,7 @@ class BrokerCore:
         n = self._holders.get(key, 0)
         self._holders[key] = n + 1
         for peer in self._from_link:
-            if peer != source and self._held_except(key, peer) == 1:
+            if peer != source and peer not in self._frozen and self._held_except(key, peer) == 1:
                 self._key_entered(peer, key, out)
 
     def _key_removed(self, key: RouteKey, source: str | None, out: list[Effect]) -> None:
@@ -283,7 +358,7 @@ class BrokerCore:
         else:
             del self._holders[key]
         for peer in self._from_link:
-            if peer != source and self._held_except(key, peer) == 0:
+            if peer != source and peer not in self._frozen and self._held_except(key, peer) == 0:
                 self._key_left(peer, key, out)
 
     def _key_entered(self, peer: str, key: RouteKey, out: list[Effect]) -> None:
@@ -322,3 +397,313 @@ class BrokerCore:
                 adv.add(h)
                 out.append(SendToLink(peer, Subscribe(h)))
         out.append(SendToLink(peer, Unsubscribe(key)))
+
+    # ------------------------------------------------------------------ link exchange
+
+    def _route_on_cycle(
+        self,
+        ex: Exchange,
+        copy: Publish,
+        peers: list[str],
+        out: list[Effect],
+        *,
+        source: str | None,
+        tag: Tag | None,
+    ) -> None:
+        """Forward a notification on a reconfiguration cycle: colour it, and let black copies
+        cross only the removed link and gray copies only the added one."""
+        if tag is not None and tag.xid == ex.xid:
+            gray = tag.gray
+        elif source is not None and source in ex.cycle_peers():
+            # Untagged from a cycle neighbour: sent before it locked (old tree, black) — except
+            # at an A end that has seen End, whose down neighbour has released: new tree.
+            gray = ex.end_seen and source == ex.down
+        else:
+            gray = ex.gray
+        tagged = Publish(copy.event, Tag(ex.xid, gray))
+        for peer in peers:
+            if peer == ex.r_peer:
+                if not gray:
+                    out.append(SendToLink(peer, tagged))
+            elif peer == ex.a_peer:
+                if gray:
+                    out.append(SendToLink(peer, tagged))
+            elif peer in (ex.up, ex.down):
+                out.append(SendToLink(peer, tagged))
+            else:
+                out.append(SendToLink(peer, copy))
+
+    def _to_peer(self, peer: str, msg: PeerMessage, out: list[Effect]) -> None:
+        """Out-of-band send; a broker that plays both roles hands the message to itself."""
+        if peer == self.name:
+            self._from_peer(self.name, msg, out)
+        else:
+            out.append(SendToPeer(peer, msg))
+
+    def _start_exchange(self, req: StartExchange, out: list[Effect]) -> None:
+        if req.xid in self._attempts:
+            return  # idempotent: the same request is already being carried out
+        try:
+            validate_path(req.path, req.remove)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        if req.path[0] != self.name:
+            raise ProtocolError(f"{self.name}: exchange {req.xid} must start at {req.path[0]}")
+        self._attempts[req.xid] = (req, 0)
+        self._try_lock(req.xid, out)
+
+    def _try_lock(self, xid: str, out: list[Effect]) -> None:
+        req, _ = self._attempts[xid]
+        k = validate_path(req.path, req.remove)
+        problem = self._lock_problem(req.path, 0, req.xid)
+        if problem is None:
+            lock = Lock(req.xid, req.path, k, req.ordering)
+            self._lock_here(lock, 0, out)
+            out.append(SendToLink(req.path[1], lock))
+        else:
+            self._retry_later(xid, problem, out)
+
+    def _retry_later(self, xid: str, reason: str, out: list[Effect]) -> None:
+        req, attempt = self._attempts[xid]
+        attempt += 1
+        if attempt >= MAX_LOCK_ATTEMPTS:
+            del self._attempts[xid]
+            out.append(
+                ExchangeFinished(xid, False, f"gave up after {attempt} attempts: {reason}", attempt)
+            )
+            return
+        self._attempts[xid] = (req, attempt)
+        out.append(StartTimer(f"lock:{xid}", backoff(xid, attempt)))
+
+    def _timer(self, key: str, out: list[Effect]) -> None:
+        kind, _, xid = key.partition(":")
+        if kind == "lock" and xid in self._attempts and (self._ex is None or self._ex.xid != xid):
+            self._try_lock(xid, out)
+
+    def _lock_problem(self, path: tuple[str, ...], i: int, xid: str) -> str | None:
+        """Why this broker cannot lock for the exchange at position ``i`` (None if it can)."""
+        if self._ex is not None:
+            return f"{self.name} is locked by exchange {self._ex.xid}"
+        if i < len(path) - 1 and (
+            path[i + 1] not in self._from_link or path[i + 1] in self._frozen
+        ):
+            return f"{self.name} has no link to {path[i + 1]}"
+        if i in (0, len(path) - 1):
+            other = path[-1] if i == 0 else path[0]
+            if other in self._from_link:
+                return f"{self.name} is already linked to {other}"
+        return None
+
+    def _lock_here(self, lock: Lock, i: int, out: list[Effect]) -> None:
+        ex = Exchange(lock.xid, lock.path, lock.k, i, lock.ordering)
+        self._ex = ex
+        a = ex.a_peer
+        if a is not None:  # an A end: the added link exists from now on, frozen
+            self._from_link[a] = set()
+            self._advertised[a] = set()
+            self._frozen.add(a)
+            out.append(OpenLink(a))
+
+    def _release(self, out: list[Effect]) -> None:
+        """Leave the exchange (normal end, or a refused lock before anything changed)."""
+        ex = self._ex
+        assert ex is not None
+        self._ex = None
+        if ex.me == 0 and ex.own_done:
+            _req, attempt = self._attempts.pop(ex.xid)
+            out.append(ExchangeFinished(ex.xid, True, "", attempt + 1))
+
+    def _exchange_msg(self, peer: str, msg: object, out: list[Effect]) -> None:
+        if isinstance(msg, Lock):
+            self._on_lock(peer, msg, out)
+            return
+        ex = self._ex
+        xid = getattr(msg, "xid", None)
+        if ex is None or ex.xid != xid:
+            raise ProtocolError(
+                f"{self.name}: {type(msg).__name__} for exchange {xid} it is not in"
+            )
+        if isinstance(msg, LockRefused):
+            self._on_refused(ex, msg, out)
+        elif isinstance(msg, Granted):
+            self._on_granted(ex, out)
+        elif isinstance(msg, Separator):
+            self._on_separator(ex, msg.side, out)
+        elif isinstance(msg, End):
+            self._on_end(ex, out)
+        elif isinstance(msg, Done):
+            ex.peer_done = True
+            self._maybe_release_a(ex, out)
+        else:  # pragma: no cover
+            raise ProtocolError(f"unknown link message {msg!r}")
+
+    def _on_lock(self, peer: str, msg: Lock, out: list[Effect]) -> None:
+        path = msg.path
+        if self.name not in path:
+            raise ProtocolError(f"{self.name}: lock {msg.xid} for a path it is not on")
+        i = path.index(self.name)
+        if i == 0 or path[i - 1] != peer:
+            raise ProtocolError(
+                f"{self.name}: lock {msg.xid} arrived from {peer}, not path[{i - 1}]"
+            )
+        problem = self._lock_problem(path, i, msg.xid)
+        if problem is not None:
+            out.append(SendToLink(peer, LockRefused(msg.xid, problem)))
+            return
+        self._lock_here(msg, i, out)
+        if i == len(path) - 1:
+            assert self._ex is not None
+            self._on_granted(self._ex, out)  # the last lock grants: phase 1 starts here
+        else:
+            out.append(SendToLink(path[i + 1], Lock(msg.xid, path, msg.k, msg.ordering)))
+
+    def _on_refused(self, ex: Exchange, msg: LockRefused, out: list[Effect]) -> None:
+        if ex.granted:
+            raise ProtocolError(f"{self.name}: lock of {ex.xid} refused after it was granted")
+        a = ex.a_peer
+        if a is not None:
+            del self._from_link[a]
+            del self._advertised[a]
+            self._frozen.discard(a)
+            out.append(CloseLink(a))
+        self._ex = None
+        if ex.me == 0:
+            self._retry_later(ex.xid, msg.reason, out)
+        else:
+            out.append(SendToLink(ex.path[ex.me - 1], msg))
+
+    def _on_granted(self, ex: Exchange, out: list[Effect]) -> None:
+        ex.granted = True
+        if ex.is_r:
+            r = ex.r_peer
+            assert r is not None
+            self._frozen.add(r)
+            transfer = Transfer(
+                ex.xid,
+                tuple(sorted(self._from_link[r], key=RouteKey.sort_key)),
+                tuple(sorted(self._advertised[r], key=RouteKey.sort_key)),
+            )
+            self._to_peer(ex.a_end_of_my_side, transfer, out)
+            self._to_peer(ex.a_end_of_my_side, Separator(ex.xid, ex.side), out)
+        if ex.me > 0:
+            out.append(SendToLink(ex.path[ex.me - 1], Granted(ex.xid)))
+
+    def _from_peer(self, peer: str, msg: PeerMessage, out: list[Effect]) -> None:
+        ex = self._ex
+        if ex is None or ex.xid != msg.xid or not ex.is_a:
+            raise ProtocolError(
+                f"{self.name}: {type(msg).__name__} for exchange {msg.xid} it is not an A end of"
+            )
+        a = ex.a_peer
+        assert a is not None
+        table = self._from_link[a]
+        if isinstance(msg, Transfer):
+            for key in msg.keys:
+                self._apply_route_msg(table, a, Subscribe(key), out)
+            self._advertised[a] = set(msg.advertised)
+        elif isinstance(msg, Relay):
+            self._apply_route_msg(table, a, msg.message, out)
+        elif isinstance(msg, RelayEnd):
+            ex.relay_end = True
+            self._maybe_release_queue(ex, out)
+        elif isinstance(msg, Separator):
+            self._on_separator(ex, msg.side, out)
+        else:  # pragma: no cover
+            raise ProtocolError(f"unknown peer message {msg!r}")
+
+    def _on_separator(self, ex: Exchange, side: int, out: list[Effect]) -> None:
+        if side == ex.side:
+            # Our side's separator walks down to our R end: everything the transfer changed
+            # is in place above us, so notifications entering here may take the new link.
+            ex.gray = True
+            if ex.is_r:
+                self._phase2(ex, out)
+                r = ex.r_peer
+                assert r is not None
+                out.append(SendToLink(r, Separator(ex.xid, side)))
+                self._maybe_finish_r(ex, out)
+            else:
+                out.append(SendToLink(ex.down, Separator(ex.xid, side)))
+            return
+        # The other side's separator walks up to our A end: no black message from that side
+        # follows it.
+        ex.other_sep_seen = True
+        if ex.is_r:
+            self._to_peer(ex.a_end_of_my_side, RelayEnd(ex.xid), out)
+        if ex.is_a:
+            self._maybe_release_queue(ex, out)
+        else:
+            out.append(SendToLink(ex.up, Separator(ex.xid, side)))
+        if ex.is_r:
+            self._maybe_finish_r(ex, out)
+
+    def _phase2(self, ex: Exchange, out: list[Effect]) -> None:
+        """Drop the removed link's routing entries; the withdrawals travel up this side only."""
+        r = ex.r_peer
+        assert r is not None
+        ex.phase2_done = True
+        table = self._from_link[r]
+        self._retired.add(r)
+        for key in sorted(table, key=RouteKey.sort_key):
+            table.remove(key)
+            self._matcher.remove(key.filter, r)
+            self._key_removed(key, r, out)
+
+    def _maybe_finish_r(self, ex: Exchange, out: list[Effect]) -> None:
+        if not (ex.phase2_done and ex.other_sep_seen):
+            return
+        r = ex.r_peer
+        assert r is not None
+        del self._from_link[r]
+        del self._advertised[r]
+        self._frozen.discard(r)
+        self._retired.discard(r)
+        out.append(CloseLink(r))
+        if ex.is_a:
+            self._on_end(ex, out)
+        else:
+            out.append(SendToLink(ex.up, End(ex.xid, ex.side)))
+            self._release(out)
+
+    def _on_end(self, ex: Exchange, out: list[Effect]) -> None:
+        if not ex.is_a:
+            out.append(SendToLink(ex.up, End(ex.xid, ex.side)))
+            self._release(out)
+            return
+        ex.end_seen = True
+        self._maybe_finish_a(ex, out)
+
+    def _maybe_release_queue(self, ex: Exchange, out: list[Effect]) -> None:
+        if ex.queue_released or not (ex.other_sep_seen and ex.relay_end):
+            return
+        ex.queue_released = True
+        queued, ex.queue = ex.queue, []
+        for inp in queued:
+            self._from_link_msg(inp, out)
+            if self._ex is not ex:  # a queued Done finished the exchange
+                break
+        self._maybe_finish_a(ex, out)
+
+    def _maybe_finish_a(self, ex: Exchange, out: list[Effect]) -> None:
+        if self._ex is not ex or ex.own_done or not (ex.end_seen and ex.queue_released):
+            return
+        a = ex.a_peer
+        assert a is not None
+        # Unfreeze the added link: advertise what this side must, given what the other side
+        # already holds from the transfer.
+        self._frozen.discard(a)
+        held = [key for key in self._holders if self._held_except(key, a) > 0]
+        want = maximal(held, self.mode)
+        have = self._advertised[a]
+        for key in sorted(want - have, key=RouteKey.sort_key):
+            out.append(SendToLink(a, Subscribe(key)))
+        for key in sorted(have - want, key=RouteKey.sort_key):
+            out.append(SendToLink(a, Unsubscribe(key)))
+        self._advertised[a] = want
+        out.append(SendToLink(a, Done(ex.xid)))
+        ex.own_done = True
+        self._maybe_release_a(ex, out)
+
+    def _maybe_release_a(self, ex: Exchange, out: list[Effect]) -> None:
+        if ex.own_done and ex.peer_done:
+            self._release(out)

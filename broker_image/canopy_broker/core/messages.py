@@ -67,13 +67,119 @@ class Unsubscribe:
 
 
 @dataclass(frozen=True, slots=True)
+class Tag:
+    """The colour of a notification while it travels along a reconfiguration cycle.
+
+    Black notifications belong to the old tree and may cross the removed link only; gray ones
+    belong to the new tree and may cross the added link only. The tag is dropped when a
+    notification leaves the cycle.
+    """
+
+    xid: str
+    gray: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Publish:
     """A notification travelling over a link (``event.hops`` already counts this link)."""
 
     event: Event
+    tag: Tag | None = None
 
 
-LinkMessage = Subscribe | Unsubscribe | Publish
+class Ordering(Enum):
+    """Delivery order a link exchange preserves for notifications crossing the new link."""
+
+    FIFO = "fifo"
+    CAUSAL = "causal"
+
+
+# Link exchange (coordinated algorithm). The cycle is given as a path of broker names from A1
+# (the initiator, one end of the added link) to A2 (its other end); the removed link is the pair
+# path[k], path[k+1]. Side 1 is path[0..k], side 2 is path[k+1..].
+
+
+@dataclass(frozen=True, slots=True)
+class Lock:
+    """Travels A1 → A2 along the path, locking each broker for one exchange."""
+
+    xid: str
+    path: tuple[str, ...]
+    k: int
+    ordering: Ordering = Ordering.FIFO
+
+
+@dataclass(frozen=True, slots=True)
+class LockRefused:
+    """Travels back towards A1, releasing what the lock took (busy broker or invalid path)."""
+
+    xid: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """Travels A2 → A1: every broker is locked; the R ends start phase 1 when it passes."""
+
+    xid: str
+
+
+@dataclass(frozen=True, slots=True)
+class Separator:
+    """Ends phase 1 of one side: everything a side's R end transferred precedes it."""
+
+    xid: str
+    side: int
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """Travels from an R end to its A end once the removed link is closed on that side."""
+
+    xid: str
+    side: int
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Over the added link: the sender's side is finished and its advertisement reconciled."""
+
+    xid: str
+
+
+LinkMessage = (
+    Subscribe | Unsubscribe | Publish | Lock | LockRefused | Granted | Separator | End | Done
+)
+
+
+# --------------------------------------------------------------------------- out-of-band
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """R end → A end: the removed link's routing entries and what was advertised over it."""
+
+    xid: str
+    keys: tuple[RouteKey, ...]
+    advertised: tuple[RouteKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """R end → A end: a routing change that arrived over the removed link after the transfer."""
+
+    xid: str
+    message: Subscribe | Unsubscribe
+
+
+@dataclass(frozen=True, slots=True)
+class RelayEnd:
+    """R end → A end: the removed link will carry no more routing changes."""
+
+    xid: str
+
+
+PeerMessage = Transfer | Relay | RelayEnd | Separator
 
 
 # --------------------------------------------------------------------------- inputs
@@ -97,6 +203,29 @@ class RemoveLink:
 class FromLink:
     peer: str
     message: LinkMessage
+
+
+@dataclass(frozen=True, slots=True)
+class FromPeer:
+    """An out-of-band message from any broker (not necessarily a neighbour)."""
+
+    peer: str
+    message: PeerMessage
+
+
+@dataclass(frozen=True, slots=True)
+class StartExchange:
+    """Ask this broker (A1 = path[0]) to exchange link ``remove`` for (path[0], path[-1])."""
+
+    xid: str
+    path: tuple[str, ...]
+    remove: tuple[str, str]
+    ordering: Ordering = Ordering.FIFO
+
+
+@dataclass(frozen=True, slots=True)
+class TimerFired:
+    key: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +263,9 @@ Input = (
     AddLink
     | RemoveLink
     | FromLink
+    | FromPeer
+    | StartExchange
+    | TimerFired
     | ClientAttach
     | ClientDetach
     | ClientSubscribe
@@ -160,4 +292,44 @@ class Deliver:
     sub_ids: tuple[str, ...]
 
 
-Effect = SendToLink | Deliver
+@dataclass(frozen=True, slots=True)
+class SendToPeer:
+    """Send out-of-band to any broker (the runtime opens a control connection)."""
+
+    peer: str
+    message: PeerMessage
+
+
+@dataclass(frozen=True, slots=True)
+class StartTimer:
+    """Call back with :class:`TimerFired` after ``delay`` seconds (same key replaces)."""
+
+    key: str
+    delay: float
+
+
+@dataclass(frozen=True, slots=True)
+class OpenLink:
+    """A link to ``peer`` now exists in the core (added link of an exchange): connect it."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class CloseLink:
+    """The core dropped its link to ``peer`` (removed link of an exchange): disconnect it."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeFinished:
+    """At the initiator: the exchange completed (``ok``) or was given up (with a reason)."""
+
+    xid: str
+    ok: bool
+    reason: str = ""
+    attempts: int = 1
+
+
+Effect = SendToLink | Deliver | SendToPeer | StartTimer | OpenLink | CloseLink | ExchangeFinished

@@ -32,23 +32,36 @@ from canopy_broker.core.messages import (
     ClientPublish,
     ClientSubscribe,
     ClientUnsubscribe,
+    CloseLink,
     Deliver,
     Effect,
+    ExchangeFinished,
     FromLink,
+    FromPeer,
     Input,
+    OpenLink,
+    Ordering,
     Publish,
+    Relay,
     RemoveLink,
     RoutingMode,
     SendToLink,
+    SendToPeer,
+    StartExchange,
+    StartTimer,
     Subscribe,
+    TimerFired,
+    Transfer,
     Unsubscribe,
 )
 from canopy_broker.sim.checker import DeliveryRecord, PubRecord, SubRecord
 
+__all__ = ["ExchangeRecord", "SimStats", "Simulator"]
+
 Edge = tuple[str, str]
 CoreFactory = Callable[[str, RoutingMode], BrokerCore]
 
-_CONTROL = (Subscribe, Unsubscribe)
+_CONTROL = (Subscribe, Unsubscribe, Transfer, Relay)
 _CLIENT = "\0client"  # heap target meaning "a client issues this input now"
 
 
@@ -71,6 +84,24 @@ class _Sub:
     broker: str
 
 
+@dataclass
+class ExchangeRecord:
+    """One requested link exchange and how it ended (times in simulated time)."""
+
+    xid: str
+    path: tuple[str, ...]
+    remove: tuple[str, str]
+    requested_at: float
+    finished_at: float | None = None
+    ok: bool | None = None
+    reason: str = ""
+    attempts: int = 0
+
+    @property
+    def cycle_length(self) -> int:
+        return len(self.path)
+
+
 class Simulator:
     """Runs broker cores over a tree with seeded per-link FIFO delays.
 
@@ -89,8 +120,13 @@ class Simulator:
         link_delay: tuple[float, float] = (1.0, 10.0),
         client_delay: tuple[float, float] = (0.1, 1.0),
         core_factory: CoreFactory = BrokerCore,
+        timer_scale: float = 100.0,
     ) -> None:
         self.mode = mode
+        # Timers are given in seconds by the core; the simulator's clock unit is a link delay
+        # of 1-10 (think milliseconds), so a 0.05 s backoff becomes 5 units.
+        self.timer_scale = timer_scale
+        self._heap_key = -1
         self.rng = random.Random(seed)
         self.link_delay = link_delay
         self.client_delay = client_delay
@@ -103,10 +139,15 @@ class Simulator:
         self.client_broker: dict[str, str] = {}
         self._heap: list[tuple[float, int, str, Input]] = []
         self._counter = itertools.count()
-        self._channel_clock: dict[tuple[str, str], float] = {}
+        self._channel_clock: dict[tuple[str, ...], float] = {}
         self._control_in_flight = 0
-        self._unsettled: list[int] = []
+        # Subscriptions waiting to settle, with the exchanges they overlapped: a subscription
+        # issued while an exchange runs is established only once that exchange has finished.
+        self._unsettled: list[tuple[int, set[str]]] = []
         self._issues: dict[int, int] = {}
+        self._active_exchanges: set[str] = set()
+        self.exchanges: dict[str, ExchangeRecord] = {}
+        self._timers: dict[tuple[str, str], int] = {}
         self._live_subs: dict[tuple[str, str], _Sub] = {}
         self._next_seq: dict[str, int] = {}
         self._edges: set[frozenset[str]] = set()
@@ -156,7 +197,7 @@ class Simulator:
         if isinstance(inp, ClientSubscribe | ClientUnsubscribe | ClientDetach):
             self._control_in_flight += 1
         if record >= 0:
-            self._unsettled.append(record)
+            self._unsettled.append((record, set(self._active_exchanges)))
         assert isinstance(
             inp, ClientAttach | ClientDetach | ClientSubscribe | ClientUnsubscribe | ClientPublish
         )
@@ -199,9 +240,51 @@ class Simulator:
         self._client_action(client, at, ClientPublish(client, event))
         return event
 
+    # ------------------------------------------------------------------ reconfiguration
+
+    def exchange(
+        self,
+        path: tuple[str, ...] | list[str],
+        remove: tuple[str, str],
+        at: float | None = None,
+        *,
+        xid: str | None = None,
+        ordering: Ordering = Ordering.FIFO,
+    ) -> str:
+        """Ask path[0] to exchange ``remove`` for (path[0], path[-1]) with the coordinated
+        algorithm, at time ``at``. Returns the exchange id."""
+        xid = xid or f"x{len(self.exchanges) + 1}"
+        req = StartExchange(xid, tuple(path), remove, ordering)
+        t = self.now if at is None else at
+        self.exchanges[xid] = ExchangeRecord(xid, tuple(path), remove, requested_at=t)
+        heapq.heappush(self._heap, (t, next(self._counter), _CLIENT, req))
+        return xid
+
+    def _request_exchange(self, req: StartExchange) -> None:
+        self._active_exchanges.add(req.xid)
+        for _, overlapped in self._unsettled:
+            overlapped.add(req.xid)
+        self._apply(req.path[0], req)
+
+    def strawman_exchange(
+        self, remove: tuple[str, str], add: tuple[str, str], at: float | None = None
+    ) -> None:
+        """The uncoordinated baseline: drop r and add a at once, at both ends.
+
+        Routing messages and notifications in flight on r are lost; the ends withdraw and
+        re-advertise their routes concurrently (unsubscribe/resubscribe).
+        """
+        self.remove_link(*remove, at=at)
+        self.add_link(*add, at=at)
+
+    @property
+    def finished(self) -> bool:
+        """No exchange is still locking or running."""
+        return not self._active_exchanges
+
     # ------------------------------------------------------------------ the engine
 
-    def _fifo_time(self, channel: tuple[str, str], t: float) -> float:
+    def _fifo_time(self, channel: tuple[str, ...], t: float) -> float:
         t = max(t, self._channel_clock.get(channel, -math.inf))
         self._channel_clock[channel] = t
         return t
@@ -215,8 +298,12 @@ class Simulator:
         while self._heap and self._heap[0][0] <= until:
             t, key, broker, inp = heapq.heappop(self._heap)
             self.now = t
+            self._heap_key = key
             if broker is _CLIENT:
-                self._issue(key, inp)
+                if isinstance(inp, StartExchange):
+                    self._request_exchange(inp)
+                else:
+                    self._issue(key, inp)
             else:
                 self._apply(broker, inp)
             steps += 1
@@ -239,12 +326,22 @@ class Simulator:
             self._control_in_flight -= 1
         elif isinstance(inp, ClientPublish):
             self._copy_done(inp.event)
+        elif isinstance(inp, FromPeer) and isinstance(inp.message, _CONTROL):
+            self._control_in_flight -= 1
+        elif isinstance(inp, TimerFired):
+            if self._timers.get((broker, inp.key)) != self._heap_key:
+                return  # superseded by a later StartTimer with the same key
+            del self._timers[(broker, inp.key)]
         effects = self.cores[broker].handle(inp, self.now)
         self._carry_out(broker, effects)
         if self._control_in_flight == 0 and self._unsettled:
-            for index in self._unsettled:
-                self.subs[index] = self.subs[index].settled(self.now)
-            self._unsettled.clear()
+            waiting = []
+            for index, overlapped in self._unsettled:
+                if overlapped & self._active_exchanges:
+                    waiting.append((index, overlapped))
+                else:
+                    self.subs[index] = self.subs[index].settled(self.now)
+            self._unsettled = waiting
 
     def _copy_done(self, event: Event) -> None:
         key = (event.publisher, event.seq)
@@ -265,6 +362,31 @@ class Simulator:
                 e = eff.event
                 self.stats.delivery_hops[e.hops] += 1
                 self.deliveries.append(DeliveryRecord(eff.client, e.publisher, e.seq, self.now))
+            elif isinstance(eff, SendToPeer):
+                msg2 = eff.message
+                self.stats.messages[type(msg2).__name__] += 1
+                if isinstance(msg2, _CONTROL):
+                    self._control_in_flight += 1
+                t = self._fifo_time(
+                    ("oob", broker, eff.peer), self.now + self.rng.uniform(*self.link_delay)
+                )
+                self._schedule(t, eff.peer, FromPeer(broker, msg2))
+            elif isinstance(eff, StartTimer):
+                key = next(self._counter)
+                self._timers[(broker, eff.key)] = key
+                heapq.heappush(
+                    self._heap,
+                    (self.now + eff.delay * self.timer_scale, key, broker, TimerFired(eff.key)),
+                )
+            elif isinstance(eff, OpenLink):
+                self._edges.add(frozenset((broker, eff.peer)))
+            elif isinstance(eff, CloseLink):
+                self._edges.discard(frozenset((broker, eff.peer)))
+            elif isinstance(eff, ExchangeFinished):
+                rec = self.exchanges[eff.xid]
+                rec.finished_at, rec.ok, rec.reason = self.now, eff.ok, eff.reason
+                rec.attempts = eff.attempts
+                self._active_exchanges.discard(eff.xid)
 
     # ------------------------------------------------------------------ results
 
@@ -277,17 +399,3 @@ class Simulator:
         for (client, sub_id), sub in self._live_subs.items():
             out[sub.broker].append((client, sub_id, self.subs[sub.record_index].filter))
         return out
-
-
-def random_tree(n: int, rng: random.Random, max_fanout: int = 4, prefix: str = "b") -> list[Edge]:
-    """A randomly grown tree over ``n`` brokers whose degrees never exceed ``max_fanout``."""
-    names = [f"{prefix}{i}" for i in range(n)]
-    degree = dict.fromkeys(names, 0)
-    edges: list[Edge] = []
-    for i in range(1, n):
-        choices = [names[j] for j in range(i) if degree[names[j]] < max_fanout]
-        parent = rng.choice(choices)
-        degree[parent] += 1
-        degree[names[i]] += 1
-        edges.append((parent, names[i]))
-    return edges
