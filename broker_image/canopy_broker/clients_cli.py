@@ -1,0 +1,186 @@
+"""``canopy pub`` and ``canopy sub``: the client library from the shell.
+
+    canopy sub --broker 127.0.0.1:7400 'symbol = "ACME" and price < 10' --count 5 --json
+    canopy pub --broker 127.0.0.1:7400 --count 100 --rate 50 'symbol=ACME price=5 urgent=true'
+    canopy pub --broker 127.0.0.1:7400 '{"symbol": "ACME", "price": 5}'
+    producer | canopy pub --broker 127.0.0.1:7400        # one event per stdin line
+
+``add_pubsub_arguments`` registers both on the ``canopy`` command's subparsers (the operator
+package owns that command; the implementations live here, next to the client library).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any, TextIO
+
+from canopy_broker.client import ClientError, connect
+from canopy_broker.core.events import Value
+
+_INT = re.compile(r"[-+]?\d+")
+_FLOAT = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?")
+
+
+def parse_value(text: str) -> Value:
+    """``5`` -> int, ``5.0`` -> float, ``true``/``false`` -> bool, quoted or other -> str."""
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
+    if text in ("true", "false"):
+        return text == "true"
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
+
+
+def parse_event(words: Iterable[str]) -> dict[str, Value]:
+    """``['a=1', 'b=x y']`` or ``['{"a": 1}']`` -> attributes; raises ValueError when unclear."""
+    words = list(words)
+    if len(words) == 1 and words[0].lstrip().startswith("{"):
+        obj = json.loads(words[0])
+        if not isinstance(obj, dict):
+            raise ValueError("a JSON event must be an object")
+        return obj
+    attrs: dict[str, Value] = {}
+    for word in words:
+        for part in _split_pairs(word):
+            name, sep, value = part.partition("=")
+            if not sep or not name:
+                raise ValueError(f"expected attr=value, got {part!r}")
+            attrs[name] = parse_value(value)
+    if not attrs:
+        raise ValueError("an event needs at least one attribute")
+    return attrs
+
+
+def _split_pairs(word: str) -> Iterator[str]:
+    """Split ``'a=1 b="x y"'`` on spaces outside quotes (one shell word may hold many pairs)."""
+    yield from (m.group(0) for m in re.finditer(r'(?:[^\s"\']|"[^"]*"|\'[^\']*\')+', word))
+
+
+async def run_pub(
+    broker: str,
+    events: list[dict[str, Value]] | None,
+    *,
+    count: int = 1,
+    rate: float | None = None,
+    client_id: str | None = None,
+    stdin: TextIO | None = None,
+    out: TextIO = sys.stderr,
+) -> int:
+    """Publish ``events`` ``count`` times each (or one event per line of ``stdin``), at ``rate``
+    events per second if given. Returns how many were published."""
+    async with await connect(broker, client_id=client_id) as client:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        sent = 0
+        for attrs in _event_source(events, count, stdin):
+            if rate:
+                delay = start + sent / rate - loop.time()
+                if delay > 0:
+                    await client.flush()
+                    await asyncio.sleep(delay)
+            await client.publish(attrs)
+            sent += 1
+        await client.flush()
+        print(f"published {sent} event(s) to {client.broker} as {client.client_id}", file=out)
+        return sent
+
+
+def _event_source(
+    events: list[dict[str, Value]] | None, count: int, stdin: TextIO | None
+) -> Iterator[dict[str, Value]]:
+    if events:
+        for _ in range(count):
+            yield from events
+        return
+    for line in stdin or sys.stdin:
+        if line.strip():
+            yield parse_event([line.strip()])
+
+
+async def run_sub(
+    broker: str,
+    filters: list[str],
+    *,
+    count: int | None = None,
+    as_json: bool = False,
+    client_id: str | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
+    """Subscribe to ``filters`` and print notifications until ``count`` arrived (or forever)."""
+    async with await connect(broker, client_id=client_id) as client:
+        for f in filters:
+            await client.subscribe(f)
+        print(f"subscribed on {client.broker} as {client.client_id}", file=sys.stderr, flush=True)
+        seen = 0
+        while count is None or seen < count:
+            batch = await client.receive(1000 if count is None else count - seen)
+            if not batch:
+                break
+            for n in batch:
+                if as_json:
+                    line = json.dumps(n.to_json(), separators=(",", ":"))
+                else:
+                    line = f"{n.id} hops={n.hops} subs={','.join(n.sub_ids)} {json.dumps(n.attrs)}"
+                print(line, file=out)
+            out.flush()
+            seen += len(batch)
+        return seen
+
+
+def _run(coro: Any) -> int:
+    try:
+        asyncio.run(coro)
+    except (OSError, ValueError, ClientError) as exc:
+        print(f"canopy: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_pubsub_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``pub`` and ``sub`` on a subparsers object; each sets ``func(args) -> int``."""
+    p = sub.add_parser("pub", help="publish events to a broker")
+    p.add_argument("--broker", default="127.0.0.1:7400", help="HOST:PORT of any broker")
+    p.add_argument("--client-id", help="publisher id (default: the broker assigns one)")
+    p.add_argument("--count", type=int, default=1, help="publish each event this many times")
+    p.add_argument("--rate", type=float, help="events per second (default: as fast as possible)")
+    p.add_argument(
+        "event",
+        nargs="*",
+        help="attr=value pairs or one JSON object; none: one event per stdin line",
+    )
+    p.set_defaults(func=_pub_command)
+
+    s = sub.add_parser("sub", help="subscribe and print matching notifications")
+    s.add_argument("--broker", default="127.0.0.1:7400", help="HOST:PORT of any broker")
+    s.add_argument("--client-id", help="subscriber id (default: the broker assigns one)")
+    s.add_argument("--count", type=int, help="exit after this many notifications")
+    s.add_argument("--json", action="store_true", help="one JSON object per line")
+    s.add_argument("filter", nargs="+", help="filter text, e.g. 'price < 10 and symbol = \"X\"'")
+    s.set_defaults(func=_sub_command)
+
+
+def _pub_command(args: argparse.Namespace) -> int:
+    try:
+        events = [parse_event(args.event)] if args.event else None
+    except ValueError as exc:
+        print(f"canopy pub: {exc}", file=sys.stderr)
+        return 2
+    return _run(
+        run_pub(args.broker, events, count=args.count, rate=args.rate, client_id=args.client_id)
+    )
+
+
+def _sub_command(args: argparse.Namespace) -> int:
+    return _run(
+        run_sub(
+            args.broker, args.filter, count=args.count, as_json=args.json, client_id=args.client_id
+        )
+    )
