@@ -119,6 +119,66 @@ def bench_matching(n_filters: int = 10_000, seed: int = 7) -> dict[str, float]:
     }
 
 
+# --------------------------------------------------------------------------- serialisers
+
+
+def bench_serialisers(n_msgs: int = 1000, rounds: int = 200) -> dict[str, dict[str, float]]:
+    """Encode/decode a data frame of ``n_msgs`` publish messages with each candidate codec.
+
+    The numbers behind the choice of orjson (docs/broker.md). msgpack is a dev dependency only,
+    so it is skipped when absent; pickle is measured for reference but never used (unsafe).
+    """
+    import pickle  # noqa: PLC0415 - measured only, never used on the wire
+
+    import orjson  # noqa: PLC0415
+
+    rng = random.Random(3)
+    batch = [
+        [
+            0,
+            "pub-1",
+            i,
+            1,
+            {
+                "symbol": f"S{rng.randrange(1000):04d}",
+                "price": rng.random() * 100,
+                "volume": rng.randint(1, 10_000),
+                "venue": "XNAS",
+                "flag": True,
+            },
+        ]
+        for i in range(n_msgs)
+    ]
+    frame_obj = [1, 1, batch]
+    codecs: dict[str, tuple[Any, Any]] = {
+        "orjson": (orjson.dumps, orjson.loads),
+        "pickle": (lambda o: pickle.dumps(o, protocol=5), pickle.loads),
+    }
+    try:
+        import msgpack  # noqa: PLC0415
+    except ImportError:
+        pass
+    else:
+        codecs["msgpack"] = (msgpack.packb, msgpack.unpackb)
+    out: dict[str, dict[str, float]] = {}
+    for name, (enc, dec) in codecs.items():
+        blob = enc(frame_obj)
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            enc(frame_obj)
+        t1 = time.perf_counter()
+        for _ in range(rounds):
+            dec(blob)
+        t2 = time.perf_counter()
+        per = rounds * n_msgs
+        out[name] = {
+            "encode_ns_per_msg": (t1 - t0) / per * 1e9,
+            "decode_ns_per_msg": (t2 - t1) / per * 1e9,
+            "bytes_per_msg": len(blob) / n_msgs,
+        }
+    return out
+
+
 # --------------------------------------------------------------------------- data plane
 
 
@@ -274,6 +334,15 @@ async def run(duration: float = 4.0) -> dict[str, Any]:
         f"{m['scan_us_per_event']:.0f} us/event, speed-up {m['speedup']:.0f}x"
     )
 
+    codecs = bench_serialisers()
+    progress(
+        "serialisers (ns/msg encode, decode; bytes/msg): "
+        + "; ".join(
+            f"{k} {v['encode_ns_per_msg']:.0f}, {v['decode_ns_per_msg']:.0f}; {v['bytes_per_msg']:.0f}"
+            for k, v in codecs.items()
+        )
+    )
+
     progress("starting 1 broker")
     async with Overlay(["solo"], [], extra_args=["--telemetry-sample", "0.01"]) as ov:
         single = await run_dataplane(ov, "solo", "solo", duration, "single broker")
@@ -294,6 +363,7 @@ async def run(duration: float = 4.0) -> dict[str, Any]:
             "single": single,
             "chain3": chain,
             "matching": m,
+            "serialisers": codecs,
             "rss_mb": rss,
             "subscribers": N_SUBSCRIBERS,
             "filters": N_SUBSCRIBERS * FILTERS_PER_SUBSCRIBER,
