@@ -24,7 +24,14 @@ from canopy_broker.core.messages import (
     SendToLink,
     Unsubscribe,
 )
-from canopy_broker.sim.checker import DeliveryReport, check_deliveries, check_routing
+from canopy_broker.sim.checker import (
+    DeliveryRecord,
+    DeliveryReport,
+    PubRecord,
+    SubRecord,
+    check_deliveries,
+    check_routing,
+)
 from canopy_broker.sim.simulator import Simulator
 from canopy_broker.sim.topology import random_tree
 
@@ -158,3 +165,19 @@ def test_checker_catches_broken_router(
 def test_routing_check_catches_stale_and_missing_entries() -> None:
     _, problems = run(ForgetfulCore)
     assert any("missing" in p for p in problems), problems[:3]
+
+
+def test_causal_check_on_hand_made_records() -> None:
+    """q's notification 1 was published after q saw p:1, so anyone receiving both must get p:1
+    first; c2 does not."""
+    f = Filter.parse("x exists")
+    subs = [SubRecord(c, "s", f, issued_at=0, settled_at=0) for c in ("c1", "c2")]
+    pubs = [
+        PubRecord("p", 1, {"x": 1}, 1, 2, vc={"p": 1}),
+        PubRecord("q", 1, {"x": 2}, 3, 4, vc={"p": 1, "q": 1}),
+    ]
+    good = [DeliveryRecord("c1", "p", 1, 2), DeliveryRecord("c1", "q", 1, 4)]
+    bad = [DeliveryRecord("c2", "q", 1, 4), DeliveryRecord("c2", "p", 1, 5)]
+    report = check_deliveries(subs, pubs, good + bad)
+    assert report.causal == [("c2", "p", 1)]
+    assert report.ok and not report.causal_ok

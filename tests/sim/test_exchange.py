@@ -21,6 +21,7 @@ from canopy_broker.core.messages import (
     FromLink,
     Lock,
     LockRefused,
+    Ordering,
     RoutingMode,
     SendToLink,
     StartExchange,
@@ -164,3 +165,16 @@ def test_initiator_gives_up_after_bounded_attempts() -> None:
             break
         init.handle(TimerFired("lock:x2"))
     assert results and not results[0].ok and "gave up" in results[0].reason
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_causal_mode_keeps_causal_order_where_fifo_mode_does_not(seed: int) -> None:
+    """Publishers here also subscribe, so notifications depend on each other across publishers.
+    FIFO mode (allowed to) breaks such dependencies at the new link in these seeded runs; causal
+    mode must not — and both must stay exactly-once and FIFO."""
+    fifo = run_exchanges(30, seed=seed, rounds=4, group_size=2, publish_interval=0.5)
+    assert fifo.ok and fifo.report.causal, str(fifo.report)
+    causal = run_exchanges(
+        30, seed=seed, rounds=4, group_size=2, publish_interval=0.5, ordering=Ordering.CAUSAL
+    )
+    assert causal.ok and causal.report.causal_ok, causal.report.summary()

@@ -37,6 +37,7 @@ from canopy_broker.core.messages import (
     CloseLink,
     Deliver,
     Done,
+    Echo,
     Effect,
     End,
     ExchangeFinished,
@@ -47,6 +48,7 @@ from canopy_broker.core.messages import (
     Lock,
     LockRefused,
     OpenLink,
+    Ordering,
     PeerMessage,
     Publish,
     Relay,
@@ -139,6 +141,8 @@ class BrokerCore:
         self._frozen: set[str] = set()  # links whose advertisements are held back
         self._retired: set[str] = set()  # removed link after phase 2: routing entries dropped
         self._attempts: dict[str, tuple[StartExchange, int]] = {}  # initiator's requests
+        self._now = 0.0
+        self.ordering_delays: list[float] = []  # how long each queued notification waited
 
     # ------------------------------------------------------------------ queries
 
@@ -182,6 +186,7 @@ class BrokerCore:
         the time-dependent parts (reconfiguration leases) so every driver calls it the same way.
         """
         out: list[Effect] = []
+        self._now = now
         if isinstance(inp, FromLink):
             self._from_link_msg(inp, out)
         elif isinstance(inp, ClientPublish):
@@ -243,7 +248,7 @@ class BrokerCore:
         ex = self._ex
         if ex is not None and inp.peer == ex.a_peer and not ex.queue_released:
             # Everything crossing the new link waits until the old path has drained.
-            ex.queue.append(inp)
+            ex.queue.append((self._now, inp))
             ex.queued_total += 1
             return
         if isinstance(msg, Publish):
@@ -534,6 +539,8 @@ class BrokerCore:
         elif isinstance(msg, Done):
             ex.peer_done = True
             self._maybe_release_a(ex, out)
+        elif isinstance(msg, Echo):
+            self._on_echo(ex, out)
         else:  # pragma: no cover
             raise ProtocolError(f"unknown link message {msg!r}")
 
@@ -618,6 +625,8 @@ class BrokerCore:
             ex.gray = True
             if ex.is_r:
                 self._phase2(ex, out)
+                if ex.ordering is Ordering.CAUSAL:
+                    self._on_echo(ex, out)
                 r = ex.r_peer
                 assert r is not None
                 out.append(SendToLink(r, Separator(ex.xid, side)))
@@ -673,12 +682,22 @@ class BrokerCore:
         ex.end_seen = True
         self._maybe_finish_a(ex, out)
 
+    def _on_echo(self, ex: Exchange, out: list[Effect]) -> None:
+        if ex.is_a:
+            ex.echo_seen = True
+            self._maybe_release_queue(ex, out)
+        else:
+            out.append(SendToLink(ex.up, Echo(ex.xid)))
+
     def _maybe_release_queue(self, ex: Exchange, out: list[Effect]) -> None:
-        if ex.queue_released or not (ex.other_sep_seen and ex.relay_end):
+        causal_ready = ex.echo_seen or ex.ordering is not Ordering.CAUSAL
+        if ex.queue_released or not (ex.other_sep_seen and ex.relay_end and causal_ready):
             return
         ex.queue_released = True
         queued, ex.queue = ex.queue, []
-        for inp in queued:
+        for queued_at, inp in queued:
+            if isinstance(inp.message, Publish):
+                self.ordering_delays.append(self._now - queued_at)
             self._from_link_msg(inp, out)
             if self._ex is not ex:  # a queued Done finished the exchange
                 break

@@ -29,7 +29,9 @@ How the protocol runs (each step is a message handled by ``BrokerCore``):
    message takes the colour of the broker where it enters the cycle; an untagged message from a
    cycle neighbour was sent before that neighbour locked, so it is black. Gray notifications that
    cross a are queued at the far A end until the other side's separator has arrived there (no
-   black notification of that publisher can still overtake them) — FIFO-publisher order.
+   black notification of that publisher can still overtake them) — FIFO-publisher order. For
+   causal order the queue also waits for an **Echo** of the A end's own separator, sent up by its
+   R end: then no black notification of its own side is still on its way to the A end either.
 5. An A end that has End, RelayEnd and the other separator unfreezes a: it sends the difference
    between what it must advertise now and what the other side already holds, then **Done**. With
    Done from both sides the exchange is finished; A1 reports it.
@@ -61,8 +63,9 @@ class Exchange:
     end_seen: bool = False
     own_done: bool = False
     peer_done: bool = False
+    echo_seen: bool = False
     queue_released: bool = False
-    queue: list[FromLink] = field(default_factory=list)
+    queue: list[tuple[float, FromLink]] = field(default_factory=list)
     queued_total: int = 0
 
     @property

@@ -133,6 +133,14 @@ class Separator:
 
 
 @dataclass(frozen=True, slots=True)
+class Echo:
+    """Causal ordering: sent up a side by its R end when that side's separator returns; behind it,
+    no black notification of that side travels towards the A end any more."""
+
+    xid: str
+
+
+@dataclass(frozen=True, slots=True)
 class End:
     """Travels from an R end to its A end once the removed link is closed on that side."""
 
@@ -148,7 +156,7 @@ class Done:
 
 
 LinkMessage = (
-    Subscribe | Unsubscribe | Publish | Lock | LockRefused | Granted | Separator | End | Done
+    Subscribe | Unsubscribe | Publish | Lock | LockRefused | Granted | Separator | Echo | End | Done
 )
 
 

@@ -57,6 +57,9 @@ class PubRecord:
     attrs: Mapping[str, Value]
     published_at: float
     ended_at: float
+    # Vector clock: for each publisher, the highest of its sequence numbers that causally
+    # precede (or are) this notification. None when causality was not tracked.
+    vc: Mapping[str, int] | None = None
 
     def ended(self, t: float) -> PubRecord:
         return replace(self, ended_at=max(self.ended_at, t))
@@ -78,10 +81,18 @@ class DeliveryReport:
     duplicated: list[tuple[str, str, int]] = field(default_factory=list)
     reordered: list[tuple[str, str, int]] = field(default_factory=list)
     spurious: list[tuple[str, str, int]] = field(default_factory=list)
+    # Deliveries that came after a notification which causally depends on them (across
+    # publishers; same-publisher inversions are counted as reordered).
+    causal: list[tuple[str, str, int]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
+        """Exactly once and FIFO per publisher (causal order is judged separately)."""
         return not (self.lost or self.duplicated or self.reordered or self.spurious)
+
+    @property
+    def causal_ok(self) -> bool:
+        return self.ok and not self.causal
 
     def summary(self) -> dict[str, int]:
         return {
@@ -91,6 +102,7 @@ class DeliveryReport:
             "duplicated": len(self.duplicated),
             "reordered": len(self.reordered),
             "spurious": len(self.spurious),
+            "causal": len(self.causal),
         }
 
     def __str__(self) -> str:
@@ -116,6 +128,8 @@ def check_deliveries(
 
     seen: set[tuple[str, str, int]] = set()
     last_seq: dict[tuple[str, str], int] = {}
+    # Per client and publisher: the highest sequence number some delivered notification depends on.
+    bound: dict[str, dict[str, int]] = defaultdict(dict)
     for d in deliveries:
         report.delivered += 1
         key = (d.client, d.publisher, d.seq)
@@ -124,10 +138,17 @@ def check_deliveries(
             continue
         seen.add(key)
         stream = (d.client, d.publisher)
+        pub = pub_index.get((d.publisher, d.seq))
         if d.seq < last_seq.get(stream, 0):
             report.reordered.append(key)
+        elif d.seq <= bound[d.client].get(d.publisher, 0):
+            report.causal.append(key)
         last_seq[stream] = max(d.seq, last_seq.get(stream, 0))
-        pub = pub_index.get((d.publisher, d.seq))
+        if pub is not None and pub.vc is not None:
+            b = bound[d.client]
+            for q, n in pub.vc.items():
+                if n > b.get(q, 0):
+                    b[q] = n
         if pub is None or not any(
             s.filter.matches(pub.attrs)
             and s.issued_at <= pub.ended_at

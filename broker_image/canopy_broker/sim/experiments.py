@@ -61,11 +61,12 @@ def run_exchanges(
     churn: int = 5,
     max_fanout: int = 4,
     wide_filters: bool = True,
+    record_traffic: bool = False,
 ) -> ExchangeRun:
     rng = random.Random(seed)
     edges = random_tree(n, rng, max_fanout=max_fanout)
     brokers = [f"b{i}" for i in range(n)]
-    sim = Simulator(brokers, edges, mode=mode, seed=seed)
+    sim = Simulator(brokers, edges, mode=mode, seed=seed, record_traffic=record_traffic)
 
     subscribers = rng.sample(brokers, max(1, round(density * n)))
     subs: list[tuple[str, str]] = []
@@ -81,7 +82,10 @@ def run_exchanges(
             subs.append((client, "wide"))
     pubs = [f"p{i}" for i in range(publishers)]
     for p in pubs:
+        # Publishers also subscribe, so what they publish may causally follow what they saw.
         sim.attach(p, rng.choice(brokers), at=0)
+        for k, pattern in enumerate(rng.sample(PATTERNS, 20)):
+            sim.subscribe(p, f"f{k}", pattern_filter(pattern), at=1)
 
     start = 200.0
     sim.run(until=start)  # the initial subscriptions settle

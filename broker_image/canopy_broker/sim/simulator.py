@@ -20,7 +20,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.events import Event, Value
@@ -121,6 +121,7 @@ class Simulator:
         client_delay: tuple[float, float] = (0.1, 1.0),
         core_factory: CoreFactory = BrokerCore,
         timer_scale: float = 100.0,
+        record_traffic: bool = False,
     ) -> None:
         self.mode = mode
         # Timers are given in seconds by the core; the simulator's clock unit is a link delay
@@ -148,6 +149,10 @@ class Simulator:
         self._active_exchanges: set[str] = set()
         self.exchanges: dict[str, ExchangeRecord] = {}
         self._timers: dict[tuple[str, str], int] = {}
+        # Causality: each client's vector clock (what it has seen and published).
+        self._vc: dict[str, dict[str, int]] = {}
+        # Optional traffic log: (time, sender, receiver, message) for every link/peer message.
+        self.traffic: list[tuple[float, str, str, object]] | None = [] if record_traffic else None
         self._live_subs: dict[tuple[str, str], _Sub] = {}
         self._next_seq: dict[str, int] = {}
         self._edges: set[frozenset[str]] = set()
@@ -194,6 +199,11 @@ class Simulator:
     def _issue(self, key: int, inp: Input) -> None:
         """A client action happens now: count it in flight and send it to the client's broker."""
         record = self._issues.pop(key)
+        if isinstance(inp, ClientPublish):
+            vc = self._vc.setdefault(inp.client, {})
+            vc[inp.client] = inp.event.seq
+            k = (inp.event.publisher, inp.event.seq)
+            self.pubs[k] = replace(self.pubs[k], vc=dict(vc))
         if isinstance(inp, ClientSubscribe | ClientUnsubscribe | ClientDetach):
             self._control_in_flight += 1
         if record >= 0:
@@ -349,6 +359,8 @@ class Simulator:
 
     def _carry_out(self, broker: str, effects: list[Effect]) -> None:
         for eff in effects:
+            if self.traffic is not None and isinstance(eff, SendToLink | SendToPeer):
+                self.traffic.append((self.now, broker, eff.peer, eff.message))
             if isinstance(eff, SendToLink):
                 msg = eff.message
                 self.stats.messages[type(msg).__name__] += 1
@@ -362,6 +374,12 @@ class Simulator:
                 e = eff.event
                 self.stats.delivery_hops[e.hops] += 1
                 self.deliveries.append(DeliveryRecord(eff.client, e.publisher, e.seq, self.now))
+                seen = self.pubs[(e.publisher, e.seq)].vc
+                if seen:
+                    vc = self._vc.setdefault(eff.client, {})
+                    for q, n in seen.items():
+                        if n > vc.get(q, 0):
+                            vc[q] = n
             elif isinstance(eff, SendToPeer):
                 msg2 = eff.message
                 self.stats.messages[type(msg2).__name__] += 1
