@@ -6,10 +6,11 @@ shares across many brokers (the operator does: one connection pool for the whole
 
 from __future__ import annotations
 
-from types import TracebackType
 from typing import Any
 
 import aiohttp
+
+from canopy_broker.runtime.framing import AsyncClosing
 
 
 class AdminError(Exception):
@@ -28,7 +29,7 @@ def base_url(address: str) -> str:
     return address.rstrip("/")
 
 
-class AdminClient:
+class AdminClient(AsyncClosing):
     """Typed calls for every admin endpoint; raises :class:`AdminError` on error statuses."""
 
     def __init__(
@@ -44,14 +45,6 @@ class AdminClient:
         self._own_session = session is None
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout)
-
-    async def __aenter__(self) -> AdminClient:
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         if self._own_session and self._session is not None:
@@ -89,19 +82,18 @@ class AdminClient:
 
     # -- endpoints ---------------------------------------------------------------------------
 
-    async def healthz(self) -> bool:
+    async def _probe(self, path: str) -> bool:
         try:
-            await self._request("GET", "/healthz")
+            await self._request("GET", path)
         except (AdminError, aiohttp.ClientError, TimeoutError):
             return False
         return True
 
+    async def healthz(self) -> bool:
+        return await self._probe("/healthz")
+
     async def readyz(self) -> bool:
-        try:
-            await self._request("GET", "/readyz")
-        except (AdminError, aiohttp.ClientError, TimeoutError):
-            return False
-        return True
+        return await self._probe("/readyz")
 
     async def status(self) -> dict[str, Any]:
         result: dict[str, Any] = await self._request("GET", "/status")

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 import orjson
@@ -40,6 +39,7 @@ from canopy_broker.runtime.framing import (
     F_HELLO,
     F_MSGS,
     PROTOCOL_VERSION,
+    AsyncClosing,
     FrameError,
     FrameProtocol,
     batches,
@@ -136,7 +136,7 @@ class _Notifications:
         return batch[0]
 
 
-class Client:
+class Client(AsyncClosing):
     """A connection to one broker as one client id; create it with :func:`connect`."""
 
     max_buffered = 100_000
@@ -181,14 +181,6 @@ class Client:
         except BaseException:
             proto.abort()
             raise
-
-    async def __aenter__(self) -> Client:
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Flush what is buffered, close the connection and wait until it is closed."""

@@ -26,7 +26,8 @@ import logging
 import math
 from collections.abc import Mapping
 from enum import Enum
-from typing import Any, Final
+from types import TracebackType
+from typing import Any, Final, Self
 
 import orjson
 
@@ -382,6 +383,21 @@ def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, i
 
 
 # --------------------------------------------------------------------------- transport glue
+
+
+class AsyncClosing:
+    """``async with obj:`` closes ``obj`` on exit (clients of the broker and of its admin API)."""
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
 
 
 class FrameProtocol(asyncio.Protocol):
