@@ -14,8 +14,10 @@ import time
 from typing import Any
 
 from canopy_broker.core.filters import Constraint, Filter, Op
-from canopy_broker.core.messages import RoutingMode
+from canopy_broker.core.messages import Ordering, RoutingMode
 from canopy_broker.sim.checker import check_deliveries, check_routing
+from canopy_broker.sim.experiments import run_exchanges
+from canopy_broker.sim.overhead import measure
 from canopy_broker.sim.simulator import Simulator
 from canopy_broker.sim.topology import random_tree
 
@@ -42,6 +44,24 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     r.add_argument("--seed", type=int, default=1)
     r.add_argument("--json", action="store_true", help="one JSON object on the last line")
     r.set_defaults(func=run_routing)
+
+    x = sim_sub.add_parser(
+        "exchange",
+        help="link exchanges under live traffic on paper 002's set-up: overhead, delays, checks",
+    )
+    x.add_argument("--brokers", type=int, default=100)
+    x.add_argument("--exchanges", type=int, default=20, help="exchanges, one after the other")
+    x.add_argument("--algorithm", choices=["coordinated", "strawman"], default="coordinated")
+    x.add_argument(
+        "--density",
+        choices=["sparse", "dense"],
+        default="sparse",
+        help="share of brokers with subscribers: 20%% (sparse) or 80%% (dense)",
+    )
+    x.add_argument("--ordering", choices=["fifo", "causal"], default="fifo")
+    x.add_argument("--seed", type=int, default=1)
+    x.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    x.set_defaults(func=run_exchange_cmd)
 
 
 def simulate(
@@ -127,3 +147,99 @@ def run_routing(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ok": ok, "results": results}))
     return 0 if ok else 1
+
+
+def exchange_experiment(
+    n: int, *, exchanges: int, algorithm: str, density: str, ordering: str, seed: int
+) -> dict[str, Any]:
+    """K exchanges one after the other on paper 002's set-up, with the measured figures."""
+    wall = time.perf_counter()
+    run = run_exchanges(
+        n,
+        seed=seed,
+        rounds=exchanges,
+        group_size=1,
+        algorithm="strawman" if algorithm == "strawman" else "coordinated",
+        ordering=Ordering(ordering),
+        density=0.2 if density == "sparse" else 0.8,
+        churn=0,
+        wide_filters=False,
+        publishers_subscribe=False,
+        publishers=10,
+        record_traffic=True,
+    )
+    wall = time.perf_counter() - wall
+    assert run.sim.traffic is not None
+    paths = {x: rec.path for x, rec in run.sim.exchanges.items()}
+    ov = measure(run.sim.traffic, run.sim.deliveries, run.sim.client_broker, paths, since=200.0)
+    delays = [d for core in run.sim.cores.values() for d in core.ordering_delays]
+    cycles = [len(spec.path) for spec in run.specs]
+    summary = run.report.summary()
+    return {
+        "algorithm": algorithm,
+        "ordering": ordering,
+        "brokers": n,
+        "density": density,
+        "seed": seed,
+        "exchanges": len(run.specs),
+        "overhead": round(ov.total, 2),
+        "overhead_per_exchange": round(ov.total / max(1, len(run.specs)), 2),
+        "control_overhead": round(ov.control, 2),
+        "misrouted": ov.misrouted,
+        "overhead_by_type": ov.to_json()["by_type"],
+        "lost": summary["lost"],
+        "duplicated": summary["duplicated"],
+        "reordered": summary["reordered"],
+        "causal_violations": summary["causal"],
+        "delivered": summary["delivered"],
+        "owed": summary["owed"],
+        "mean_ordering_delay": round(sum(delays) / len(delays), 3) if delays else 0.0,
+        "max_ordering_delay": round(max(delays), 3) if delays else 0.0,
+        "queued_notifications": len(delays),
+        "mean_cycle_length": round(sum(cycles) / len(cycles), 3) if cycles else 0.0,
+        "max_cycle_length": max(cycles, default=0),
+        "routing_tables_canonical": not run.routing_problems,
+        "unfinished": run.leftovers,
+        "sim_wall_s": round(wall, 2),
+    }
+
+
+def run_exchange_cmd(args: argparse.Namespace) -> int:
+    print(
+        f"[sim] {args.algorithm}: {args.exchanges} exchanges on {args.brokers} brokers "
+        f"({args.density}, seed {args.seed})...",
+        file=sys.stderr,
+        flush=True,
+    )
+    r = exchange_experiment(
+        args.brokers,
+        exchanges=args.exchanges,
+        algorithm=args.algorithm,
+        density=args.density,
+        ordering=args.ordering,
+        seed=args.seed,
+    )
+    print(f"algorithm            {r['algorithm']} ({r['ordering']})")
+    print(
+        f"exchanges            {r['exchanges']}, cycle length mean {r['mean_cycle_length']} "
+        f"max {r['max_cycle_length']} (links on the cycle)"
+    )
+    print(f"overhead (weighted)  {r['overhead']} total, {r['overhead_per_exchange']} per exchange")
+    print(f"  control messages   {r['control_overhead']}  {r['overhead_by_type']}")
+    print(f"  misrouted events   {r['misrouted']}")
+    print(
+        f"delivery             {r['delivered']} delivered of {r['owed']} owed; lost {r['lost']}, "
+        f"duplicated {r['duplicated']}, reordered {r['reordered']}, "
+        f"causal violations {r['causal_violations']}"
+    )
+    print(
+        f"ordering delay       mean {r['mean_ordering_delay']} max {r['max_ordering_delay']} "
+        f"(sim time units; link delay 1-10) over {r['queued_notifications']} queued"
+    )
+    print(f"routing tables       {'canonical' if r['routing_tables_canonical'] else 'WRONG'}")
+    if args.json:
+        print(json.dumps(r))
+    clean = not (r["lost"] or r["duplicated"] or r["reordered"] or r["unfinished"])
+    if args.algorithm == "strawman":
+        return 0  # the baseline is expected to lose; its figures are the point
+    return 0 if clean and r["routing_tables_canonical"] else 1

@@ -167,14 +167,20 @@ def test_initiator_gives_up_after_bounded_attempts() -> None:
     assert results and not results[0].ok and "gave up" in results[0].reason
 
 
-@pytest.mark.parametrize("seed", [0, 5])
-def test_causal_mode_keeps_causal_order_where_fifo_mode_does_not(seed: int) -> None:
+def test_causal_mode_keeps_causal_order_where_fifo_mode_does_not() -> None:
     """Publishers here also subscribe, so notifications depend on each other across publishers.
-    FIFO mode (allowed to) breaks such dependencies at the new link in these seeded runs; causal
-    mode must not — and both must stay exactly-once and FIFO."""
-    fifo = run_exchanges(30, seed=seed, rounds=4, group_size=2, publish_interval=0.5)
-    assert fifo.ok and fifo.report.causal, str(fifo.report)
-    causal = run_exchanges(
-        30, seed=seed, rounds=4, group_size=2, publish_interval=0.5, ordering=Ordering.CAUSAL
-    )
-    assert causal.ok and causal.report.causal_ok, causal.report.summary()
+    FIFO mode is allowed to break such dependencies at the new link, and does in some of these
+    seeded runs (the causal checker's negative control); causal mode must not — and both must
+    stay exactly-once and FIFO."""
+    violated = []
+    for seed in range(8):
+        fifo = run_exchanges(30, seed=seed, rounds=4, group_size=2, publish_interval=0.5)
+        assert fifo.ok, str(fifo.report)
+        if fifo.report.causal:
+            violated.append(seed)
+    assert violated, "no seed showed a causal violation under FIFO: the check proves nothing"
+    for seed in violated:
+        causal = run_exchanges(
+            30, seed=seed, rounds=4, group_size=2, publish_interval=0.5, ordering=Ordering.CAUSAL
+        )
+        assert causal.ok and causal.report.causal_ok, (seed, causal.report.summary())

@@ -537,6 +537,13 @@ class BrokerCore:
         elif isinstance(msg, End):
             self._on_end(ex, out)
         elif isinstance(msg, Done):
+            # The other side's advertisement, complete: apply what differs from what we hold.
+            table = self._from_link[peer]
+            keys = set(msg.keys)
+            for key in sorted(keys - table, key=RouteKey.sort_key):
+                self._apply_route_msg(table, peer, Subscribe(key), out)
+            for key in sorted(table - keys, key=RouteKey.sort_key):
+                self._apply_route_msg(table, peer, Unsubscribe(key), out)
             ex.peer_done = True
             self._maybe_release_a(ex, out)
         elif isinstance(msg, Echo):
@@ -585,11 +592,7 @@ class BrokerCore:
             r = ex.r_peer
             assert r is not None
             self._frozen.add(r)
-            transfer = Transfer(
-                ex.xid,
-                tuple(sorted(self._from_link[r], key=RouteKey.sort_key)),
-                tuple(sorted(self._advertised[r], key=RouteKey.sort_key)),
-            )
+            transfer = Transfer(ex.xid, tuple(sorted(self._from_link[r], key=RouteKey.sort_key)))
             self._to_peer(ex.a_end_of_my_side, transfer, out)
             self._to_peer(ex.a_end_of_my_side, Separator(ex.xid, ex.side), out)
         if ex.me > 0:
@@ -607,7 +610,6 @@ class BrokerCore:
         if isinstance(msg, Transfer):
             for key in msg.keys:
                 self._apply_route_msg(table, a, Subscribe(key), out)
-            self._advertised[a] = set(msg.advertised)
         elif isinstance(msg, Relay):
             self._apply_route_msg(table, a, msg.message, out)
         elif isinstance(msg, RelayEnd):
@@ -708,18 +710,13 @@ class BrokerCore:
             return
         a = ex.a_peer
         assert a is not None
-        # Unfreeze the added link: advertise what this side must, given what the other side
-        # already holds from the transfer.
+        # Unfreeze the added link: tell the other side exactly what this side advertises; it
+        # holds the old advertisement (from its R end's transfer) and applies the difference.
         self._frozen.discard(a)
         held = [key for key in self._holders if self._held_except(key, a) > 0]
         want = maximal(held, self.mode)
-        have = self._advertised[a]
-        for key in sorted(want - have, key=RouteKey.sort_key):
-            out.append(SendToLink(a, Subscribe(key)))
-        for key in sorted(have - want, key=RouteKey.sort_key):
-            out.append(SendToLink(a, Unsubscribe(key)))
         self._advertised[a] = want
-        out.append(SendToLink(a, Done(ex.xid)))
+        out.append(SendToLink(a, Done(ex.xid, tuple(sorted(want, key=RouteKey.sort_key)))))
         ex.own_done = True
         self._maybe_release_a(ex, out)
 

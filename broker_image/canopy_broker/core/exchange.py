@@ -14,10 +14,9 @@ How the protocol runs (each step is a message handled by ``BrokerCore``):
    lock, *frozen*: no routing advertisement crosses it until the end.
 2. **Phase 1.** When Granted passes an R end, that R end freezes the removed link too, and sends
    its A end (out of band) a **Transfer**: the routing keys it holds from r — exactly what the A
-   end must hold from a in the new tree — and what it advertised over r (what the other A end will
-   hold). Later routing changes arriving over r are **Relay**-ed. A **Separator** follows the
-   transfer. The A end installs the keys as if received over a, which propagates them down its
-   side of the cycle by ordinary covering/identity forwarding.
+   end must hold from a in the new tree. Later routing changes arriving over r are **Relay**-ed. A
+   **Separator** follows the transfer. The A end installs the keys as if received over a, which
+   propagates them down its side of the cycle by ordinary covering/identity forwarding.
 3. The separator walks its side down to its R end, turning each broker *gray*, crosses r, and
    walks the other side up to the other A end, where it is absorbed. When it returns to its R end,
    that end starts **phase 2**: it drops r's routing entries, which withdraws them up its side.
@@ -32,9 +31,10 @@ How the protocol runs (each step is a message handled by ``BrokerCore``):
    black notification of that publisher can still overtake them) — FIFO-publisher order. For
    causal order the queue also waits for an **Echo** of the A end's own separator, sent up by its
    R end: then no black notification of its own side is still on its way to the A end either.
-5. An A end that has End, RelayEnd and the other separator unfreezes a: it sends the difference
-   between what it must advertise now and what the other side already holds, then **Done**. With
-   Done from both sides the exchange is finished; A1 reports it.
+5. An A end that has End, RelayEnd and the other separator unfreezes a and sends **Done** with
+   the complete set it advertises over a; the other A end, which holds the old advertisement of
+   this side (its R end's transfer), applies the difference. With Done from both sides the
+   exchange is finished; A1 reports it.
 
 Routing changes made by subscribers *during* an exchange propagate normally inside each side; they
 cross between the sides when the exchange completes (step 5), which is when they are established.

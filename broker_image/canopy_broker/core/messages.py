@@ -150,9 +150,11 @@ class End:
 
 @dataclass(frozen=True, slots=True)
 class Done:
-    """Over the added link: the sender's side is finished and its advertisement reconciled."""
+    """Over the added link: the sender's side is finished, and ``keys`` is exactly what it
+    advertises over the link from now on (the receiver applies the difference)."""
 
     xid: str
+    keys: tuple[RouteKey, ...] = ()
 
 
 LinkMessage = (
@@ -165,11 +167,10 @@ LinkMessage = (
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """R end → A end: the removed link's routing entries and what was advertised over it."""
+    """R end → A end: the removed link's routing entries (what the A end must hold from a)."""
 
     xid: str
     keys: tuple[RouteKey, ...]
-    advertised: tuple[RouteKey, ...]
 
 
 @dataclass(frozen=True, slots=True)

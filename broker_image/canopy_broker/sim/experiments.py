@@ -62,6 +62,7 @@ def run_exchanges(
     max_fanout: int = 4,
     wide_filters: bool = True,
     record_traffic: bool = False,
+    publishers_subscribe: bool = True,
 ) -> ExchangeRun:
     rng = random.Random(seed)
     edges = random_tree(n, rng, max_fanout=max_fanout)
@@ -84,8 +85,9 @@ def run_exchanges(
     for p in pubs:
         # Publishers also subscribe, so what they publish may causally follow what they saw.
         sim.attach(p, rng.choice(brokers), at=0)
-        for k, pattern in enumerate(rng.sample(PATTERNS, 20)):
-            sim.subscribe(p, f"f{k}", pattern_filter(pattern), at=1)
+        if publishers_subscribe:
+            for k, pattern in enumerate(rng.sample(PATTERNS, 20)):
+                sim.subscribe(p, f"f{k}", pattern_filter(pattern), at=1)
 
     start = 200.0
     sim.run(until=start)  # the initial subscriptions settle
@@ -97,21 +99,29 @@ def run_exchanges(
             sim.publish(rng.choice(pubs), {"p": rng.choice(PATTERNS)}, at=clock)
             clock += publish_interval * rng.uniform(0.5, 1.5)
 
-    specs: list[ExchangeSpec] = []
+    # The exchanges are planned up front with their own random source, so that every algorithm
+    # run with the same seed performs the same exchanges at the same offsets.
+    plan_rng = random.Random(seed * 7919 + 1)
+    plan: list[list[tuple[ExchangeSpec, float]]] = []
     current = list(edges)
+    for _ in range(rounds):
+        group = random_group(current, plan_rng, group_size, max_fanout)
+        plan.append([(spec, plan_rng.uniform(0, 30)) for spec in group])
+        for spec in group:
+            current = spec.apply(current)
+
+    specs: list[ExchangeSpec] = []
     live_subs = list(subs)
-    for r in range(rounds):
-        group = random_group(current, rng, group_size, max_fanout)
+    for r, group_plan in enumerate(plan):
         base = max(sim.now, clock) + 20
         xids = []
-        for spec in group:
-            at = base + rng.uniform(0, 30)
+        for spec, offset in group_plan:
+            at = base + offset
             if algorithm == "coordinated":
                 xids.append(sim.exchange(spec.path, spec.remove, at=at, ordering=ordering))
             else:
                 sim.strawman_exchange(spec.remove, spec.add, at=at)
-            current = spec.apply(current)
-        specs.extend(group)
+            specs.append(spec)
         renewed = []
         for i in range(min(churn, len(live_subs))):
             client, sub_id = live_subs.pop(rng.randrange(len(live_subs)))
