@@ -129,5 +129,37 @@ class AdminClient(AsyncClosing):
         )
         return result
 
+    async def peers(self) -> dict[str, str]:
+        result = await self._request("GET", "/peers")
+        return dict(result["peers"])
+
+    async def set_peers(self, peers: dict[str, str]) -> dict[str, str]:
+        """Merge ``name -> HOST:PORT`` into the broker's address book (exchange links and
+        out-of-band channels dial brokers that are not neighbours yet)."""
+        result = await self._request("POST", "/peers", json={"peers": peers})
+        return dict(result["peers"])
+
+    async def start_exchange(
+        self,
+        path: list[str],
+        remove: tuple[str, str],
+        *,
+        ordering: str = "fifo",
+        xid: str | None = None,
+        wait: float = 0.0,
+    ) -> dict[str, Any]:
+        """Ask ``path[0]`` (this broker) to exchange link ``remove`` for (path[0], path[-1]),
+        the coordinated way. Waits up to ``wait`` s; ``result["state"]`` is running, finished or
+        failed. Idempotent per ``xid``."""
+        body = {"path": path, "remove": list(remove), "ordering": ordering, "wait": wait}
+        if xid is not None:
+            body["xid"] = xid
+        result: dict[str, Any] = await self._request("POST", "/exchanges", json=body, ok=(200, 202))
+        return result
+
+    async def exchange(self, xid: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._request("GET", f"/exchanges/{xid}")
+        return result
+
     async def metrics(self) -> str:
         return str(await self._request("GET", "/metrics"))

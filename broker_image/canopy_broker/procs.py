@@ -236,6 +236,9 @@ class Overlay:
             for p in procs:
                 if isinstance(p, BaseException):
                     raise p
+            # Every broker learns every address: exchanges dial brokers that are not neighbours.
+            book = {name: p.listen for name, p in self.brokers.items()}
+            await asyncio.gather(*(p.admin.set_peers(book) for p in self.brokers.values()))
             for a, b in self.edges:
                 await self.link(a, b)
         except BaseException:
@@ -251,6 +254,23 @@ class Overlay:
 
     async def unlink(self, a: str, b: str) -> None:
         await self.brokers[a].admin.remove_link(b)
+
+    async def exchange(
+        self,
+        path: Sequence[str],
+        remove: Edge,
+        *,
+        ordering: str = "fifo",
+        within: float = 60.0,
+    ) -> dict[str, Any]:
+        """Coordinated exchange of ``remove`` for (path[0], path[-1]); returns when finished."""
+        result = await self.brokers[path[0]].admin.start_exchange(
+            list(path), remove, ordering=ordering, wait=within
+        )
+        if result["state"] != "finished":
+            raise RuntimeError(f"exchange {result['xid']} {result['state']}: {result['reason']}")
+        self.edges = [e for e in self.edges if set(e) != set(remove)] + [(path[0], path[-1])]
+        return result
 
     async def settle(self, within: float = 30.0) -> list[dict[str, Any]]:
         return await wait_settled(self.brokers.values(), within=within)

@@ -9,8 +9,11 @@ started without one refuses to run unless ``--insecure-no-token`` says so explic
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -79,12 +82,7 @@ async def routing(request: web.Request) -> web.Response:
 
 async def add_link(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    try:
-        body = await request.json()
-    except ValueError:
-        return _error(400, "body must be JSON")
-    if not isinstance(body, dict):
-        return _error(400, "body must be a JSON object")
+    body = await _json_object(request)
     peer, address, timeout = body.get("peer"), body.get("address"), body.get("timeout", 5.0)
     if not isinstance(peer, str) or not peer or not isinstance(address, str):
         return _error(400, "need 'peer' (name) and 'address' (HOST:PORT)")
@@ -114,6 +112,72 @@ async def drop_link(request: web.Request) -> web.Response:
     return web.json_response({"dropped": dropped})
 
 
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise web.HTTPBadRequest(
+            text='{"error": "body must be JSON"}', content_type="application/json"
+        ) from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(
+            text='{"error": "body must be a JSON object"}', content_type="application/json"
+        )
+    return body
+
+
+async def get_peers(request: web.Request) -> web.Response:
+    return web.json_response({"peers": request.app[BROKER].peers})
+
+
+async def set_peers(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    peers = (await _json_object(request)).get("peers")
+    if not isinstance(peers, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in peers.items()
+    ):
+        return _error(400, "need 'peers': {name: 'HOST:PORT'}")
+    try:
+        broker.set_peers(peers)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    return web.json_response({"peers": broker.peers})
+
+
+async def start_exchange(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    body = await _json_object(request)
+    path, remove = body.get("path"), body.get("remove")
+    ordering, xid, wait = body.get("ordering", "fifo"), body.get("xid"), body.get("wait", 0)
+    if (
+        not isinstance(path, list)
+        or not all(isinstance(p, str) for p in path)
+        or not isinstance(remove, list)
+        or len(remove) != 2
+        or not all(isinstance(r, str) for r in remove)
+    ):
+        return _error(400, "need 'path': [names from A1 to A2] and 'remove': [R1, R2]")
+    if ordering not in ("fifo", "causal") or not (xid is None or isinstance(xid, str)):
+        return _error(400, "'ordering' is fifo or causal; 'xid' a string")
+    if not isinstance(wait, int | float) or not 0 <= wait <= 600:
+        return _error(400, "'wait' must be a number of seconds in [0, 600]")
+    try:
+        rec = broker.start_exchange(path, (remove[0], remove[1]), ordering, xid)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    if wait:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(rec.done.wait(), float(wait))
+    return web.json_response(rec.to_json(), status=202 if rec.state == "running" else 200)
+
+
+async def get_exchange(request: web.Request) -> web.Response:
+    rec = request.app[BROKER].exchanges.get(request.match_info["xid"])
+    if rec is None:
+        return _error(404, "no such exchange started here")
+    return web.json_response(rec.to_json())
+
+
 async def telemetry(request: web.Request) -> web.Response:
     try:
         since = int(request.query.get("since", "0"))
@@ -138,4 +202,8 @@ def make_admin_app(broker: Broker, token: str | None) -> web.Application:
     app.router.add_delete("/links/{peer}", remove_link)
     app.router.add_post("/links/{peer}/drop", drop_link)
     app.router.add_get("/telemetry", telemetry)
+    app.router.add_get("/peers", get_peers)
+    app.router.add_post("/peers", set_peers)
+    app.router.add_post("/exchanges", start_exchange)
+    app.router.add_get("/exchanges/{xid}", get_exchange)
     return app

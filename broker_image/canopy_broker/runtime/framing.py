@@ -34,7 +34,14 @@ import orjson
 from canopy_broker.core import messages as core_messages
 from canopy_broker.core.events import Event, Value, check_attributes
 from canopy_broker.core.filters import Constraint, Filter, FilterError, Op
-from canopy_broker.core.messages import LinkMessage, Publish, RouteKey, Subscribe, Unsubscribe
+from canopy_broker.core.messages import (
+    LinkMessage,
+    PeerMessage,
+    Publish,
+    RouteKey,
+    Subscribe,
+    Unsubscribe,
+)
 
 PROTOCOL_VERSION: Final = 1
 MAX_FRAME: Final = 8 * 1024 * 1024
@@ -234,7 +241,22 @@ def encode_link_message(msg: LinkMessage) -> bytes:
     if isinstance(msg, Subscribe | Unsubscribe):
         code = L_SUBSCRIBE if isinstance(msg, Subscribe) else L_UNSUBSCRIBE
         return orjson.dumps([code, encode_filter(msg.key.filter), msg.key.tag])
+    return encode_generic(msg)
+
+
+def encode_generic(msg: object) -> bytes:
+    """``[3, generic]``: link messages other than the data plane, and out-of-band messages."""
     return b"[3," + orjson.dumps(to_wire(msg)) + b"]"
+
+
+def decode_peer_message(item: object) -> PeerMessage:
+    """An out-of-band message of the reconfiguration protocols (always the generic form)."""
+    if not isinstance(item, list) or len(item) != 2 or item[0] != L_GENERIC:
+        raise FrameError(f"an out-of-band message must be [3, generic], got {item!r}")
+    msg = from_wire(item[1])
+    if not isinstance(msg, PeerMessage):
+        raise FrameError(f"{type(msg).__name__} is not an out-of-band message", "unknown-type")
+    return msg
 
 
 # Generic form. The reconfiguration protocols add core messages faster than a hand-written

@@ -86,19 +86,41 @@ class Conn(FrameProtocol):
 
 
 class Link:
-    """One overlay link: sequence numbers, retransmit buffer and connection state.
+    """One reliable, ordered message channel to a peer: sequence numbers, retransmit buffer and
+    connection state.
+
+    ``kind`` is ``"link"`` for an overlay link (messages are the core's link messages) or
+    ``"peer"`` for an out-of-band control channel of the reconfiguration protocols (messages go
+    to the core as ``FromPeer``; a channel carries data one way, from its dialer). ``opened``
+    marks an overlay link the *core* created (the added link of an exchange): the runtime then
+    never tells the core ``AddLink``/``RemoveLink`` for it, the core's ``OpenLink``/``CloseLink``
+    effects drive it.
 
     ``out`` holds every message not yet acknowledged by the peer, sent or not: ``out[0]`` has
     sequence number ``base`` and ``sent`` is the next sequence number to put on the wire. An ack
     drops a prefix; a reconnect rewinds ``sent`` to what the peer says it has received.
     """
 
-    def __init__(self, peer: str, session: str, *, dialer: bool, address: str | None) -> None:
+    def __init__(
+        self,
+        peer: str,
+        session: str,
+        *,
+        dialer: bool,
+        address: str | None,
+        kind: str = "link",
+        opened: bool = False,
+    ) -> None:
         self.peer = peer
         self.session = session
         self.dialer = dialer
         self.address = address
-        self.established = False  # the core has been told AddLink
+        self.kind = kind
+        self.opened = opened
+        self.established = False  # the core knows this link (AddLink given, or it opened it)
+        self.connected_once = False  # a session exists on both ends: reconnects resume it
+        self.closing = False  # the core closed it: flush, then say goodbye
+        self.peer_closed = False  # the peer's core closed it: never redial
         self.removed = False
         self.conn: Conn | None = None
         self.out: list[bytes] = []
@@ -180,6 +202,9 @@ class Link:
     def status(self) -> dict[str, Any]:
         return {
             "peer": self.peer,
+            "kind": self.kind,
+            "opened": self.opened,
+            "closing": self.closing,
             "state": self.state,
             "dialer": self.dialer,
             "address": self.address,

@@ -22,10 +22,10 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from canopy_broker.core.broker import BrokerCore
+from canopy_broker.core.broker import BrokerCore, ProtocolError
 from canopy_broker.core.events import Event
 from canopy_broker.core.messages import (
     AddLink,
@@ -34,14 +34,23 @@ from canopy_broker.core.messages import (
     ClientPublish,
     ClientSubscribe,
     ClientUnsubscribe,
+    CloseLink,
     Deliver,
     Effect,
+    ExchangeFinished,
     FromLink,
+    FromPeer,
     Input,
+    OpenLink,
+    Ordering,
     Publish,
     RemoveLink,
     RoutingMode,
     SendToLink,
+    SendToPeer,
+    StartExchange,
+    StartTimer,
+    TimerFired,
 )
 from canopy_broker.runtime.framing import (
     B_SUBSCRIBED,
@@ -65,8 +74,10 @@ from canopy_broker.runtime.framing import (
     control_frame,
     decode_filter,
     decode_link_message,
+    decode_peer_message,
     dumps,
     encode_event_body,
+    encode_generic,
     encode_link_message,
     notify_message,
     parse_address,
@@ -105,6 +116,38 @@ class BrokerConfig:
     reconnect_min: float = 0.05
     reconnect_max: float = 2.0
     handshake_timeout: float = 5.0
+    advertise: str | None = None  # HOST:PORT peers should dial (default: the listen address)
+
+
+@dataclass(slots=True)
+class ExchangeRecord:
+    """What this broker knows about an exchange it initiated (for ``GET /exchanges/{xid}``)."""
+
+    xid: str
+    path: tuple[str, ...]
+    remove: tuple[str, str]
+    ordering: str
+    state: str = "running"  # running | finished | failed
+    ok: bool | None = None
+    reason: str = ""
+    attempts: int = 0
+    started: float = 0.0
+    finished: float | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "xid": self.xid,
+            "path": list(self.path),
+            "remove": list(self.remove),
+            "ordering": self.ordering,
+            "state": self.state,
+            "ok": self.ok,
+            "reason": self.reason,
+            "attempts": self.attempts,
+            "started": self.started,
+            "finished": self.finished,
+        }
 
 
 def _str_field(hello: dict[str, Any], key: str) -> str:
@@ -123,6 +166,11 @@ class Broker:
         self.core = BrokerCore(config.name, RoutingMode(config.routing))
         self.incarnation = uuid.uuid4().hex[:8]
         self.links: dict[str, Link] = {}
+        self.channels_out: dict[str, Link] = {}  # out-of-band control channels we dialed
+        self.channels_in: dict[str, Link] = {}  # ... and those other brokers dialed
+        self.peers: dict[str, str] = {}  # address book: broker name -> HOST:PORT
+        self.exchanges: dict[str, ExchangeRecord] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
         self.clients: dict[str, Client] = {}
         self.metrics = BrokerMetrics(self._gauges)
         self.telemetry = Telemetry(
@@ -133,6 +181,7 @@ class Broker:
         )
         self.started = time.monotonic()
         self.address: tuple[str, int] | None = None
+        self.advertised = ""
         self.stopping = False
         self._loop = asyncio.get_running_loop()
         self._server: asyncio.Server | None = None
@@ -160,6 +209,7 @@ class Broker:
         )
         sock = self._server.sockets[0].getsockname()
         self.address = (sock[0], sock[1])
+        self.advertised = self.config.advertise or f"{sock[0]}:{sock[1]}"
         self._ticker = asyncio.create_task(self._tick(), name=f"{self.name}-ticker")
         log.info("broker %s listening on %s:%d", self.name, *self.address)
 
@@ -174,7 +224,10 @@ class Broker:
         self.stopping = True
         if self._server is not None:
             self._server.close()
-        tasks = [t for t in (self._ticker, *(lk.dial_task for lk in self.links.values())) if t]
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+        tasks = [t for t in (self._ticker, *(lk.dial_task for lk in self._all_links())) if t]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -182,7 +235,7 @@ class Broker:
         deadline = self._loop.time() + flush_timeout
         while self._loop.time() < deadline and self._undelivered():  # noqa: ASYNC110
             await asyncio.sleep(0.02)
-        for link in self.links.values():
+        for link in self._all_links():
             if link.conn is not None:
                 link.conn.write(control_frame(F_BYE, "shutdown"))
         conns = list(self._conns)
@@ -201,7 +254,7 @@ class Broker:
         log.info("broker %s stopped", self.name)
 
     def _undelivered(self) -> bool:
-        if any(lk.conn is not None and lk.out for lk in self.links.values()):
+        if any(lk.conn is not None and lk.out for lk in self._all_links()):
             return True
         return any(
             c.pending or (c.conn.transport is not None and c.conn.transport.get_write_buffer_size())
@@ -215,7 +268,7 @@ class Broker:
         while True:
             await asyncio.sleep(cfg.heartbeat_interval)
             now = self._loop.time()
-            for link in list(self.links.values()):
+            for link in self._all_links():
                 conn = link.conn
                 if conn is None:
                     continue
@@ -266,11 +319,13 @@ class Broker:
                     F_HELLO,
                     {
                         "v": PROTOCOL_VERSION,
-                        "role": "link",
+                        "role": link.kind,
                         "name": self.name,
                         "session": link.session,
-                        "resume": link.established,
+                        "resume": link.connected_once,
                         "last_rx": link.rx_seq,
+                        "opened": link.opened,
+                        "address": self.advertised,
                     },
                 )
             )
@@ -289,8 +344,8 @@ class Broker:
             if self.clients.get(client.id) is client:
                 del self.clients[client.id]
                 self._unpressure(client)
-                self._apply(self.core.handle(ClientDetach(client.id)))
-        elif conn.role == "link":
+                self._apply(self.core.handle(ClientDetach(client.id), self._now()))
+        elif conn.role in ("link", "peer"):
             link = conn.link
             assert link is not None
             if link.conn is conn:
@@ -301,7 +356,7 @@ class Broker:
                     self._unpressure(link)  # a down link's backlog must not stop the overlay
                 else:
                     self._update_pressure()
-                log.info("%s: link to %s is down", self.name, link.peer)
+                log.info("%s: %s to %s is down", self.name, link.kind, link.peer)
 
     def mark_dirty(self, dest: Link | Client) -> None:
         if not dest.dirty:
@@ -323,7 +378,9 @@ class Broker:
             if dest.over:
                 if dest.depth < low:
                     self._unpressure(dest)
-            elif dest.depth > high and (isinstance(dest, Client) or dest.conn is not None):
+            elif dest.depth > high and (
+                isinstance(dest, Client) or (dest.kind == "link" and dest.conn is not None)
+            ):
                 self._pressure(dest)
         if self._over:
             for dest in dirty:
@@ -379,9 +436,12 @@ class Broker:
                 else:
                     transport.resume_reading()
 
-    def _check_low(self, dest: Link | Client) -> None:
-        if dest.over and dest.depth < self.config.low_water:
-            self._unpressure(dest)
+    def _acked(self, link: Link, upto: int) -> None:
+        link.ack(upto)
+        if link.over and link.depth < self.config.low_water:
+            self._unpressure(link)
+        if link.closing:
+            self._maybe_finish_close(link)
 
     def _slow_consumer(self, client: Client, why: str) -> None:
         log.warning("%s: disconnecting slow consumer %s (%s)", self.name, client.id, why)
@@ -402,7 +462,7 @@ class Broker:
                 assert client is not None
                 self._client_msgs(client, frame[1])
                 return
-        elif role == "link":
+        elif role in {"link", "peer"}:
             link = conn.link
             assert link is not None
             if link.removed:
@@ -431,10 +491,12 @@ class Broker:
         role = hello.get("role")
         if role == "client":
             self._client_hello(conn, hello)
-        elif role == "link":
-            self._link_hello(conn, hello)
+        elif role in {"link", "peer"}:
+            self._session_hello(conn, hello, role)
         else:
-            raise FrameError(f"hello role must be 'link' or 'client', got {role!r}", "bad-hello")
+            raise FrameError(
+                f"hello role must be 'link', 'peer' or 'client', got {role!r}", "bad-hello"
+            )
 
     def _answer_hello(self, conn: Conn, **fields: object) -> None:
         conn.write(
@@ -461,7 +523,7 @@ class Broker:
             raise FrameError(f"client_id must be a non-empty string, got {cid!r}", "bad-hello")
         if cid in self.clients:
             raise FrameError(f"client id {cid!r} is already attached here", "client-id-in-use")
-        self._apply(self.core.handle(ClientAttach(cid)))
+        self._apply(self.core.handle(ClientAttach(cid), self._now()))
         client = Client(cid, conn)
         self.clients[cid] = client
         conn.role = "client"
@@ -496,13 +558,13 @@ class Broker:
                 if type(sub_id) is not str or not sub_id:
                     raise FrameError(f"sub_id must be a non-empty string, got {sub_id!r}")
                 f = decode_filter(item[2])
-                self._apply(self.core.handle(ClientSubscribe(cid, sub_id, f)))
+                self._apply(self.core.handle(ClientSubscribe(cid, sub_id, f), self._now()))
                 self._to_client(client, dumps([B_SUBSCRIBED, sub_id]))
             elif code == C_UNSUBSCRIBE and len(item) == 2:
                 sub_id = item[1]
                 if type(sub_id) is not str:
                     raise FrameError(f"sub_id must be a string, got {sub_id!r}")
-                self._apply(self.core.handle(ClientUnsubscribe(cid, sub_id)))
+                self._apply(self.core.handle(ClientUnsubscribe(cid, sub_id), self._now()))
                 self._to_client(client, dumps([B_UNSUBSCRIBED, sub_id]))
             else:
                 raise FrameError(f"unknown client message {item!r}", "unknown-type")
@@ -522,10 +584,10 @@ class Broker:
     def _route_event(self, inp: Input, event: Event, source_kind: str, source: str) -> None:
         self._events += 1
         if self._events & 31:
-            effects = self.core.handle(inp)
+            effects = self.core.handle(inp, self._loop.time())
         else:
             t0 = time.perf_counter()
-            effects = self.core.handle(inp)
+            effects = self.core.handle(inp, self._loop.time())
             self.metrics.matching.observe(time.perf_counter() - t0)
         if effects:
             self._apply(effects)
@@ -564,6 +626,16 @@ class Broker:
                 delivered += 1
                 if not client.dirty:
                     self.mark_dirty(client)
+            elif isinstance(eff, SendToPeer):
+                self._send_to_peer(eff.peer, eff.message)
+            elif isinstance(eff, StartTimer):
+                self._start_timer(eff.key, eff.delay)
+            elif isinstance(eff, OpenLink):
+                self._open_link(eff.peer)
+            elif isinstance(eff, CloseLink):
+                self._close_link(eff.peer)
+            elif isinstance(eff, ExchangeFinished):
+                self._exchange_finished(eff)
             else:
                 self._unsupported(eff)
         if delivered:
@@ -584,16 +656,13 @@ class Broker:
         if ftype == F_DATA and len(frame) == 3:
             self._link_data(link, frame[1], frame[2])
         elif ftype == F_ACK and len(frame) == 2 and type(frame[1]) is int:
-            link.ack(frame[1])
-            self._check_low(link)
+            self._acked(link, frame[1])
         elif ftype == F_PING and len(frame) == 3 and type(frame[2]) is int:
-            link.ack(frame[2])
-            self._check_low(link)
+            self._acked(link, frame[2])
             conn.write(control_frame(F_PONG, frame[1], link.rx_seq))
             link.acked_rx = link.rx_seq
         elif ftype == F_PONG and len(frame) == 3 and type(frame[2]) is int:
-            link.ack(frame[2])
-            self._check_low(link)
+            self._acked(link, frame[2])
             if isinstance(frame[1], int | float):
                 link.rtt_ms = (self._loop.time() - frame[1]) * 1000.0
                 self.telemetry.rtt(link.peer, link.rtt_ms)
@@ -605,7 +674,13 @@ class Broker:
             reason = frame[1] if len(frame) > 1 else "?"
             log.info("%s: %s said goodbye (%s)", self.name, link.peer, reason)
             if reason == "removed":
-                self._drop_link(link, bye=False)
+                self._drop_link(link, bye=None)
+            elif reason == "closed":  # the peer's core closed it (a link exchange)
+                link.peer_closed = True
+                if link.closing or not link.established:
+                    self._drop_link(link, bye=None)
+                else:
+                    conn.close()  # our core closes its end in its own time
             else:
                 conn.close()
         elif ftype == F_ERROR:
@@ -622,17 +697,27 @@ class Broker:
             raise FrameError(f"sequence gap: expected {link.rx_seq + 1}, got {first}", "sequence")
         if skip:
             items = items[skip:]
+        if link.kind == "link" and not link.established and items:
+            # An added link the peer's core opened before ours did. The protocol sends nothing
+            # over it before this core has it; if something comes anyway, refuse without
+            # acknowledging, so the peer resends it after reconnecting.
+            raise FrameError(f"data on the link to {link.peer} before it was opened", "not-open")
         peer = link.peer
         handle = self.core.handle
         n = 0
         try:
-            for item in items:
-                msg = decode_link_message(item)
-                if type(msg) is Publish:
-                    self._route_event(FromLink(peer, msg), msg.event, "link", peer)
-                else:
-                    self._apply(handle(FromLink(peer, msg)))
-                n += 1
+            if link.kind == "peer":
+                for item in items:
+                    self._apply(handle(FromPeer(peer, decode_peer_message(item)), self._now()))
+                    n += 1
+            else:
+                for item in items:
+                    msg = decode_link_message(item)
+                    if type(msg) is Publish:
+                        self._route_event(FromLink(peer, msg), msg.event, "link", peer)
+                    else:
+                        self._apply(handle(FromLink(peer, msg), self._now()))
+                    n += 1
         finally:
             link.rx_seq += n
             link.msgs_in += n
@@ -643,15 +728,40 @@ class Broker:
 
     # ------------------------------------------------------------------ links: lifecycle
 
-    def _new_link(self, peer: str, session: str, *, dialer: bool, address: str | None) -> Link:
-        link = Link(peer, session, dialer=dialer, address=address)
-        m = self.metrics
-        link.m_msgs_in = m.link_messages.labels(peer, "in")
-        link.m_msgs_out = m.link_messages.labels(peer, "out")
-        link.m_bytes_in = m.link_bytes.labels(peer, "in")
-        link.m_bytes_out = m.link_bytes.labels(peer, "out")
-        self.links[peer] = link
-        self._removed.pop(peer, None)
+    def _now(self) -> float:
+        return self._loop.time()
+
+    def _table(self, kind: str, dialer: bool) -> dict[str, Link]:
+        if kind == "link":
+            return self.links
+        return self.channels_out if dialer else self.channels_in
+
+    def _all_links(self) -> list[Link]:
+        return [*self.links.values(), *self.channels_out.values(), *self.channels_in.values()]
+
+    def _new_link(
+        self,
+        peer: str,
+        session: str,
+        *,
+        dialer: bool,
+        address: str | None,
+        kind: str = "link",
+        opened: bool = False,
+    ) -> Link:
+        link = Link(peer, session, dialer=dialer, address=address, kind=kind, opened=opened)
+        if kind == "link":
+            m = self.metrics
+            link.m_msgs_in = m.link_messages.labels(peer, "in")
+            link.m_msgs_out = m.link_messages.labels(peer, "out")
+            link.m_bytes_in = m.link_bytes.labels(peer, "in")
+            link.m_bytes_out = m.link_bytes.labels(peer, "out")
+            self._removed.pop(peer, None)
+        self._table(kind, dialer)[peer] = link
+        if dialer:
+            link.dial_task = asyncio.create_task(
+                self._dial_loop(link), name=f"{self.name}->{peer} ({kind})"
+            )
         return link
 
     def add_link(self, peer: str, address: str) -> Link:
@@ -659,43 +769,84 @@ class Broker:
         if peer == self.name:
             raise ValueError("a broker cannot link to itself")
         parse_address(address)
+        self.peers[peer] = address
         link = self.links.get(peer)
         if link is not None:
             if link.dialer and link.address != address:
                 link.address = address  # a moved peer: the next dial uses the new address
             return link
-        link = self._new_link(peer, uuid.uuid4().hex, dialer=True, address=address)
-        link.dial_task = asyncio.create_task(self._dial_loop(link), name=f"{self.name}->{peer}")
-        return link
+        return self._new_link(peer, uuid.uuid4().hex, dialer=True, address=address)
 
     def remove_link(self, peer: str) -> bool:
         """Uncoordinated removal: RemoveLink here, BYE to the peer (which does the same)."""
         link = self.links.get(peer)
         if link is None:
             return False
-        self._drop_link(link, bye=True)
+        self._drop_link(link, bye="removed")
         return True
 
-    def _drop_link(self, link: Link, *, bye: bool) -> None:
-        if self.links.get(link.peer) is link:
-            del self.links[link.peer]
+    def _drop_link(self, link: Link, *, bye: str | None) -> None:
+        """Forget a link or channel; tell the core (RemoveLink) if it is a link the core has and
+        did not close itself."""
+        table = self._table(link.kind, link.dialer)
+        if table.get(link.peer) is link:
+            del table[link.peer]
         link.removed = True
-        self._removed[link.peer] = link.session
+        if link.kind == "link" and bye == "removed":
+            self._removed[link.peer] = link.session
         if link.dial_task is not None and link.dial_task is not asyncio.current_task():
             link.dial_task.cancel()
         self._unpressure(link)
         if link.established:
             link.established = False
-            self._apply(self.core.handle(RemoveLink(link.peer)))
+            self._apply(self.core.handle(RemoveLink(link.peer), self._now()))
         conn, link.conn = link.conn, None
         link.up.clear()
         if conn is not None:
             if bye:
-                conn.write(control_frame(F_BYE, "removed"))
+                conn.write(control_frame(F_BYE, bye))
             conn.close()
         link.out.clear()
         self._update_pressure()
-        log.info("%s: link to %s removed", self.name, link.peer)
+        log.info("%s: %s to %s removed", self.name, link.kind, link.peer)
+
+    def _open_link(self, peer: str) -> None:
+        """The core added a link (an exchange's new link, frozen): connect it. The end whose
+        name sorts first dials; the other waits for it (or finds it already connected)."""
+        link = self.links.get(peer)
+        if link is not None:
+            if link.opened and not link.established:
+                link.established = True  # the peer dialed before our core opened the link
+                self.mark_dirty(link)
+            else:
+                log.error("%s: the core opened a link to %s, which exists", self.name, peer)
+            return
+        dialer = self.name < peer
+        link = self._new_link(
+            peer, uuid.uuid4().hex if dialer else "", dialer=dialer, address=None, opened=True
+        )
+        link.established = True
+
+    def _close_link(self, peer: str) -> None:
+        """The core dropped a link (an exchange's removed link, or an added link whose lock was
+        refused). Everything already queued on it still goes out; then goodbye."""
+        link = self.links.get(peer)
+        if link is None:
+            return
+        link.established = False
+        link.closing = True
+        self._maybe_finish_close(link)
+
+    def _maybe_finish_close(self, link: Link) -> None:
+        if link.closing and (not link.out or link.peer_closed):
+            if link.out:
+                log.warning(
+                    "%s: %d message(s) to %s were never acknowledged",
+                    self.name,
+                    len(link.out),
+                    link.peer,
+                )
+            self._drop_link(link, bye="closed")
 
     def _link_up(self, link: Link, conn: Conn, peer_last_rx: object) -> None:
         if type(peer_last_rx) is not int:
@@ -707,42 +858,59 @@ class Broker:
             old.abort()
         link.conn = conn
         conn.link = link
-        conn.role = "link"
-        link.last_heard = self._loop.time()
+        conn.role = link.kind
+        link.last_heard = self._now()
         link.connects += 1
-        self.metrics.link_reconnects.labels(link.peer).inc()
-        if not link.established:
-            link.established = True
-            self._apply(self.core.handle(AddLink(link.peer)))
+        link.connected_once = True
+        if link.kind == "link":
+            self.metrics.link_reconnects.labels(link.peer).inc()
+            if not link.established and not link.opened:
+                link.established = True
+                self._apply(self.core.handle(AddLink(link.peer), self._now()))
+            link.remote_pressure = link.sent_pressure = False
+            self._update_pressure()
         link.up.set()
-        link.remote_pressure = link.sent_pressure = False
-        self._update_pressure()
         self.mark_dirty(link)
         log.info(
-            "%s: link to %s is up (session %s, resend from %d)",
+            "%s: %s to %s is up (session %s, resend from %d)",
             self.name,
+            link.kind,
             link.peer,
             link.session[:8],
             link.sent,
         )
 
-    def _link_hello(self, conn: Conn, hello: dict[str, Any]) -> None:
+    def _session_hello(self, conn: Conn, hello: dict[str, Any], kind: str) -> None:
+        """A peer broker dialed us, for an overlay link or an out-of-band channel."""
         peer = _str_field(hello, "name")
         session = _str_field(hello, "session")
         if peer == self.name:
             raise FrameError("a broker cannot link to itself", "bad-hello")
-        link = self.links.get(peer)
+        address = hello.get("address")
+        if isinstance(address, str) and address:
+            self.peers.setdefault(peer, address)
+        table = self._table(kind, dialer=False)
+        link = table.get(peer)
         if link is not None and link.session == session:
             self._answer_hello(conn, last_rx=link.rx_seq)
             self._link_up(link, conn, hello.get("last_rx"))
             return
         if hello.get("resume"):
-            code = "link-removed" if self._removed.get(peer) == session else "unknown-session"
-            raise FrameError(f"no link session {session[:8]} with {peer}", code)
-        if link is not None:  # the peer started a new session (restarted or re-added the link)
-            log.info("%s: %s opened a new session; resetting the link", self.name, peer)
-            self._drop_link(link, bye=False)
-        link = self._new_link(peer, session, dialer=False, address=None)
+            removed = kind == "link" and self._removed.get(peer) == session
+            code = "link-removed" if removed else "unknown-session"
+            raise FrameError(f"no {kind} session {session[:8]} with {peer}", code)
+        if link is not None and link.opened and not link.connected_once and not link.dialer:
+            link.session = session  # the dial our OpenLink was waiting for
+        else:
+            if link is not None:  # the peer started a new session (restarted, or re-added it)
+                log.info("%s: %s opened a new %s session; resetting", self.name, peer, kind)
+                self._drop_link(link, bye=None)
+            opened = kind == "link" and bool(hello.get("opened"))
+            link = self._new_link(
+                peer, session, dialer=False, address=None, kind=kind, opened=opened
+            )
+            if opened:
+                link.established = self.core.is_neighbour(peer)
         self._answer_hello(conn, last_rx=0)
         self._link_up(link, conn, hello.get("last_rx"))
 
@@ -762,29 +930,32 @@ class Broker:
         link = conn.link
         assert link is not None
         code = frame[1] if len(frame) > 1 else "?"
-        log.warning("%s: %s refused the link: %s", self.name, link.peer, frame[1:])
+        log.warning("%s: %s refused the %s: %s", self.name, link.peer, link.kind, frame[1:])
         if code == "link-removed":
-            self._drop_link(link, bye=False)
+            self._drop_link(link, bye=None)
         elif code == "unknown-session":  # the peer lost our session (it restarted): start anew
-            if link.established:
+            if link.established and not link.opened:
                 link.established = False
-                self._apply(self.core.handle(RemoveLink(link.peer)))
+                self._apply(self.core.handle(RemoveLink(link.peer), self._now()))
             link.session = uuid.uuid4().hex
             link.out.clear()
             link.base = link.sent = 1
             link.rx_seq = link.acked_rx = 0
+            link.connected_once = False
         conn.close()
         if not conn.handshake.done():
             conn.handshake.set_exception(ConnectionRefusedError(f"{link.peer} refused: {code}"))
 
     async def _dial_loop(self, link: Link) -> None:
-        """Keep the link's connection up: dial, hello, wait for loss, back off, repeat."""
-        assert link.address is not None
+        """Keep the connection up: dial, hello, wait for loss, back off, repeat."""
         delay = self.config.reconnect_min
-        while not link.removed and not self.stopping:
-            host, port = parse_address(link.address)
+        while not (link.removed or link.peer_closed or self.stopping):
+            address = link.address or self.peers.get(link.peer)
             conn: Conn | None = None
             try:
+                if address is None:
+                    raise OSError(f"no address known for {link.peer} (POST /peers)")
+                host, port = parse_address(address)
                 _, dialed = await asyncio.wait_for(
                     self._loop.create_connection(lambda: Conn(self, link), host, port),
                     self.config.handshake_timeout,
@@ -795,14 +966,78 @@ class Broker:
                 )
                 delay = self.config.reconnect_min
                 await dialed.lost
-            except (OSError, TimeoutError, FrameError) as exc:
+            except (OSError, TimeoutError, FrameError, ValueError) as exc:
                 log.debug("%s: dialing %s failed: %s", self.name, link.peer, exc)
                 if conn is not None:
                     conn.abort()
-            if link.removed or self.stopping:
+            if link.removed or link.peer_closed or self.stopping:
                 break
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, self.config.reconnect_max)
+
+    # ------------------------------------------------------------------ reconfiguration
+
+    def set_peers(self, peers: dict[str, str]) -> None:
+        """Merge ``name -> HOST:PORT`` into the address book used for exchange links and
+        out-of-band channels (brokers that are not neighbours yet)."""
+        for name, address in peers.items():
+            parse_address(address)
+            self.peers[name] = address
+
+    def start_exchange(
+        self,
+        path: list[str],
+        remove: tuple[str, str],
+        ordering: str = "fifo",
+        xid: str | None = None,
+    ) -> ExchangeRecord:
+        """Start a coordinated link exchange here (this broker must be ``path[0]``).
+        Idempotent per ``xid``; raises ValueError for a request the core refuses."""
+        xid = xid or uuid.uuid4().hex[:12]
+        rec = self.exchanges.get(xid)
+        if rec is not None:
+            return rec
+        rec = ExchangeRecord(xid, tuple(path), remove, ordering, started=time.time())
+        self.exchanges[xid] = rec
+        try:
+            req = StartExchange(xid, tuple(path), remove, Ordering(ordering))
+            self._apply(self.core.handle(req, self._now()))
+        except (ProtocolError, ValueError) as exc:
+            del self.exchanges[xid]
+            raise ValueError(str(exc)) from None
+        return rec
+
+    def _send_to_peer(self, peer: str, msg: object) -> None:
+        ch = self.channels_out.get(peer)
+        if ch is None:
+            ch = self._new_link(peer, uuid.uuid4().hex, dialer=True, address=None, kind="peer")
+        ch.out.append(encode_generic(msg))
+        self.mark_dirty(ch)
+
+    def _start_timer(self, key: str, delay: float) -> None:
+        old = self._timers.pop(key, None)
+        if old is not None:
+            old.cancel()  # the same key replaces
+        self._timers[key] = self._loop.call_later(delay, self._timer_fired, key)
+
+    def _timer_fired(self, key: str) -> None:
+        self._timers.pop(key, None)
+        if self.stopping:
+            return
+        try:
+            self._apply(self.core.handle(TimerFired(key), self._now()))
+        except ProtocolError:
+            log.exception("%s: timer %s", self.name, key)
+
+    def _exchange_finished(self, eff: ExchangeFinished) -> None:
+        rec = self.exchanges.get(eff.xid)
+        if rec is None:
+            rec = self.exchanges[eff.xid] = ExchangeRecord(eff.xid, (), ("", ""), "fifo")
+        rec.state = "finished" if eff.ok else "failed"
+        rec.ok, rec.reason, rec.attempts = eff.ok, eff.reason, eff.attempts
+        rec.finished = time.time()
+        rec.done.set()
+        log.info("%s: exchange %s %s %s", self.name, eff.xid, rec.state, eff.reason)
 
     # ------------------------------------------------------------------ views for the admin API
 
@@ -812,6 +1047,7 @@ class Broker:
             "routing": self.core.mode.value,
             "incarnation": self.incarnation,
             "address": f"{self.address[0]}:{self.address[1]}" if self.address else None,
+            "advertised": self.advertised,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "ready": self.ready,
             "neighbours": [self.links[p].status() for p in sorted(self.links)],
@@ -823,6 +1059,12 @@ class Broker:
             },
             "publishers_paused": self._publishers_paused,
             "routing_table_size": self.core.routing_table_size(),
+            "channels": {
+                "out": [self.channels_out[p].status() for p in sorted(self.channels_out)],
+                "in": [self.channels_in[p].status() for p in sorted(self.channels_in)],
+            },
+            "exchange": ex.xid if (ex := self.core.exchange) is not None else None,
+            "pending_exchanges": self.core.pending_exchanges,
         }
 
     def _gauges(self) -> Gauges:
