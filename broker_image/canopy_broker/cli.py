@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT for links and clients (port 0: any free port)",
     )
     s.add_argument("--admin", default="127.0.0.1:7401", help="HOST:PORT of the admin HTTP API")
+    s.add_argument("--advertise", help="HOST:PORT other brokers dial (default: --listen's)")
     s.add_argument("--routing", choices=[m.value for m in RoutingMode], default="covering")
     tok = s.add_mutually_exclusive_group()
     tok.add_argument("--token", help=f"admin bearer token (or ${TOKEN_ENV})")
@@ -94,6 +95,7 @@ async def serve(args: argparse.Namespace) -> int:
         telemetry_sample=args.telemetry_sample,
         history=args.history,
         telemetry_dir=args.telemetry_dir,
+        advertise=args.advertise,
     )
     broker = Broker(config)
     await broker.start()
