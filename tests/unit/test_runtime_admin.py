@@ -12,7 +12,14 @@ from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_broker.client import connect
 from canopy_broker.runtime.admin import make_admin_app
 from canopy_broker.runtime.server import Broker
-from tests.unit.test_runtime_broker import MakeBroker, addr, eventually, make_broker, settled
+from tests.unit.test_runtime_broker import (
+    MakeBroker,
+    addr,
+    eventually,
+    link,
+    make_broker,
+    settled,
+)
 
 __all__ = ["make_broker"]  # the fixture, re-exported for pytest
 
@@ -179,3 +186,35 @@ async def test_no_token_means_no_auth(make_broker: MakeBroker, serve: Serve) -> 
             assert (await open_admin.status())["name"] == "b"
     finally:
         await server.close()
+
+
+async def test_address_book_and_exchanges(make_broker: MakeBroker, serve: Serve) -> None:
+    a, b, c = [await make_broker(n) for n in "abc"]
+    admin = await serve(a)
+    book = await admin.set_peers({"b": addr(b), "c": addr(c)})
+    assert book == {"b": addr(b), "c": addr(c)} == await admin.peers()
+    for broker in (b, c):
+        broker.set_peers({"a": addr(a), "b": addr(b), "c": addr(c)})
+    await link(a, b)
+    await link(b, c)
+    done = await admin.start_exchange(["a", "b", "c"], ("b", "c"), xid="ex1", wait=20)
+    assert (done["state"], done["ok"], done["xid"]) == ("finished", True, "ex1")
+    assert (await admin.exchange("ex1"))["state"] == "finished"
+    again = await admin.start_exchange(["a", "b", "c"], ("b", "c"), xid="ex1")
+    assert again["state"] == "finished"  # idempotent per xid
+    await eventually(lambda: sorted(a.links) == ["b", "c"] and "c" not in b.links)
+    with pytest.raises(AdminError) as info:
+        await admin.exchange("nope")
+    assert info.value.status == 404
+    for bad in (
+        {"path": ["a", "c"], "remove": ["a", "b"]},  # not a tree path
+        {"path": "a,b", "remove": ["a", "b"]},
+        {"path": ["a", "b", "c"], "remove": ["b"]},
+        {"path": ["a", "b", "c"], "remove": ["b", "c"], "ordering": "chaotic"},
+        {"path": ["a", "b", "c"], "remove": ["b", "c"], "wait": -1},
+    ):
+        with pytest.raises(AdminError) as info:
+            await admin._request("POST", "/exchanges", json=bad)
+        assert info.value.status == 400, bad
+    with pytest.raises(AdminError):
+        await admin.set_peers({"x": "no-port"})
