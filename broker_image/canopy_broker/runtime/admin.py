@@ -193,17 +193,23 @@ def make_admin_app(broker: Broker, token: str | None) -> web.Application:
     """The admin application for ``broker``; ``token=None`` disables authentication."""
     app = web.Application(middlewares=[_auth_middleware(token)])
     app[BROKER] = broker
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/status", status)
-    app.router.add_get("/routing", routing)
-    app.router.add_post("/links", add_link)
-    app.router.add_delete("/links/{peer}", remove_link)
-    app.router.add_post("/links/{peer}/drop", drop_link)
-    app.router.add_get("/telemetry", telemetry)
-    app.router.add_get("/peers", get_peers)
-    app.router.add_post("/peers", set_peers)
-    app.router.add_post("/exchanges", start_exchange)
-    app.router.add_get("/exchanges/{xid}", get_exchange)
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
     return app
+
+
+ROUTES: list[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]]] = [
+    ("GET", "/healthz", healthz),
+    ("GET", "/readyz", readyz),
+    ("GET", "/metrics", metrics),
+    ("GET", "/status", status),
+    ("GET", "/routing", routing),
+    ("POST", "/links", add_link),
+    ("DELETE", "/links/{peer}", remove_link),
+    ("POST", "/links/{peer}/drop", drop_link),
+    ("GET", "/telemetry", telemetry),
+    ("GET", "/peers", get_peers),
+    ("POST", "/peers", set_peers),
+    ("POST", "/exchanges", start_exchange),
+    ("GET", "/exchanges/{xid}", get_exchange),
+]

@@ -739,17 +739,9 @@ class Broker:
     def _all_links(self) -> list[Link]:
         return [*self.links.values(), *self.channels_out.values(), *self.channels_in.values()]
 
-    def _new_link(
-        self,
-        peer: str,
-        session: str,
-        *,
-        dialer: bool,
-        address: str | None,
-        kind: str = "link",
-        opened: bool = False,
-    ) -> Link:
-        link = Link(peer, session, dialer=dialer, address=address, kind=kind, opened=opened)
+    def _new_link(self, link: Link) -> Link:
+        """Register a new link or channel (metrics, table) and start dialing if it is ours."""
+        peer, kind, dialer = link.peer, link.kind, link.dialer
         if kind == "link":
             m = self.metrics
             link.m_msgs_in = m.link_messages.labels(peer, "in")
@@ -775,7 +767,7 @@ class Broker:
             if link.dialer and link.address != address:
                 link.address = address  # a moved peer: the next dial uses the new address
             return link
-        return self._new_link(peer, uuid.uuid4().hex, dialer=True, address=address)
+        return self._new_link(Link(peer, uuid.uuid4().hex, dialer=True, address=address))
 
     def remove_link(self, peer: str) -> bool:
         """Uncoordinated removal: RemoveLink here, BYE to the peer (which does the same)."""
@@ -822,9 +814,8 @@ class Broker:
                 log.error("%s: the core opened a link to %s, which exists", self.name, peer)
             return
         dialer = self.name < peer
-        link = self._new_link(
-            peer, uuid.uuid4().hex if dialer else "", dialer=dialer, address=None, opened=True
-        )
+        session = uuid.uuid4().hex if dialer else ""
+        link = self._new_link(Link(peer, session, dialer=dialer, address=None, opened=True))
         link.established = True
 
     def _close_link(self, peer: str) -> None:
@@ -907,7 +898,7 @@ class Broker:
                 self._drop_link(link, bye=None)
             opened = kind == "link" and bool(hello.get("opened"))
             link = self._new_link(
-                peer, session, dialer=False, address=None, kind=kind, opened=opened
+                Link(peer, session, dialer=False, address=None, kind=kind, opened=opened)
             )
             if opened:
                 link.established = self.core.is_neighbour(peer)
@@ -1010,7 +1001,9 @@ class Broker:
     def _send_to_peer(self, peer: str, msg: object) -> None:
         ch = self.channels_out.get(peer)
         if ch is None:
-            ch = self._new_link(peer, uuid.uuid4().hex, dialer=True, address=None, kind="peer")
+            ch = self._new_link(
+                Link(peer, uuid.uuid4().hex, dialer=True, address=None, kind="peer")
+            )
         ch.out.append(encode_generic(msg))
         self.mark_dirty(ch)
 
