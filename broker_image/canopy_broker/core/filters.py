@@ -25,6 +25,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import lru_cache
 
 from canopy_broker.core.events import Kind, Value, kind_of
 
@@ -130,14 +131,20 @@ class Filter:
     _by_attr: dict[str, tuple[Constraint, ...]] = field(
         default_factory=dict, compare=False, hash=False, repr=False
     )
+    _hash: int = field(default=0, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         canon = tuple(sorted(set(self.constraints), key=Constraint.sort_key))
         object.__setattr__(self, "constraints", canon)
+        object.__setattr__(self, "_hash", hash(canon))
         by_attr: dict[str, list[Constraint]] = {}
         for c in canon:
             by_attr.setdefault(c.attr, []).append(c)
         object.__setattr__(self, "_by_attr", {a: tuple(cs) for a, cs in by_attr.items()})
+
+    def __hash__(self) -> int:
+        # Filters are dictionary keys and cache keys on every routing decision: hash once.
+        return self._hash
 
     @classmethod
     def of(cls, constraints: Iterable[Constraint]) -> Filter:
@@ -404,8 +411,13 @@ def satisfiable(f: Filter) -> bool:
     return True
 
 
+@lru_cache(maxsize=1 << 16)
 def covers(f1: Filter, f2: Filter) -> bool:
-    """Sound, transitive covering test: True only if every event matching f2 matches f1."""
+    """Sound, transitive covering test: True only if every event matching f2 matches f1.
+
+    Memoised: routing asks the same pairs again and again (every advertisement decision scans
+    the advertised set), filters are immutable, and the answer never changes.
+    """
     if f1 == f2 or not f1.constraints:
         return True
     if not satisfiable(f2):
