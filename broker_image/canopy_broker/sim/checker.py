@@ -8,9 +8,9 @@ simulator runs, integration tests with real processes and the demo.
 matches it, had *settled* (was established everywhere) before the notification was published, and
 was not withdrawn before the notification's life ended (its last copy was handled). Such a
 notification must arrive exactly once. A delivery is **spurious** if no subscription of the client
-that matches it existed at any time during the notification's life. **Duplicates** are the same
-notification delivered to a client more than once. **Reordered** deliveries break a publisher's
-sequence order at a subscriber.
+that matches it had been issued and was still in force at its broker when it was delivered.
+**Duplicates** are the same notification delivered to a client more than once. **Reordered**
+deliveries break a publisher's sequence order at a subscriber.
 
 Canonical routing tables follow the forwarding rule of the core (see ``core.broker``): what X
 advertises to Y is the maximal set of the keys X holds from every source other than Y.
@@ -32,7 +32,8 @@ from canopy_broker.core.messages import RouteKey, RoutingMode
 
 @dataclass(frozen=True, slots=True)
 class SubRecord:
-    """One subscription's life: issued, settled everywhere, withdrawn (times in one clock)."""
+    """One subscription's life (times in one clock): issued by the client, settled everywhere,
+    withdrawn by the client, and gone from its broker (the withdrawal took effect there)."""
 
     client: str
     sub_id: str
@@ -40,12 +41,16 @@ class SubRecord:
     issued_at: float
     settled_at: float = math.inf
     withdrawn_at: float = math.inf
+    gone_at: float = math.inf
 
     def settled(self, t: float) -> SubRecord:
         return replace(self, settled_at=min(self.settled_at, t))
 
     def withdrawn(self, t: float) -> SubRecord:
         return replace(self, withdrawn_at=t)
+
+    def gone(self, t: float) -> SubRecord:
+        return replace(self, gone_at=min(self.gone_at, t))
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +155,7 @@ def check_deliveries(
                 if n > b.get(q, 0):
                     b[q] = n
         if pub is None or not any(
-            s.filter.matches(pub.attrs)
-            and s.issued_at <= pub.ended_at
-            and s.withdrawn_at >= pub.published_at
+            s.filter.matches(pub.attrs) and s.issued_at <= d.at <= s.gone_at
             for s in subs_by_client.get(d.client, ())
         ):
             report.spurious.append(key)

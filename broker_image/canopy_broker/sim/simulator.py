@@ -146,6 +146,7 @@ class Simulator:
         # issued while an exchange runs is established only once that exchange has finished.
         self._unsettled: list[tuple[int, set[str]]] = []
         self._issues: dict[int, int] = {}
+        self._record_of: dict[tuple[str, str], int] = {}
         self._active_exchanges: set[str] = set()
         self.exchanges: dict[str, ExchangeRecord] = {}
         self._timers: dict[tuple[str, str], int] = {}
@@ -231,6 +232,7 @@ class Simulator:
         t = self.now if at is None else at
         index = len(self.subs)
         self.subs.append(SubRecord(client, sub_id, f, issued_at=t))
+        self._record_of[(client, sub_id)] = index
         self._live_subs[(client, sub_id)] = _Sub(index, self.client_broker[client])
         self._client_action(client, at, ClientSubscribe(client, sub_id, f), record=index)
 
@@ -334,6 +336,7 @@ class Simulator:
                 return  # the link was removed while this message travelled: it is lost
         elif isinstance(inp, ClientSubscribe | ClientUnsubscribe | ClientDetach):
             self._control_in_flight -= 1
+            self._withdrawal_takes_effect(inp)
         elif isinstance(inp, ClientPublish):
             self._copy_done(inp.event)
         elif isinstance(inp, FromPeer) and isinstance(inp.message, _CONTROL):
@@ -352,6 +355,17 @@ class Simulator:
                 else:
                     self.subs[index] = self.subs[index].settled(self.now)
             self._unsettled = waiting
+
+    def _withdrawal_takes_effect(
+        self, inp: ClientSubscribe | ClientUnsubscribe | ClientDetach
+    ) -> None:
+        if isinstance(inp, ClientUnsubscribe):
+            index = self._record_of[(inp.client, inp.sub_id)]
+            self.subs[index] = self.subs[index].gone(self.now)
+        elif isinstance(inp, ClientDetach):
+            for (client, _), index in self._record_of.items():
+                if client == inp.client:
+                    self.subs[index] = self.subs[index].gone(self.now)
 
     def _copy_done(self, event: Event) -> None:
         key = (event.publisher, event.seq)
