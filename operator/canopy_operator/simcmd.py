@@ -63,6 +63,14 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     x.add_argument("--json", action="store_true", help="one JSON object on the last line")
     x.set_defaults(func=run_exchange_cmd)
 
+    k = sim_sub.add_parser(
+        "soak", help="many seeded runs of concurrent exchanges under traffic; totals verified"
+    )
+    k.add_argument("--exchanges", type=int, default=10_000, help="stop after this many in total")
+    k.add_argument("--seed", type=int, default=0, help="first seed")
+    k.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    k.set_defaults(func=run_soak)
+
 
 def simulate(
     n: int, *, fanout: int, density: str, events: int, mode: RoutingMode, seed: int
@@ -243,3 +251,71 @@ def run_exchange_cmd(args: argparse.Namespace) -> int:
     if args.algorithm == "strawman":
         return 0  # the baseline is expected to lose; its figures are the point
     return 0 if clean and r["routing_tables_canonical"] else 1
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    """Seeds in a row, each a random tree (10-60 brokers) with 40 rounds of up to 4 concurrent,
+    possibly overlapping exchanges, routing modes and orderings taking turns; stops when the
+    total reaches ``--exchanges``. Every run is judged by the checker; the totals are printed."""
+    modes = list(RoutingMode)
+    totals: dict[str, Any] = {
+        "runs": 0,
+        "exchanges": 0,
+        "lock_retries": 0,
+        "delivered": 0,
+        "owed": 0,
+        "lost": 0,
+        "duplicated": 0,
+        "reordered": 0,
+        "spurious": 0,
+        "causal_violations_in_causal_mode": 0,
+        "non_canonical_runs": 0,
+        "unfinished_exchanges": 0,
+        "failed_seeds": [],
+    }
+    wall = time.perf_counter()
+    seed = args.seed
+    while totals["exchanges"] < args.exchanges:
+        rng = random.Random(seed)
+        n = rng.randint(10, 60)
+        mode = modes[seed % len(modes)]
+        ordering = Ordering.CAUSAL if seed % 2 else Ordering.FIFO
+        run = run_exchanges(
+            n,
+            seed=seed,
+            rounds=40,
+            group_size=4,
+            mode=mode,
+            ordering=ordering,
+            publish_interval=6.0,
+            publishers=3,
+            churn=2,
+        )
+        s = run.report.summary()
+        totals["runs"] += 1
+        totals["exchanges"] += len(run.specs)
+        totals["lock_retries"] += sum(r.attempts - 1 for r in run.sim.exchanges.values() if r.ok)
+        for key in ("delivered", "owed", "lost", "duplicated", "reordered", "spurious"):
+            totals[key] += s[key]
+        if ordering is Ordering.CAUSAL:
+            totals["causal_violations_in_causal_mode"] += s["causal"]
+        totals["non_canonical_runs"] += bool(run.routing_problems)
+        totals["unfinished_exchanges"] += len(run.leftovers)
+        bad = not run.ok or (ordering is Ordering.CAUSAL and not run.report.causal_ok)
+        if bad:
+            totals["failed_seeds"].append(seed)
+        print(
+            f"[soak] seed {seed}: {n} brokers, {mode.value}/{ordering.value}, "
+            f"{len(run.specs)} exchanges -> {'FAIL' if bad else 'ok'}; "
+            f"total {totals['exchanges']}/{args.exchanges} "
+            f"({time.perf_counter() - wall:.0f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        seed += 1
+    totals["wall_s"] = round(time.perf_counter() - wall, 1)
+    for key, value in totals.items():
+        print(f"{key:<34} {value}")
+    if args.json:
+        print(json.dumps(totals))
+    return 1 if totals["failed_seeds"] else 0
