@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -269,6 +270,7 @@ async def run_dataplane(
         # publishing would credit backlog drained from before the window (or miss backlog left
         # after it), since brokers buffer up to their high-water marks.
         stop = asyncio.Event()
+        cpu0 = _cpu_seconds(overlay)
         c0, p0, t0 = sink.count, pub.last_seq, time.perf_counter()
         publisher = asyncio.create_task(_publish_flat_out(pub, stop, rng))
         await asyncio.sleep(duration)
@@ -276,12 +278,14 @@ async def run_dataplane(
         await publisher
         await _quiesce(sink)
         c1, p1, t1 = sink.count, pub.last_seq, sink.last_arrival
+        cpu_per_event_us = (_cpu_seconds(overlay) - cpu0) / max(1, p1 - p0) * 1e6
         notif_rate = (c1 - c0) / (t1 - t0)
         event_rate = (p1 - p0) / (t1 - t0)
         fanout = (c1 - c0) / max(1, p1 - p0)
         progress(
             f"{label}: {notif_rate:,.0f} notifications/s ({event_rate:,.0f} events/s "
-            f"published, {fanout:.1f} notifications per event)"
+            f"published, {fanout:.1f} notifications per event; brokers used "
+            f"{cpu_per_event_us:.0f} CPU-us per event)"
         )
 
         half = event_rate / 2
@@ -301,6 +305,7 @@ async def run_dataplane(
             "notif_per_s": notif_rate,
             "events_per_s": event_rate,
             "fanout": fanout,
+            "broker_cpu_us_per_event": cpu_per_event_us,
             "p50_ms": p50,
             "p99_ms": p99,
             "latency_samples": float(len(lat)),
@@ -310,6 +315,17 @@ async def run_dataplane(
         for c in subs:
             await c.close()
         await asyncio.gather(*drains, return_exceptions=True)
+
+
+def _cpu_seconds(overlay: Overlay) -> float:
+    """User + system CPU time of all broker processes so far (Linux ``/proc``). Unlike rates,
+    CPU per event does not depend on what else the machine is doing during the run."""
+    total = 0
+    for proc in overlay.brokers.values():
+        with open(f"/proc/{proc.pid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 async def _quiesce(sink: Sink, quiet: float = 0.3) -> None:
@@ -384,6 +400,12 @@ def report(r: dict[str, Any]) -> str:
             f"{r['chain3_notif_per_s']:,}",
             ">= 50,000",
             f"{c['events_per_s']:,.0f} events/s x {c['fanout']:.1f}",
+        ),
+        (
+            "broker CPU per event, 1 broker / chain of 3 (sum)",
+            f"{s['broker_cpu_us_per_event']:.0f} / {c['broker_cpu_us_per_event']:.0f} us",
+            "",
+            "does not depend on other load on the machine",
         ),
         (
             "latency at half load, 1 broker, p50 / p99 ms",
