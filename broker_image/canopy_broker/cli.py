@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--history", type=int, default=10_000, help="telemetry ring-buffer records")
     s.add_argument("--heartbeat", type=float, default=1.0, help="link heartbeat interval, s")
+    s.add_argument(
+        "--probe-interval",
+        type=float,
+        default=10.0,
+        help="RTT probes to non-neighbour brokers of the address book, s (0: off)",
+    )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
@@ -96,6 +102,7 @@ async def serve(args: argparse.Namespace) -> int:
         history=args.history,
         telemetry_dir=args.telemetry_dir,
         advertise=args.advertise,
+        probe_interval=args.probe_interval,
     )
     broker = Broker(config)
     await broker.start()

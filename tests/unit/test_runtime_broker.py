@@ -453,3 +453,24 @@ async def test_stop_says_goodbye_and_closes_everything(make_broker: MakeBroker) 
     with socket.socket() as s:
         assert a.address is not None
         assert s.connect_ex(a.address) != 0
+
+
+async def test_rtt_probes_reach_non_neighbours(make_broker: MakeBroker) -> None:
+    a = await make_broker("a", probe_interval=0.2)
+    z = await make_broker("z")
+    n = await make_broker("n")
+    a.set_peers({"z": addr(z), "n": addr(n), "ghost": "127.0.0.1:9"})
+    await link(a, n)  # a neighbour: measured by heartbeats, not probes
+
+    def probes() -> dict[str, float]:
+        recs = a.telemetry.since(0)["records"]
+        return {r["peer"]: r["rtt_ms"] for r in recs if r["type"] == "rtt" and r["via"] == "probe"}
+
+    await eventually(lambda: "z" in probes())
+    assert set(probes()) == {"z"} and 0 <= probes()["z"] < 1000  # no answer from ghost
+    await eventually(
+        lambda: any(
+            r["type"] == "rtt" and r["via"] == "heartbeat" and r["peer"] == "n"
+            for r in a.telemetry.since(0)["records"]
+        )
+    )

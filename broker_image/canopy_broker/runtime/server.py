@@ -117,6 +117,7 @@ class BrokerConfig:
     reconnect_max: float = 2.0
     handshake_timeout: float = 5.0
     advertise: str | None = None  # HOST:PORT peers should dial (default: the listen address)
+    probe_interval: float = 10.0  # RTT probes to non-neighbours in the address book (0: off)
 
 
 @dataclass(slots=True)
@@ -196,6 +197,7 @@ class Broker:
         self._warned: set[str] = set()
         self._events = 0
         self._ticker: asyncio.Task[None] | None = None
+        self._probing: asyncio.Task[None] | None = None
         self._m_published = self.metrics.published
         self._m_delivered = self.metrics.delivered
         self._m_client_in = self.metrics.client_messages.labels("in")
@@ -227,7 +229,11 @@ class Broker:
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
-        tasks = [t for t in (self._ticker, *(lk.dial_task for lk in self._all_links())) if t]
+        tasks = [
+            t
+            for t in (self._ticker, self._probing, *(lk.dial_task for lk in self._all_links()))
+            if t
+        ]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -265,9 +271,13 @@ class Broker:
         """Heartbeats, dead-link detection, slow-consumer grace, telemetry snapshots."""
         cfg = self.config
         next_snapshot = self._loop.time() + cfg.telemetry_interval
+        next_probe = self._loop.time() + cfg.probe_interval
         while True:
             await asyncio.sleep(cfg.heartbeat_interval)
             now = self._loop.time()
+            if cfg.probe_interval > 0 and now >= next_probe and self._probing is None:
+                next_probe = now + cfg.probe_interval
+                self._probing = asyncio.create_task(self._probe_peers(), name=f"{self.name}-probes")
             for link in self._all_links():
                 conn = link.conn
                 if conn is None:
@@ -493,9 +503,12 @@ class Broker:
             self._client_hello(conn, hello)
         elif role in {"link", "peer"}:
             self._session_hello(conn, hello, role)
+        elif role == "probe":  # an RTT probe: answer and hang up
+            self._answer_hello(conn)
+            conn.close()
         else:
             raise FrameError(
-                f"hello role must be 'link', 'peer' or 'client', got {role!r}", "bad-hello"
+                f"hello role must be link, peer, probe or client, got {role!r}", "bad-hello"
             )
 
     def _answer_hello(self, conn: Conn, **fields: object) -> None:
@@ -665,7 +678,8 @@ class Broker:
             self._acked(link, frame[2])
             if isinstance(frame[1], int | float):
                 link.rtt_ms = (self._loop.time() - frame[1]) * 1000.0
-                self.telemetry.rtt(link.peer, link.rtt_ms)
+                if link.kind == "link":
+                    self.telemetry.rtt(link.peer, link.rtt_ms)
         elif ftype == F_PRESSURE and len(frame) == 2 and type(frame[1]) is bool:
             if link.remote_pressure != frame[1]:
                 link.remote_pressure = frame[1]
@@ -965,6 +979,47 @@ class Broker:
                 break
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, self.config.reconnect_max)
+
+    # ------------------------------------------------------------------ RTT probes
+
+    async def _probe_peers(self) -> None:
+        """One RTT probe to every broker of the address book that is not a neighbour (those
+        are measured by heartbeats): the miner's underlay distance matrix needs every pair."""
+        try:
+            targets = [
+                (p, a) for p, a in self.peers.items() if p != self.name and p not in self.links
+            ]
+            results = await asyncio.gather(*(self._probe(a) for _, a in targets))
+            for (peer, _), rtt_ms in zip(targets, results, strict=True):
+                if rtt_ms is not None:
+                    self.telemetry.rtt(peer, rtt_ms, via="probe")
+        finally:
+            self._probing = None
+
+    async def _probe(self, address: str) -> float | None:
+        """Round trip of a hello on a fresh connection (so it never queues behind data)."""
+        writer: asyncio.StreamWriter | None = None
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout):
+                reader, writer = await asyncio.open_connection(*parse_address(address))
+                t0 = self._loop.time()
+                writer.write(
+                    control_frame(
+                        F_HELLO, {"v": PROTOCOL_VERSION, "role": "probe", "name": self.name}
+                    )
+                )
+                length = int.from_bytes(await reader.readexactly(4), "big")
+                if length > 4096:
+                    return None
+                await reader.readexactly(length)
+                return (self._loop.time() - t0) * 1000.0
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
+            return None
+        finally:
+            if writer is not None:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
 
     # ------------------------------------------------------------------ reconfiguration
 

@@ -12,7 +12,9 @@ Record types:
   to), ``forwarded_to`` (neighbours), ``attrs``.
 * ``link``: a snapshot of one link's counters (``peer``, ``state``, ``msgs_in``, ``msgs_out``,
   ``bytes_in``, ``bytes_out``, ``rtt_ms``).
-* ``rtt``: one heartbeat round trip to a neighbour (``peer``, ``rtt_ms``).
+* ``rtt``: one round trip (``peer``, ``rtt_ms``, ``via``): ``heartbeat`` on a link to a
+  neighbour, or ``probe``, a fresh connection to a broker of the address book that is not a
+  neighbour (underlay distances for the miner's network-distance matrix).
 
 Sampling is decided by :func:`canopy_broker.core.events.is_sampled` on the event id, a hash that
 is the same on every broker, so all brokers keep the *same* events and the miner can intersect
@@ -93,9 +95,9 @@ class Telemetry:
         )
         self._add(rec)
 
-    def rtt(self, peer: str, rtt_ms: float) -> None:
+    def rtt(self, peer: str, rtt_ms: float, via: str = "heartbeat") -> None:
         rec = self._base("rtt")
-        rec.update(peer=peer, rtt_ms=round(rtt_ms, 4))
+        rec.update(peer=peer, rtt_ms=round(rtt_ms, 4), via=via)
         self._add(rec)
 
     def link(self, peer: str, fields: dict[str, Any]) -> None:
