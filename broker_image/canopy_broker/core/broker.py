@@ -31,11 +31,14 @@ from canopy_broker.core.messages import (
     AddLink,
     ClientAttach,
     ClientDetach,
+    ClientMigrating,
+    ClientMove,
     ClientPublish,
     ClientSubscribe,
     ClientUnsubscribe,
     CloseLink,
     Deliver,
+    DeliverMarker,
     Done,
     Echo,
     Effect,
@@ -47,6 +50,8 @@ from canopy_broker.core.messages import (
     Input,
     Lock,
     LockRefused,
+    Marker,
+    Moved,
     OpenLink,
     Ordering,
     PeerMessage,
@@ -142,6 +147,8 @@ class BrokerCore:
         self._retired: set[str] = set()  # removed link after phase 2: routing entries dropped
         self._attempts: dict[str, tuple[StartExchange, int]] = {}  # initiator's requests
         self._now = 0.0
+        # Migrating publishers: their publications here wait until the old broker says Moved.
+        self._held: dict[str, tuple[str, list[Event]]] = {}
         self.ordering_delays: list[float] = []  # how long each queued notification waited
 
     # ------------------------------------------------------------------ queries
@@ -196,7 +203,11 @@ class BrokerCore:
                     f"client {inp.client!r} published as {inp.event.publisher!r}; "
                     "a client publishes under its own id"
                 )
-            self._route(inp.event, None, out)
+            held = self._held.get(inp.client)
+            if held is not None:
+                held[1].append(inp.event)
+            else:
+                self._route(inp.event, None, out)
         elif isinstance(inp, ClientSubscribe):
             subs = self._check_client(inp.client)
             if inp.sub_id in subs:
@@ -220,6 +231,26 @@ class BrokerCore:
             for sub_id in list(subs):
                 self._drop_subscription(inp.client, sub_id, out)
             del self._clients[inp.client]
+            held = self._held.pop(inp.client, None)
+            if held is not None:  # left before the move finished: its held events go out now
+                for event in held[1]:
+                    self._route(event, None, out)
+        elif isinstance(inp, ClientMigrating):
+            self._check_client(inp.client)
+            if inp.source not in self._from_link:
+                raise ProtocolError(
+                    f"{self.name}: {inp.client!r} migrates from {inp.source!r}, "
+                    "which is not a neighbour"
+                )
+            self._held[inp.client] = (inp.source, [])
+            out.append(SendToLink(inp.source, Marker(inp.client)))
+        elif isinstance(inp, ClientMove):
+            self._check_client(inp.client)
+            if inp.target not in self._from_link:
+                raise ProtocolError(
+                    f"{self.name}: {inp.client!r} moves to {inp.target!r}, which is not a neighbour"
+                )
+            out.append(SendToLink(inp.target, Moved(inp.client)))
         elif isinstance(inp, AddLink):
             self._add_link(inp.peer, out)
         elif isinstance(inp, RemoveLink):
@@ -521,6 +552,17 @@ class BrokerCore:
     def _exchange_msg(self, peer: str, msg: object, out: list[Effect]) -> None:
         if isinstance(msg, Lock):
             self._on_lock(peer, msg, out)
+            return
+        if isinstance(msg, Marker):
+            if msg.client in self._clients:  # else the client has already left: nothing to say
+                out.append(DeliverMarker(msg.client))
+            return
+        if isinstance(msg, Moved):
+            held = self._held.get(msg.client)
+            if held is not None and held[0] == peer:
+                del self._held[msg.client]
+                for event in held[1]:
+                    self._route(event, None, out)
             return
         ex = self._ex
         xid = getattr(msg, "xid", None)

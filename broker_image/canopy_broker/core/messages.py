@@ -157,8 +157,37 @@ class Done:
     keys: tuple[RouteKey, ...] = ()
 
 
+# Client migration (make-before-break), used to empty a leaf broker before it is removed.
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """New broker → old broker: ``client``'s subscriptions are in force here; everything this
+    broker forwarded before them precedes this marker on the link."""
+
+    client: str
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """Old broker → new broker: ``client`` published nothing more here."""
+
+    client: str
+
+
 LinkMessage = (
-    Subscribe | Unsubscribe | Publish | Lock | LockRefused | Granted | Separator | Echo | End | Done
+    Marker
+    | Moved
+    | Subscribe
+    | Unsubscribe
+    | Publish
+    | Lock
+    | LockRefused
+    | Granted
+    | Separator
+    | Echo
+    | End
+    | Done
 )
 
 
@@ -268,6 +297,23 @@ class ClientPublish:
     event: Event
 
 
+@dataclass(frozen=True, slots=True)
+class ClientMigrating:
+    """At the new broker, after the client re-attached and re-subscribed with the same ids:
+    it is moving here from neighbour ``source``."""
+
+    client: str
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClientMove:
+    """At the old broker: the client publishes nothing more here; it moves to ``target``."""
+
+    client: str
+    target: str
+
+
 Input = (
     AddLink
     | RemoveLink
@@ -280,6 +326,8 @@ Input = (
     | ClientSubscribe
     | ClientUnsubscribe
     | ClientPublish
+    | ClientMigrating
+    | ClientMove
 )
 
 
@@ -299,6 +347,14 @@ class Deliver:
     client: str
     event: Event
     sub_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeliverMarker:
+    """Hand the migration marker to ``client``'s connection here (its old one): the client has
+    now received on it everything it will not also receive on its new connection."""
+
+    client: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,4 +397,13 @@ class ExchangeFinished:
     attempts: int = 1
 
 
-Effect = SendToLink | Deliver | SendToPeer | StartTimer | OpenLink | CloseLink | ExchangeFinished
+Effect = (
+    SendToLink
+    | Deliver
+    | DeliverMarker
+    | SendToPeer
+    | StartTimer
+    | OpenLink
+    | CloseLink
+    | ExchangeFinished
+)

@@ -29,11 +29,14 @@ from canopy_broker.core.messages import (
     AddLink,
     ClientAttach,
     ClientDetach,
+    ClientMigrating,
+    ClientMove,
     ClientPublish,
     ClientSubscribe,
     ClientUnsubscribe,
     CloseLink,
     Deliver,
+    DeliverMarker,
     Effect,
     ExchangeFinished,
     FromLink,
@@ -82,6 +85,33 @@ class SimStats:
 class _Sub:
     record_index: int
     broker: str
+
+
+@dataclass(frozen=True)
+class _Migrate:
+    client: str
+    target: str
+
+
+@dataclass(frozen=True)
+class _RemoveLeaf:
+    leaf: str
+
+
+_Orchestration = _Migrate | _RemoveLeaf
+
+
+@dataclass
+class _Migration:
+    """A client moving between brokers, as its client library sees it: deliveries from the old
+    broker count until the marker, those from the new one are held until then; afterwards only
+    notifications newer than the last one delivered from their publisher pass (each connection
+    is FIFO per publisher, so that removes exactly the duplicates)."""
+
+    old: str
+    new: str
+    marker: bool = False
+    held: list[DeliveryRecord] = field(default_factory=list)
 
 
 @dataclass
@@ -138,15 +168,20 @@ class Simulator:
         self.pubs: dict[tuple[str, int], PubRecord] = {}
         self.deliveries: list[DeliveryRecord] = []
         self.client_broker: dict[str, str] = {}
-        self._heap: list[tuple[float, int, str, Input]] = []
+        self._heap: list[tuple[float, int, str, Input | _Orchestration]] = []
         self._counter = itertools.count()
         self._channel_clock: dict[tuple[str, ...], float] = {}
         self._control_in_flight = 0
         # Subscriptions waiting to settle, with the exchanges they overlapped: a subscription
         # issued while an exchange runs is established only once that exchange has finished.
         self._unsettled: list[tuple[int, set[str]]] = []
-        self._issues: dict[int, int] = {}
+        self._issues: dict[int, tuple[int, str | None]] = {}
         self._record_of: dict[tuple[str, str], int] = {}
+        self._migrations: dict[str, _Migration] = {}
+        self._last_seq: dict[str, dict[str, int]] = {}
+        self._leaving: dict[str, str] = {}  # leaf being removed -> its neighbour
+        self.removed: set[str] = set()
+        self._core_factory = core_factory
         self._active_exchanges: set[str] = set()
         self.exchanges: dict[str, ExchangeRecord] = {}
         self._timers: dict[tuple[str, str], int] = {}
@@ -188,18 +223,33 @@ class Simulator:
 
     # ------------------------------------------------------------------ clients
 
-    def _client_action(self, client: str, at: float | None, inp: Input, record: int = -1) -> None:
+    def _client_action(
+        self,
+        client: str,
+        at: float | None,
+        inp: Input | _Orchestration,
+        record: int = -1,
+        broker: str | None = None,
+    ) -> None:
         """Schedule ``inp`` to be *issued* by the client at ``at``; it reaches the broker later.
 
-        ``record`` is the index of the subscription record a subscribe settles.
+        ``record`` is the index of the subscription record a subscribe settles; ``broker`` is the
+        connection it goes over (default: the client's current broker when it is issued).
         """
         t = self.now if at is None else at
-        self._issues[next(self._counter)] = record
-        heapq.heappush(self._heap, (t, next(self._counter) - 1, _CLIENT, inp))
+        key = next(self._counter)
+        self._issues[key] = (record, broker)
+        heapq.heappush(self._heap, (t, key, _CLIENT, inp))
 
-    def _issue(self, key: int, inp: Input) -> None:
+    def _issue(self, key: int, inp: Input | _Orchestration) -> None:
         """A client action happens now: count it in flight and send it to the client's broker."""
-        record = self._issues.pop(key)
+        record, broker = self._issues.pop(key)
+        if isinstance(inp, _Migrate):
+            self._start_migration(inp.client, inp.target)
+            return
+        if isinstance(inp, _RemoveLeaf):
+            self._start_leaf_removal(inp.leaf)
+            return
         if isinstance(inp, ClientPublish):
             vc = self._vc.setdefault(inp.client, {})
             vc[inp.client] = inp.event.seq
@@ -210,11 +260,21 @@ class Simulator:
         if record >= 0:
             self._unsettled.append((record, set(self._active_exchanges)))
         assert isinstance(
-            inp, ClientAttach | ClientDetach | ClientSubscribe | ClientUnsubscribe | ClientPublish
+            inp,
+            ClientAttach
+            | ClientDetach
+            | ClientSubscribe
+            | ClientUnsubscribe
+            | ClientPublish
+            | ClientMigrating
+            | ClientMove,
         )
         client = inp.client
-        t = self._fifo_time(("client", client), self.now + self.rng.uniform(*self.client_delay))
-        self._schedule(t, self.client_broker[client], inp)
+        target = broker or self.client_broker[client]
+        t = self._fifo_time(
+            ("client", client, target), self.now + self.rng.uniform(*self.client_delay)
+        )
+        self._schedule(t, target, inp)
 
     def attach(self, client: str, broker: str, at: float | None = None) -> None:
         self.client_broker[client] = broker
@@ -317,6 +377,7 @@ class Simulator:
                 else:
                     self._issue(key, inp)
             else:
+                assert not isinstance(inp, _Migrate | _RemoveLeaf)
                 self._apply(broker, inp)
             steps += 1
             if steps > max_steps:
@@ -347,6 +408,8 @@ class Simulator:
             del self._timers[(broker, inp.key)]
         effects = self.cores[broker].handle(inp, self.now)
         self._carry_out(broker, effects)
+        if isinstance(inp, ClientDetach) and broker in self._leaving:
+            self._maybe_remove_leaf(broker)
         if self._control_in_flight == 0 and self._unsettled:
             waiting = []
             for index, overlapped in self._unsettled:
@@ -363,9 +426,101 @@ class Simulator:
             index = self._record_of[(inp.client, inp.sub_id)]
             self.subs[index] = self.subs[index].gone(self.now)
         elif isinstance(inp, ClientDetach):
+            m = self._migrations.get(inp.client)
+            if m is not None and m.old != self.client_broker[inp.client]:
+                return  # the old connection of a migrated client: its subscriptions live on
             for (client, _), index in self._record_of.items():
                 if client == inp.client:
                     self.subs[index] = self.subs[index].gone(self.now)
+
+    # ------------------------------------------------------------------ leaves and migration
+
+    def add_broker(self, name: str) -> None:
+        """A new broker process, not linked to anything yet."""
+        self.cores[name] = self._core_factory(name, self.mode)
+
+    def add_leaf(self, name: str, attach_to: str, at: float | None = None) -> None:
+        """Add-leaf: a new broker joins with one link; its neighbour hands it the routes."""
+        self.add_broker(name)
+        self.add_link(name, attach_to, at=at)
+
+    def migrate(self, client: str, target: str, at: float | None = None) -> None:
+        """Move a client to neighbouring broker ``target`` (make-before-break)."""
+        self._client_action(client, at, _Migrate(client, target))
+
+    def remove_leaf(self, leaf: str, at: float | None = None) -> None:
+        """Remove-leaf: migrate the leaf's clients to its neighbour, then drop the link."""
+        self._client_action("\0sim", at, _RemoveLeaf(leaf))
+
+    def _start_migration(self, client: str, target: str) -> None:
+        old = self.client_broker[client]
+        self._migrations[client] = _Migration(old, target)
+        self.client_broker[client] = target  # what it does from now on goes to the new broker
+        mine = [(sid, s) for (c, sid), s in self._live_subs.items() if c == client]
+        self._issue_now(client, ClientAttach(client), target)
+        for sub_id, s in mine:
+            s.broker = target
+            f = self.subs[s.record_index].filter
+            self._issue_now(client, ClientSubscribe(client, sub_id, f), target)
+        self._issue_now(client, ClientMigrating(client, old), target)
+        self._issue_now(client, ClientMove(client, target), old)
+
+    def _issue_now(self, client: str, inp: Input, broker: str) -> None:
+        key = next(self._counter)
+        self._issues[key] = (-1, broker)
+        self._issue(key, inp)
+
+    def _through_migration(self, m: _Migration, broker: str, rec: DeliveryRecord) -> bool:
+        """Whether the migrating client's library passes this delivery to the application."""
+        if broker == m.old:
+            return not m.marker  # after the switch the old connection is only drained
+        if not m.marker:
+            m.held.append(rec)
+            return False
+        return self._newer(rec)
+
+    def _newer(self, rec: DeliveryRecord) -> bool:
+        return rec.seq > self._last_seq.get(rec.client, {}).get(rec.publisher, 0)
+
+    def _marker_arrives(self, client: str, broker: str) -> None:
+        m = self._migrations[client]
+        if broker != m.old or m.marker:
+            return
+        m.marker = True
+        for rec in m.held:
+            if self._newer(rec):
+                self._record_delivery(DeliveryRecord(rec.client, rec.publisher, rec.seq, self.now))
+        m.held.clear()
+        # Switched: the client closes its old connection.
+        self._issue_now(client, ClientDetach(client), m.old)
+
+    def _start_leaf_removal(self, leaf: str) -> None:
+        neighbours = self.cores[leaf].neighbours
+        if len(neighbours) != 1:
+            raise RuntimeError(f"{leaf} is not a leaf: neighbours {neighbours}")
+        self._leaving[leaf] = neighbours[0]
+        clients = [c for c, b in self.client_broker.items() if b == leaf]
+        for client in clients:
+            self._start_migration(client, neighbours[0])
+        self._maybe_remove_leaf(leaf)
+
+    def _maybe_remove_leaf(self, leaf: str) -> None:
+        if leaf in self._leaving and not self.cores[leaf].clients:
+            other = self._leaving.pop(leaf)
+            self.removed.add(leaf)
+            self.remove_link(leaf, other)
+
+    def _record_delivery(self, d: DeliveryRecord) -> None:
+        """The client's application received ``d``: log it and advance the client's clocks."""
+        self.deliveries.append(d)
+        last = self._last_seq.setdefault(d.client, {})
+        last[d.publisher] = max(d.seq, last.get(d.publisher, 0))
+        seen = self.pubs[(d.publisher, d.seq)].vc
+        if seen:
+            vc = self._vc.setdefault(d.client, {})
+            for q, n in seen.items():
+                if n > vc.get(q, 0):
+                    vc[q] = n
 
     def _copy_done(self, event: Event) -> None:
         key = (event.publisher, event.seq)
@@ -387,13 +542,10 @@ class Simulator:
             elif isinstance(eff, Deliver):
                 e = eff.event
                 self.stats.delivery_hops[e.hops] += 1
-                self.deliveries.append(DeliveryRecord(eff.client, e.publisher, e.seq, self.now))
-                seen = self.pubs[(e.publisher, e.seq)].vc
-                if seen:
-                    vc = self._vc.setdefault(eff.client, {})
-                    for q, n in seen.items():
-                        if n > vc.get(q, 0):
-                            vc[q] = n
+                delivery = DeliveryRecord(eff.client, e.publisher, e.seq, self.now)
+                m = self._migrations.get(eff.client)
+                if m is None or self._through_migration(m, broker, delivery):
+                    self._record_delivery(delivery)
             elif isinstance(eff, SendToPeer):
                 msg2 = eff.message
                 self.stats.messages[type(msg2).__name__] += 1
@@ -414,6 +566,8 @@ class Simulator:
                 self._edges.add(frozenset((broker, eff.peer)))
             elif isinstance(eff, CloseLink):
                 self._edges.discard(frozenset((broker, eff.peer)))
+            elif isinstance(eff, DeliverMarker):
+                self._marker_arrives(eff.client, broker)
             elif isinstance(eff, ExchangeFinished):
                 rec = self.exchanges[eff.xid]
                 rec.finished_at, rec.ok, rec.reason = self.now, eff.ok, eff.reason
@@ -427,7 +581,9 @@ class Simulator:
 
     def subscriptions_by_broker(self) -> dict[str, list[tuple[str, str, Filter]]]:
         """Live subscriptions, grouped by the broker their client is attached to."""
-        out: dict[str, list[tuple[str, str, Filter]]] = {b: [] for b in self.cores}
+        out: dict[str, list[tuple[str, str, Filter]]] = {
+            b: [] for b in self.cores if b not in self.removed
+        }
         for (client, sub_id), sub in self._live_subs.items():
             out[sub.broker].append((client, sub_id, self.subs[sub.record_index].filter))
         return out
