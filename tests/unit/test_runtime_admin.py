@@ -200,6 +200,7 @@ async def test_address_book_and_exchanges(make_broker: MakeBroker, serve: Serve)
     done = await admin.start_exchange(["a", "b", "c"], ("b", "c"), xid="ex1", wait=20)
     assert (done["state"], done["ok"], done["xid"]) == ("finished", True, "ex1")
     assert (await admin.exchange("ex1"))["state"] == "finished"
+    assert 'canopy_exchanges_total{result="finished"} 1.0' in await admin.metrics()
     again = await admin.start_exchange(["a", "b", "c"], ("b", "c"), xid="ex1")
     assert again["state"] == "finished"  # idempotent per xid
     await eventually(lambda: sorted(a.links) == ["b", "c"] and "c" not in b.links)

@@ -127,6 +127,18 @@ class BrokerMetrics:
         self.backpressure = Counter(
             "canopy_publisher_pauses", "Times reading from publishers was paused", registry=r
         )
+        self.exchanges = Counter(
+            "canopy_exchanges",
+            "Link exchanges this broker initiated, by result (finished | failed)",
+            ["result"],
+            registry=r,
+        )
+        self.exchange_seconds = Histogram(
+            "canopy_exchange_seconds",
+            "Duration of the link exchanges this broker initiated (request to finish)",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
         r.register(_StateCollector(read_gauges))
 
     def render(self) -> bytes:

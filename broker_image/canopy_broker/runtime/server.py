@@ -1085,6 +1085,9 @@ class Broker:
         rec.ok, rec.reason, rec.attempts = eff.ok, eff.reason, eff.attempts
         rec.finished = time.time()
         rec.done.set()
+        self.metrics.exchanges.labels(rec.state).inc()
+        if rec.started:
+            self.metrics.exchange_seconds.observe(rec.finished - rec.started)
         log.info("%s: exchange %s %s %s", self.name, eff.xid, rec.state, eff.reason)
 
     # ------------------------------------------------------------------ views for the admin API
