@@ -20,6 +20,7 @@ The set is maintained incrementally; see :meth:`BrokerCore._key_entered` / ``_ke
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -146,6 +147,8 @@ class BrokerCore:
         self._frozen: set[str] = set()  # links whose advertisements are held back
         self._retired: set[str] = set()  # removed link after phase 2: routing entries dropped
         self._attempts: dict[str, tuple[StartExchange, int]] = {}  # initiator's requests
+        # Exchanges this broker left on lease expiry: their late messages are expected.
+        self._left: deque[str] = deque(maxlen=64)
         self._now = 0.0
         # Migrating publishers: their publications here wait until the old broker says Moved.
         self._held: dict[str, tuple[str, list[Event]]] = {}
@@ -493,7 +496,7 @@ class BrokerCore:
         k = validate_path(req.path, req.remove)
         problem = self._lock_problem(req.path, 0, req.xid)
         if problem is None:
-            lock = Lock(req.xid, req.path, k, req.ordering)
+            lock = Lock(req.xid, req.path, k, req.ordering, req.lease)
             self._lock_here(lock, 0, out)
             out.append(SendToLink(req.path[1], lock))
         else:
@@ -515,6 +518,37 @@ class BrokerCore:
         kind, _, xid = key.partition(":")
         if kind == "lock" and xid in self._attempts and (self._ex is None or self._ex.xid != xid):
             self._try_lock(xid, out)
+        elif kind == "lease" and self._ex is not None and self._ex.xid == xid:
+            self._lease_expired(self._ex, out)
+
+    def _lease_expired(self, ex: Exchange, out: list[Effect]) -> None:
+        """Nothing heard from the exchange for a whole lease: a participant or the initiator is
+        gone. Before phase 1 nothing has changed, so roll back; after it the new link may carry
+        traffic, so roll forward — finish this broker's part without the missing messages."""
+        if not ex.granted:
+            self._undo_lock(ex, out)
+            if ex.me == 0:
+                self._retry_later(ex.xid, "lease expired while locking", out)
+            return
+        ex.by_lease = True
+        r = ex.r_peer
+        if r is not None and r in self._from_link:
+            if not ex.phase2_done:
+                self._phase2(ex, out)
+            ex.other_sep_seen = True
+            self._close_removed_link(ex, out)
+        if ex.is_a and not ex.own_done:
+            ex.other_sep_seen = ex.relay_end = ex.echo_seen = ex.end_seen = True
+            self._maybe_release_queue(ex, out)
+            self._maybe_finish_a(ex, out)
+        if self._ex is not ex:
+            return  # finishing our part completed the exchange after all
+        self._ex = None
+        self._left.append(ex.xid)
+        if ex.me == 0:
+            _req, attempt = self._attempts.pop(ex.xid)
+            reason = "lease expired after phase 1 began: rolled forward"
+            out.append(ExchangeFinished(ex.xid, False, reason, attempt + 1))
 
     def _lock_problem(self, path: tuple[str, ...], i: int, xid: str) -> str | None:
         """Why this broker cannot lock for the exchange at position ``i`` (None if it can)."""
@@ -531,8 +565,9 @@ class BrokerCore:
         return None
 
     def _lock_here(self, lock: Lock, i: int, out: list[Effect]) -> None:
-        ex = Exchange(lock.xid, lock.path, lock.k, i, lock.ordering)
+        ex = Exchange(lock.xid, lock.path, lock.k, i, lock.ordering, lock.lease)
         self._ex = ex
+        out.append(StartTimer(f"lease:{ex.xid}", ex.lease))
         a = ex.a_peer
         if a is not None:  # an A end: the added link exists from now on, frozen
             self._from_link[a] = set()
@@ -547,7 +582,8 @@ class BrokerCore:
         self._ex = None
         if ex.me == 0 and ex.own_done:
             _req, attempt = self._attempts.pop(ex.xid)
-            out.append(ExchangeFinished(ex.xid, True, "", attempt + 1))
+            reason = "lease expired after phase 1 began: rolled forward" if ex.by_lease else ""
+            out.append(ExchangeFinished(ex.xid, not ex.by_lease, reason, attempt + 1))
 
     def _exchange_msg(self, peer: str, msg: object, out: list[Effect]) -> None:
         if isinstance(msg, Lock):
@@ -566,10 +602,15 @@ class BrokerCore:
             return
         ex = self._ex
         xid = getattr(msg, "xid", None)
+        if isinstance(msg, Done):
+            self._apply_done(peer, msg, out)
         if ex is None or ex.xid != xid:
+            if xid in self._left:
+                return  # a late message of an exchange we finished by lease: nothing to do
             raise ProtocolError(
                 f"{self.name}: {type(msg).__name__} for exchange {xid} it is not in"
             )
+        out.append(StartTimer(f"lease:{ex.xid}", ex.lease))  # the exchange is alive: renew
         if isinstance(msg, LockRefused):
             self._on_refused(ex, msg, out)
         elif isinstance(msg, Granted):
@@ -579,19 +620,21 @@ class BrokerCore:
         elif isinstance(msg, End):
             self._on_end(ex, out)
         elif isinstance(msg, Done):
-            # The other side's advertisement, complete: apply what differs from what we hold.
-            table = self._from_link[peer]
-            keys = set(msg.keys)
-            for key in sorted(keys - table, key=RouteKey.sort_key):
-                self._apply_route_msg(table, peer, Subscribe(key), out)
-            for key in sorted(table - keys, key=RouteKey.sort_key):
-                self._apply_route_msg(table, peer, Unsubscribe(key), out)
             ex.peer_done = True
             self._maybe_release_a(ex, out)
         elif isinstance(msg, Echo):
             self._on_echo(ex, out)
         else:  # pragma: no cover
             raise ProtocolError(f"unknown link message {msg!r}")
+
+    def _apply_done(self, peer: str, msg: Done, out: list[Effect]) -> None:
+        """The other side's advertisement, complete: apply what differs from what we hold."""
+        table = self._from_link[peer]
+        keys = set(msg.keys)
+        for key in sorted(keys - table, key=RouteKey.sort_key):
+            self._apply_route_msg(table, peer, Subscribe(key), out)
+        for key in sorted(table - keys, key=RouteKey.sort_key):
+            self._apply_route_msg(table, peer, Unsubscribe(key), out)
 
     def _on_lock(self, peer: str, msg: Lock, out: list[Effect]) -> None:
         path = msg.path
@@ -611,18 +654,22 @@ class BrokerCore:
             assert self._ex is not None
             self._on_granted(self._ex, out)  # the last lock grants: phase 1 starts here
         else:
-            out.append(SendToLink(path[i + 1], Lock(msg.xid, path, msg.k, msg.ordering)))
+            out.append(SendToLink(path[i + 1], msg))
 
-    def _on_refused(self, ex: Exchange, msg: LockRefused, out: list[Effect]) -> None:
-        if ex.granted:
-            raise ProtocolError(f"{self.name}: lock of {ex.xid} refused after it was granted")
+    def _undo_lock(self, ex: Exchange, out: list[Effect]) -> None:
+        """Leave an exchange that never started phase 1 (only an A end has changed anything)."""
         a = ex.a_peer
-        if a is not None:
+        if a is not None and a in self._frozen:
             del self._from_link[a]
             del self._advertised[a]
             self._frozen.discard(a)
             out.append(CloseLink(a))
         self._ex = None
+
+    def _on_refused(self, ex: Exchange, msg: LockRefused, out: list[Effect]) -> None:
+        if ex.granted:
+            raise ProtocolError(f"{self.name}: lock of {ex.xid} refused after it was granted")
+        self._undo_lock(ex, out)
         if ex.me == 0:
             self._retry_later(ex.xid, msg.reason, out)
         else:
@@ -643,11 +690,14 @@ class BrokerCore:
     def _from_peer(self, peer: str, msg: PeerMessage, out: list[Effect]) -> None:
         ex = self._ex
         if ex is None or ex.xid != msg.xid or not ex.is_a:
+            if msg.xid in self._left:
+                return  # late: we finished this exchange by lease
             raise ProtocolError(
                 f"{self.name}: {type(msg).__name__} for exchange {msg.xid} it is not an A end of"
             )
         a = ex.a_peer
         assert a is not None
+        out.append(StartTimer(f"lease:{ex.xid}", ex.lease))  # the exchange is alive: renew
         table = self._from_link[a]
         if isinstance(msg, Transfer):
             for key in msg.keys:
@@ -702,9 +752,7 @@ class BrokerCore:
             self._matcher.remove(key.filter, r)
             self._key_removed(key, r, out)
 
-    def _maybe_finish_r(self, ex: Exchange, out: list[Effect]) -> None:
-        if not (ex.phase2_done and ex.other_sep_seen):
-            return
+    def _close_removed_link(self, ex: Exchange, out: list[Effect]) -> None:
         r = ex.r_peer
         assert r is not None
         del self._from_link[r]
@@ -712,6 +760,11 @@ class BrokerCore:
         self._frozen.discard(r)
         self._retired.discard(r)
         out.append(CloseLink(r))
+
+    def _maybe_finish_r(self, ex: Exchange, out: list[Effect]) -> None:
+        if not (ex.phase2_done and ex.other_sep_seen):
+            return
+        self._close_removed_link(ex, out)
         if ex.is_a:
             self._on_end(ex, out)
         else:

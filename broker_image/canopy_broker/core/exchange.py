@@ -55,6 +55,7 @@ class Exchange:
     k: int
     me: int
     ordering: Ordering = Ordering.FIFO
+    lease: float = 30.0
     gray: bool = False
     granted: bool = False
     phase2_done: bool = False
@@ -64,6 +65,7 @@ class Exchange:
     own_done: bool = False
     peer_done: bool = False
     echo_seen: bool = False
+    by_lease: bool = False  # this broker finished its part because the lease ran out
     queue_released: bool = False
     queue: list[tuple[float, FromLink]] = field(default_factory=list)
     queued_total: int = 0

@@ -107,6 +107,7 @@ class Lock:
     path: tuple[str, ...]
     k: int
     ordering: Ordering = Ordering.FIFO
+    lease: float = 30.0  # seconds a broker stays locked without hearing from the exchange
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +260,7 @@ class StartExchange:
     path: tuple[str, ...]
     remove: tuple[str, str]
     ordering: Ordering = Ordering.FIFO
+    lease: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from canopy_broker.core.messages import (
     CloseLink,
     Deliver,
     DeliverMarker,
+    Done,
     Effect,
     ExchangeFinished,
     FromLink,
@@ -64,7 +65,8 @@ __all__ = ["ExchangeRecord", "SimStats", "Simulator"]
 Edge = tuple[str, str]
 CoreFactory = Callable[[str, RoutingMode], BrokerCore]
 
-_CONTROL = (Subscribe, Unsubscribe, Transfer, Relay)
+# Messages that carry routing state: while one travels, some subscription is not settled.
+_CONTROL = (Subscribe, Unsubscribe, Transfer, Relay, Done)
 _CLIENT = "\0client"  # heap target meaning "a client issues this input now"
 
 
@@ -98,7 +100,12 @@ class _RemoveLeaf:
     leaf: str
 
 
-_Orchestration = _Migrate | _RemoveLeaf
+@dataclass(frozen=True)
+class _Crash:
+    broker: str
+
+
+_Orchestration = _Migrate | _RemoveLeaf | _Crash
 
 
 @dataclass
@@ -181,6 +188,7 @@ class Simulator:
         self._last_seq: dict[str, dict[str, int]] = {}
         self._leaving: dict[str, str] = {}  # leaf being removed -> its neighbour
         self.removed: set[str] = set()
+        self.crashed: set[str] = set()
         self._core_factory = core_factory
         self._active_exchanges: set[str] = set()
         self.exchanges: dict[str, ExchangeRecord] = {}
@@ -249,6 +257,9 @@ class Simulator:
             return
         if isinstance(inp, _RemoveLeaf):
             self._start_leaf_removal(inp.leaf)
+            return
+        if isinstance(inp, _Crash):
+            self.crashed.add(inp.broker)
             return
         if isinstance(inp, ClientPublish):
             vc = self._vc.setdefault(inp.client, {})
@@ -322,11 +333,12 @@ class Simulator:
         *,
         xid: str | None = None,
         ordering: Ordering = Ordering.FIFO,
+        lease: float = 30.0,
     ) -> str:
         """Ask path[0] to exchange ``remove`` for (path[0], path[-1]) with the coordinated
         algorithm, at time ``at``. Returns the exchange id."""
         xid = xid or f"x{len(self.exchanges) + 1}"
-        req = StartExchange(xid, tuple(path), remove, ordering)
+        req = StartExchange(xid, tuple(path), remove, ordering, lease)
         t = self.now if at is None else at
         self.exchanges[xid] = ExchangeRecord(xid, tuple(path), remove, requested_at=t)
         heapq.heappush(self._heap, (t, next(self._counter), _CLIENT, req))
@@ -377,13 +389,13 @@ class Simulator:
                 else:
                     self._issue(key, inp)
             else:
-                assert not isinstance(inp, _Migrate | _RemoveLeaf)
+                assert not isinstance(inp, _Migrate | _RemoveLeaf | _Crash)
                 self._apply(broker, inp)
             steps += 1
             if steps > max_steps:
                 raise RuntimeError(f"simulation did not quiesce within {max_steps} steps")
-        if not self._heap and until != math.inf:
-            self.now = max(self.now, until)
+        if until != math.inf:
+            self.now = max(self.now, until)  # time passes even when nothing happens
 
     def _apply(self, broker: str, inp: Input) -> None:
         self.stats.inputs += 1
@@ -406,6 +418,8 @@ class Simulator:
             if self._timers.get((broker, inp.key)) != self._heap_key:
                 return  # superseded by a later StartTimer with the same key
             del self._timers[(broker, inp.key)]
+        if broker in self.crashed:
+            return  # a dead process: whatever reaches it is lost
         effects = self.cores[broker].handle(inp, self.now)
         self._carry_out(broker, effects)
         if isinstance(inp, ClientDetach) and broker in self._leaving:
@@ -447,6 +461,10 @@ class Simulator:
     def migrate(self, client: str, target: str, at: float | None = None) -> None:
         """Move a client to neighbouring broker ``target`` (make-before-break)."""
         self._client_action(client, at, _Migrate(client, target))
+
+    def crash(self, broker: str, at: float | None = None) -> None:
+        """The broker's process dies at ``at``: it handles nothing from then on."""
+        self._client_action("\0sim", at, _Crash(broker))
 
     def remove_leaf(self, leaf: str, at: float | None = None) -> None:
         """Remove-leaf: migrate the leaf's clients to its neighbour, then drop the link."""
