@@ -24,12 +24,15 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from canopy_broker.core import path as path_algorithm
+from canopy_broker.core.errors import ProtocolError
 from canopy_broker.core.events import Event
 from canopy_broker.core.exchange import Exchange, backoff, validate_path
 from canopy_broker.core.filters import Filter, covers
 from canopy_broker.core.matching import IndexedMatcher
 from canopy_broker.core.messages import (
     AddLink,
+    Algorithm,
     ClientAttach,
     ClientDetach,
     ClientMigrating,
@@ -38,6 +41,7 @@ from canopy_broker.core.messages import (
     ClientSubscribe,
     ClientUnsubscribe,
     CloseLink,
+    CtrlMsg,
     Deliver,
     DeliverMarker,
     Done,
@@ -45,10 +49,12 @@ from canopy_broker.core.messages import (
     Effect,
     End,
     ExchangeFinished,
+    FlushMsg,
     FromLink,
     FromPeer,
     Granted,
     Input,
+    LinkReady,
     Lock,
     LockRefused,
     Marker,
@@ -57,6 +63,7 @@ from canopy_broker.core.messages import (
     Ordering,
     PeerMessage,
     Publish,
+    RecMsg,
     Relay,
     RelayEnd,
     RemoveLink,
@@ -76,9 +83,7 @@ from canopy_broker.core.messages import (
 
 MAX_LOCK_ATTEMPTS = 60
 
-
-class ProtocolError(Exception):
-    """An input the core cannot accept in its current state (the state is left unchanged)."""
+__all__ = ["BrokerCore", "ProtocolError", "RoutingTable", "client_key", "dominates", "maximal"]
 
 
 # A matcher payload: a neighbour name (str) or a local subscription (client, sub_id).
@@ -149,6 +154,8 @@ class BrokerCore:
         self._attempts: dict[str, tuple[StartExchange, int]] = {}  # initiator's requests
         # Exchanges this broker left on lease expiry: their late messages are expected.
         self._left: deque[str] = deque(maxlen=64)
+        # Path algorithm: (un)subscriptions from a neighbour to ignore while its RECMSG travels.
+        self._ignore: dict[str, dict[str, set[RouteKey]]] = {}
         self._now = 0.0
         # Migrating publishers: their publications here wait until the old broker says Moved.
         self._held: dict[str, tuple[str, list[Event]]] = {}
@@ -298,9 +305,22 @@ class BrokerCore:
                 self._apply_route_msg(table, inp.peer, msg, out)
             self._to_peer(ex.a_end_of_my_side, Relay(ex.xid, msg), out)
         elif isinstance(msg, Subscribe | Unsubscribe):
-            self._apply_route_msg(table, inp.peer, msg, out)
+            if not self._ignored(inp.peer, msg, table):
+                self._apply_route_msg(table, inp.peer, msg, out)
         else:
             self._exchange_msg(inp.peer, msg, out)
+
+    def _ignored(self, peer: str, msg: Subscribe | Unsubscribe, table: set[RouteKey]) -> bool:
+        """Path algorithm: a route our RECMSG just gave this neighbour must not be undone by a
+        withdrawal it sent before it saw the RECMSG (nor added twice)."""
+        pending = self._ignore.get(peer)
+        if not pending or not any(msg.key in keys for keys in pending.values()):
+            return False
+        return isinstance(msg, Unsubscribe) or msg.key in table
+
+    def _held_set_except(self, peer: str) -> set[RouteKey]:
+        """What identity/simple routing advertises to ``peer``: every key held from elsewhere."""
+        return {key for key in self._holders if self._held_except(key, peer) > 0}
 
     def _apply_route_msg(
         self, table: set[RouteKey], peer: str, msg: Subscribe | Unsubscribe, out: list[Effect]
@@ -480,6 +500,9 @@ class BrokerCore:
             out.append(SendToPeer(peer, msg))
 
     def _start_exchange(self, req: StartExchange, out: list[Effect]) -> None:
+        if req.algorithm is Algorithm.PATH:
+            path_algorithm.start(self, req, out)
+            return
         if req.xid in self._attempts:
             return  # idempotent: the same request is already being carried out
         try:
@@ -589,6 +612,18 @@ class BrokerCore:
         if isinstance(msg, Lock):
             self._on_lock(peer, msg, out)
             return
+        if isinstance(msg, RecMsg):
+            path_algorithm.on_recmsg(self, peer, msg, out)
+            return
+        if isinstance(msg, CtrlMsg):
+            self._ignore.get(peer, {}).pop(msg.xid, None)
+            return
+        if isinstance(msg, FlushMsg):
+            path_algorithm.on_flush(self, msg, out)
+            return
+        if isinstance(msg, LinkReady):
+            path_algorithm.on_link_ready(self, peer, out)
+            return
         if isinstance(msg, Marker):
             if msg.client in self._clients:  # else the client has already left: nothing to say
                 out.append(DeliverMarker(msg.client))
@@ -688,6 +723,9 @@ class BrokerCore:
             out.append(SendToLink(ex.path[ex.me - 1], Granted(ex.xid)))
 
     def _from_peer(self, peer: str, msg: PeerMessage, out: list[Effect]) -> None:
+        if isinstance(msg, RecMsg):  # the path algorithm's RECMSG across the new link
+            path_algorithm.on_recmsg(self, peer, msg, out)
+            return
         ex = self._ex
         if ex is None or ex.xid != msg.xid or not ex.is_a:
             if msg.xid in self._left:

@@ -87,6 +87,13 @@ class Publish:
     tag: Tag | None = None
 
 
+class Algorithm(Enum):
+    """How a link exchange is carried out (see DESIGN.md §4)."""
+
+    COORDINATED = "coordinated"  # paper 000: locks, two phases, colours; exactly once, in order
+    PATH = "path"  # paper 002: reconfiguration path; least overhead, no delivery guarantee
+
+
 class Ordering(Enum):
     """Delivery order a link exchange preserves for notifications crossing the new link."""
 
@@ -149,6 +156,45 @@ class End:
     side: int
 
 
+# Reconfiguration-path algorithm (paper 002). Head path: R1 → ... → A1; the new link A1 → A2;
+# tail path: A2 → ... → R2 (our path lists are A1 ... R1 R2 ... A2, so the head path runs down
+# the indices from k to 0 and the tail path from the end down to k + 1).
+
+
+@dataclass(frozen=True, slots=True)
+class RecMsg:
+    """Walks the reconfiguration path. On the head path it carries P_add (routes that now point
+    towards the new link) and P_del (routes that pointed only at the removed link)."""
+
+    xid: str
+    path: tuple[str, ...]
+    k: int
+    p_add: tuple[RouteKey, ...] = ()
+    p_del: tuple[RouteKey, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CtrlMsg:
+    """Head path, back one hop: RECMSG was processed; stop ignoring unsubscriptions."""
+
+    xid: str
+
+
+@dataclass(frozen=True, slots=True)
+class FlushMsg:
+    """Tail path, R2 → A2: the old link's routes are withdrawn; reconcile across the new link."""
+
+    xid: str
+    path: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkReady:
+    """A2 → A1 over the new link: A2 has it; A1 may now advertise over it."""
+
+    xid: str
+
+
 @dataclass(frozen=True, slots=True)
 class Done:
     """Over the added link: the sender's side is finished, and ``keys`` is exactly what it
@@ -189,6 +235,10 @@ LinkMessage = (
     | Echo
     | End
     | Done
+    | RecMsg
+    | CtrlMsg
+    | FlushMsg
+    | LinkReady
 )
 
 
@@ -218,7 +268,7 @@ class RelayEnd:
     xid: str
 
 
-PeerMessage = Transfer | Relay | RelayEnd | Separator
+PeerMessage = Transfer | Relay | RelayEnd | Separator | RecMsg
 
 
 # --------------------------------------------------------------------------- inputs
@@ -254,13 +304,15 @@ class FromPeer:
 
 @dataclass(frozen=True, slots=True)
 class StartExchange:
-    """Ask this broker (A1 = path[0]) to exchange link ``remove`` for (path[0], path[-1])."""
+    """Exchange link ``remove`` for (path[0], path[-1]). The coordinated algorithm starts at A1
+    (path[0]); the path algorithm at R1, the end of ``remove`` on A1's side."""
 
     xid: str
     path: tuple[str, ...]
     remove: tuple[str, str]
     ordering: Ordering = Ordering.FIFO
     lease: float = 30.0
+    algorithm: Algorithm = Algorithm.COORDINATED
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from canopy_broker.core.filters import Constraint, Filter, Op
-from canopy_broker.core.messages import Ordering, RoutingMode
+from canopy_broker.core.messages import Algorithm, Ordering, RoutingMode
 from canopy_broker.sim.checker import DeliveryReport, check_deliveries, check_routing
 from canopy_broker.sim.simulator import Simulator
 from canopy_broker.sim.topology import Edge, ExchangeSpec, norm, random_group, random_tree
 
 PATTERNS = [chr(c) for c in range(ord("!"), ord("!") + 96)]
-Algorithm = Literal["coordinated", "strawman"]
+AlgorithmName = Literal["coordinated", "path", "strawman"]
 
 
 @dataclass
@@ -51,7 +51,7 @@ def run_exchanges(
     seed: int,
     rounds: int = 5,
     group_size: int = 2,
-    algorithm: Algorithm = "coordinated",
+    algorithm: AlgorithmName = "coordinated",
     mode: RoutingMode = RoutingMode.COVERING,
     ordering: Ordering = Ordering.FIFO,
     density: float = 0.5,
@@ -117,8 +117,16 @@ def run_exchanges(
         xids = []
         for spec, offset in group_plan:
             at = base + offset
-            if algorithm == "coordinated":
-                xids.append(sim.exchange(spec.path, spec.remove, at=at, ordering=ordering))
+            if algorithm != "strawman":
+                xids.append(
+                    sim.exchange(
+                        spec.path,
+                        spec.remove,
+                        at=at,
+                        ordering=ordering,
+                        algorithm=Algorithm(algorithm),
+                    )
+                )
             else:
                 sim.strawman_exchange(spec.remove, spec.add, at=at)
             specs.append(spec)

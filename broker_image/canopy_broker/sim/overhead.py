@@ -11,7 +11,8 @@ Every message a reconfiguration causes costs its weight times the overlay hops i
   (paper 002's FLUSHMSG; our Lock).
 
 Out-of-band messages travel between two brokers of the cycle; they are charged the number of
-overlay hops between them along the cycle path (a conservative stand-in for the underlay route).
+overlay hops between them along the cycle path (a conservative stand-in for the underlay route),
+or one hop between the two ends of the new link.
 
 *Misrouted* notifications are link traversals that led to no delivery — copies following stale
 routes during a reconfiguration, or (in our algorithm) copies of the wrong colour that stop at the
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from canopy_broker.core.messages import (
     Done,
     Publish,
+    RecMsg,
     Relay,
     RelayEnd,
     Separator,
@@ -46,6 +48,11 @@ WEIGHTS: Mapping[str, float] = {
     "Echo": 0.1,
     "End": 0.1,
     "RelayEnd": 0.1,
+    # Paper 002's own messages: CTRLMSG 0.1, FLUSHMSG 0.2 (it names the path); our LinkReady is
+    # an acknowledgement like CTRLMSG.
+    "CtrlMsg": 0.1,
+    "FlushMsg": 0.2,
+    "LinkReady": 0.1,
 }
 
 Traffic = Iterable[tuple[float, str, str, object]]
@@ -54,6 +61,8 @@ Traffic = Iterable[tuple[float, str, str, object]]
 def message_weight(msg: object) -> float:
     if isinstance(msg, Transfer | Done):
         return 2 * len(msg.keys) / 3 + 1 / 3
+    if isinstance(msg, RecMsg):  # paper 002's RECMSG weight, with its two pattern sets
+        return 2 * (len(msg.p_add) + len(msg.p_del)) / 3 + 1 / 3
     return WEIGHTS.get(type(msg).__name__, 0.0)
 
 
@@ -94,9 +103,11 @@ def measure(
             hops_out[(e.publisher, e.seq)][sender].append(receiver)
             continue
         hops = 1
-        if isinstance(msg, Transfer | Relay | RelayEnd | Separator) and msg.xid in paths:
+        if isinstance(msg, Transfer | Relay | RelayEnd | Separator | RecMsg) and msg.xid in paths:
             path = paths[msg.xid]
-            if sender in path and receiver in path:
+            if {sender, receiver} == {path[0], path[-1]}:
+                hops = 1  # the two ends of the new link
+            elif sender in path and receiver in path:
                 hops = abs(path.index(sender) - path.index(receiver))
         cost = message_weight(msg) * hops
         out.by_type[type(msg).__name__] += cost

@@ -24,9 +24,11 @@ from dataclasses import dataclass, field, replace
 
 from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.events import Event, Value
+from canopy_broker.core.exchange import validate_path
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
     AddLink,
+    Algorithm,
     ClientAttach,
     ClientDetach,
     ClientMigrating,
@@ -334,11 +336,12 @@ class Simulator:
         xid: str | None = None,
         ordering: Ordering = Ordering.FIFO,
         lease: float = 30.0,
+        algorithm: Algorithm = Algorithm.COORDINATED,
     ) -> str:
         """Ask path[0] to exchange ``remove`` for (path[0], path[-1]) with the coordinated
         algorithm, at time ``at``. Returns the exchange id."""
         xid = xid or f"x{len(self.exchanges) + 1}"
-        req = StartExchange(xid, tuple(path), remove, ordering, lease)
+        req = StartExchange(xid, tuple(path), remove, ordering, lease, algorithm)
         t = self.now if at is None else at
         self.exchanges[xid] = ExchangeRecord(xid, tuple(path), remove, requested_at=t)
         heapq.heappush(self._heap, (t, next(self._counter), _CLIENT, req))
@@ -348,7 +351,10 @@ class Simulator:
         self._active_exchanges.add(req.xid)
         for _, overlapped in self._unsettled:
             overlapped.add(req.xid)
-        self._apply(req.path[0], req)
+        initiator = req.path[0]
+        if req.algorithm is Algorithm.PATH:
+            initiator = req.path[validate_path(req.path, req.remove)]
+        self._apply(initiator, req)
 
     def strawman_exchange(
         self, remove: tuple[str, str], add: tuple[str, str], at: float | None = None
