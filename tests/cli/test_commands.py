@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,49 @@ def test_demo_runs_and_verifies_deliveries() -> None:
     assert data["owed"] > 500 and data["lost"] == 0 and data["duplicated"] == 0
     assert data["mean_hops"] > 0  # notifications really crossed broker links
     assert "verified: OK" in result.stdout
+
+
+@pytest.mark.parametrize("algorithm", ["coordinated", "path", "strawman"])
+def test_sim_exchange_reports_the_issue_keys(algorithm: str) -> None:
+    result = canopy(
+        "sim",
+        "exchange",
+        "--brokers",
+        "40",
+        "--exchanges",
+        "4",
+        "--algorithm",
+        algorithm,
+        "--seed",
+        "3",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    data = last_json(result.stdout)
+    for key in (
+        "overhead",
+        "lost",
+        "duplicated",
+        "reordered",
+        "mean_ordering_delay",
+        "mean_cycle_length",
+    ):
+        assert key in data
+    assert data["overhead"] > 0 and data["mean_cycle_length"] >= 3
+    assert data["routing_tables_canonical"] is True
+    if algorithm == "coordinated":
+        assert data["lost"] == data["duplicated"] == data["reordered"] == 0
+
+
+def test_sim_report_quick_writes_figures(tmp_path: Path) -> None:
+    result = canopy("sim", "report", "--quick", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    for name in (
+        "control_vs_cycle.png",
+        "ordering_delay_vs_cycle.png",
+        "improvement_vs_brokers.png",
+        "report.md",
+        "report.json",
+    ):
+        assert (tmp_path / name).stat().st_size > 0
+    assert (tmp_path / "control_vs_cycle.png").read_bytes()[:4] == b"\x89PNG"

@@ -160,6 +160,7 @@ class BrokerCore:
         # Migrating publishers: their publications here wait until the old broker says Moved.
         self._held: dict[str, tuple[str, list[Event]]] = {}
         self.ordering_delays: list[float] = []  # how long each queued notification waited
+        self.ordering_delays_by_exchange: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -833,6 +834,9 @@ class BrokerCore:
         for queued_at, inp in queued:
             if isinstance(inp.message, Publish):
                 self.ordering_delays.append(self._now - queued_at)
+                self.ordering_delays_by_exchange.setdefault(ex.xid, []).append(
+                    self._now - queued_at
+                )
             self._from_link_msg(inp, out)
             if self._ex is not ex:  # a queued Done finished the exchange
                 break

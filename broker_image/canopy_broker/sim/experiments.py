@@ -35,6 +35,7 @@ class ExchangeRun:
     report: DeliveryReport
     routing_problems: list[str]
     leftovers: list[str] = field(default_factory=list)
+    requested_at: list[float] = field(default_factory=list)  # per spec, in order
 
     @property
     def ok(self) -> bool:
@@ -111,6 +112,7 @@ def run_exchanges(
             current = spec.apply(current)
 
     specs: list[ExchangeSpec] = []
+    requested_at: list[float] = []
     live_subs = list(subs)
     for r, group_plan in enumerate(plan):
         base = max(sim.now, clock) + 20
@@ -130,6 +132,7 @@ def run_exchanges(
             else:
                 sim.strawman_exchange(spec.remove, spec.add, at=at)
             specs.append(spec)
+            requested_at.append(at)
         renewed = []
         for i in range(min(churn, len(live_subs))):
             client, sub_id = live_subs.pop(rng.randrange(len(live_subs)))
@@ -163,4 +166,4 @@ def run_exchanges(
         for rec in sim.exchanges.values()
         if not rec.ok
     ]
-    return ExchangeRun(sim, current, specs, report, problems, leftovers)
+    return ExchangeRun(sim, current, specs, report, problems, leftovers, requested_at)
