@@ -21,11 +21,13 @@ by deciding, per attribute, whether the constraints of f2 imply each constraint 
 from __future__ import annotations
 
 import math
+import operator
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
+from typing import Any
 
 from canopy_broker.core.events import Kind, Value, kind_of
 
@@ -59,6 +61,10 @@ class Constraint:
     value: Value | None = None
     # Part of equality and hashing on purpose: Python says ``True == 1``, Canopy does not.
     kind: Kind | None = field(init=False, default=None)
+    # The constraint compiled into one predicate over a present value (matching's inner loop).
+    test: Callable[[Value], bool] = field(
+        init=False, default=lambda _v: True, compare=False, hash=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if not self.attr or not isinstance(self.attr, str):
@@ -77,33 +83,11 @@ class Constraint:
         if self.op in RANGE_OPS and kind is Kind.BOOL:
             raise FilterError(f"'{self.op.value}' on {self.attr!r} cannot compare booleans")
         object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "test", _compile(self.op, self.value, kind))
 
     def matches_value(self, value: Value) -> bool:
         """Whether an attribute value (known to be present) satisfies this constraint."""
-        op = self.op
-        if op is Op.EXISTS:
-            return True
-        if kind_of(value) is not self.kind:
-            return False
-        c = self.value
-        if op is Op.EQ:
-            return value == c
-        if op is Op.NE:
-            return value != c
-        if op is Op.LT:
-            return value < c  # type: ignore[operator]
-        if op is Op.LE:
-            return value <= c  # type: ignore[operator]
-        if op is Op.GT:
-            return value > c  # type: ignore[operator]
-        if op is Op.GE:
-            return value >= c  # type: ignore[operator]
-        assert isinstance(value, str) and isinstance(c, str)
-        if op is Op.PREFIX:
-            return value.startswith(c)
-        if op is Op.SUFFIX:
-            return value.endswith(c)
-        return c in value  # CONTAINS
+        return self.test(value)
 
     def sort_key(self) -> tuple[str, int, str, str]:
         kind = self.kind
@@ -113,6 +97,46 @@ class Constraint:
         if self.op is Op.EXISTS:
             return f"{self.attr} exists"
         return f"{self.attr} {self.op.value} {format_value(self.value)}"
+
+
+# Kind of a value by one dict lookup on its exact type (bool is its own type, not int's).
+_KIND_OF_TYPE: dict[type, Kind] = {
+    int: Kind.NUMBER,
+    float: Kind.NUMBER,
+    bool: Kind.BOOL,
+    str: Kind.STRING,
+}
+_COMPARE: dict[Op, Callable[[Any, Any], bool]] = {
+    Op.EQ: operator.eq,
+    Op.NE: operator.ne,
+    Op.LT: operator.lt,
+    Op.LE: operator.le,
+    Op.GT: operator.gt,
+    Op.GE: operator.ge,
+}
+
+
+def _compile(op: Op, c: Value | None, kind: Kind | None) -> Callable[[Value], bool]:
+    """One closure per constraint: the matcher's inner loop calls it once per candidate.
+
+    A value of another kind never matches (values reaching the core were validated, so NaN and
+    other types do not occur here)."""
+    kinds = _KIND_OF_TYPE
+    if op is Op.EXISTS:
+        return lambda _v: True
+    if op is Op.PREFIX:
+        assert isinstance(c, str)
+        return lambda v: type(v) is str and v.startswith(c)
+    if op is Op.SUFFIX:
+        assert isinstance(c, str)
+        return lambda v: type(v) is str and v.endswith(c)
+    if op is Op.CONTAINS:
+        assert isinstance(c, str)
+        return lambda v: type(v) is str and c in v
+    if op is Op.EQ:
+        return lambda v: v == c and kinds.get(type(v)) is kind
+    compare = _COMPARE[op]
+    return lambda v: kinds.get(type(v)) is kind and compare(v, c)
 
 
 def format_value(value: Value | None) -> str:
@@ -132,11 +156,15 @@ class Filter:
         default_factory=dict, compare=False, hash=False, repr=False
     )
     _hash: int = field(default=0, compare=False, repr=False)
+    _tests: tuple[tuple[str, Callable[[Value], bool]], ...] = field(
+        default=(), compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         canon = tuple(sorted(set(self.constraints), key=Constraint.sort_key))
         object.__setattr__(self, "constraints", canon)
         object.__setattr__(self, "_hash", hash(canon))
+        object.__setattr__(self, "_tests", tuple((c.attr, c.test) for c in canon))
         by_attr: dict[str, list[Constraint]] = {}
         for c in canon:
             by_attr.setdefault(c.attr, []).append(c)
@@ -162,9 +190,10 @@ class Filter:
         return self._by_attr.keys()
 
     def matches(self, attrs: Mapping[str, Value]) -> bool:
-        for c in self.constraints:
-            value = attrs.get(c.attr)
-            if value is None or not c.matches_value(value):
+        get = attrs.get
+        for attr, test in self._tests:
+            value = get(attr)
+            if value is None or not test(value):
                 return False
         return True
 
