@@ -99,3 +99,32 @@ def test_sim_report_quick_writes_figures(tmp_path: Path) -> None:
     ):
         assert (tmp_path / name).stat().st_size > 0
     assert (tmp_path / "control_vs_cycle.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_prints_steps_and_json(tmp_path: Path) -> None:
+    desired = tmp_path / "desired.yaml"
+    desired.write_text(
+        "apiVersion: canopy.dev/v1alpha1\nkind: BrokerOverlay\nmetadata: {name: trading}\n"
+        "spec:\n  maxFanOut: 3\n  brokers: [{name: hub}, {name: east}, {name: west},"
+        " {name: north}, {name: south}, {name: edge-1}]\n"
+        "  links: [[hub, east], [east, west], [west, north], [north, edge-1], [east, south]]\n"
+    )
+    current = Path(__file__).parents[2] / "manifests" / "examples" / "overlay-explicit.yaml"
+    result = canopy("plan", str(current), str(desired), "--json")
+    assert result.returncode == 0, result.stderr
+    steps = last_json(result.stdout)["steps"]
+    assert isinstance(steps, list) and {s["kind"] for s in steps} == {"exchange"}
+    assert len(steps) == 3  # |T1 \ T2|
+    assert all(set(s) >= {"remove", "add", "cycle", "batch"} for s in steps)
+
+
+def test_plan_rejects_an_invalid_spec_by_name(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "apiVersion: canopy.dev/v1alpha1\nkind: BrokerOverlay\nmetadata: {name: x}\n"
+        "spec:\n  brokers: [{name: a}, {name: b}]\n  links: [[a, c]]\n"
+    )
+    current = Path(__file__).parents[2] / "manifests" / "examples" / "overlay-explicit.yaml"
+    result = canopy("plan", str(current), str(bad))
+    assert result.returncode == 2
+    assert "link a-c names undeclared broker(s) c" in result.stderr

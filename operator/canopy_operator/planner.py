@@ -1,0 +1,293 @@
+"""The planner: (live tree, desired spec) → a plan of elementary steps. Pure: no I/O, no clock.
+
+Order of the plan: new brokers join as leaves, then link exchanges, then removed brokers leave as
+leaves. Properties it guarantees (and ``tests/operator/test_planner.py`` checks):
+
+* a same-broker change takes exactly |T1 \\ T2| exchanges — the minimum;
+* every intermediate state is a tree: each added link is paired with a removed link on the cycle
+  it closes in the tree *as it is at that step*;
+* the final tree is the desired one (explicit links), or respects ``maxFanOut`` (managed links);
+  between steps no broker exceeds ``maxFanOut`` unless no remaining step avoids it, and then by at
+  most one link;
+* cycles are kept short: additions are taken shortest-cycle first, re-measured as the tree
+  changes;
+* consecutive steps whose brokers are disjoint form parallel batches of at most
+  ``maxConcurrent`` (disjoint cycles commute, so running them together is running them in
+  order).
+
+A removed broker that is not a leaf is first hung, in the target, as a leaf on one of its
+neighbours that stays; reaching that augmented target takes the exchanges that make it a leaf.
+In managed-links mode a new broker joins by the bounded-fan-out rule of paper 001: a walk from a
+broker of its zone (if any) that each visited broker accepts with probability (F - degree) / F;
+the randomness is seeded from the overlay and broker names, so the plan is reproducible.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import zlib
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from canopy_operator.topology import Edge, OverlaySpec, adjacency, norm, tree_path
+
+StepKind = Literal["add-leaf", "exchange", "remove-leaf"]
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: StepKind
+    batch: int
+    broker: str | None = None
+    remove: Edge | None = None
+    add: Edge | None = None
+    cycle: tuple[str, ...] = ()
+
+    def brokers(self) -> set[str]:
+        """Brokers the step touches (for batching)."""
+        out = set(self.cycle)
+        for e in (self.remove, self.add):
+            if e is not None:
+                out.update(e)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.kind}
+        if self.broker is not None:
+            d["broker"] = self.broker
+        if self.remove is not None:
+            d["remove"] = list(self.remove)
+        if self.add is not None:
+            d["add"] = list(self.add)
+        if self.cycle:
+            d["cycle"] = list(self.cycle)
+        d["batch"] = self.batch
+        return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    steps: tuple[Step, ...]
+    final_links: tuple[Edge, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def exchanges(self) -> list[Step]:
+        return [s for s in self.steps if s.kind == "exchange"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "steps": [s.to_json() for s in self.steps],
+            "final_links": [list(e) for e in self.final_links],
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(frozen=True)
+class LiveOverlay:
+    """What is running: broker names and the links between them (a tree)."""
+
+    brokers: tuple[str, ...]
+    links: tuple[Edge, ...]
+
+
+def plan(live: LiveOverlay, desired: OverlaySpec) -> Plan:
+    """Steps that take ``live`` to ``desired`` (validate ``desired`` first)."""
+    f = desired.max_fan_out
+    adj = adjacency(live.links)
+    for b in live.brokers:
+        adj.setdefault(b, set())
+    present = set(live.brokers)
+    want = desired.broker_names
+    added = [b for b in want if b not in present]
+    removed = sorted(present - set(want))
+    notes: list[str] = []
+    raw: list[tuple[StepKind, Step]] = []
+
+    if desired.links is None:
+        target = _managed_target(live, desired, adj)
+    else:
+        target = {norm(e) for e in desired.links}
+    tadj = adjacency(target)
+
+    # 1. New brokers join as leaves, each on a desired neighbour that is already there.
+    pending = list(added)
+    while pending:
+        for n in list(pending):
+            anchors = sorted((x for x in tadj[n] if x in present), key=lambda x: (len(adj[x]), x))
+            if anchors:
+                break
+        else:  # nothing of its target neighbourhood exists yet (e.g. every broker replaced)
+            n = pending[0]
+            anchors = sorted(present, key=lambda x: (x in removed, len(adj[x]), x))
+            notes.append(f"{n} joins at {anchors[0]}, none of its target neighbours existing yet")
+        pending.remove(n)
+        x = anchors[0]
+        raw.append(("add-leaf", Step("add-leaf", 0, broker=n, add=(x, n))))
+        adj[n].add(x)
+        adj[x].add(n)
+        present.add(n)
+
+    # 2. The augmented target: removed brokers hang as leaves on a neighbour that stays.
+    augmented = set(target)
+    hung: set[str] = set()
+    queue = deque(r for r in removed if any(x not in removed for x in adj[r]))
+    for r in removed:
+        if r not in queue:
+            queue.append(r)
+    while queue:
+        r = queue.popleft()
+        staying = sorted((x for x in adj[r] if x not in removed), key=lambda x: (len(adj[x]), x))
+        chained = sorted(x for x in adj[r] if x in hung)
+        if staying:
+            anchor = staying[0]
+        elif chained:
+            anchor = chained[0]
+        elif any(x in hung or x not in removed for x in present if x != r):
+            anchor = min(
+                (x for x in present if x != r and (x in hung or x not in removed)),
+                key=lambda x: (x in removed, len(adj[x]), x),
+            )
+        else:
+            queue.append(r)
+            continue
+        augmented.add(norm((r, anchor)))
+        hung.add(r)
+
+    # 3. Exchanges: from the live tree (plus new leaves) to the augmented target.
+    current = {norm((a, b)) for a in adj for b in adj[a]}
+    raw += [("exchange", s) for s in _exchanges(adj, current, augmented, f)]
+
+    # 4. Removed brokers leave, leaves first.
+    left = set(removed)
+    while left:
+        leaf = min((r for r in left if len(adj[r]) <= 1), key=lambda r: r, default=None)
+        if leaf is None:  # cannot happen: the augmented target hangs them as leaves
+            raise AssertionError(f"no removable leaf among {sorted(left)}")
+        other = next(iter(adj[leaf]), None)
+        raw.append(
+            (
+                "remove-leaf",
+                Step("remove-leaf", 0, broker=leaf, remove=(leaf, other) if other else None),
+            )
+        )
+        if other is not None:
+            adj[other].discard(leaf)
+        del adj[leaf]
+        left.discard(leaf)
+
+    final = tuple(sorted({norm((a, b)) for a in adj for b in adj[a]}))
+    return Plan(_batches(raw, desired.max_concurrent), final, tuple(notes))
+
+
+def _exchanges(
+    adj: dict[str, set[str]], current: set[Edge], target: set[Edge], f: int
+) -> list[Step]:
+    """Pair additions with removals so every step leaves a tree; shortest cycles first."""
+    to_add = sorted(target - current)
+    if len(to_add) != len(current - target):
+        raise ValueError("live and target trees differ in size: not the same brokers")
+    # Shortest cycle first, measured once up front and again as the tree changes.
+    lengths = {a: len(tree_path(adj, *a)) for a in to_add}
+    pending = deque(sorted(to_add, key=lambda a: (lengths[a], a)))
+    steps: list[Step] = []
+    deferred: dict[Edge, int] = {}
+    while pending:
+        a = pending.popleft()
+        path = tree_path(adj, a[0], a[1])
+        candidates = [norm(e) for e in itertools.pairwise(path) if norm(e) not in target]
+        # Prefer removing a link of an end that would otherwise exceed the fan-out.
+        over = {x for x in a if len(adj[x]) + 1 > f}
+        best = sorted(candidates, key=lambda e: (-len(over & set(e)), path.index(e[0])))
+        r = best[0]
+        still_over = {x for x in over if x not in r}
+        if still_over and deferred.get(a, 0) < len(pending):
+            deferred[a] = deferred.get(a, 0) + 1
+            pending.append(a)  # another order may free a link there first
+            continue
+        # The cycle as the broker protocol takes it: from one end of the added link to the other.
+        steps.append(Step("exchange", 0, remove=r, add=(path[0], path[-1]), cycle=tuple(path)))
+        adj[r[0]].discard(r[1])
+        adj[r[1]].discard(r[0])
+        adj[a[0]].add(a[1])
+        adj[a[1]].add(a[0])
+    return steps
+
+
+def _batches(raw: list[tuple[StepKind, Step]], max_concurrent: int) -> tuple[Step, ...]:
+    """Number consecutive steps of one kind that touch disjoint brokers into shared batches."""
+    out: list[Step] = []
+    batch = -1
+    members: list[set[str]] = []
+    kind: StepKind | None = None
+    for k, step in raw:
+        touched = step.brokers() | ({step.broker} if step.broker else set())
+        if k != kind or len(members) >= max_concurrent or any(touched & m for m in members):
+            batch += 1
+            members = []
+            kind = k
+        members.append(touched)
+        out.append(Step(step.kind, batch, step.broker, step.remove, step.add, step.cycle))
+    return tuple(out)
+
+
+def _managed_target(
+    live: LiveOverlay, desired: OverlaySpec, adj: Mapping[str, set[str]]
+) -> set[Edge]:
+    """Managed links: keep the live links among staying brokers, join new brokers by the
+    bounded-fan-out walk, and reconnect the neighbours of removed brokers into a chain."""
+    f = desired.max_fan_out
+    want = desired.broker_names
+    zones = desired.zone_of()
+    edges = {norm(e) for e in live.links}
+    for r in sorted(set(live.brokers) - set(want)):
+        nbrs = sorted({b for e in edges if r in e for b in e if b != r})
+        edges = {e for e in edges if r not in e}
+        edges |= {norm(e) for e in itertools.pairwise(nbrs)}
+    tree = adjacency(edges)
+    members = [b for b in want if b in set(live.brokers)]
+    for n in want:
+        if n in members:
+            continue
+        if not members:
+            members.append(n)
+            continue
+        x = _join_walk(n, members, tree, zones=zones, f=f, seed=desired.name)
+        edges.add(norm((n, x)))
+        tree[n].add(x)
+        tree[x].add(n)
+        members.append(n)
+    return edges
+
+
+def _join_walk(
+    n: str,
+    members: list[str],
+    tree: Mapping[str, set[str]],
+    *,
+    zones: Mapping[str, str],
+    f: int,
+    seed: str,
+) -> str:
+    rng = random.Random(zlib.crc32(f"{seed}/{n}".encode()))
+    same_zone = [m for m in members if zones.get(n) and zones.get(m) == zones.get(n)]
+    x = rng.choice(sorted(same_zone or members))
+    for _ in range(4 * len(members)):
+        if rng.random() < (f - len(tree[x])) / f:
+            return x
+        nbrs = sorted(tree[x])
+        if nbrs:
+            x = rng.choice(nbrs)
+    return min(members, key=lambda m: (len(tree[m]), m))  # a walk this long is bad luck
+
+
+def degree_excess(edges: Iterable[Edge], f: int) -> int:
+    """How far the busiest broker is above the fan-out bound (0 if none is)."""
+    deg: dict[str, int] = {}
+    for a, b in edges:
+        deg[a] = deg.get(a, 0) + 1
+        deg[b] = deg.get(b, 0) + 1
+    return max((d - f for d in deg.values()), default=0) if deg else 0

@@ -1,0 +1,291 @@
+"""The operator's topology model: a BrokerOverlay spec, parsed and validated, and tree helpers.
+
+The same model serves the Kubernetes face (the custom resource's ``spec``) and the local one
+(``canopy plan``/``canopy apply`` reading YAML files): a manifest becomes an
+:class:`OverlaySpec`, and :func:`validate` lists everything wrong with it in messages that name
+the offending brokers and links — an invalid spec is never acted on.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Edge = tuple[str, str]
+
+ROUTING_MODES = ("simple", "identity", "covering")
+ALGORITHMS = ("coordinated", "path", "strawman")
+ORDERINGS = ("fifo", "causal")
+SELF_ORGANIZATION = ("off", "propose", "auto")
+
+
+class SpecError(ValueError):
+    """A manifest that cannot be read as a BrokerOverlay at all (wrong shape or types)."""
+
+
+def norm(e: Iterable[str]) -> Edge:
+    a, b = e
+    return (a, b) if a <= b else (b, a)
+
+
+@dataclass(frozen=True)
+class Broker:
+    name: str
+    zone: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OverlaySpec:
+    name: str
+    brokers: tuple[Broker, ...]
+    links: tuple[Edge, ...] | None  # None: managed links (the operator chooses them)
+    max_fan_out: int = 4
+    routing: str = "covering"
+    algorithm: str = "coordinated"
+    ordering: str = "fifo"
+    max_concurrent: int = 1
+    self_organization: str = "off"
+    generation: int = 0
+
+    @property
+    def broker_names(self) -> list[str]:
+        return [b.name for b in self.brokers]
+
+    @property
+    def managed_links(self) -> bool:
+        return self.links is None
+
+    def zone_of(self) -> dict[str, str]:
+        return {b.name: b.zone for b in self.brokers}
+
+
+def _get(obj: Mapping[str, Any], key: str, kind: type, default: Any, where: str) -> Any:
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    if kind is int and isinstance(value, bool):
+        raise SpecError(f"{where}.{key} must be an integer, got {value!r}")
+    if not isinstance(value, kind):
+        raise SpecError(f"{where}.{key} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
+    """Read a BrokerOverlay manifest (apiVersion canopy.dev/v1alpha1); raise SpecError naming
+    the first field that has the wrong shape. Semantic checks are :func:`validate`'s job."""
+    if not isinstance(manifest, Mapping):
+        raise SpecError("a BrokerOverlay manifest must be a mapping")
+    kind = manifest.get("kind")
+    if kind != "BrokerOverlay":
+        raise SpecError(f"kind must be BrokerOverlay, got {kind!r}")
+    meta = manifest.get("metadata") or {}
+    name = _get(meta, "name", str, "", "metadata")
+    if not name:
+        raise SpecError("metadata.name is required")
+    spec = manifest.get("spec")
+    if not isinstance(spec, Mapping):
+        raise SpecError("spec is required and must be a mapping")
+    raw_brokers = _get(spec, "brokers", list, [], "spec")
+    brokers = []
+    for i, b in enumerate(raw_brokers):
+        where = f"spec.brokers[{i}]"
+        if not isinstance(b, Mapping):
+            raise SpecError(f"{where} must be a mapping with a name")
+        bname = _get(b, "name", str, "", where)
+        if not bname:
+            raise SpecError(f"{where}.name is required")
+        labels = _get(b, "labels", dict, {}, where)
+        brokers.append(Broker(bname, _get(b, "zone", str, "", where), dict(labels)))
+    links: tuple[Edge, ...] | None = None
+    if spec.get("links") is not None:
+        raw_links = _get(spec, "links", list, [], "spec")
+        parsed = []
+        for i, link in enumerate(raw_links):
+            if (
+                not isinstance(link, list | tuple)
+                or len(link) != 2
+                or not all(isinstance(x, str) for x in link)
+            ):
+                raise SpecError(f"spec.links[{i}] must be a pair of broker names, got {link!r}")
+            parsed.append((link[0], link[1]))
+        links = tuple(parsed)
+    reconf = _get(spec, "reconfiguration", dict, {}, "spec")
+    selforg = _get(spec, "selfOrganization", dict, {}, "spec")
+    status = manifest.get("metadata", {}) or {}
+    return OverlaySpec(
+        name=name,
+        brokers=tuple(brokers),
+        links=links,
+        max_fan_out=_get(spec, "maxFanOut", int, 4, "spec"),
+        routing=_get(spec, "routing", str, "covering", "spec"),
+        algorithm=_get(reconf, "algorithm", str, "coordinated", "spec.reconfiguration"),
+        ordering=_get(reconf, "ordering", str, "fifo", "spec.reconfiguration"),
+        max_concurrent=_get(reconf, "maxConcurrent", int, 1, "spec.reconfiguration"),
+        self_organization=_get(selforg, "mode", str, "off", "spec.selfOrganization"),
+        generation=int(status.get("generation", 0) or 0),
+    )
+
+
+def validate(spec: OverlaySpec) -> list[str]:
+    """Everything semantically wrong with a spec, each message naming what is wrong."""
+    problems: list[str] = []
+    names = spec.broker_names
+    if not names:
+        problems.append("spec.brokers is empty: an overlay needs at least one broker")
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            problems.append(f"broker name {n!r} is declared more than once")
+        seen.add(n)
+    for n in names:
+        if not _dns_label(n):
+            problems.append(
+                f"broker name {n!r} is not a DNS label (lower-case letters, digits and '-', "
+                "at most 63 characters, starting and ending with a letter or digit)"
+            )
+    if spec.max_fan_out < 2:
+        problems.append(f"maxFanOut must be at least 2, got {spec.max_fan_out}")
+    if spec.max_concurrent < 1:
+        problems.append(
+            f"reconfiguration.maxConcurrent must be at least 1, got {spec.max_concurrent}"
+        )
+    for value, allowed, field_name in (
+        (spec.routing, ROUTING_MODES, "routing"),
+        (spec.algorithm, ALGORITHMS, "reconfiguration.algorithm"),
+        (spec.ordering, ORDERINGS, "reconfiguration.ordering"),
+        (spec.self_organization, SELF_ORGANIZATION, "selfOrganization.mode"),
+    ):
+        if value not in allowed:
+            problems.append(f"{field_name} must be one of {', '.join(allowed)}, got {value!r}")
+    if spec.algorithm == "path" and spec.routing == "covering":
+        problems.append(
+            "reconfiguration.algorithm 'path' needs routing 'identity' or 'simple' "
+            "(covering overlays use 'coordinated')"
+        )
+    if spec.links is not None:
+        problems += validate_tree(seen, spec.links, spec.max_fan_out)
+    return problems
+
+
+def validate_tree(brokers: set[str], links: Iterable[Edge], max_fan_out: int) -> list[str]:
+    problems: list[str] = []
+    edges: set[Edge] = set()
+    for a, b in links:
+        if a == b:
+            problems.append(f"link {a}-{b} links a broker to itself")
+            continue
+        unknown = [x for x in (a, b) if x not in brokers]
+        if unknown:
+            problems.append(f"link {a}-{b} names undeclared broker(s) {', '.join(unknown)}")
+            continue
+        e = norm((a, b))
+        if e in edges:
+            problems.append(f"link {a}-{b} is declared more than once")
+            continue
+        edges.add(e)
+    if problems:
+        return problems
+    degree: dict[str, int] = defaultdict(int)
+    for a, b in edges:
+        degree[a] += 1
+        degree[b] += 1
+    over = sorted(n for n, d in degree.items() if d > max_fan_out)
+    for n in over:
+        problems.append(f"broker {n} has {degree[n]} links, more than maxFanOut {max_fan_out}")
+    components = _components(brokers, edges)
+    if len(components) > 1:
+        parts = "; ".join(", ".join(sorted(c)) for c in components)
+        problems.append(
+            f"the links do not connect all brokers into one tree: separate parts are {parts}"
+        )
+    elif len(edges) != len(brokers) - 1 and brokers:
+        cycle = find_cycle(edges)
+        where = f" (cycle: {' - '.join(cycle)})" if cycle else ""
+        problems.append(
+            f"the links contain a cycle{where}: a tree over {len(brokers)} brokers has "
+            f"{len(brokers) - 1} links, not {len(edges)}"
+        )
+    return problems
+
+
+def _dns_label(name: str) -> bool:
+    ok = set("abcdefghijklmnopqrstuvwxyz0123456789-")
+    return 0 < len(name) <= 63 and set(name) <= ok and name[0] != "-" and name[-1] != "-"
+
+
+def adjacency(edges: Iterable[Edge]) -> dict[str, set[str]]:
+    adj: dict[str, set[str]] = defaultdict(set)
+    for a, b in edges:
+        adj[a].add(b)
+        adj[b].add(a)
+    return adj
+
+
+def _components(nodes: set[str], edges: Iterable[Edge]) -> list[set[str]]:
+    adj = adjacency(edges)
+    left = set(nodes)
+    out = []
+    while left:
+        start = min(left)
+        seen = {start}
+        stack = [start]
+        while stack:
+            for nxt in adj[stack.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        out.append(seen)
+        left -= seen
+    return out
+
+
+def find_cycle(edges: Iterable[Edge]) -> list[str]:
+    """One cycle in an undirected graph, as a list of brokers (empty if there is none)."""
+    adj = adjacency(edges)
+    parent: dict[str, str | None] = {}
+    for root in sorted(adj):
+        if root in parent:
+            continue
+        parent[root] = None
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            for nxt in sorted(adj[node]):
+                if nxt == parent[node]:
+                    continue
+                if nxt in parent:
+                    a, b = [node], [nxt]
+                    while a[-1] is not None and parent.get(a[-1]) is not None:
+                        a.append(parent[a[-1]])  # type: ignore[arg-type]
+                    ancestors = set(a)
+                    while b[-1] not in ancestors:
+                        b.append(parent[b[-1]])  # type: ignore[arg-type]
+                    return a[: a.index(b[-1]) + 1] + b[-2::-1]
+                parent[nxt] = node
+                stack.append(nxt)
+    return []
+
+
+def tree_path(adj: Mapping[str, set[str]], src: str, dst: str) -> list[str]:
+    """The path from ``src`` to ``dst`` in a tree given as adjacency sets."""
+    if src == dst:
+        return [src]
+    parent: dict[str, str] = {src: src}
+    frontier = [src]
+    while frontier and dst not in parent:
+        nxt_frontier = []
+        for node in frontier:
+            for nxt in adj[node]:
+                if nxt not in parent:
+                    parent[nxt] = node
+                    nxt_frontier.append(nxt)
+        frontier = nxt_frontier
+    if dst not in parent:
+        raise ValueError(f"{dst} is not connected to {src}")
+    path = [dst]
+    while path[-1] != src:
+        path.append(parent[path[-1]])
+    return path[::-1]

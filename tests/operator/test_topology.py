@@ -1,0 +1,105 @@
+"""Spec parsing and validation: every problem is named; valid specs pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from canopy_operator.topology import SpecError, find_cycle, parse_overlay, validate
+
+
+def manifest(
+    brokers: list[str], links: list[list[str]] | None, **spec: object
+) -> dict[str, object]:
+    body: dict[str, object] = {"brokers": [{"name": b} for b in brokers], **spec}
+    if links is not None:
+        body["links"] = links
+    return {
+        "apiVersion": "canopy.dev/v1alpha1",
+        "kind": "BrokerOverlay",
+        "metadata": {"name": "o"},
+        "spec": body,
+    }
+
+
+def problems(brokers: list[str], links: list[list[str]] | None, **spec: object) -> list[str]:
+    return validate(parse_overlay(manifest(brokers, links, **spec)))
+
+
+def test_a_valid_tree_and_managed_links_pass() -> None:
+    assert problems(["a", "b", "c"], [["a", "b"], ["b", "c"]]) == []
+    assert problems(["a", "b", "c"], None) == []
+
+
+@pytest.mark.parametrize(
+    ("brokers", "links", "spec", "message"),
+    [
+        (["a", "a"], [], {}, "broker name 'a' is declared more than once"),
+        (["a", "b"], [["a", "x"]], {}, "link a-x names undeclared broker(s) x"),
+        (["a", "b"], [["a", "a"]], {}, "link a-a links a broker to itself"),
+        (["a", "b"], [["a", "b"], ["b", "a"]], {}, "link b-a is declared more than once"),
+        (["a", "b", "c", "d"], [["a", "b"], ["c", "d"]], {}, "separate parts are a, b; c, d"),
+        (["a", "b", "c"], [["a", "b"], ["b", "c"], ["c", "a"]], {}, "contain a cycle"),
+        (
+            ["h", "a", "b", "c"],
+            [["h", "a"], ["h", "b"], ["h", "c"]],
+            {"maxFanOut": 2},
+            "broker h has 3 links, more than maxFanOut 2",
+        ),
+        (["Bad_Name"], [], {}, "is not a DNS label"),
+        (["a"], [], {"routing": "fancy"}, "routing must be one of simple, identity, covering"),
+        (
+            ["a"],
+            [],
+            {"reconfiguration": {"algorithm": "path"}},
+            "'path' needs routing 'identity' or 'simple'",
+        ),
+        ([], [], {}, "spec.brokers is empty"),
+    ],
+)
+def test_problems_name_what_is_wrong(
+    brokers: list[str], links: list[list[str]], spec: dict[str, object], message: str
+) -> None:
+    found = problems(brokers, links, **spec)
+    assert any(message in p for p in found), found
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"kind": "Pod"}, "kind must be BrokerOverlay"),
+        ({"kind": "BrokerOverlay", "metadata": {}}, "metadata.name is required"),
+        ({"kind": "BrokerOverlay", "metadata": {"name": "o"}}, "spec is required"),
+        (
+            {
+                "kind": "BrokerOverlay",
+                "metadata": {"name": "o"},
+                "spec": {"brokers": [{"zone": "z"}]},
+            },
+            "spec.brokers[0].name is required",
+        ),
+        (
+            {
+                "kind": "BrokerOverlay",
+                "metadata": {"name": "o"},
+                "spec": {"brokers": [{"name": "a"}], "links": [["a"]]},
+            },
+            "spec.links[0] must be a pair of broker names",
+        ),
+        (
+            {
+                "kind": "BrokerOverlay",
+                "metadata": {"name": "o"},
+                "spec": {"brokers": [], "maxFanOut": "four"},
+            },
+            "spec.maxFanOut must be a int",
+        ),
+    ],
+)
+def test_malformed_manifests_raise_with_the_field(doc: dict[str, object], message: str) -> None:
+    with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_overlay(doc)
+
+
+def test_find_cycle_names_the_cycle() -> None:
+    assert set(find_cycle([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")])) == {"a", "b", "c"}
+    assert find_cycle([("a", "b"), ("b", "c")]) == []
