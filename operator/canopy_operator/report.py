@@ -163,60 +163,60 @@ def experiment_scaling(sizes: list[int], seeds: int, exchanges: int) -> dict[str
     return {"improvement_over_strawman_percent": result}
 
 
-def plot(data: dict[str, Any], out: Path) -> list[Path]:
+Series = dict[str, tuple[dict[Any, float], str]]  # label -> ({x: y}, line style)
+
+
+def line_chart(path: Path, series: Series, *, xlabel: str, ylabel: str, title: str) -> Path:
+    """One PNG with a line per series."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = []
     fig, ax = plt.subplots(figsize=(6, 4))
-    for a, rows in data["control"]["mean_control_messages_by_cycle_length"].items():
+    for label, (rows, style) in series.items():
         xs = sorted(rows)
-        ax.plot(xs, [rows[x] for x in xs], marker="o", label=a)
-    ax.set(
-        xlabel="reconfiguration cycle length (links)",
-        ylabel="control messages per exchange",
-        title="Control messages vs cycle length (cf. paper 000, Fig. 4)",
-    )
+        ax.plot(xs, [rows[x] for x in xs], style, marker="o", label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend()
-    files.append(out / "control_vs_cycle.png")
     fig.tight_layout()
-    fig.savefig(files[-1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for o, rows in data["ordering"]["mean_ordering_delay_by_cycle_length"].items():
-        xs = sorted(rows)
-        ax.plot(xs, [rows[x] for x in xs], marker="o", label=o)
-    ax.set(
-        xlabel="reconfiguration cycle length (links)",
-        ylabel="mean queueing delay (sim time; link delay 1-10)",
-        title="Ordering delay vs cycle length (cf. paper 000, Fig. 5)",
-    )
-    ax.legend()
-    files.append(out / "ordering_delay_vs_cycle.png")
-    fig.tight_layout()
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for density, rows in data["scaling"]["improvement_over_strawman_percent"].items():
-        for a in ("coordinated", "path"):
-            xs = sorted(rows[a])
-            style = "-" if density == "sparse" else "--"
-            ax.plot(xs, [rows[a][x] for x in xs], style, marker="o", label=f"{a}, {density}")
-    ax.set(
-        xlabel="brokers",
-        ylabel="overhead reduction vs strawman (%)",
-        title="Improvement over the strawman (cf. paper 002, Fig. 5)",
-    )
-    ax.legend()
-    files.append(out / "improvement_vs_brokers.png")
-    fig.tight_layout()
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
-    return files
+def plot(data: dict[str, Any], out: Path) -> list[Path]:
+    cycle = "reconfiguration cycle length (links)"
+    control = data["control"]["mean_control_messages_by_cycle_length"]
+    delay = data["ordering"]["mean_ordering_delay_by_cycle_length"]
+    scaling = data["scaling"]["improvement_over_strawman_percent"]
+    return [
+        line_chart(
+            out / "control_vs_cycle.png",
+            {a: (rows, "-") for a, rows in control.items()},
+            xlabel=cycle,
+            ylabel="control messages per exchange",
+            title="Control messages vs cycle length (cf. paper 000, Fig. 4)",
+        ),
+        line_chart(
+            out / "ordering_delay_vs_cycle.png",
+            {o: (rows, "-") for o, rows in delay.items()},
+            xlabel=cycle,
+            ylabel="mean queueing delay (sim time; link delay 1-10)",
+            title="Ordering delay vs cycle length (cf. paper 000, Fig. 5)",
+        ),
+        line_chart(
+            out / "improvement_vs_brokers.png",
+            {
+                f"{a}, {density}": (rows[a], "-" if density == "sparse" else "--")
+                for density, rows in scaling.items()
+                for a in ("coordinated", "path")
+            },
+            xlabel="brokers",
+            ylabel="overhead reduction vs strawman (%)",
+            title="Improvement over the strawman (cf. paper 002, Fig. 5)",
+        ),
+    ]
 
 
 def markdown(data: dict[str, Any]) -> str:
