@@ -147,18 +147,47 @@ class AdminClient(AsyncClosing):
         ordering: str = "fifo",
         xid: str | None = None,
         wait: float = 0.0,
+        lease: float | None = None,
     ) -> dict[str, Any]:
         """Ask ``path[0]`` (this broker) to exchange link ``remove`` for (path[0], path[-1]),
         the coordinated way. Waits up to ``wait`` s; ``result["state"]`` is running, finished or
-        failed. Idempotent per ``xid``."""
-        body = {"path": path, "remove": list(remove), "ordering": ordering, "wait": wait}
+        failed. Idempotent per ``xid``. ``lease``: seconds a locked broker waits for news of
+        the exchange before rolling it back or forward (the broker's default: 30)."""
+        body: dict[str, Any] = {
+            "path": path,
+            "remove": list(remove),
+            "ordering": ordering,
+            "wait": wait,
+        }
         if xid is not None:
             body["xid"] = xid
+        if lease is not None:
+            body["lease"] = lease
         result: dict[str, Any] = await self._request("POST", "/exchanges", json=body, ok=(200, 202))
         return result
 
     async def exchange(self, xid: str) -> dict[str, Any]:
         result: dict[str, Any] = await self._request("GET", f"/exchanges/{xid}")
+        return result
+
+    async def drain(
+        self, target: str, address: str | None = None, *, wait: float = 0.0
+    ) -> dict[str, Any]:
+        """Ask every client of this broker to migrate to neighbour ``target`` (at ``address``,
+        default: the broker's address book). Waits up to ``wait`` s for the broker to be empty;
+        ``result["drained"]`` says whether it is. Idempotent."""
+        body: dict[str, Any] = {"target": target, "wait": wait}
+        if address is not None:
+            body["address"] = address
+        result: dict[str, Any] = await self._request("POST", "/drain", json=body, ok=(200, 202))
+        return result
+
+    async def drain_status(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._request("GET", "/drain")
+        return result
+
+    async def cancel_drain(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._request("DELETE", "/drain")
         return result
 
     async def metrics(self) -> str:

@@ -15,14 +15,24 @@ the socket's buffer fills and ``publish`` waits; ``publish_nowait`` never waits.
 
 Filters are parsed here before anything is sent, so a typo raises :class:`FilterError` at the call
 instead of costing the connection (the broker closes connections that send invalid filters).
+
+**Migration** (make-before-break, docs/broker.md): :meth:`Client.migrate` moves the client to a
+neighbouring broker without losing, duplicating or reordering a notification, and a draining
+broker's redirect makes the library do it on its own. While it runs the client holds two
+connections: the old one keeps delivering until the broker's *marker* arrives on it, the new one's
+deliveries are held until then; from the marker on, a notification passes only if its sequence
+number is above the last one delivered from its publisher (each connection is FIFO per publisher,
+so that removes exactly the notifications both connections carried).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -30,9 +40,15 @@ import orjson
 from canopy_broker.core.events import Event, Value
 from canopy_broker.core.filters import Filter
 from canopy_broker.runtime.framing import (
+    B_MARKER,
+    B_MIGRATING,
     B_NOTIFY,
+    B_REDIRECT,
     B_SUBSCRIBED,
     B_UNSUBSCRIBED,
+    C_LEAVE,
+    C_MIGRATING,
+    C_MOVE,
     C_SUBSCRIBE,
     C_UNSUBSCRIBE,
     F_ERROR,
@@ -52,6 +68,8 @@ from canopy_broker.runtime.framing import (
 )
 
 __all__ = ["Client", "ClientError", "Notification", "connect"]
+
+log = logging.getLogger("canopy.client")
 
 
 class ClientError(Exception):
@@ -98,25 +116,157 @@ class Notification:
         return f"Notification({self.id}, hops={self.hops}, {self.attrs!r}, subs={self.sub_ids})"
 
 
-class _Protocol(FrameProtocol):
-    def __init__(self, owner: Client) -> None:
+def _subscribe_message(sub_id: str, f: Filter) -> bytes:
+    return orjson.dumps([C_SUBSCRIBE, sub_id, encode_filter(f)])
+
+
+class _Conn(FrameProtocol):
+    """One connection of a :class:`Client` to one broker, with its own write buffer and request
+    waiters. A client has one, or two while it migrates; frames go to the owner tagged with the
+    connection they came from, which is how the owner tells old deliveries from new ones."""
+
+    def __init__(self, owner: Client, client_id: str | None) -> None:
         super().__init__()
         self.owner = owner
+        self.hello: dict[str, Any] = {
+            "v": PROTOCOL_VERSION,
+            "role": "client",
+            "client_id": client_id,
+        }
+        self.address = ""
+        self.broker = ""
+        self.routing = ""
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters: dict[tuple[int, str], asyncio.Future[None]] = {}
+        self.error: ClientError | None = None
+        self.out: list[bytes] = []
+        self.out_bytes = 0
+        self.flush_handle: asyncio.Handle | None = None
+
+    @classmethod
+    async def open(cls, owner: Client, address: str, client_id: str | None, within: float) -> _Conn:
+        """Connect and wait for the broker's hello (or its refusal)."""
+        host, port = parse_address(address)
+        loop = asyncio.get_running_loop()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(lambda: cls(owner, client_id), host, port), within
+        )
+        conn.address = address
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.ready), within)
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    # -- asyncio callbacks -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.write(control_frame(F_HELLO, self.owner._hello))
+        self.write(control_frame(F_HELLO, self.hello))
 
     def frame_received(self, frame: list[Any]) -> None:
-        self.owner._frame(frame)
+        self.owner._frame(self, frame)
 
     def fail(self, exc: FrameError) -> None:
-        self.owner._set_error(ClientError(f"bad data from the broker: {exc}", exc.code))
+        self.set_error(ClientError(f"bad data from the broker: {exc}", exc.code))
         super().fail(exc)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        self.owner._lost(exc)
+        if exc is not None:
+            self.set_error(ClientError(f"connection lost: {exc}", "connection-lost"))
+        err = self.error or ClientError("connection closed", "closed")
+        if not self.ready.done():
+            self.ready.set_exception(err)
+            self.ready.exception()  # retrieved: open() may have given up on it already
+        for fut in self.waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self.waiters.clear()
+        self.owner._lost(self)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def set_error(self, err: ClientError) -> None:
+        if self.error is None:
+            self.error = err
+
+    def hello_received(self, hello: dict[str, Any]) -> None:
+        self.broker = str(hello.get("name", ""))
+        self.routing = str(hello.get("routing", ""))
+        if not self.ready.done():
+            self.ready.set_result(None)
+
+    def answered(self, code: int, key: str) -> None:
+        fut = self.waiters.pop((code, key), None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    # -- outgoing ----------------------------------------------------------------------------
+
+    def send(self, msg: bytes) -> None:
+        self.out.append(msg)
+        self.out_bytes += len(msg)
+        if self.out_bytes > 256 * 1024:
+            self.write_out()
+        elif self.flush_handle is None:
+            self.flush_handle = asyncio.get_running_loop().call_soon(self.write_out)
+
+    def write_out(self) -> None:
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        if not self.out:
+            return
+        msgs, self.out, self.out_bytes = self.out, [], 0
+        self.write(b"".join(msgs_frame(chunk) for chunk in batches(msgs)))
+
+    async def request(self, code: int, key: str, msg: bytes) -> None:
+        """Send ``msg`` and wait for the broker's answer ``[code, key]``."""
+        if self.error is not None:
+            raise self.error
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters[(code, key)] = fut
+        self.send(msg)
+        await fut
+
+    async def close_gracefully(self, within: float = 5.0) -> None:
+        """Flush what is buffered, close, and wait until the connection is gone."""
+        if not self.is_closing():
+            self.write_out()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.drain(), within)
+            self.close()
+        await self.wait_lost(within)
+
+    async def leave(self, within: float = 5.0) -> None:
+        """Ask the broker to detach us and wait until it has closed the connection, so that
+        once this returns the broker no longer counts us (a draining broker waits for that)."""
+        if not self.is_closing():
+            self.send(orjson.dumps([C_LEAVE]))
+            self.write_out()
+        await self.wait_lost(within)
+
+    async def wait_lost(self, within: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.lost), within)
+        if not self.lost.done():
+            self.abort()
+            await self.lost
+
+
+@dataclass
+class _Migration:
+    """A move in progress: deliveries from ``old`` count until its marker, those from ``new``
+    are held until then."""
+
+    old: _Conn
+    new: _Conn
+    switched: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    held: list[Notification] = field(default_factory=list)
 
 
 class _Notifications:
@@ -137,124 +287,202 @@ class _Notifications:
 
 
 class Client(AsyncClosing):
-    """A connection to one broker as one client id; create it with :func:`connect`."""
+    """A client of the overlay under one client id; create it with :func:`connect`.
+
+    It is attached to one broker at a time, except while it migrates (:meth:`migrate`).
+    """
 
     max_buffered = 100_000
     """Received notifications held before we stop reading the socket (the broker then sees a
     slow consumer)."""
 
-    def __init__(self, client_id: str | None) -> None:
-        self._hello: dict[str, Any] = {
-            "v": PROTOCOL_VERSION,
-            "role": "client",
-            "client_id": client_id,
-        }
+    dedup = True
+    """Drop notifications not newer than the last one delivered from their publisher once a
+    migration has switched connections. Only a negative control turns this off: without it the
+    notifications both connections carried are delivered twice."""
+
+    def __init__(self, client_id: str | None, *, follow_redirects: bool = True) -> None:
         self.client_id = client_id or ""
-        self.broker = ""
-        self.routing = ""
+        self.follow_redirects = follow_redirects
         self.subscriptions: dict[str, Filter] = {}
-        self._proto: _Protocol | None = None
-        self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.migrations = 0  # completed moves
+        self.duplicates_dropped = 0  # notifications both connections carried, dropped once
+        self.migration_error: BaseException | None = None  # of the last redirect-driven move
+        self._conn: _Conn | None = None
+        self._migration: _Migration | None = None
+        self._migrated = False  # a switch happened: the last-seq filter is in force from now on
+        self._last_seq: dict[str, int] = {}  # per publisher, the last seq delivered
+        self._lock = asyncio.Lock()  # migrations and subscription changes, one at a time
+        self._redirect: asyncio.Task[None] | None = None
         self._seq = 0
         self._sub_counter = 0
-        self._out: list[bytes] = []
-        self._out_bytes = 0
-        self._flush_handle: asyncio.Handle | None = None
-        self._waiters: dict[tuple[int, str], asyncio.Future[None]] = {}
         self._inbox: deque[Notification] = deque()
         self._inbox_waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
-        self._error: ClientError | None = None
-        self.closed = False
+        self._closing = False
 
     # -- connection --------------------------------------------------------------------------
 
     async def _open(self, address: str, connect_timeout: float) -> None:
-        host, port = parse_address(address)
-        loop = asyncio.get_running_loop()
-        _, proto = await asyncio.wait_for(
-            loop.create_connection(lambda: _Protocol(self), host, port), connect_timeout
-        )
-        self._proto = proto
-        try:
-            await asyncio.wait_for(asyncio.shield(self._ready), connect_timeout)
-        except BaseException:
-            proto.abort()
-            raise
+        self._conn = await _Conn.open(self, address, self.client_id or None, connect_timeout)
+        self.client_id = self.client_id or self._conn.hello["client_id"] or ""
+
+    @property
+    def broker(self) -> str:
+        """Name of the broker the client is attached to (publishes go there)."""
+        return self._conn.broker if self._conn is not None else ""
+
+    @property
+    def routing(self) -> str:
+        return self._conn.routing if self._conn is not None else ""
+
+    @property
+    def address(self) -> str:
+        return self._conn.address if self._conn is not None else ""
+
+    @property
+    def closed(self) -> bool:
+        """The connection is gone and no migration can replace it."""
+        conn = self._conn
+        return conn is None or (conn.lost.done() and self._migration is None)
+
+    @property
+    def migrating(self) -> bool:
+        return self._migration is not None
 
     async def close(self) -> None:
-        """Flush what is buffered, close the connection and wait until it is closed."""
-        proto = self._proto
-        if proto is None:
-            return
-        if not proto.is_closing():
-            self._write_out()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proto.drain(), 5.0)
-            proto.close()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(proto.lost), 5.0)
-        if not proto.lost.done():
-            proto.abort()
-            await proto.lost
+        """Flush what is buffered, close the connection(s) and wait until they are closed."""
+        self._closing = True
+        task, self._redirect = self._redirect, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        m = self._migration
+        if m is not None:  # a move awaited by the application itself: end it here
+            if not m.switched.done():
+                self._switch(m)
+            await m.old.close_gracefully()
+            await m.new.close_gracefully()
+        if self._conn is not None:
+            await self._conn.close_gracefully()
 
     def abort(self) -> None:
-        """Drop the connection at once (what a crashing client does)."""
-        if self._proto is not None:
-            self._proto.abort()
+        """Drop the connection(s) at once (what a crashing client does)."""
+        m = self._migration
+        for conn in (self._conn, *((m.old, m.new) if m else ())):
+            if conn is not None:
+                conn.abort()
 
     # -- incoming ----------------------------------------------------------------------------
 
-    def _frame(self, frame: list[Any]) -> None:
+    def _frame(self, conn: _Conn, frame: list[Any]) -> None:
         ftype = frame[0]
         if ftype == F_MSGS and len(frame) == 2 and type(frame[1]) is list:
+            m = self._migration
+            if m is None:
+                mode = "deliver" if conn is self._conn else "drop"
+            elif conn is m.old:
+                mode = "drop" if m.switched.done() else "deliver"
+            elif conn is m.new:
+                mode = "deliver" if m.switched.done() else "hold"
+            else:
+                mode = "drop"
             inbox = self._inbox
+            last = self._last_seq
+            only_newer = self._migrated and self.dedup
             for item in frame[1]:
                 code = item[0]
                 if code == B_NOTIFY:
-                    inbox.append(Notification(item[1], item[2], item[3], item[4], tuple(item[5])))
-                elif code in (B_SUBSCRIBED, B_UNSUBSCRIBED):
-                    fut = self._waiters.pop((code, item[1]), None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(None)
+                    if mode == "deliver":
+                        publisher, seq = item[1], item[2]
+                        if seq <= last.get(publisher, 0) and only_newer:
+                            self.duplicates_dropped += 1
+                            continue
+                        last[publisher] = seq
+                        inbox.append(Notification(publisher, seq, item[3], item[4], tuple(item[5])))
+                    elif mode == "hold":
+                        assert m is not None
+                        m.held.append(Notification(item[1], item[2], item[3], item[4], (*item[5],)))
+                elif code in (B_SUBSCRIBED, B_UNSUBSCRIBED, B_MIGRATING):
+                    conn.answered(code, item[1])
+                elif code == B_MARKER:
+                    if m is not None and conn is m.old and not m.switched.done():
+                        self._switch(m)
+                        mode = "drop"  # the old connection is only drained from here on
+                elif code == B_REDIRECT:
+                    self._redirected(conn, item[1], item[2])
                 else:
                     raise FrameError(f"unknown message from the broker: {item!r}", "unknown-type")
             if inbox:
                 self._wake_inbox()
                 if len(inbox) > self.max_buffered and not self._reading_paused:
                     self._reading_paused = True
-                    assert self._proto is not None and self._proto.transport is not None
-                    self._proto.transport.pause_reading()
+                    for c in self._conns():
+                        if c.transport is not None and not c.is_closing():
+                            c.transport.pause_reading()
         elif ftype == F_HELLO and len(frame) == 2 and isinstance(frame[1], dict):
-            hello = frame[1]
-            self.client_id = str(hello.get("client_id", self.client_id))
-            self.broker = str(hello.get("name", ""))
-            self.routing = str(hello.get("routing", ""))
-            if not self._ready.done():
-                self._ready.set_result(None)
+            if frame[1].get("client_id") and conn.hello["client_id"] is None:
+                conn.hello["client_id"] = str(frame[1]["client_id"])
+            conn.hello_received(frame[1])
         elif ftype == F_ERROR:
             code = str(frame[1]) if len(frame) > 1 else "error"
             text = str(frame[2]) if len(frame) > 2 else ""
-            self._set_error(ClientError(f"broker closed the connection: {code}: {text}", code))
+            conn.set_error(ClientError(f"broker closed the connection: {code}: {text}", code))
         else:
             raise FrameError(f"unexpected frame from the broker: {frame[:2]!r}", "unknown-type")
 
-    def _set_error(self, err: ClientError) -> None:
-        if self._error is None:
-            self._error = err
+    def _conns(self) -> list[_Conn]:
+        m = self._migration
+        conns = [m.old, m.new] if m is not None else []
+        if self._conn is not None and self._conn not in conns:
+            conns.append(self._conn)
+        return conns
 
-    def _lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if exc is not None and self._error is None:
-            self._error = ClientError(f"connection lost: {exc}", "connection-lost")
-        err = self._error or ClientError("connection closed", "closed")
-        if not self._ready.done():
-            self._ready.set_exception(err)
-        for fut in self._waiters.values():
-            if not fut.done():
-                fut.set_exception(err)
-        self._waiters.clear()
+    def _switch(self, m: _Migration) -> None:
+        """The marker (or the end of the old connection): from now on the new connection
+        delivers, and only what is newer than the last delivery from each publisher."""
+        self._migrated = True
+        m.switched.set_result(None)
+        last = self._last_seq
+        for n in m.held:
+            if n.seq <= last.get(n.publisher, 0) and self.dedup:
+                self.duplicates_dropped += 1
+                continue
+            last[n.publisher] = n.seq
+            self._inbox.append(n)
+        m.held.clear()
         self._wake_inbox()
+
+    def _lost(self, conn: _Conn) -> None:
+        m = self._migration
+        if m is not None and conn is m.old and not m.switched.done():
+            # The old broker is gone or dropped us: nothing more will come from it, and what it
+            # had not delivered is lost with it. The new connection takes over.
+            self._switch(m)
+        self._wake_inbox()
+
+    def _redirected(self, conn: _Conn, target: object, address: object) -> None:
+        """A draining broker asks us to move to its neighbour ``target``."""
+        if (
+            not self.follow_redirects
+            or self._closing
+            or conn is not self._conn
+            or self._migration is not None
+            or (self._redirect is not None and not self._redirect.done())
+            or not isinstance(target, str)
+            or not isinstance(address, str)
+        ):
+            return
+        self._redirect = asyncio.get_running_loop().create_task(
+            self._follow(address, target), name=f"{self.client_id}-redirect"
+        )
+
+    async def _follow(self, address: str, target: str) -> None:
+        try:
+            await self.migrate(address, target)
+        except Exception as exc:  # reported on the client; the application decides
+            self.migration_error = exc
+            log.warning("%s: could not follow the redirect to %s: %s", self.client_id, target, exc)
 
     def _wake_inbox(self) -> None:
         w = self._inbox_waiter
@@ -274,8 +502,9 @@ class Client(AsyncClosing):
         deadline = None if timeout is None else loop.time() + timeout
         while not inbox:
             if self.closed:
-                if self._error is not None and self._error.code != "closed":
-                    raise self._error
+                err = self._conn.error if self._conn is not None else None
+                if err is not None and err.code != "closed":
+                    raise err
                 return []
             self._resume_reading()
             remaining = None if deadline is None else deadline - loop.time()
@@ -293,11 +522,12 @@ class Client(AsyncClosing):
         return out
 
     def _resume_reading(self) -> None:
-        """Read the socket again once the application has drained half the inbox."""
+        """Read the socket(s) again once the application has drained half the inbox."""
         if self._reading_paused and len(self._inbox) <= self.max_buffered // 2:
             self._reading_paused = False
-            if self._proto is not None and self._proto.transport is not None:
-                self._proto.transport.resume_reading()
+            for c in self._conns():
+                if c.transport is not None and not c.is_closing():
+                    c.transport.resume_reading()
 
     def notifications(self) -> _Notifications:
         """``async for n in client.notifications()`` until the connection closes."""
@@ -305,41 +535,19 @@ class Client(AsyncClosing):
 
     # -- outgoing ----------------------------------------------------------------------------
 
-    def _check_open(self) -> _Protocol:
-        if self._error is not None:
-            raise self._error
-        if self._proto is None or self._proto.is_closing():
+    def _check_open(self) -> _Conn:
+        conn = self._conn
+        if conn is not None and conn.error is not None:
+            raise conn.error
+        if conn is None or conn.is_closing():
             raise ClientError("the connection is closed", "closed")
-        return self._proto
-
-    def _send(self, msg: bytes) -> None:
-        self._out.append(msg)
-        self._out_bytes += len(msg)
-        if self._out_bytes > 256 * 1024:
-            self._write_out()
-        elif self._flush_handle is None:
-            self._flush_handle = asyncio.get_running_loop().call_soon(self._write_out)
-
-    def _write_out(self) -> None:
-        if self._flush_handle is not None:
-            self._flush_handle.cancel()
-            self._flush_handle = None
-        if not self._out or self._proto is None:
-            return
-        msgs, self._out, self._out_bytes = self._out, [], 0
-        self._proto.write(b"".join(msgs_frame(chunk) for chunk in batches(msgs)))
+        return conn
 
     async def flush(self) -> None:
         """Write everything buffered now and wait until the socket takes it."""
-        proto = self._check_open()
-        self._write_out()
-        await proto.drain()
-
-    async def _request(self, code: int, sub_id: str, msg: bytes) -> None:
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters[(code, sub_id)] = fut
-        self._send(msg)
-        await fut
+        conn = self._check_open()
+        conn.write_out()
+        await conn.drain()
 
     async def subscribe(
         self, filter: str | Filter | Sequence[Sequence[object]], sub_id: str | None = None
@@ -367,9 +575,10 @@ class Client(AsyncClosing):
             raise ValueError(f"subscription id {sub_id!r} is in use")
         self.subscriptions[sub_id] = f
         try:
-            await self._request(
-                B_SUBSCRIBED, sub_id, orjson.dumps([C_SUBSCRIBE, sub_id, encode_filter(f)])
-            )
+            async with self._lock:  # a migration re-subscribes from this dict: not meanwhile
+                await self._check_open().request(
+                    B_SUBSCRIBED, sub_id, _subscribe_message(sub_id, f)
+                )
         except BaseException:
             self.subscriptions.pop(sub_id, None)
             raise
@@ -379,37 +588,136 @@ class Client(AsyncClosing):
         self._check_open()
         if sub_id not in self.subscriptions:
             raise ValueError(f"no subscription {sub_id!r}")
-        await self._request(B_UNSUBSCRIBED, sub_id, orjson.dumps([C_UNSUBSCRIBE, sub_id]))
-        del self.subscriptions[sub_id]
+        async with self._lock:
+            msg = orjson.dumps([C_UNSUBSCRIBE, sub_id])
+            await self._check_open().request(B_UNSUBSCRIBED, sub_id, msg)
+            del self.subscriptions[sub_id]
 
     def publish_nowait(self, attrs: Mapping[str, Value]) -> int:
         """Queue one event for publishing; returns its sequence number (never waits)."""
-        self._check_open()
+        conn = self._check_open()
         try:
             checked = check_wire_attributes(attrs)
         except FrameError as exc:
             raise ValueError(str(exc)) from None
         self._seq += 1
-        self._send(b"[12,%d," % self._seq + orjson.dumps(checked) + b"]")
+        conn.send(b"[12,%d," % self._seq + orjson.dumps(checked) + b"]")
         return self._seq
 
     async def publish(self, attrs: Mapping[str, Value]) -> int:
         """Publish one event; waits only while the broker pushes back. Returns its seq."""
         seq = self.publish_nowait(attrs)
-        proto = self._proto
-        if proto is not None and proto.writing_paused:
-            await proto.drain()
+        conn = self._conn
+        if conn is not None and conn.writing_paused:
+            await conn.drain()
         return seq
 
     @property
     def last_seq(self) -> int:
         return self._seq
 
+    # -- migration ---------------------------------------------------------------------------
+
+    async def _resubscribe(self, new: _Conn) -> None:
+        """Step 1 of :meth:`migrate`: the same subscription ids and filters on ``new``."""
+        await asyncio.gather(
+            *(
+                new.request(B_SUBSCRIBED, sid, _subscribe_message(sid, f))
+                for sid, f in self.subscriptions.items()
+            )
+        )
+
+    async def migrate(
+        self,
+        address: str,
+        broker: str | None = None,
+        *,
+        within: float = 30.0,
+    ) -> None:
+        """Move to the broker at ``address`` (named ``broker``, if given, which is checked), a
+        neighbour of the current one, without losing, duplicating or reordering anything.
+
+        1. Connect to the new broker under the same client id and re-subscribe with the same
+           subscription ids and filters (identical routing keys: nothing new propagates past
+           the new broker). Its deliveries are held.
+        2. Tell it we migrate from the old broker and wait for its answer: from then on it
+           holds our publications until the old broker says ``Moved``, and it has sent the
+           marker down the link to the old broker.
+        3. Switch publishing to the new connection and tell the old broker we move (after
+           everything we published there, so ``Moved`` follows all of it).
+        4. At the marker on the old connection, deliver what the new one held and everything
+           after it, if newer than the last delivery from its publisher; then leave the old
+           broker.
+
+        Failures before step 3 leave the client where it was. If the marker does not arrive
+        within ``within`` seconds the client switches anyway and raises :class:`ClientError` (code
+        ``marker-timeout``): duplicates are still filtered, but notifications may be missing.
+        """
+        async with self._lock:
+            old = self._check_open()
+            if broker is not None and broker == old.broker:
+                raise ValueError(f"already attached to {broker}")
+            new = await _Conn.open(self, address, self.client_id, within)
+            m = _Migration(old, new)
+            self._migration = m
+            announced = False
+            try:
+                if broker is not None and new.broker != broker:
+                    raise ClientError(f"{address} is {new.broker}, not {broker}", "wrong-broker")
+                async with asyncio.timeout(within):
+                    await self._resubscribe(new)
+                    if not old.is_closing():
+                        msg = orjson.dumps([C_MIGRATING, old.broker])
+                        await new.request(B_MIGRATING, old.broker, msg)
+                        announced = True
+                if old.is_closing() and announced:
+                    # Too late to say Moved: the new broker would hold our publications for
+                    # ever. Leaving it releases them; the client ends closed, as it would have
+                    # without the move.
+                    raise ClientError(
+                        f"the connection to {old.broker} was lost during the move",
+                        "connection-lost",
+                    )
+            except BaseException:
+                self._migration = None
+                await new.close_gracefully()
+                raise
+            try:
+                if announced:  # after everything published on the old connection: Moved
+                    old.send(orjson.dumps([C_MOVE, new.broker]))
+                    old.write_out()
+                elif not m.switched.done():
+                    self._switch(m)  # the old connection died first: a plain re-attach
+                self._conn = new
+                try:
+                    await asyncio.wait_for(asyncio.shield(m.switched), within)
+                except TimeoutError:
+                    self._switch(m)
+                    raise ClientError(
+                        f"no marker from {old.broker} within {within}s: switched anyway, "
+                        "notifications may be missing",
+                        "marker-timeout",
+                    ) from None
+                finally:
+                    await old.leave()
+            finally:
+                if not m.switched.done():
+                    self._switch(m)
+                self._migration = None
+                self._wake_inbox()
+            self.migrations += 1
+
 
 async def connect(
-    address: str, client_id: str | None = None, *, connect_timeout: float = 10.0
+    address: str,
+    client_id: str | None = None,
+    *,
+    connect_timeout: float = 10.0,
+    follow_redirects: bool = True,
 ) -> Client:
-    """Connect to a broker at ``HOST:PORT`` as ``client_id`` (the broker picks one if None)."""
-    client = Client(client_id)
+    """Connect to a broker at ``HOST:PORT`` as ``client_id`` (the broker picks one if None).
+
+    ``follow_redirects``: migrate on its own when the broker drains (the default)."""
+    client = Client(client_id, follow_redirects=follow_redirects)
     await client._open(address, connect_timeout)
     return client

@@ -16,7 +16,7 @@ import secrets
 import signal
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -218,17 +218,7 @@ class Overlay:
     async def start(self) -> Overlay:
         try:
             procs = await asyncio.gather(
-                *(
-                    spawn_broker(
-                        n,
-                        token=self.token,
-                        routing=self.routing,
-                        log_dir=self.log_dir,
-                        extra_args=self.extra_args,
-                    )
-                    for n in self.names
-                ),
-                return_exceptions=True,
+                *(self._spawn(n) for n in self.names), return_exceptions=True
             )
             for p in procs:
                 if isinstance(p, BrokerProc):
@@ -239,21 +229,77 @@ class Overlay:
             # Every broker learns every address: exchanges dial brokers that are not neighbours.
             book = {name: p.listen for name, p in self.brokers.items()}
             await asyncio.gather(*(p.admin.set_peers(book) for p in self.brokers.values()))
-            for a, b in self.edges:
+            for a, b in list(self.edges):
                 await self.link(a, b)
         except BaseException:
             await self.stop()
             raise
         return self
 
+    def _spawn(self, name: str) -> Awaitable[BrokerProc]:
+        return spawn_broker(
+            name,
+            token=self.token,
+            routing=self.routing,
+            log_dir=self.log_dir,
+            extra_args=self.extra_args,
+        )
+
+    def neighbours(self, name: str) -> list[str]:
+        return sorted(b if a == name else a for a, b in self.edges if name in (a, b))
+
+    async def add_leaf(self, name: str, attach_to: str, within: float = 10.0) -> BrokerProc:
+        """Add-leaf (paper 000): start broker ``name`` and link it to ``attach_to``; its
+        neighbour hands it the routes over the new link like any other. Every broker learns
+        the new address and the new broker learns all of them, so later exchanges can dial it.
+        """
+        if name in self.brokers:
+            raise ValueError(f"{name} is already in the overlay")
+        proc = await self._spawn(name)
+        self.brokers[name] = proc
+        self.names.append(name)
+        book = {n: p.listen for n, p in self.brokers.items()}
+        await asyncio.gather(
+            proc.admin.set_peers(book),
+            *(p.admin.set_peers({name: proc.listen}) for n, p in self.brokers.items() if n != name),
+        )
+        await self.link(name, attach_to, within)
+        return proc
+
+    async def remove_leaf(self, name: str, within: float = 30.0) -> dict[str, Any]:
+        """Remove-leaf: drain ``name`` (its clients migrate to its only neighbour, make-before-
+        break, through the client library), then remove the link and stop the process.
+
+        The link is removed only once the leaf is drained: no client left *and* everything it
+        sent acknowledged, so the last publisher's ``Moved`` has reached the neighbour. Returns
+        the final drain status."""
+        neighbours = self.neighbours(name)
+        if len(neighbours) != 1:
+            raise ValueError(f"{name} is not a leaf: neighbours {neighbours}")
+        (other,) = neighbours
+        status = await self.brokers[name].admin.drain(
+            other, self.brokers[other].listen, wait=within
+        )
+        if not status["drained"]:
+            raise RuntimeError(f"{name} did not drain within {within}s: {status}")
+        await self.unlink(name, other)
+        proc = self.brokers.pop(name)
+        self.names.remove(name)
+        self.edges = [e for e in self.edges if name not in e]
+        await proc.stop()
+        return status
+
     async def link(self, a: str, b: str, within: float = 10.0) -> None:
         """``a`` dials ``b``; returns once the link is up on both ends."""
         result = await self.brokers[a].admin.add_link(b, self.brokers[b].listen, wait=within)
         if not result["up"]:
             raise RuntimeError(f"link {a}-{b} did not come up within {within}s")
+        if not any(set(e) == {a, b} for e in self.edges):
+            self.edges.append((a, b))
 
     async def unlink(self, a: str, b: str) -> None:
         await self.brokers[a].admin.remove_link(b)
+        self.edges = [e for e in self.edges if set(e) != {a, b}]
 
     async def exchange(
         self,

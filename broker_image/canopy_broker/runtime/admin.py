@@ -86,7 +86,7 @@ async def add_link(request: web.Request) -> web.Response:
     peer, address, timeout = body.get("peer"), body.get("address"), body.get("timeout", 5.0)
     if not isinstance(peer, str) or not peer or not isinstance(address, str):
         return _error(400, "need 'peer' (name) and 'address' (HOST:PORT)")
-    if not isinstance(timeout, int | float) or not 0 <= timeout <= 120:
+    if not _seconds(timeout, 0, 120):
         return _error(400, "'timeout' must be a number of seconds in [0, 120]")
     existed = peer in broker.links
     try:
@@ -149,6 +149,7 @@ async def start_exchange(request: web.Request) -> web.Response:
     body = await _json_object(request)
     path, remove = body.get("path"), body.get("remove")
     ordering, xid, wait = body.get("ordering", "fifo"), body.get("xid"), body.get("wait", 0)
+    lease = body.get("lease", 30.0)
     if (
         not isinstance(path, list)
         or not all(isinstance(p, str) for p in path)
@@ -159,16 +160,52 @@ async def start_exchange(request: web.Request) -> web.Response:
         return _error(400, "need 'path': [names from A1 to A2] and 'remove': [R1, R2]")
     if ordering not in ("fifo", "causal") or not (xid is None or isinstance(xid, str)):
         return _error(400, "'ordering' is fifo or causal; 'xid' a string")
-    if not isinstance(wait, int | float) or not 0 <= wait <= 600:
+    if not _seconds(wait, 0, 600):
         return _error(400, "'wait' must be a number of seconds in [0, 600]")
+    if not _seconds(lease, 0.01, 3600):
+        return _error(400, "'lease' must be a number of seconds in [0.01, 3600]")
     try:
-        rec = broker.start_exchange(path, (remove[0], remove[1]), ordering, xid)
+        rec = broker.start_exchange(path, (remove[0], remove[1]), ordering, xid, float(lease))
     except ValueError as exc:
         return _error(400, str(exc))
     if wait:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(rec.done.wait(), float(wait))
     return web.json_response(rec.to_json(), status=202 if rec.state == "running" else 200)
+
+
+def _seconds(value: object, low: float, high: float) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high
+
+
+async def start_drain(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    body = await _json_object(request)
+    target, address, wait = body.get("target"), body.get("address"), body.get("wait", 0)
+    if (
+        not isinstance(target, str)
+        or not target
+        or not (address is None or isinstance(address, str))
+    ):
+        return _error(
+            400, "need 'target' (a neighbour's name) and optionally 'address' (HOST:PORT)"
+        )
+    if not _seconds(wait, 0, 600):
+        return _error(400, "'wait' must be a number of seconds in [0, 600]")
+    try:
+        broker.drain(target, address)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    drained = await broker.wait_drained(float(wait)) if wait else broker.drain_status()["drained"]
+    return web.json_response(broker.drain_status(), status=200 if drained else 202)
+
+
+async def get_drain(request: web.Request) -> web.Response:
+    return web.json_response(request.app[BROKER].drain_status())
+
+
+async def cancel_drain(request: web.Request) -> web.Response:
+    return web.json_response(request.app[BROKER].cancel_drain())
 
 
 async def get_exchange(request: web.Request) -> web.Response:
@@ -212,4 +249,7 @@ ROUTES: list[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]]] 
     ("POST", "/peers", set_peers),
     ("POST", "/exchanges", start_exchange),
     ("GET", "/exchanges/{xid}", get_exchange),
+    ("POST", "/drain", start_drain),
+    ("GET", "/drain", get_drain),
+    ("DELETE", "/drain", cancel_drain),
 ]

@@ -70,10 +70,16 @@ L_GENERIC: Final = 3  # [3, {"$": "TypeName", ...}]   every other core message (
 C_SUBSCRIBE: Final = 10  # [10, sub_id, filter]   filter: text or [[attr, op, value?], ...]
 C_UNSUBSCRIBE: Final = 11  # [11, sub_id]
 C_PUBLISH: Final = 12  # [12, seq, attrs]
+C_MIGRATING: Final = 13  # [13, source]   I am moving here from neighbour `source` (answered by 24)
+C_MOVE: Final = 14  # [14, target]   I publish nothing more here; I move to neighbour `target`
+C_LEAVE: Final = 15  # [15]           detach me now; the broker closes the connection
 # Broker -> client messages (inside F_MSGS).
 B_NOTIFY: Final = 20  # [20, publisher, seq, hops, attrs, [sub_ids]]
 B_SUBSCRIBED: Final = 21  # [21, sub_id]
 B_UNSUBSCRIBED: Final = 22  # [22, sub_id]
+B_MARKER: Final = 23  # [23]           migration marker on the old connection: switch now
+B_MIGRATING: Final = 24  # [24, source]   the migration from `source` is registered here
+B_REDIRECT: Final = 25  # [25, target, address]   please migrate to neighbour `target` (drain)
 
 _HEADER = 4
 log = logging.getLogger("canopy.framing")

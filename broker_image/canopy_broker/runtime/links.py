@@ -122,6 +122,7 @@ class Link:
         self.closing = False  # the core closed it: flush, then say goodbye
         self.peer_closed = False  # the peer's core closed it: never redial
         self.removed = False
+        self.farewell: str | None = None  # the goodbye it was dropped with
         self.conn: Conn | None = None
         self.out: list[bytes] = []
         self.base = 1
@@ -234,6 +235,7 @@ class Client:
         self.pending: list[bytes] = []
         self.last_seq = 0
         self.publisher = False
+        self.moved = False  # it said it moved to another broker: it may not publish here
         self.dirty = False
         self.over = False
         self.over_since: float | None = None

@@ -139,6 +139,13 @@ class BrokerMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=r,
         )
+        self.ordering_delay = Histogram(
+            "canopy_ordering_delay_seconds",
+            "How long gray notifications waited at the new link of a link exchange before "
+            "delivery order allowed them on (FIFO-publisher or causal)",
+            buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1, 5),
+            registry=r,
+        )
         r.register(_StateCollector(read_gauges))
 
     def render(self) -> bytes:

@@ -31,11 +31,14 @@ from canopy_broker.core.messages import (
     AddLink,
     ClientAttach,
     ClientDetach,
+    ClientMigrating,
+    ClientMove,
     ClientPublish,
     ClientSubscribe,
     ClientUnsubscribe,
     CloseLink,
     Deliver,
+    DeliverMarker,
     Effect,
     ExchangeFinished,
     FromLink,
@@ -53,8 +56,14 @@ from canopy_broker.core.messages import (
     TimerFired,
 )
 from canopy_broker.runtime.framing import (
+    B_MARKER,
+    B_MIGRATING,
+    B_REDIRECT,
     B_SUBSCRIBED,
     B_UNSUBSCRIBED,
+    C_LEAVE,
+    C_MIGRATING,
+    C_MOVE,
     C_PUBLISH,
     C_SUBSCRIBE,
     C_UNSUBSCRIBE,
@@ -128,6 +137,7 @@ class ExchangeRecord:
     path: tuple[str, ...]
     remove: tuple[str, str]
     ordering: str
+    lease: float = 30.0
     state: str = "running"  # running | finished | failed
     ok: bool | None = None
     reason: str = ""
@@ -142,6 +152,7 @@ class ExchangeRecord:
             "path": list(self.path),
             "remove": list(self.remove),
             "ordering": self.ordering,
+            "lease": self.lease,
             "state": self.state,
             "ok": self.ok,
             "reason": self.reason,
@@ -149,6 +160,15 @@ class ExchangeRecord:
             "started": self.started,
             "finished": self.finished,
         }
+
+
+_MARKER = dumps([B_MARKER])
+
+
+def _name(value: object, what: str) -> str:
+    if type(value) is not str or not value:
+        raise FrameError(f"{what} must be a broker name, got {value!r}")
+    return value
 
 
 def _str_field(hello: dict[str, Any], key: str) -> str:
@@ -188,6 +208,7 @@ class Broker:
         self._server: asyncio.Server | None = None
         self._conns: set[Conn] = set()
         self._removed: dict[str, str] = {}  # peer -> session removed here (answers a late resume)
+        self._retired: dict[str, Link] = {}  # closing links displaced by a re-opened one
         self._dirty: list[Link | Client] = []
         self._flush_scheduled = False
         self._unflushed = 0  # events routed since the last flush
@@ -202,6 +223,11 @@ class Broker:
         self._m_delivered = self.metrics.delivered
         self._m_client_in = self.metrics.client_messages.labels("in")
         self._m_client_out = self.metrics.client_messages.labels("out")
+        # Draining (before a leaf is removed): the neighbour its clients are sent to.
+        self.drain_target: tuple[str, str] | None = None  # (name, HOST:PORT)
+        self._drained = asyncio.Event()
+        # Gray notifications' waits at the new link of an exchange, taken from the core.
+        self._delays = [0, 0.0, 0.0]  # count, sum, max (seconds)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -315,6 +341,7 @@ class Broker:
                             )
                         },
                     )
+            self._take_ordering_delays()
             await self.telemetry.flush()
 
     # ------------------------------------------------------------------ connections
@@ -351,10 +378,7 @@ class Broker:
         if conn.role == "client":
             client = conn.client
             assert client is not None
-            if self.clients.get(client.id) is client:
-                del self.clients[client.id]
-                self._unpressure(client)
-                self._apply(self.core.handle(ClientDetach(client.id), self._now()))
+            self._detach(client)
         elif conn.role in ("link", "peer"):
             link = conn.link
             assert link is not None
@@ -452,6 +476,8 @@ class Broker:
             self._unpressure(link)
         if link.closing:
             self._maybe_finish_close(link)
+        if self.drain_target is not None and not self.clients:
+            self._check_drained()
 
     def _slow_consumer(self, client: Client, why: str) -> None:
         log.warning("%s: disconnecting slow consumer %s (%s)", self.name, client.id, why)
@@ -542,6 +568,24 @@ class Broker:
         conn.role = "client"
         conn.client = client
         self._answer_hello(conn, client_id=cid)
+        if self.drain_target is not None:
+            self._redirect(client, *self.drain_target)
+
+    def _detach(self, client: Client) -> None:
+        """The client is gone (left, or its connection broke): withdraw its subscriptions.
+        Only the connection that attached it may detach it: a late loss of an older
+        connection under the same id must not take the newer one's subscriptions with it."""
+        if self.clients.get(client.id) is not client:
+            return
+        del self.clients[client.id]
+        client.pending.clear()
+        self._unpressure(client)
+        self._apply(self.core.handle(ClientDetach(client.id), self._now()))
+        if self.drain_target is not None:
+            self._check_drained()
+
+    def _redirect(self, client: Client, target: str, address: str) -> None:
+        self._to_client(client, dumps([B_REDIRECT, target, address]))
 
     def _client_msgs(self, client: Client, items: list[Any]) -> None:
         cid = client.id
@@ -562,6 +606,8 @@ class Broker:
                         f"publish seq {seq!r} after {client.last_seq}: seq must grow by one",
                         "sequence",
                     )
+                if client.moved:  # it would overtake what it published at its new broker
+                    raise FrameError(f"{cid} published here after moving away", "protocol")
                 event = Event(cid, seq, check_wire_attributes(item[2]))
                 client.last_seq = seq
                 published += 1
@@ -579,6 +625,18 @@ class Broker:
                     raise FrameError(f"sub_id must be a string, got {sub_id!r}")
                 self._apply(self.core.handle(ClientUnsubscribe(cid, sub_id), self._now()))
                 self._to_client(client, dumps([B_UNSUBSCRIBED, sub_id]))
+            elif code == C_MIGRATING and len(item) == 2:
+                source = _name(item[1], "source")
+                self._apply(self.core.handle(ClientMigrating(cid, source), self._now()))
+                self._to_client(client, dumps([B_MIGRATING, source]))
+            elif code == C_MOVE and len(item) == 2:
+                target = _name(item[1], "target")
+                self._apply(self.core.handle(ClientMove(cid, target), self._now()))
+                client.moved = True
+            elif code == C_LEAVE and len(item) == 1:
+                self._detach(client)
+                client.conn.close()
+                break  # whatever follows in this frame has no client any more
             else:
                 raise FrameError(f"unknown client message {item!r}", "unknown-type")
         if published:
@@ -639,6 +697,10 @@ class Broker:
                 delivered += 1
                 if not client.dirty:
                     self.mark_dirty(client)
+            elif isinstance(eff, DeliverMarker):
+                marked = self.clients.get(eff.client)
+                if marked is not None:  # behind every notification already queued to it
+                    self._to_client(marked, _MARKER)
             elif isinstance(eff, SendToPeer):
                 self._send_to_peer(eff.peer, eff.message)
             elif isinstance(eff, StartTimer):
@@ -751,7 +813,22 @@ class Broker:
         return self.channels_out if dialer else self.channels_in
 
     def _all_links(self) -> list[Link]:
-        return [*self.links.values(), *self.channels_out.values(), *self.channels_in.values()]
+        return [
+            *self.links.values(),
+            *self._retired.values(),
+            *self.channels_out.values(),
+            *self.channels_in.values(),
+        ]
+
+    def _retire(self, link: Link) -> None:
+        """Move a closing link out of the way of a new instance of the same link: it keeps
+        flushing (and resuming) on its own session until the peer has acknowledged everything,
+        then says goodbye as usual."""
+        old = self._retired.pop(link.peer, None)
+        if old is not None:
+            self._drop_link(old, bye="closed")
+        del self.links[link.peer]
+        self._retired[link.peer] = link
 
     def _new_link(self, link: Link) -> Link:
         """Register a new link or channel (metrics, table) and start dialing if it is ours."""
@@ -794,18 +871,22 @@ class Broker:
     def _drop_link(self, link: Link, *, bye: str | None) -> None:
         """Forget a link or channel; tell the core (RemoveLink) if it is a link the core has and
         did not close itself."""
+        # The core first: if it refuses (the link is on an exchange's cycle) nothing has changed.
+        effects = self.core.handle(RemoveLink(link.peer), self._now()) if link.established else []
+        link.established = False
         table = self._table(link.kind, link.dialer)
         if table.get(link.peer) is link:
             del table[link.peer]
+        if link.kind == "link" and self._retired.get(link.peer) is link:
+            del self._retired[link.peer]
         link.removed = True
+        link.farewell = bye
         if link.kind == "link" and bye == "removed":
             self._removed[link.peer] = link.session
         if link.dial_task is not None and link.dial_task is not asyncio.current_task():
             link.dial_task.cancel()
         self._unpressure(link)
-        if link.established:
-            link.established = False
-            self._apply(self.core.handle(RemoveLink(link.peer), self._now()))
+        self._apply(effects)
         conn, link.conn = link.conn, None
         link.up.clear()
         if conn is not None:
@@ -821,12 +902,20 @@ class Broker:
         name sorts first dials; the other waits for it (or finds it already connected)."""
         link = self.links.get(peer)
         if link is not None:
-            if link.opened and not link.established:
+            if link.established:
+                log.error("%s: the core opened a link to %s, which exists", self.name, peer)
+                return
+            if link.opened and not (link.dialer or link.closing or link.peer_closed):
                 link.established = True  # the peer dialed before our core opened the link
                 self.mark_dirty(link)
+                return
+            # What is left of an earlier instance of this link: still flushing what that
+            # instance's core queued (closing), or abandoned by the peer. It must not carry the
+            # new instance's messages, nor take them down with it when it goes.
+            if link.closing and not link.peer_closed:
+                self._retire(link)
             else:
-                log.error("%s: the core opened a link to %s, which exists", self.name, peer)
-            return
+                self._drop_link(link, bye=None)
         dialer = self.name < peer
         session = uuid.uuid4().hex if dialer else ""
         link = self._new_link(Link(peer, session, dialer=dialer, address=None, opened=True))
@@ -896,6 +985,9 @@ class Broker:
             self.peers.setdefault(peer, address)
         table = self._table(kind, dialer=False)
         link = table.get(peer)
+        retired = self._retired.get(peer) if kind == "link" else None
+        if retired is not None and retired.session == session:
+            link = retired  # the earlier instance of a re-opened link resumes its flushing
         if link is not None and link.session == session:
             self._answer_hello(conn, last_rx=link.rx_seq)
             self._link_up(link, conn, hello.get("last_rx"))
@@ -904,8 +996,21 @@ class Broker:
             removed = kind == "link" and self._removed.get(peer) == session
             code = "link-removed" if removed else "unknown-session"
             raise FrameError(f"no {kind} session {session[:8]} with {peer}", code)
-        if link is not None and link.opened and not link.connected_once and not link.dialer:
-            link.session = session  # the dial our OpenLink was waiting for
+        if (
+            link is not None
+            and link.opened
+            and not link.dialer
+            and not link.closing
+            and (not link.connected_once or (link.established and hello.get("opened")))
+        ):
+            # The dial our OpenLink was waiting for. Or a new one: the dialer abandoned an
+            # earlier session of this link (its lock was refused, and it retried) after our core
+            # had opened the link on that session; the core's link is the same, so its queue
+            # goes out on the new session from the start.
+            link.session = session
+            link.base = link.sent = 1
+            link.rx_seq = link.acked_rx = 0
+            link.connected_once = link.peer_closed = False
         else:
             if link is not None:  # the peer started a new session (restarted, or re-added it)
                 log.info("%s: %s opened a new %s session; resetting", self.name, peer, kind)
@@ -923,6 +1028,10 @@ class Broker:
         link = conn.link
         assert link is not None
         if link.removed:
+            # Dropped while the hello was on its way: the peer has just set up its end, so it
+            # must hear the goodbye it would have heard on an established connection.
+            if link.farewell:
+                conn.write(control_frame(F_BYE, link.farewell))
             conn.close()
             return
         if hello.get("name") != link.peer:
@@ -1036,17 +1145,24 @@ class Broker:
         remove: tuple[str, str],
         ordering: str = "fifo",
         xid: str | None = None,
+        lease: float = 30.0,
     ) -> ExchangeRecord:
         """Start a coordinated link exchange here (this broker must be ``path[0]``).
-        Idempotent per ``xid``; raises ValueError for a request the core refuses."""
+        Idempotent per ``xid``; raises ValueError for a request the core refuses.
+
+        ``lease``: seconds each broker on the cycle stays locked without hearing from the
+        exchange; then it rolls back (before phase 1) or forward (after), so a dead
+        participant cannot pin the others."""
         xid = xid or uuid.uuid4().hex[:12]
         rec = self.exchanges.get(xid)
         if rec is not None:
             return rec
-        rec = ExchangeRecord(xid, tuple(path), remove, ordering, started=time.time())
+        if not lease > 0:
+            raise ValueError(f"lease must be a positive number of seconds, got {lease!r}")
+        rec = ExchangeRecord(xid, tuple(path), remove, ordering, lease, started=time.time())
         self.exchanges[xid] = rec
         try:
-            req = StartExchange(xid, tuple(path), remove, Ordering(ordering))
+            req = StartExchange(xid, tuple(path), remove, Ordering(ordering), lease)
             self._apply(self.core.handle(req, self._now()))
         except (ProtocolError, ValueError) as exc:
             del self.exchanges[xid]
@@ -1076,6 +1192,87 @@ class Broker:
             self._apply(self.core.handle(TimerFired(key), self._now()))
         except ProtocolError:
             log.exception("%s: timer %s", self.name, key)
+
+    def _take_ordering_delays(self) -> None:
+        """Move the waits the core recorded for gray notifications at the new link into the
+        histogram and the running totals. The core only appends to that list; taking the
+        entries here keeps it from growing for the life of the process."""
+        delays = self.core.ordering_delays
+        if not delays:
+            return
+        observe = self.metrics.ordering_delay.observe
+        for d in delays:
+            observe(d)
+        stats = self._delays
+        stats[0] += len(delays)
+        stats[1] += sum(delays)
+        stats[2] = max(stats[2], *delays)
+        delays.clear()
+
+    def ordering_delay_status(self) -> dict[str, Any]:
+        self._take_ordering_delays()
+        count, total, longest = self._delays
+        return {
+            "count": int(count),
+            "mean_ms": round(total / count * 1000.0, 3) if count else None,
+            "max_ms": round(longest * 1000.0, 3) if count else None,
+        }
+
+    # ------------------------------------------------------------------ draining
+
+    def drain(self, target: str, address: str | None = None) -> dict[str, Any]:
+        """Empty this broker of clients before it is removed: every attached client (and any
+        that attaches from now on) is asked to migrate to neighbour ``target`` at ``address``
+        (default: the address book's). The client library follows on its own; see
+        :meth:`drain_status` for when the broker is empty."""
+        if not self.core.is_neighbour(target):
+            raise ValueError(
+                f"{target} is not a neighbour of {self.name}: clients can only move one link"
+            )
+        address = address or self.peers.get(target)
+        if not address:
+            raise ValueError(f"no address known for {target}: pass one")
+        parse_address(address)
+        self.drain_target = (target, address)
+        self._drained.clear()
+        for client in list(self.clients.values()):
+            self._redirect(client, target, address)
+        self._check_drained()
+        return self.drain_status()
+
+    def cancel_drain(self) -> dict[str, Any]:
+        self.drain_target = None
+        self._drained.clear()
+        return self.drain_status()
+
+    def drain_status(self) -> dict[str, Any]:
+        """``drained`` once no client is attached *and* every link has had everything
+        acknowledged: the ``Moved`` of the last publisher that left must reach the
+        neighbour before the link may be removed, or that neighbour holds the publisher's
+        events for ever."""
+        unacked = sum(len(lk.out) for lk in self.links.values())
+        target = self.drain_target
+        return {
+            "draining": target is not None,
+            "target": target[0] if target else None,
+            "address": target[1] if target else None,
+            "clients": len(self.clients),
+            "unacknowledged": unacked,
+            "drained": target is not None and not self.clients and not unacked,
+        }
+
+    def _check_drained(self) -> None:
+        if self.drain_status()["drained"]:
+            self._drained.set()
+
+    async def wait_drained(self, within: float) -> bool:
+        """Wait up to ``within`` seconds for :meth:`drain_status` to say drained."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                while not self.drain_status()["drained"]:
+                    self._drained.clear()
+                    await self._drained.wait()
+        return bool(self.drain_status()["drained"])
 
     def _exchange_finished(self, eff: ExchangeFinished) -> None:
         rec = self.exchanges.get(eff.xid)
@@ -1116,9 +1313,12 @@ class Broker:
             },
             "exchange": ex.xid if (ex := self.core.exchange) is not None else None,
             "pending_exchanges": self.core.pending_exchanges,
+            "ordering_delay": self.ordering_delay_status(),
+            "drain": self.drain_status(),
         }
 
     def _gauges(self) -> Gauges:
+        self._take_ordering_delays()  # scrape time: the histogram is current when read
         depths = [c.depth for c in self.clients.values()]
         return Gauges(
             routing_table_entries=self.core.routing_table_size(),
