@@ -142,6 +142,7 @@ class _Conn(FrameProtocol):
         self.out: list[bytes] = []
         self.out_bytes = 0
         self.flush_handle: asyncio.Handle | None = None
+        self.redirect: tuple[str, str] | None = None  # (target, address) the broker asked for
 
     @classmethod
     async def open(cls, owner: Client, address: str, client_id: str | None, within: float) -> _Conn:
@@ -326,6 +327,7 @@ class Client(AsyncClosing):
     async def _open(self, address: str, connect_timeout: float) -> None:
         self._conn = await _Conn.open(self, address, self.client_id or None, connect_timeout)
         self.client_id = self.client_id or self._conn.hello["client_id"] or ""
+        self._maybe_follow()  # a draining broker redirects right after its hello
 
     @property
     def broker(self) -> str:
@@ -462,27 +464,41 @@ class Client(AsyncClosing):
         self._wake_inbox()
 
     def _redirected(self, conn: _Conn, target: object, address: object) -> None:
-        """A draining broker asks us to move to its neighbour ``target``."""
+        """A draining broker asks us to move to its neighbour ``target``. Kept on the
+        connection it came on: it may come before :func:`connect` returns, or on the new
+        connection while a migration is still under way, and it is followed once that
+        connection is the client's."""
+        if isinstance(target, str) and isinstance(address, str):
+            conn.redirect = (target, address)
+            self._maybe_follow()
+
+    def _maybe_follow(self) -> None:
+        conn = self._conn
         if (
-            not self.follow_redirects
+            conn is None
+            or conn.redirect is None
+            or not self.follow_redirects
             or self._closing
-            or conn is not self._conn
             or self._migration is not None
             or (self._redirect is not None and not self._redirect.done())
-            or not isinstance(target, str)
-            or not isinstance(address, str)
         ):
             return
         self._redirect = asyncio.get_running_loop().create_task(
-            self._follow(address, target), name=f"{self.client_id}-redirect"
+            self._follow(), name=f"{self.client_id}-redirect"
         )
 
-    async def _follow(self, address: str, target: str) -> None:
-        try:
-            await self.migrate(address, target)
-        except Exception as exc:  # reported on the client; the application decides
-            self.migration_error = exc
-            log.warning("%s: could not follow the redirect to %s: %s", self.client_id, target, exc)
+    async def _follow(self) -> None:
+        while (conn := self._conn) is not None and conn.redirect is not None:
+            target, address = conn.redirect
+            conn.redirect = None
+            try:
+                await self.migrate(address, target)
+            except Exception as exc:  # reported on the client; the application decides
+                self.migration_error = exc
+                log.warning(
+                    "%s: could not follow a redirect to %s: %s", self.client_id, target, exc
+                )
+                return
 
     def _wake_inbox(self) -> None:
         w = self._inbox_waiter
@@ -705,6 +721,7 @@ class Client(AsyncClosing):
                     self._switch(m)
                 self._migration = None
                 self._wake_inbox()
+                self._maybe_follow()  # the new broker may be draining too
             self.migrations += 1
 
 

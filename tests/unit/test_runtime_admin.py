@@ -197,8 +197,8 @@ async def test_address_book_and_exchanges(make_broker: MakeBroker, serve: Serve)
         broker.set_peers({"a": addr(a), "b": addr(b), "c": addr(c)})
     await link(a, b)
     await link(b, c)
-    done = await admin.start_exchange(["a", "b", "c"], ("b", "c"), xid="ex1", wait=20)
-    assert (done["state"], done["ok"], done["xid"]) == ("finished", True, "ex1")
+    done = await admin.start_exchange(["a", "b", "c"], ("b", "c"), xid="ex1", wait=20, lease=5)
+    assert (done["state"], done["ok"], done["xid"], done["lease"]) == ("finished", True, "ex1", 5)
     assert (await admin.exchange("ex1"))["state"] == "finished"
     assert 'canopy_exchanges_total{result="finished"} 1.0' in await admin.metrics()
     again = await admin.start_exchange(["a", "b", "c"], ("b", "c"), xid="ex1")
@@ -213,9 +213,37 @@ async def test_address_book_and_exchanges(make_broker: MakeBroker, serve: Serve)
         {"path": ["a", "b", "c"], "remove": ["b"]},
         {"path": ["a", "b", "c"], "remove": ["b", "c"], "ordering": "chaotic"},
         {"path": ["a", "b", "c"], "remove": ["b", "c"], "wait": -1},
+        {"path": ["a", "b", "c"], "remove": ["b", "c"], "lease": 0},
+        {"path": ["a", "b", "c"], "remove": ["b", "c"], "lease": True},
+        {"path": ["a", "b", "c"], "remove": ["b", "c"], "lease": "30"},
     ):
         with pytest.raises(AdminError) as info:
             await admin._request("POST", "/exchanges", json=bad)
         assert info.value.status == 400, bad
     with pytest.raises(AdminError):
         await admin.set_peers({"x": "no-port"})
+
+
+async def test_drain_sends_clients_to_the_neighbour(make_broker: MakeBroker, serve: Serve) -> None:
+    leaf, hub = await make_broker("leaf"), await make_broker("hub")
+    await link(leaf, hub)
+    admin = await serve(leaf)
+    assert (await admin.drain_status())["draining"] is False
+    for bad in ({"target": "other"}, {"target": ""}, {"target": "hub", "wait": "soon"}):
+        with pytest.raises(AdminError) as info:
+            await admin._request("POST", "/drain", json=bad)
+        assert info.value.status == 400, bad
+    async with await connect(addr(leaf), "mover") as mover:
+        await mover.subscribe("n > 1")
+        done = await admin.drain("hub", wait=10)  # the address comes from the address book
+        assert done == {
+            "draining": True,
+            "target": "hub",
+            "address": addr(hub),
+            "clients": 0,
+            "unacknowledged": 0,
+            "drained": True,
+        }
+        assert mover.broker == "hub" and "mover" in hub.core.clients
+        assert (await admin.status())["drain"]["drained"]
+        assert (await admin.cancel_drain())["draining"] is False
