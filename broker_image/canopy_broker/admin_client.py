@@ -80,6 +80,11 @@ class AdminClient(AsyncClosing):
                 return await resp.json()
             return await resp.text()
 
+    async def _object(self, method: str, path: str, **options: Any) -> dict[str, Any]:
+        """A request whose answer is a JSON object, typed as one (most endpoints)."""
+        result: dict[str, Any] = await self._request(method, path, **options)
+        return result
+
     # -- endpoints ---------------------------------------------------------------------------
 
     async def _probe(self, path: str) -> bool:
@@ -96,23 +101,20 @@ class AdminClient(AsyncClosing):
         return await self._probe("/readyz")
 
     async def status(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._request("GET", "/status")
-        return result
+        return await self._object("GET", "/status")
 
     async def routing(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._request("GET", "/routing")
-        return result
+        return await self._object("GET", "/routing")
 
     async def add_link(self, peer: str, address: str, *, wait: float = 5.0) -> dict[str, Any]:
         """Make this broker dial ``peer`` at ``address``; waits up to ``wait`` s for it to be up
         (``result["up"]`` says whether it is). Idempotent."""
-        result: dict[str, Any] = await self._request(
+        return await self._object(
             "POST",
             "/links",
             json={"peer": peer, "address": address, "timeout": wait},
             ok=(200, 202),
         )
-        return result
 
     async def remove_link(self, peer: str) -> bool:
         result = await self._request("DELETE", f"/links/{peer}")
@@ -124,10 +126,9 @@ class AdminClient(AsyncClosing):
         return bool(result["dropped"])
 
     async def telemetry(self, since: int = 0, limit: int = 10_000) -> dict[str, Any]:
-        result: dict[str, Any] = await self._request(
+        return await self._object(
             "GET", "/telemetry", params={"since": str(since), "limit": str(limit)}
         )
-        return result
 
     async def peers(self) -> dict[str, str]:
         result = await self._request("GET", "/peers")
@@ -163,12 +164,10 @@ class AdminClient(AsyncClosing):
             body["xid"] = xid
         if lease is not None:
             body["lease"] = lease
-        result: dict[str, Any] = await self._request("POST", "/exchanges", json=body, ok=(200, 202))
-        return result
+        return await self._object("POST", "/exchanges", json=body, ok=(200, 202))
 
     async def exchange(self, xid: str) -> dict[str, Any]:
-        result: dict[str, Any] = await self._request("GET", f"/exchanges/{xid}")
-        return result
+        return await self._object("GET", f"/exchanges/{xid}")
 
     async def drain(
         self, target: str, address: str | None = None, *, wait: float = 0.0
@@ -179,16 +178,13 @@ class AdminClient(AsyncClosing):
         body: dict[str, Any] = {"target": target, "wait": wait}
         if address is not None:
             body["address"] = address
-        result: dict[str, Any] = await self._request("POST", "/drain", json=body, ok=(200, 202))
-        return result
+        return await self._object("POST", "/drain", json=body, ok=(200, 202))
 
     async def drain_status(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._request("GET", "/drain")
-        return result
+        return await self._object("GET", "/drain")
 
     async def cancel_drain(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._request("DELETE", "/drain")
-        return result
+        return await self._object("DELETE", "/drain")
 
     async def metrics(self) -> str:
         return str(await self._request("GET", "/metrics"))

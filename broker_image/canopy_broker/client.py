@@ -397,10 +397,10 @@ class Client(AsyncClosing):
                 if code == B_NOTIFY:
                     if mode == "deliver":
                         publisher, seq = item[1], item[2]
-                        if seq <= last.get(publisher, 0) and only_newer:
+                        if only_newer and seq <= last.get(publisher, 0):
                             self.duplicates_dropped += 1
                             continue
-                        last[publisher] = seq
+                        last[publisher] = seq  # per notification: a move may start any time
                         inbox.append(Notification(publisher, seq, item[3], item[4], tuple(item[5])))
                     elif mode == "hold":
                         assert m is not None

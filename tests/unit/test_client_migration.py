@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -117,13 +118,29 @@ class StubBroker:
         await asyncio.gather(*self._handlers, return_exceptions=True)
 
 
-@pytest.mark.parametrize("dedup", [True, False])
-async def test_switch_at_the_marker_filters_what_both_connections_carried(dedup: bool) -> None:
+Stubs = tuple[StubBroker, StubBroker, Client]
+
+
+@pytest.fixture
+async def stubs() -> AsyncIterator[Stubs]:
+    """An old and a new stub broker, and a client on the old one subscribed as ``f``."""
     old = await StubBroker("old").start()
-    new = await StubBroker("new", ack_migrating=False).start()
+    new = await StubBroker("new").start()
     client = await connect(old.address, "c")
-    client.dedup = dedup
     await client.subscribe("n >= 0", sub_id="f")
+    yield old, new, client
+    await client.close()
+    for stub in (old, new):
+        await stub.stop()
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+async def test_switch_at_the_marker_filters_what_both_connections_carried(
+    stubs: Stubs, dedup: bool
+) -> None:
+    old, new, client = stubs
+    new.ack_migrating = False  # the test answers the migration notice itself
+    client.dedup = dedup
     old.notify(1, 2, 3)
     assert [n.seq for n in await collect(client, 3)] == [1, 2, 3]
     client.publish_nowait({"n": 100})
@@ -163,15 +180,10 @@ async def test_switch_at_the_marker_filters_what_both_connections_carried(dedup:
     pubs = [PubRecord("p", s, {"n": s}, published_at=1, ended_at=1) for s in range(1, 7)]
     report = check_deliveries(subs, pubs, [DeliveryRecord("c", "p", s, 2) for s in got])
     assert report.ok is dedup and len(report.duplicated) == (0 if dedup else 4)
-    await client.close()
-    for stub in (old, new):
-        await stub.stop()
 
 
-async def test_no_marker_switches_anyway_and_says_so() -> None:
-    old, new = await StubBroker("old").start(), await StubBroker("new").start()
-    client = await connect(old.address, "c")
-    await client.subscribe("n >= 0", sub_id="f")
+async def test_no_marker_switches_anyway_and_says_so(stubs: Stubs) -> None:
+    old, new, client = stubs
     old.notify(1)
     await collect(client, 1)
     with pytest.raises(ClientError) as info:
@@ -180,15 +192,10 @@ async def test_no_marker_switches_anyway_and_says_so() -> None:
     assert client.broker == "new" and old.codes()[-2:] == [C_MOVE, C_LEAVE]
     new.notify(1, 2)
     assert [n.seq for n in await collect(client, 1)] == [2]
-    await client.close()
-    for stub in (old, new):
-        await stub.stop()
 
 
-async def test_losing_the_old_connection_completes_the_switch() -> None:
-    old, new = await StubBroker("old").start(), await StubBroker("new").start()
-    client = await connect(old.address, "c")
-    await client.subscribe("n >= 0", sub_id="f")
+async def test_losing_the_old_connection_completes_the_switch(stubs: Stubs) -> None:
+    old, new, client = stubs
     move = asyncio.create_task(client.migrate(new.address, "new"))
     await eventually(lambda: C_MOVE in old.codes())
     new.notify(1)
@@ -196,9 +203,6 @@ async def test_losing_the_old_connection_completes_the_switch() -> None:
     old.writer.close()  # the old broker goes away before sending the marker
     await move
     assert [n.seq for n in await collect(client, 1)] == [1] and client.broker == "new"
-    await client.close()
-    for stub in (old, new):
-        await stub.stop()
 
 
 async def test_a_failed_move_leaves_the_client_where_it_was(make_broker: MakeBroker) -> None:
