@@ -64,10 +64,16 @@ class AdminClient(AsyncClosing):
         json: Any = None,
         ok: tuple[int, ...] = (200,),
         params: dict[str, str] | None = None,
+        waits: float = 0.0,
     ) -> Any:
+        """``waits``: seconds the broker may hold the request before it answers (the ``wait``
+        of a long call), added to this client's timeout so it does not give up first."""
         url = self.url + path
+        timeout = self._timeout
+        if waits and timeout.total is not None:
+            timeout = aiohttp.ClientTimeout(total=timeout.total + waits)
         async with self._sess().request(
-            method, url, json=json, headers=self._headers, params=params
+            method, url, json=json, headers=self._headers, params=params, timeout=timeout
         ) as resp:
             if resp.status not in ok:
                 text = await resp.text()
@@ -113,6 +119,7 @@ class AdminClient(AsyncClosing):
             "POST",
             "/links",
             json={"peer": peer, "address": address, "timeout": wait},
+            waits=wait,
             ok=(200, 202),
         )
 
@@ -164,7 +171,7 @@ class AdminClient(AsyncClosing):
             body["xid"] = xid
         if lease is not None:
             body["lease"] = lease
-        return await self._object("POST", "/exchanges", json=body, ok=(200, 202))
+        return await self._object("POST", "/exchanges", json=body, ok=(200, 202), waits=wait)
 
     async def exchange(self, xid: str) -> dict[str, Any]:
         return await self._object("GET", f"/exchanges/{xid}")
@@ -178,7 +185,7 @@ class AdminClient(AsyncClosing):
         body: dict[str, Any] = {"target": target, "wait": wait}
         if address is not None:
             body["address"] = address
-        return await self._object("POST", "/drain", json=body, ok=(200, 202))
+        return await self._object("POST", "/drain", json=body, ok=(200, 202), waits=wait)
 
     async def drain_status(self) -> dict[str, Any]:
         return await self._object("GET", "/drain")

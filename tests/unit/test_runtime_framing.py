@@ -23,8 +23,10 @@ from canopy_broker.runtime.framing import (
     data_frame,
     decode_filter,
     decode_link_message,
+    decode_peer_message,
     encode_event_body,
     encode_filter,
+    encode_generic,
     encode_link_message,
     frame,
     from_wire,
@@ -188,13 +190,19 @@ def test_generic_form_round_trips_core_values() -> None:
 
 
 def test_reconfiguration_messages_travel_in_the_generic_form() -> None:
-    lock_type = getattr(core_messages, "Lock", None)
-    if lock_type is None:
-        pytest.skip("this core has no link-exchange messages yet")
-    lock = lock_type("x1", ("a", "b", "c"), 1)
-    wire = encode_link_message(lock)
-    assert wire.startswith(b"[3,")
-    assert decode_link_message(orjson.loads(wire)) == lock
+    m = core_messages
+    key = m.RouteKey(Filter.parse("x < 3"), "")
+    for msg in (
+        m.Lock("x1", ("a", "b", "c"), 1, m.Ordering.CAUSAL, lease=2.5),  # the lease travels
+        m.Done("x1", (key,)),  # with the A end's whole advertisement
+        m.Marker("client-7"),  # client migration
+        m.Moved("client-7"),
+    ):
+        wire = encode_link_message(msg)
+        assert wire.startswith(b"[3,")
+        assert decode_link_message(orjson.loads(wire)) == msg
+    transfer = m.Transfer("x1", (key,))  # out of band, no advertisement any more
+    assert decode_peer_message(orjson.loads(encode_generic(transfer))) == transfer
 
 
 @pytest.mark.parametrize(
