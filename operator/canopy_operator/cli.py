@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from canopy_operator import demo, plancmd, simcmd
+    from canopy_operator import demo, localcmd, plancmd, simcmd
 
     parser = argparse.ArgumentParser(
         prog="canopy",
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_arguments(sub)
     plancmd.add_arguments(sub)
+    localcmd.add_arguments(sub)
     simcmd.add_arguments(sub)
     _add_broker_commands(sub)
     return parser

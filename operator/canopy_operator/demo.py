@@ -1,11 +1,13 @@
-"""`canopy demo`: a local overlay under live traffic, with a verified delivery report.
+"""`canopy demo`: a local overlay reshaped live under traffic, with a verified delivery report.
 
-Broker processes start on 127.0.0.1 in a random tree (fan-out ≤ 3); subscribers with content
-filters attach to different brokers; once the subscriptions have settled everywhere, publishers on
-other brokers stream notifications for a few seconds. Every delivery is then judged by the same
-checker the simulator uses: each subscriber must receive exactly the notifications its filters
-match (computed centrally, not by the brokers), once each, in every publisher's order. The exit
-code says whether that held.
+The operator's own planner and executor start broker processes on 127.0.0.1 in a random tree
+(fan-out ≤ 3); subscribers with content filters attach to different brokers; once their
+subscriptions have settled everywhere, publishers stream notifications throughout. Midway, the
+overlay is moved to a new tree that takes at least five link exchanges, with one broker added and
+one removed (its subscribers and a publisher migrate to its neighbour). Every delivery is judged by
+the simulator's checker: each subscriber must receive exactly the notifications its filters match
+(computed centrally, not by the brokers), once each, in every publisher's order. Before/after
+pictures are written; the exit code says whether everything held.
 """
 
 from __future__ import annotations
@@ -14,16 +16,18 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from canopy_broker.client import Client, connect
 from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Filter
-from canopy_broker.procs import Overlay
 from canopy_broker.sim.checker import (
     DeliveryRecord,
     DeliveryReport,
@@ -32,6 +36,11 @@ from canopy_broker.sim.checker import (
     check_deliveries,
 )
 from canopy_broker.sim.topology import random_tree
+from canopy_operator.draw import draw
+from canopy_operator.local import LocalBackend
+from canopy_operator.localcmd import apply
+from canopy_operator.planner import LiveOverlay, plan
+from canopy_operator.topology import parse_overlay
 
 SYMBOLS = ["ACME", "GLOBEX", "INITECH", "UMBRELLA", "HOOLI", "GRINGOTTS", "STARK", "WAYNE"]
 VENUES = ["XNYS", "XNAS", "XLON"]
@@ -55,10 +64,21 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p = sub.add_parser(
         "demo", help="local brokers, live traffic, verified delivery report (no cluster needed)"
     )
-    p.add_argument("--brokers", type=int, default=7, help="broker processes (default 7)")
+    p.add_argument("--brokers", type=int, default=10, help="broker processes (default 10)")
     p.add_argument("--subscribers", type=int, default=12)
     p.add_argument("--publishers", type=int, default=3)
-    p.add_argument("--duration", type=float, default=5.0, help="seconds of traffic")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=4.0,
+        help="seconds of traffic around the reshaping (half before, half after)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("canopy-demo"),
+        help="directory for the before/after pictures",
+    )
     p.add_argument("--rate", type=int, default=3000, help="notifications/s, all publishers")
     p.add_argument("--routing", choices=["simple", "identity", "covering"], default="covering")
     p.add_argument("--seed", type=int, default=None, help="topology and workload seed")
@@ -125,90 +145,175 @@ async def _collect(sub: Subscriber, stop: asyncio.Event) -> None:
             sub.hops[n.hops] += 1
 
 
-async def _publish(
-    client: Client, rng: random.Random, rate: float, duration: float, log: list[PubRecord]
+def overlay_manifest(
+    name: str, brokers: list[str], links: list[tuple[str, str]], routing: str
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "canopy.dev/v1alpha1",
+        "kind": "BrokerOverlay",
+        "metadata": {"name": name},
+        "spec": {
+            "maxFanOut": 3,
+            "routing": routing,
+            "reconfiguration": {"algorithm": "coordinated", "ordering": "fifo", "maxConcurrent": 2},
+            "brokers": [{"name": b} for b in brokers],
+            "links": [list(e) for e in links],
+        },
+    }
+
+
+def reshaped(
+    names: list[str],
+    removed: str,
+    added: str,
+    live: list[tuple[str, str]],
+    *,
+    rng: random.Random,
+    routing: str,
+) -> tuple[dict[str, Any], int]:
+    """A new tree over the brokers (one removed, one added) that takes at least 5 exchanges."""
+    new_names = [b for b in names if b != removed] + [added]
+    for _ in range(200):
+        order = new_names[:]
+        rng.shuffle(order)
+        relabel = dict(zip([f"b{i}" for i in range(len(order))], order, strict=True))
+        tree = [(relabel[a], relabel[b]) for a, b in random_tree(len(order), rng, max_fanout=3)]
+        manifest = overlay_manifest("demo", new_names, tree, routing)
+        spec = parse_overlay(manifest)
+        p = plan(LiveOverlay(tuple(names), tuple(live)), spec)
+        if len(p.exchanges) >= 5:
+            return manifest, len(p.exchanges)
+    raise RuntimeError("no reshaped tree with 5 exchanges found")
+
+
+async def _settle(backend: LocalBackend, within: float = 30.0) -> int:
+    """Wait until every link is up and idle and routing tables stop changing."""
+    previous: list[Any] | None = None
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        names = sorted(backend.brokers)
+        statuses = [await backend.admin(n).status() for n in names]
+        tables = [(await backend.admin(n).routing())["table"] for n in names]
+        quiet = all(
+            x["state"] == "up" and x["queue_depth"] == 0 for s in statuses for x in s["neighbours"]
+        )
+        if quiet and tables == previous:
+            return sum(len(keys) for t in tables for keys in t["links"].values())
+        previous = tables if quiet else None
+        await asyncio.sleep(0.05)
+    raise TimeoutError("routing did not settle")
+
+
+async def _publish_until(
+    client: Client, rng: random.Random, rate: float, stop: asyncio.Event, log: list[PubRecord]
 ) -> None:
-    tick = 0.01
     start = time.perf_counter()
     sent = 0
-    while (elapsed := time.perf_counter() - start) < duration:
-        due = int(rate * elapsed) - sent
-        for _ in range(due):
+    while not stop.is_set():
+        due = int(rate * (time.perf_counter() - start)) - sent
+        for _ in range(max(due, 0)):
             attrs = make_event(rng)
             seq = client.publish_nowait(attrs)
             log.append(PubRecord(client.client_id, seq, attrs, published_at=1.0, ended_at=1.0))
         sent += max(due, 0)
         await client.flush()
-        await asyncio.sleep(tick)
+        await asyncio.sleep(0.01)
 
 
 async def demo(args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     rng = random.Random(seed)
-    n = max(2, args.brokers)
-    edges = random_tree(n, rng, max_fanout=3)
+    n = max(4, args.brokers)
     names = [f"b{i}" for i in range(n)]
+    edges = random_tree(n, rng, max_fanout=3)
+    out_dir: Path = args.out
     print(f"Overlay of {n} brokers (seed {seed}, {args.routing} routing):")
     print(draw_tree(names, edges))
-    progress(f"starting {n} broker processes on 127.0.0.1 ...")
-    async with Overlay(names, edges, routing=args.routing) as overlay:
+    state = Path(tempfile.mkdtemp(prefix="canopy-demo-"))
+    backend = LocalBackend(state / "demo", routing=args.routing)
+    clients: list[Client] = []
+    steps_report: list[dict[str, Any]] = []
+    try:
+        progress(f"starting {n} broker processes with the operator's planner and executor ...")
+        manifest1 = overlay_manifest("demo", names, edges, args.routing)
+        await apply(parse_overlay(manifest1), manifest1, backend, log=progress)
+        victim = rng.choice(names[1:])  # leaves the overlay later, with its clients
+        added = f"b{n}"
         subscribers = []
         for i in range(args.subscribers):
             chosen = rng.sample(FILTERS, rng.choice([1, 1, 2]))
+            broker = victim if i < 2 else rng.choice(names)
             subscribers.append(
                 Subscriber(
-                    f"sub{i}",
-                    rng.choice(names),
-                    {f"s{k}": Filter.parse(t) for k, t in enumerate(chosen)},
+                    f"sub{i}", broker, {f"s{k}": Filter.parse(t) for k, t in enumerate(chosen)}
                 )
             )
-        pub_brokers = [rng.choice(names) for _ in range(args.publishers)]
-        clients: list[Client] = []
-        try:
-            for s in subscribers:
-                s.client = await connect(overlay[s.broker].listen, client_id=s.name)
-                clients.append(s.client)
-                for sub_id, f in s.filters.items():
-                    await s.client.subscribe(str(f), sub_id=sub_id)
-            progress("subscriptions sent; waiting until routing has settled on every broker")
-            tables = await overlay.settle()
-            entries = sum(len(keys) for t in tables for keys in t["table"]["links"].values())
-            publishers = []
-            for i, b in enumerate(pub_brokers):
-                c = await connect(overlay[b].listen, client_id=f"pub{i}")
-                clients.append(c)
-                publishers.append(c)
-            pubs: list[PubRecord] = []
-            stop = asyncio.Event()
-            collectors = [asyncio.create_task(_collect(s, stop)) for s in subscribers]
-            progress(
-                f"publishing ~{args.rate}/s from {len(publishers)} publishers for "
-                f"{args.duration:.0f}s"
+        for s in subscribers:
+            s.client = await connect(backend.address(s.broker), client_id=s.name)
+            clients.append(s.client)
+            for sub_id, f in s.filters.items():
+                await s.client.subscribe(str(f), sub_id=sub_id)
+        progress("subscriptions sent; waiting until routing has settled on every broker")
+        entries = await _settle(backend)
+        pub_brokers = [victim] + [rng.choice(names) for _ in range(args.publishers - 1)]
+        publishers = []
+        for i, b in enumerate(pub_brokers):
+            c = await connect(backend.address(b), client_id=f"pub{i}")
+            clients.append(c)
+            publishers.append(c)
+        pubs: list[PubRecord] = []
+        stop, stop_pub = asyncio.Event(), asyncio.Event()
+        collectors = [asyncio.create_task(_collect(s, stop)) for s in subscribers]
+        t0 = time.perf_counter()
+        ticker = asyncio.create_task(_ticker(subscribers, pubs, t0))
+        per_pub = args.rate / max(1, len(publishers))
+        publishing = [
+            asyncio.create_task(
+                _publish_until(c, random.Random(seed + i + 1), per_pub, stop_pub, pubs)
             )
-            t0 = time.perf_counter()
-            ticker = asyncio.create_task(_ticker(subscribers, pubs, t0))
-            per_pub = args.rate / max(1, len(publishers))
-            await asyncio.gather(
-                *(
-                    _publish(c, random.Random(seed + i + 1), per_pub, args.duration, pubs)
-                    for i, c in enumerate(publishers)
-                )
-            )
-            publish_wall = time.perf_counter() - t0
-            subs_records = [
-                SubRecord(s.name, sid, f, issued_at=0.0, settled_at=0.0)
-                for s in subscribers
-                for sid, f in s.filters.items()
-            ]
-            await _drain(subscribers, subs_records, pubs)
-            ticker.cancel()
-            stop.set()
-            await asyncio.gather(*collectors, ticker, return_exceptions=True)
-        finally:
-            for c in clients:
-                await c.close()
+            for i, c in enumerate(publishers)
+        ]
+        progress(f"publishing ~{args.rate}/s from {len(publishers)} publishers")
+        await asyncio.sleep(args.duration / 2)
+        live = await backend.live_links()
+        manifest2, n_ex = reshaped(names, victim, added, live, rng=rng, routing=args.routing)
+        draw(names, live, out_dir / "before.png", title="before")
+        progress(
+            f"applying a new shape: {n_ex} link exchanges, add {added}, remove {victim} "
+            f"(its clients migrate) — traffic keeps flowing"
+        )
+        p, executor, apply_wall = await apply(
+            parse_overlay(manifest2), manifest2, backend, log=progress
+        )
+        after = await backend.live_links()
+        draw(sorted(backend.brokers), after, out_dir / "after.png", title="after")
+        steps_report = [
+            {"step": r.index + 1, "kind": r.kind, "seconds": round(r.seconds, 3), **r.detail}
+            for r in sorted(executor.results, key=lambda r: r.index)
+        ]
+        await asyncio.sleep(args.duration / 2)
+        stop_pub.set()
+        await asyncio.gather(*publishing)
+        publish_wall = time.perf_counter() - t0
+        subs_records = [
+            SubRecord(s.name, sid, f, issued_at=0.0, settled_at=0.0)
+            for s in subscribers
+            for sid, f in s.filters.items()
+        ]
+        await _drain(subscribers, subs_records, pubs)
+        ticker.cancel()
+        stop.set()
+        await asyncio.gather(*collectors, ticker, return_exceptions=True)
+        final_links = [list(e) for e in after]
+        wanted = sorted(sorted(e) for e in manifest2["spec"]["links"])
+        shape_ok = sorted(sorted(e) for e in after) == wanted
+    finally:
+        for c in clients:
+            await c.close()
+        await backend.down()
+        shutil.rmtree(state, ignore_errors=True)
     report = check_deliveries(subs_records, pubs, [d for s in subscribers for d in s.received])
-    return _summarise(
+    result = _summarise(
         args,
         seed=seed,
         subscribers=subscribers,
@@ -218,6 +323,26 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         entries=entries,
         subs=subs_records,
     )
+    for row in steps_report:
+        print(
+            f"  step {row['step']:>2} {row['kind']:<11} {row['seconds']:>6.3f}s "
+            + " ".join(f"{k}={v}" for k, v in row.items() if k not in ("step", "kind", "seconds"))
+        )
+    print(
+        f"reshaped live in {apply_wall:.2f}s: {len(p.exchanges)} exchanges, 1 broker added, "
+        f"1 removed; final links {'as declared' if shape_ok else 'DIFFER from the manifest'}; "
+        f"pictures: {out_dir / 'before.png'}, {out_dir / 'after.png'}"
+    )
+    result.update(
+        exchanges=len(p.exchanges),
+        brokers_added=1,
+        brokers_removed=1,
+        reshape_seconds=round(apply_wall, 3),
+        steps=steps_report,
+        final_links=final_links,
+    )
+    result["ok"] = result["ok"] and shape_ok
+    return result
 
 
 async def _ticker(subscribers: list[Subscriber], pubs: list[PubRecord], t0: float) -> None:
@@ -302,6 +427,7 @@ def _summarise(
 
 
 def run(args: argparse.Namespace) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(demo(args))
     if args.json:
         print(json.dumps(result))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import random
 import zlib
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -117,7 +117,17 @@ def plan(live: LiveOverlay, desired: OverlaySpec) -> Plan:
     pending = list(added)
     while pending:
         for n in list(pending):
-            anchors = sorted((x for x in tadj[n] if x in present), key=lambda x: (len(adj[x]), x))
+            anchors = sorted(
+                (x for x in tadj[n] if x in present),
+                key=lambda x: (len(adj[x]) > f, len(adj[x]), x),
+            )
+            if anchors and len(adj[anchors[0]]) > f:
+                # Every target neighbour is over the bound already: join elsewhere (an exchange
+                # moves it later) rather than push a broker two links over.
+                spare = sorted(
+                    (x for x in present if len(adj[x]) < f), key=lambda x: (len(adj[x]), x)
+                )
+                anchors = spare[:1] or anchors
             if anchors:
                 break
         else:  # nothing of its target neighbourhood exists yet (e.g. every broker replaced)
@@ -133,6 +143,10 @@ def plan(live: LiveOverlay, desired: OverlaySpec) -> Plan:
 
     # 2. The augmented target: removed brokers hang as leaves on a neighbour that stays.
     augmented = set(target)
+    aug_degree: dict[str, int] = {}
+    for a, b in augmented:
+        aug_degree[a] = aug_degree.get(a, 0) + 1
+        aug_degree[b] = aug_degree.get(b, 0) + 1
     hung: set[str] = set()
     queue = deque(r for r in removed if any(x not in removed for x in adj[r]))
     for r in removed:
@@ -140,9 +154,18 @@ def plan(live: LiveOverlay, desired: OverlaySpec) -> Plan:
             queue.append(r)
     while queue:
         r = queue.popleft()
-        staying = sorted((x for x in adj[r] if x not in removed), key=lambda x: (len(adj[x]), x))
-        chained = sorted(x for x in adj[r] if x in hung)
-        if staying:
+
+        def load(x: str) -> tuple[bool, int, str]:  # would hanging r here go two over?
+            return (aug_degree.get(x, 0) > f, aug_degree.get(x, 0), x)
+
+        staying = sorted((x for x in adj[r] if x not in removed), key=load)
+        chained = sorted((x for x in adj[r] if x in hung), key=load)
+        roomy = sorted((x for x in present if x != r and (x in hung or x not in removed)), key=load)
+        if staying and load(staying[0])[0] and chained and not load(chained[0])[0]:
+            anchor = chained[0]  # a full staying neighbour: hang on a leaving one instead
+        elif staying and load(staying[0])[0] and roomy and not load(roomy[0])[0]:
+            anchor = roomy[0]  # all neighbours full: hang where there is room (one exchange)
+        elif staying:
             anchor = staying[0]
         elif chained:
             anchor = chained[0]
@@ -155,6 +178,8 @@ def plan(live: LiveOverlay, desired: OverlaySpec) -> Plan:
             queue.append(r)
             continue
         augmented.add(norm((r, anchor)))
+        aug_degree[anchor] = aug_degree.get(anchor, 0) + 1
+        aug_degree[r] = aug_degree.get(r, 0) + 1
         hung.add(r)
 
     # 3. Exchanges: from the live tree (plus new leaves) to the augmented target.
@@ -192,22 +217,13 @@ def _exchanges(
         raise ValueError("live and target trees differ in size: not the same brokers")
     # Shortest cycle first, measured once up front and again as the tree changes.
     lengths = {a: len(tree_path(adj, *a)) for a in to_add}
-    pending = deque(sorted(to_add, key=lambda a: (lengths[a], a)))
+    pending = sorted(to_add, key=lambda a: (lengths[a], a))
+    demand: Counter[str] = Counter(x for a in pending for x in a)  # additions still to come
     steps: list[Step] = []
-    deferred: dict[Edge, int] = {}
     while pending:
-        a = pending.popleft()
-        path = tree_path(adj, a[0], a[1])
-        candidates = [norm(e) for e in itertools.pairwise(path) if norm(e) not in target]
-        # Prefer removing a link of an end that would otherwise exceed the fan-out.
-        over = {x for x in a if len(adj[x]) + 1 > f}
-        best = sorted(candidates, key=lambda e: (-len(over & set(e)), path.index(e[0])))
-        r = best[0]
-        still_over = {x for x in over if x not in r}
-        if still_over and deferred.get(a, 0) < len(pending):
-            deferred[a] = deferred.get(a, 0) + 1
-            pending.append(a)  # another order may free a link there first
-            continue
+        a, path, r = _next_exchange(adj, pending, target, f, demand)
+        pending.remove(a)
+        demand.subtract(a)
         # The cycle as the broker protocol takes it: from one end of the added link to the other.
         steps.append(Step("exchange", 0, remove=r, add=(path[0], path[-1]), cycle=tuple(path)))
         adj[r[0]].discard(r[1])
@@ -215,6 +231,45 @@ def _exchanges(
         adj[a[0]].add(a[1])
         adj[a[1]].add(a[0])
     return steps
+
+
+SCAN = 32  # candidates examined per step when the shortest would overload a broker
+
+
+def _next_exchange(
+    adj: dict[str, set[str]],
+    pending: list[Edge],
+    target: set[Edge],
+    f: int,
+    demand: Mapping[str, int],
+) -> tuple[Edge, list[str], Edge]:
+    """The next addition, its cycle and the link it replaces: the shortest pending addition
+    that keeps every broker within ``f``, else the one that overloads least."""
+    best: tuple[int, int] | None = None
+    choice: tuple[Edge, list[str], Edge] | None = None
+    for rank, a in enumerate(pending[:SCAN]):
+        if rank and all(len(adj[x]) < f for x in a) is False and choice is not None:
+            continue  # only worth a path search if it could beat what we have
+        path = tree_path(adj, a[0], a[1])
+        candidates = [norm(e) for e in itertools.pairwise(path) if norm(e) not in target]
+
+        def after(e: Edge, a: Edge = a, path: list[str] = path) -> tuple[int, int, int]:
+            # Excess at the new link's ends once ``e`` is gone; then prefer making room at
+            # brokers whose pending additions exceed their spare links; then the removal
+            # nearest the first end.
+            ends = max(len(adj[x]) + 1 - (x in e) - f for x in a)
+            room = sum(len(adj[x]) + demand[x] - (x in a) > f for x in e)
+            return (ends, -room, path.index(e[0]))
+
+        r = min(candidates, key=after)
+        excess = after(r)[0]
+        score = (max(excess, 0), rank)
+        if best is None or score < best:
+            best, choice = score, (a, path, r)
+        if excess <= 0:
+            break
+    assert choice is not None
+    return choice
 
 
 def _batches(raw: list[tuple[StepKind, Step]], max_concurrent: int) -> tuple[Step, ...]:
@@ -246,7 +301,12 @@ def _managed_target(
     for r in sorted(set(live.brokers) - set(want)):
         nbrs = sorted({b for e in edges if r in e for b in e if b != r})
         edges = {e for e in edges if r not in e}
-        edges |= {norm(e) for e in itertools.pairwise(nbrs)}
+        # Removing r splits the tree, one part per neighbour: join the parts again through the
+        # broker nearest each neighbour that has a link to spare.
+        tree = adjacency(edges)
+        for a, b in itertools.pairwise(nbrs):
+            edges.add(norm((_roomy_near(tree, a, f), _roomy_near(tree, b, f))))
+            tree = adjacency(edges)
     tree = adjacency(edges)
     members = [b for b in want if b in set(live.brokers)]
     for n in want:
@@ -261,6 +321,18 @@ def _managed_target(
         tree[x].add(n)
         members.append(n)
     return edges
+
+
+def _roomy_near(tree: Mapping[str, set[str]], start: str, f: int) -> str:
+    """The broker nearest ``start`` (breadth first) with fewer than ``f`` links."""
+    seen, frontier = {start}, [start]
+    while frontier:
+        for x in sorted(frontier):
+            if len(tree.get(x, ())) < f:
+                return x
+        frontier = [y for x in frontier for y in sorted(tree.get(x, ())) if y not in seen]
+        seen.update(frontier)
+    return start
 
 
 def _join_walk(

@@ -43,16 +43,81 @@ def test_sim_routing_verifies_every_mode() -> None:
 
 
 @pytest.mark.integration
-def test_demo_runs_and_verifies_deliveries() -> None:
+def test_demo_reshapes_live_and_verifies_deliveries(tmp_path: Path) -> None:
     result = canopy(
-        "demo", "--brokers", "6", "--duration", "2", "--rate", "1500", "--seed", "5", "--json"
+        "demo",
+        "--brokers",
+        "8",
+        "--duration",
+        "3",
+        "--rate",
+        "1500",
+        "--seed",
+        "5",
+        "--out",
+        str(tmp_path),
+        "--json",
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = last_json(result.stdout)
+    for key in (
+        "published",
+        "delivered",
+        "lost",
+        "duplicated",
+        "reordered",
+        "exchanges",
+        "brokers_added",
+        "brokers_removed",
+    ):
+        assert key in data
     assert data["ok"] is True
-    assert data["owed"] > 500 and data["lost"] == 0 and data["duplicated"] == 0
+    assert data["owed"] > 500 and data["lost"] == data["duplicated"] == data["reordered"] == 0
+    assert data["exchanges"] >= 5 and data["brokers_added"] == data["brokers_removed"] == 1
     assert data["mean_hops"] > 0  # notifications really crossed broker links
     assert "verified: OK" in result.stdout
+    for picture in ("before.png", "after.png"):
+        assert (tmp_path / picture).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.integration
+def test_local_up_apply_status_graph_down(tmp_path: Path) -> None:
+    example = Path(__file__).parents[2] / "manifests" / "examples" / "overlay-explicit.yaml"
+    state = tmp_path / "state"
+    desired = tmp_path / "desired.yaml"
+    desired.write_text(
+        "apiVersion: canopy.dev/v1alpha1\nkind: BrokerOverlay\nmetadata: {name: trading}\n"
+        "spec:\n  maxFanOut: 3\n  brokers: [{name: hub}, {name: east}, {name: west},"
+        " {name: north}, {name: edge-2}, {name: edge-1}]\n"
+        "  links: [[hub, east], [east, west], [west, north], [north, edge-1], [hub, edge-2]]\n"
+    )
+    try:
+        up = canopy("up", str(example), "--state-dir", str(state), "--json")
+        assert up.returncode == 0, up.stderr
+        assert len(last_json(up.stdout)["links"]) == 5  # type: ignore[arg-type]
+        applied = canopy("apply", str(desired), "--state-dir", str(state), "--json")
+        assert applied.returncode == 0, applied.stderr
+        data = last_json(applied.stdout)
+        assert data["exchanges"] == 3
+        assert sorted(map(sorted, data["links"])) == sorted(  # type: ignore[arg-type]
+            map(
+                sorted,
+                [
+                    ["hub", "east"],
+                    ["east", "west"],
+                    ["west", "north"],
+                    ["north", "edge-1"],
+                    ["hub", "edge-2"],
+                ],
+            )
+        )
+        status = canopy("status", "--state-dir", str(state), "--json")
+        assert status.returncode == 0 and "south" not in last_json(status.stdout)["brokers"]
+        graph = canopy("graph", "--state-dir", str(state), "-o", str(tmp_path / "g.png"))
+        assert graph.returncode == 0 and (tmp_path / "g.png").stat().st_size > 0
+    finally:
+        down = canopy("down", "--state-dir", str(state))
+    assert down.returncode == 0
 
 
 @pytest.mark.parametrize("algorithm", ["coordinated", "path", "strawman"])

@@ -1,0 +1,207 @@
+"""The executor: the one place that acts on a plan. Both faces (Kubernetes, local) use it.
+
+It runs a :class:`~canopy_operator.planner.Plan` batch by batch — steps of one batch touch
+disjoint brokers and run concurrently — through a small :class:`Backend` (create/delete a broker,
+wait until it is ready, its addresses, its admin client) and the brokers' admin API.
+
+**Resumable and idempotent.** Progress (which step indices are done) goes to a
+:class:`ProgressStore` after every step — the overlay's ``status`` in Kubernetes, a state file
+locally — so a restarted operator continues where it stopped. Every broker call is idempotent:
+an exchange's id is derived from the overlay, the plan's generation and the step index, so asking
+again returns the same exchange instead of starting a second one; creating a broker that exists,
+adding a link that exists, draining a drained broker are no-ops.
+
+**Failures.** An unreachable broker is retried with backoff (the overlay is reported Degraded
+meanwhile); an exchange the brokers give up on (lock conflicts beyond their retries, a lease that
+ran out) fails the step with its reason, and the plan stops there — the overlay is consistent
+after every step, so a later reconcile re-plans from what is live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from canopy_broker.admin_client import AdminClient, AdminError
+from canopy_operator.planner import Plan, Step
+
+
+class Backend(Protocol):
+    """Where brokers live: Kubernetes pods or local processes."""
+
+    async def create_broker(self, name: str) -> None: ...
+
+    async def delete_broker(self, name: str) -> None: ...
+
+    async def wait_ready(self, name: str, within: float) -> None: ...
+
+    def address(self, name: str) -> str:
+        """HOST:PORT other brokers and clients reach the broker at."""
+        ...
+
+    def admin(self, name: str) -> AdminClient: ...
+
+
+class ProgressStore(Protocol):
+    async def save(self, progress: dict[str, Any]) -> None: ...
+
+
+class StepError(Exception):
+    def __init__(self, index: int, step: Step, reason: str) -> None:
+        super().__init__(f"step {index + 1} ({step.kind}) failed: {reason}")
+        self.index, self.step, self.reason = index, step, reason
+
+
+EventSink = Callable[[str, str], None]  # (reason, message), like a Kubernetes Event
+
+
+@dataclass
+class StepResult:
+    index: int
+    kind: str
+    seconds: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Executor:
+    backend: Backend
+    store: ProgressStore
+    overlay: str
+    ordering: str = "fifo"
+    lease: float = 30.0
+    on_event: EventSink = lambda reason, message: None
+    on_degraded: Callable[[str | None], Awaitable[None]] | None = None
+    retry_for: float = 60.0
+    results: list[StepResult] = field(default_factory=list)
+
+    def step_id(self, generation: int, index: int) -> str:
+        return f"{self.overlay}-g{generation}-s{index + 1}"
+
+    async def run(
+        self, plan: Plan, generation: int, progress: dict[str, Any] | None = None
+    ) -> None:
+        """Carry out ``plan``; ``progress`` is what a previous run of the same plan saved."""
+        done: set[int] = set()
+        if progress and progress.get("generation") == generation:
+            done = set(progress.get("completed", []))
+        steps = list(enumerate(plan.steps))
+        state: dict[str, Any] = {
+            "generation": generation,
+            "steps": [s.to_json() for s in plan.steps],
+            "completed": sorted(done),
+        }
+        for batch in sorted({s.batch for s in plan.steps}):
+            todo = [(i, s) for i, s in steps if s.batch == batch and i not in done]
+            if not todo:
+                continue
+            await asyncio.gather(*(self._run_step(generation, i, s, state, done) for i, s in todo))
+
+    async def _run_step(
+        self, generation: int, i: int, step: Step, state: dict[str, Any], done: set[int]
+    ) -> None:
+        started = time.perf_counter()
+        self.on_event("StepStarted", f"step {i + 1}/{len(state['steps'])}: {describe(step)}")
+        detail = await self._retrying(lambda: self._do(generation, i, step), step, i)
+        done.add(i)
+        state["completed"] = sorted(done)
+        await self.store.save(dict(state))
+        seconds = time.perf_counter() - started
+        self.results.append(StepResult(i, step.kind, seconds, detail))
+        self.on_event("StepDone", f"step {i + 1}: {describe(step)} in {seconds:.2f}s")
+
+    async def _retrying(
+        self, action: Callable[[], Awaitable[dict[str, Any]]], step: Step, i: int
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + self.retry_for
+        delay = 0.2
+        degraded = False
+        while True:
+            try:
+                result = await action()
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise StepError(i, step, f"broker unreachable: {exc}") from exc
+                if not degraded and self.on_degraded is not None:
+                    await self.on_degraded(f"broker unreachable during step {i + 1}: {exc}")
+                degraded = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if degraded and self.on_degraded is not None:
+                await self.on_degraded(None)
+            return result
+
+    async def _do(self, generation: int, i: int, step: Step) -> dict[str, Any]:
+        if step.kind == "add-leaf":
+            return await self._add_leaf(step)
+        if step.kind == "exchange":
+            return await self._exchange(self.step_id(generation, i), step, i)
+        return await self._remove_leaf(step, i)
+
+    async def _add_leaf(self, step: Step) -> dict[str, Any]:
+        assert step.broker is not None and step.add is not None
+        new = step.broker
+        anchor = step.add[0] if step.add[1] == new else step.add[1]
+        await self.backend.create_broker(new)
+        await self.backend.wait_ready(new, 30.0)
+        result = await self.backend.admin(new).add_link(anchor, self.backend.address(anchor))
+        if not result.get("up"):
+            raise aiohttp.ClientError(f"link {new}-{anchor} did not come up")
+        return {"broker": new, "attached_to": anchor}
+
+    async def _exchange(self, xid: str, step: Step, i: int) -> dict[str, Any]:
+        assert step.remove is not None
+        cycle = list(step.cycle)
+        # Out-of-band channels: every broker of the cycle must be able to reach the others.
+        book = {b: self.backend.address(b) for b in cycle}
+        await asyncio.gather(*(self.backend.admin(b).set_peers(book) for b in cycle))
+        admin = self.backend.admin(cycle[0])
+        rec = await admin.start_exchange(
+            cycle, step.remove, ordering=self.ordering, xid=xid, wait=20.0, lease=self.lease
+        )
+        while rec.get("state") == "running":
+            await asyncio.sleep(0.1)
+            rec = await admin.exchange(xid)
+        if rec.get("state") != "finished":
+            raise StepError(i, step, str(rec.get("reason") or rec))
+        return {"xid": xid, "cycle": cycle, "attempts": rec.get("attempts")}
+
+    async def _remove_leaf(self, step: Step, i: int) -> dict[str, Any]:
+        assert step.broker is not None
+        leaf = step.broker
+        other = None
+        if step.remove is not None:
+            other = step.remove[1] if step.remove[0] == leaf else step.remove[0]
+        admin = self.backend.admin(leaf)
+        with contextlib.suppress(AdminError):  # a leaf that is already gone has no clients
+            if other is not None:
+                await admin.set_peers({other: self.backend.address(other)})
+                deadline = time.monotonic() + 60.0
+                while not (await admin.drain(other, self.backend.address(other), wait=5.0)).get(
+                    "drained"
+                ):
+                    if time.monotonic() > deadline:
+                        raise StepError(i, step, f"{leaf}'s clients did not leave within 60s")
+                await admin.remove_link(other)
+        await self.backend.delete_broker(leaf)
+        return {"broker": leaf, "clients_moved_to": other}
+
+
+def describe(step: Step) -> str:
+    if step.kind == "add-leaf":
+        assert step.add is not None
+        return f"add leaf {step.broker} at {step.add[0]}"
+    if step.kind == "remove-leaf":
+        return f"remove leaf {step.broker}"
+    assert step.remove is not None and step.add is not None
+    return (
+        f"exchange {step.remove[0]}-{step.remove[1]} for {step.add[0]}-{step.add[1]} "
+        f"(cycle of {len(step.cycle)})"
+    )

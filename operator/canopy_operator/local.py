@@ -1,0 +1,195 @@
+"""The local face: brokers as processes on this machine, state in a directory.
+
+``canopy up`` / ``apply`` / ``status`` / ``down`` and ``canopy demo`` run the operator's planner
+and executor against this backend. Brokers are started detached (their own session, logs in the
+state directory), so an overlay outlives the command that started it; ``state.json`` remembers
+each broker's pid and addresses and the overlay's admin token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from canopy_broker.admin_client import AdminClient
+from canopy_broker.cli import READY_PREFIX
+from canopy_broker.procs import broker_env
+
+
+class LocalBackend:
+    """Implements :class:`canopy_operator.executor.Backend` with local processes."""
+
+    def __init__(self, state_dir: Path, *, routing: str = "covering", host: str = "127.0.0.1"):
+        self.dir = state_dir
+        self.host = host
+        self.routing = routing
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.state: dict[str, Any] = self._load()
+        self.state.setdefault("token", secrets.token_urlsafe(18))
+        self.state.setdefault("brokers", {})
+        self._admins: dict[str, AdminClient] = {}
+
+    # -- persistence ------------------------------------------------------------------------
+
+    @property
+    def state_file(self) -> Path:
+        return self.dir / "state.json"
+
+    def _load(self) -> dict[str, Any]:
+        if self.state_file.exists():
+            data: dict[str, Any] = json.loads(self.state_file.read_text())
+            return data
+        return {}
+
+    def save(self) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1))
+        tmp.replace(self.state_file)
+
+    async def save_progress(self, progress: dict[str, Any]) -> None:
+        self.state["progress"] = progress
+        self.save()
+
+    # -- Backend ----------------------------------------------------------------------------
+
+    @property
+    def brokers(self) -> dict[str, dict[str, Any]]:
+        brokers: dict[str, dict[str, Any]] = self.state["brokers"]
+        return brokers
+
+    async def create_broker(self, name: str) -> None:
+        info = self.brokers.get(name)
+        if info is not None and _alive(info["pid"]):
+            return
+        log = self.dir / f"{name}.log"
+        ready = self.dir / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        env = broker_env()
+        env["CANOPY_ADMIN_TOKEN"] = self.state["token"]
+        with ready.open("wb") as out, log.open("ab") as err:
+            # Detached on purpose (not asyncio's subprocess): it must outlive this event loop.
+            proc = subprocess.Popen(  # noqa: ASYNC220
+                [
+                    sys.executable,
+                    "-m",
+                    "canopy_broker.cli",
+                    "serve",
+                    "--name",
+                    name,
+                    "--listen",
+                    f"{self.host}:0",
+                    "--admin",
+                    f"{self.host}:0",
+                    "--routing",
+                    self.routing,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=env,
+                start_new_session=True,  # the overlay outlives this command
+            )
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            for line in ready.read_text(errors="replace").splitlines():
+                if line.startswith(READY_PREFIX):
+                    addr = json.loads(line[len(READY_PREFIX) :])
+                    self.brokers[name] = {
+                        "pid": proc.pid,
+                        "listen": addr["listen"],
+                        "admin": addr["admin"],
+                        "log": str(log),
+                    }
+                    self.save()
+                    return
+            if proc.poll() is not None:
+                raise RuntimeError(f"broker {name} exited with {proc.returncode}; see {log}")
+            await asyncio.sleep(0.05)
+        proc.kill()
+        raise RuntimeError(f"broker {name} did not report ready within 30s; see {log}")
+
+    async def wait_ready(self, name: str, within: float) -> None:
+        deadline = time.monotonic() + within
+        while not await self.admin(name).readyz():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"broker {name} not ready after {within}s")
+            await asyncio.sleep(0.05)
+
+    async def delete_broker(self, name: str) -> None:
+        info = self.brokers.pop(name, None)
+        admin = self._admins.pop(name, None)
+        if admin is not None:
+            await admin.close()
+        if info is not None:
+            await _stop(info["pid"])
+        self.save()
+
+    def address(self, name: str) -> str:
+        return str(self.brokers[name]["listen"])
+
+    def admin(self, name: str) -> AdminClient:
+        client = self._admins.get(name)
+        if client is None:
+            client = self._admins[name] = AdminClient(
+                self.brokers[name]["admin"], self.state["token"]
+            )
+        return client
+
+    # -- queries ----------------------------------------------------------------------------
+
+    async def live_links(self) -> list[tuple[str, str]]:
+        """The links the brokers report (each link once), the live tree."""
+        links: set[tuple[str, str]] = set()
+        for name in list(self.brokers):
+            status = await self.admin(name).status()
+            for n in status.get("neighbours", []):
+                if n.get("closing"):
+                    continue
+                a, b = sorted((name, str(n["peer"])))
+                links.add((a, b))
+        return sorted(links)
+
+    async def close(self) -> None:
+        for client in self._admins.values():
+            await client.close()
+        self._admins.clear()
+
+    async def down(self) -> None:
+        await self.close()
+        await asyncio.gather(*(_stop(info["pid"]) for info in self.brokers.values()))
+        self.state["brokers"] = {}
+        self.state.pop("progress", None)
+        self.save()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+async def _stop(pid: int, within: float = 10.0) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            done, _ = os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
+            if done:
+                return
+        if not _alive(pid):
+            return
+        await asyncio.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)

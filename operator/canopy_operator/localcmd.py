@@ -1,0 +1,208 @@
+"""`canopy up | apply | status | graph | down`: the operator's local face.
+
+The same manifests as for Kubernetes; brokers run as local processes; state lives in
+``.canopy/<overlay>/`` (or ``--state-dir``). ``apply`` plans from what the brokers report is live
+(so an interrupted apply is simply applied again) and shows each step as it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from canopy_operator.draw import draw
+from canopy_operator.executor import Executor, StepError
+from canopy_operator.local import LocalBackend
+from canopy_operator.plancmd import load_overlay
+from canopy_operator.planner import LiveOverlay, Plan, plan
+from canopy_operator.topology import OverlaySpec, SpecError
+
+DEFAULT_STATE = Path(".canopy")
+T = TypeVar("T")
+
+
+def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for name, helptext in (
+        ("up", "start a local overlay from a BrokerOverlay manifest"),
+        ("apply", "move the local overlay to a manifest, live (plan + execute)"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("file", type=Path)
+        p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE)
+        p.add_argument("--json", action="store_true", help="one JSON object on the last line")
+        p.set_defaults(func=run_apply)
+    for name, helptext in (
+        ("status", "show the local overlay's brokers and links"),
+        ("down", "stop the local overlay's brokers and forget it"),
+        ("graph", "draw the live local topology (-o file.png|.svg|.dot)"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--overlay", help="overlay name (default: the only one in the state dir)")
+        p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE)
+        if name == "status":
+            p.add_argument("--json", action="store_true")
+        if name == "graph":
+            p.add_argument("-o", "--output", type=Path, default=Path("overlay.png"))
+        p.set_defaults(func={"status": run_status, "down": run_down, "graph": run_graph}[name])
+
+
+def overlay_dir(state_dir: Path, name: str | None) -> Path:
+    if name:
+        return state_dir / name
+    found = sorted(p for p in state_dir.glob("*") if (p / "state.json").exists())
+    if len(found) != 1:
+        names = ", ".join(p.name for p in found) or "none"
+        raise SystemExit(f"error: pass --overlay (overlays in {state_dir}: {names})")
+    return found[0]
+
+
+async def apply(
+    spec: OverlaySpec,
+    manifest: dict[str, Any],
+    backend: LocalBackend,
+    log: Any = print,
+) -> tuple[Plan, Executor, float]:
+    """Plan from the live brokers to ``spec`` and execute; returns the plan and the executor."""
+    live = sorted(backend.brokers)
+    if not live:  # a new overlay: its first broker, then the rest join as leaves
+        first = spec.broker_names[0]
+        await backend.create_broker(first)
+        await backend.wait_ready(first, 30.0)
+        live = [first]
+    links = await backend.live_links()
+    p = plan(LiveOverlay(tuple(live), tuple(links)), spec)
+    generation = int(backend.state.get("generation", 0)) + 1
+    total = len(p.steps)
+
+    def event(reason: str, message: str) -> None:
+        if reason == "StepDone":
+            log(f"  [{len(executor.results)}/{total}] {message}")
+
+    executor = Executor(backend, _Store(backend), spec.name, ordering=spec.ordering, on_event=event)
+    started = time.perf_counter()
+    await executor.run(p, generation)
+    wall = time.perf_counter() - started
+    backend.state["generation"] = generation
+    backend.state["spec"] = manifest
+    backend.save()
+    return p, executor, wall
+
+
+class _Store:
+    def __init__(self, backend: LocalBackend) -> None:
+        self.backend = backend
+
+    async def save(self, progress: dict[str, Any]) -> None:
+        await self.backend.save_progress(progress)
+
+
+def run_apply(args: argparse.Namespace) -> int:
+    try:
+        spec = load_overlay(args.file)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    manifest = next(
+        d
+        for d in yaml.safe_load_all(args.file.read_text())
+        if d and d.get("kind") == "BrokerOverlay"
+    )
+
+    async def go() -> dict[str, Any]:
+        backend = LocalBackend(args.state_dir / spec.name, routing=spec.routing)
+        try:
+            p, _executor, wall = await apply(spec, manifest, backend)
+            links = await backend.live_links()
+        finally:
+            await backend.close()
+        return {
+            "overlay": spec.name,
+            "steps": len(p.steps),
+            "exchanges": len(p.exchanges),
+            "seconds": round(wall, 2),
+            "brokers": sorted(backend.brokers),
+            "links": [list(e) for e in links],
+        }
+
+    try:
+        result = asyncio.run(go())
+    except StepError as exc:
+        print(f"error: {exc}; the overlay is consistent, apply again to continue", file=sys.stderr)
+        return 1
+    print(
+        f"{result['overlay']}: {result['steps']} steps ({result['exchanges']} exchanges) in "
+        f"{result['seconds']}s; {len(result['brokers'])} brokers, {len(result['links'])} links"
+    )
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def with_backend(args: argparse.Namespace, query: Callable[[LocalBackend], Awaitable[T]]) -> T:
+    """Run one query against the local overlay named by the arguments, then close its clients."""
+    backend = LocalBackend(overlay_dir(args.state_dir, args.overlay))
+
+    async def go() -> T:
+        try:
+            return await query(backend)
+        finally:
+            await backend.close()
+
+    return asyncio.run(go())
+
+
+def run_status(args: argparse.Namespace) -> int:
+    async def query(backend: LocalBackend) -> dict[str, Any]:
+        statuses = {n: await backend.admin(n).status() for n in sorted(backend.brokers)}
+        links = await backend.live_links()
+        return {
+            "overlay": backend.dir.name,
+            "generation": backend.state.get("generation", 0),
+            "brokers": {
+                n: {
+                    "address": backend.address(n),
+                    "clients": s.get("clients"),
+                    "neighbours": [x["peer"] for x in s.get("neighbours", [])],
+                }
+                for n, s in statuses.items()
+            },
+            "links": [list(e) for e in links],
+        }
+
+    data = with_backend(args, query)
+    for n, b in data["brokers"].items():
+        print(
+            f"{n:<12} {b['address']:<22} clients {b['clients']!s:<4} "
+            f"neighbours {', '.join(b['neighbours'])}"
+        )
+    print(
+        f"{len(data['brokers'])} brokers, {len(data['links'])} links "
+        f"(generation {data['generation']})"
+    )
+    if args.json:
+        print(json.dumps(data))
+    return 0
+
+
+def run_graph(args: argparse.Namespace) -> int:
+    async def query(backend: LocalBackend) -> tuple[list[str], list[tuple[str, str]], str]:
+        return sorted(backend.brokers), await backend.live_links(), backend.dir.name
+
+    brokers, links, name = with_backend(args, query)
+    print(f"wrote {draw(brokers, links, args.output, title=name)}")
+    return 0
+
+
+def run_down(args: argparse.Namespace) -> int:
+    backend = LocalBackend(overlay_dir(args.state_dir, args.overlay))
+    asyncio.run(backend.down())
+    print(f"stopped overlay {backend.dir.name}")
+    return 0
