@@ -159,7 +159,9 @@ class BrokerCore:
         self._now = 0.0
         # Migrating publishers: their publications here wait until the old broker says Moved.
         self._held: dict[str, tuple[str, list[Event]]] = {}
+        self._early_moved: set[tuple[str, str]] = set()  # (client, old broker): Moved came first
         self.ordering_delays: list[float] = []  # how long each queued notification waited
+        # Per exchange, for the simulator's figures (bounded: the last 64 exchanges).
         self.ordering_delays_by_exchange: dict[str, list[float]] = {}
 
     # ------------------------------------------------------------------ queries
@@ -242,10 +244,8 @@ class BrokerCore:
             for sub_id in list(subs):
                 self._drop_subscription(inp.client, sub_id, out)
             del self._clients[inp.client]
-            held = self._held.pop(inp.client, None)
-            if held is not None:  # left before the move finished: its held events go out now
-                for event in held[1]:
-                    self._route(event, None, out)
+            if inp.client in self._held:  # left before the move finished: release its events
+                self._release_held(inp.client, out)
         elif isinstance(inp, ClientMigrating):
             self._check_client(inp.client)
             if inp.source not in self._from_link:
@@ -253,7 +253,12 @@ class BrokerCore:
                     f"{self.name}: {inp.client!r} migrates from {inp.source!r}, "
                     "which is not a neighbour"
                 )
-            self._held[inp.client] = (inp.source, [])
+            if (inp.client, inp.source) in self._early_moved:
+                self._early_moved.discard(
+                    (inp.client, inp.source)
+                )  # Moved came first: nothing to hold
+            else:
+                self._held[inp.client] = (inp.source, [])
             out.append(SendToLink(inp.source, Marker(inp.client)))
         elif isinstance(inp, ClientMove):
             self._check_client(inp.client)
@@ -389,6 +394,9 @@ class BrokerCore:
             )
         del self._advertised[peer]
         del self._from_link[peer]
+        # A migrating publisher's old broker is gone: nothing can overtake its held events now.
+        for client in [c for c, (source, _) in self._held.items() if source == peer]:
+            self._release_held(client, out)
         for key in sorted(table, key=RouteKey.sort_key):
             self._matcher.remove(key.filter, peer)
             self._key_removed(key, None, out)
@@ -632,9 +640,9 @@ class BrokerCore:
         if isinstance(msg, Moved):
             held = self._held.get(msg.client)
             if held is not None and held[0] == peer:
-                del self._held[msg.client]
-                for event in held[1]:
-                    self._route(event, None, out)
+                self._release_held(msg.client, out)
+            elif held is None:
+                self._early_moved.add((msg.client, peer))  # ClientMigrating is still on its way
             return
         ex = self._ex
         xid = getattr(msg, "xid", None)
@@ -662,6 +670,17 @@ class BrokerCore:
             self._on_echo(ex, out)
         else:  # pragma: no cover
             raise ProtocolError(f"unknown link message {msg!r}")
+
+    def _release_held(self, client: str, out: list[Effect]) -> None:
+        """A migrating publisher's publications here may go: the old broker's have passed."""
+        _source, events = self._held.pop(client)
+        for event in events:
+            self._route(event, None, out)
+
+    def take_ordering_delays(self) -> list[float]:
+        """Hand over (and forget) the ordering delays measured since the last call."""
+        delays, self.ordering_delays = self.ordering_delays, []
+        return delays
 
     def _apply_done(self, peer: str, msg: Done, out: list[Effect]) -> None:
         """The other side's advertisement, complete: apply what differs from what we hold."""
@@ -834,9 +853,10 @@ class BrokerCore:
         for queued_at, inp in queued:
             if isinstance(inp.message, Publish):
                 self.ordering_delays.append(self._now - queued_at)
-                self.ordering_delays_by_exchange.setdefault(ex.xid, []).append(
-                    self._now - queued_at
-                )
+                by_xid = self.ordering_delays_by_exchange
+                if ex.xid not in by_xid and len(by_xid) >= 64:
+                    del by_xid[next(iter(by_xid))]
+                by_xid.setdefault(ex.xid, []).append(self._now - queued_at)
             self._from_link_msg(inp, out)
             if self._ex is not ex:  # a queued Done finished the exchange
                 break

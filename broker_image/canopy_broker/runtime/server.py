@@ -1195,9 +1195,9 @@ class Broker:
 
     def _take_ordering_delays(self) -> None:
         """Move the waits the core recorded for gray notifications at the new link into the
-        histogram and the running totals. The core only appends to that list; taking the
-        entries here keeps it from growing for the life of the process."""
-        delays = self.core.ordering_delays
+        histogram and the running totals; taking them keeps the core's list from growing for the
+        life of the process."""
+        delays = self.core.take_ordering_delays()
         if not delays:
             return
         observe = self.metrics.ordering_delay.observe
@@ -1207,7 +1207,6 @@ class Broker:
         stats[0] += len(delays)
         stats[1] += sum(delays)
         stats[2] = max(stats[2], *delays)
-        delays.clear()
 
     def ordering_delay_status(self) -> dict[str, Any]:
         self._take_ordering_delays()

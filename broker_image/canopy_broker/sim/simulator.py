@@ -189,6 +189,7 @@ class Simulator:
         self._migrations: dict[str, _Migration] = {}
         self._last_seq: dict[str, dict[str, int]] = {}
         self._leaving: dict[str, str] = {}  # leaf being removed -> its neighbour
+        self._on_the_wire: dict[tuple[str, str], int] = {}  # link messages sent, not yet handled
         self.removed: set[str] = set()
         self.crashed: set[str] = set()
         self._core_factory = core_factory
@@ -406,6 +407,7 @@ class Simulator:
     def _apply(self, broker: str, inp: Input) -> None:
         self.stats.inputs += 1
         if isinstance(inp, FromLink):
+            self._on_the_wire[(inp.peer, broker)] -= 1
             msg = inp.message
             if isinstance(msg, _CONTROL):
                 self._control_in_flight -= 1
@@ -430,6 +432,8 @@ class Simulator:
         self._carry_out(broker, effects)
         if isinstance(inp, ClientDetach) and broker in self._leaving:
             self._maybe_remove_leaf(broker)
+        elif isinstance(inp, FromLink) and inp.peer in self._leaving:
+            self._maybe_remove_leaf(inp.peer)
         if self._control_in_flight == 0 and self._unsettled:
             waiting = []
             for index, overlapped in self._unsettled:
@@ -529,8 +533,15 @@ class Simulator:
         self._maybe_remove_leaf(leaf)
 
     def _maybe_remove_leaf(self, leaf: str) -> None:
-        if leaf in self._leaving and not self.cores[leaf].clients:
-            other = self._leaving.pop(leaf)
+        """Unlink a drained leaf once it has no clients and nothing it sent is still on the
+        way (a migrating publisher's Moved must arrive before the link goes)."""
+        other = self._leaving.get(leaf)
+        if (
+            other is not None
+            and not self.cores[leaf].clients
+            and not self._on_the_wire.get((leaf, other))
+        ):
+            del self._leaving[leaf]
             self.removed.add(leaf)
             self.remove_link(leaf, other)
 
@@ -561,6 +572,9 @@ class Simulator:
                     self._control_in_flight += 1
                 t = self._fifo_time(
                     (broker, eff.peer), self.now + self.rng.uniform(*self.link_delay)
+                )
+                self._on_the_wire[(broker, eff.peer)] = (
+                    self._on_the_wire.get((broker, eff.peer), 0) + 1
                 )
                 self._schedule(t, eff.peer, FromLink(broker, msg))
             elif isinstance(eff, Deliver):
