@@ -23,8 +23,52 @@ def build_parser() -> argparse.ArgumentParser:
     plancmd.add_arguments(sub)
     localcmd.add_arguments(sub)
     simcmd.add_arguments(sub)
+    _add_operator_command(sub)
     _add_broker_commands(sub)
     return parser
+
+
+def _add_operator_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`canopy operator`: the Kubernetes operator (kopf), imported only when it runs."""
+    p = sub.add_parser("operator", help="run the Kubernetes operator (BrokerOverlay handlers)")
+    p.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; default: all namespaces)",
+    )
+    p.add_argument("--server", help="API server URL (default: in-cluster service account)")
+    p.add_argument("--token", help="bearer token for --server")
+    p.add_argument("--insecure", action="store_true", help="do not verify --server's TLS")
+    p.add_argument("--broker-image", help="default broker image (or $CANOPY_BROKER_IMAGE)")
+    p.add_argument("--metrics-port", type=int, default=8000, help="/metrics port (0: off)")
+    p.add_argument("--liveness", help="kopf's liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
+    p.add_argument("--heal-interval", type=float, default=30.0, help="seconds between checks")
+    p.set_defaults(func=_run_operator)
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from prometheus_client import start_http_server
+
+    from canopy_operator import k8s
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    config = k8s.OperatorConfig(
+        server=args.server,
+        token=args.token,
+        insecure=args.insecure,
+        heal_interval=args.heal_interval,
+    )
+    if args.broker_image:
+        config.image = args.broker_image
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
+    asyncio.run(k8s.run_operator(config, namespaces=args.namespace, liveness=args.liveness))
+    return 0
 
 
 def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

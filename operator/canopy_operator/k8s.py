@@ -1,0 +1,906 @@
+"""The Kubernetes face: kopf handlers for BrokerOverlay and a backend of Pods.
+
+Per overlay the operator keeps a Secret (the brokers' admin token), a headless Service (broker
+DNS) and one Pod per broker (``<overlay>-<broker>``, not a StatefulSet: brokers are not
+interchangeable), all owned by the overlay so deleting it removes them. A reconcile (create,
+update, resume) validates the spec — an invalid spec gets ``Valid=False``, an Event and nothing
+else — creates what is missing, asks the brokers which links are live, plans and runs the plan
+with the shared :class:`~canopy_operator.executor.Executor`. Progress goes to ``status.plan``
+after every step (each step carries ``done``), so a restarted operator resumes the same plan of
+the same generation instead of repeating or skipping a step. A timer compares the live brokers
+with the declared ones and re-links a broker that came back without its links.
+
+The operator only ever writes ``status`` (merge patches on the status subresource); ``spec``
+belongs to its owners (GitOps). Kubernetes is spoken to with a small aiohttp client (merge
+patches only), so the same code runs against a cluster and against kmock's emulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import logging
+import os
+import secrets
+import ssl
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import aiohttp
+import kopf
+from prometheus_client import Counter, Gauge, Histogram
+
+from canopy_broker.admin_client import AdminClient
+from canopy_operator.executor import Executor, StepError
+from canopy_operator.planner import LiveOverlay, Plan, Step, plan
+from canopy_operator.topology import OverlaySpec, SpecError, norm, parse_overlay, validate
+
+GROUP, VERSION, PLURAL, KIND = "canopy.dev", "v1alpha1", "brokeroverlays", "BrokerOverlay"
+BROKER_PORT, ADMIN_PORT = 7000, 8080
+LABEL_OVERLAY, LABEL_BROKER = "canopy.dev/overlay", "canopy.dev/broker"
+TOKEN_DIR = "/var/run/canopy"  # where the broker image expects its token
+DEFAULT_IMAGE = "canopy:0.1.0"  # the Dockerfile's image: broker, CLI and operator
+
+log = logging.getLogger("canopy.operator")
+
+RECONCILE_SECONDS = Histogram(
+    "canopy_operator_reconcile_seconds", "Duration of BrokerOverlay reconciles", ["result"]
+)
+STEPS = Counter("canopy_operator_steps_total", "Plan steps carried out", ["kind", "result"])
+PLAN_LENGTH = Gauge("canopy_operator_plan_steps", "Steps of the current plan", ["overlay"])
+
+
+# -- a minimal Kubernetes REST client ---------------------------------------------------------
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class KubeApi:
+    """Get/list/create/merge-patch/delete over HTTP; what the operator needs, nothing more."""
+
+    def __init__(
+        self,
+        server: str,
+        *,
+        token: str | None = None,
+        ca_path: str | None = None,
+        insecure: bool = False,
+        user_agent: str = "canopy-operator",
+    ) -> None:
+        self.server = server.rstrip("/")
+        self._headers = {"User-Agent": user_agent}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._ssl: ssl.SSLContext | bool = True
+        if ca_path:
+            self._ssl = ssl.create_default_context(cafile=ca_path)
+        elif insecure:
+            self._ssl = False
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_connection(cls, info: kopf.ConnectionInfo) -> KubeApi:
+        ca = info.ca_path
+        return cls(
+            info.server,
+            token=info.token,
+            ca_path=os.fsdecode(ca) if ca else None,
+            insecure=bool(info.insecure),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request(self, method: str, path: str, body: Any = None) -> Any:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        headers = dict(self._headers)
+        if method == "PATCH":
+            headers["Content-Type"] = "application/merge-patch+json"
+        async with self._session.request(
+            method, self.server + path, json=body, headers=headers, ssl=self._ssl
+        ) as resp:
+            if resp.status >= 400:
+                raise KubeError(resp.status, await resp.text())
+            return await resp.json(content_type=None)
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        try:
+            result: dict[str, Any] = await self.request("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return result
+
+    async def create(self, path: str, body: Mapping[str, Any]) -> bool:
+        """True if created, False if it already existed."""
+        try:
+            await self.request("POST", path, body)
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def patch(self, path: str, body: Mapping[str, Any]) -> None:
+        await self.request("PATCH", path, body)
+
+    async def delete(self, path: str) -> None:
+        try:
+            await self.request("DELETE", path)
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+
+    async def items(self, path: str) -> list[dict[str, Any]]:
+        data = await self.get(path) or {}
+        items: list[dict[str, Any]] = data.get("items") or []
+        return items
+
+
+def overlay_path(namespace: str, name: str = "") -> str:
+    base = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PLURAL}"
+    return f"{base}/{name}" if name else base
+
+
+def core_path(namespace: str, plural: str, name: str = "") -> str:
+    base = f"/api/v1/namespaces/{namespace}/{plural}"
+    return f"{base}/{name}" if name else base
+
+
+# -- the Kubernetes backend -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    listen: str  # HOST:PORT brokers and clients dial
+    admin: str  # HOST:PORT of the admin API
+
+
+# (namespace, service, pod) -> where the broker of that pod is reached.
+Resolver = Callable[[str, str, str], Endpoints]
+
+
+def dns_resolver(namespace: str, service: str, pod: str) -> Endpoints:
+    host = f"{pod}.{service}.{namespace}.svc"
+    return Endpoints(f"{host}:{BROKER_PORT}", f"{host}:{ADMIN_PORT}")
+
+
+def pod_name(overlay: str, broker: str) -> str:
+    return f"{overlay}-{broker}"
+
+
+def service_name(overlay: str) -> str:
+    return f"{overlay}-brokers"
+
+
+def secret_name(overlay: str) -> str:
+    return f"{overlay}-admin"
+
+
+def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
+    meta = obj["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta.get("uid", ""),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def pod_manifest(
+    spec: OverlaySpec, broker: str, namespace: str, owner: Mapping[str, Any], image: str
+) -> dict[str, Any]:
+    """One broker's Pod: stable name, labels, owner reference, probes, anti-affinity."""
+    overlay = spec.name
+    neighbours = sorted({b for e in spec.links or () for b in e if broker in e and b != broker})
+    terms: list[dict[str, Any]] = []
+    if neighbours:  # neighbours apart: a node failure takes out no link's both ends
+        terms.append(
+            {
+                "weight": 100,
+                "podAffinityTerm": {
+                    "topologyKey": "kubernetes.io/hostname",
+                    "labelSelector": {
+                        "matchLabels": {LABEL_OVERLAY: overlay},
+                        "matchExpressions": [
+                            {"key": LABEL_BROKER, "operator": "In", "values": neighbours}
+                        ],
+                    },
+                },
+            }
+        )
+    terms.append(  # and the overlay spread in general
+        {
+            "weight": 10,
+            "podAffinityTerm": {
+                "topologyKey": "kubernetes.io/hostname",
+                "labelSelector": {"matchLabels": {LABEL_OVERLAY: overlay}},
+            },
+        }
+    )
+    affinity: dict[str, Any] = {
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": terms}
+    }
+    zone = spec.zone_of().get(broker, "")
+    if zone:
+        affinity["nodeAffinity"] = {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 50,
+                    "preference": {
+                        "matchExpressions": [
+                            {
+                                "key": "topology.kubernetes.io/zone",
+                                "operator": "In",
+                                "values": [zone],
+                            }
+                        ]
+                    },
+                }
+            ]
+        }
+    labels = {
+        "app.kubernetes.io/name": "canopy-broker",
+        "app.kubernetes.io/part-of": "canopy",
+        "app.kubernetes.io/managed-by": "canopy-operator",
+        LABEL_OVERLAY: overlay,
+        LABEL_BROKER: broker,
+    }
+    probe = {"httpGet": {"port": "admin"}, "periodSeconds": 5}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(overlay, broker),
+            "namespace": namespace,
+            "labels": labels,
+            "ownerReferences": [dict(owner)],
+        },
+        "spec": {
+            "hostname": pod_name(overlay, broker),
+            "subdomain": service_name(overlay),
+            "affinity": affinity,
+            "containers": [
+                {
+                    "name": "broker",
+                    "image": image,
+                    "command": ["canopy-broker"],
+                    "args": [
+                        "serve",
+                        "--name",
+                        broker,
+                        "--listen",
+                        f"0.0.0.0:{BROKER_PORT}",
+                        "--admin",
+                        f"0.0.0.0:{ADMIN_PORT}",
+                        "--advertise",
+                        dns_resolver(
+                            namespace, service_name(overlay), pod_name(overlay, broker)
+                        ).listen,
+                        "--routing",
+                        spec.routing,
+                        "--token-file",
+                        f"{TOKEN_DIR}/token",
+                    ],
+                    "ports": [
+                        {"name": "broker", "containerPort": BROKER_PORT},
+                        {"name": "admin", "containerPort": ADMIN_PORT},
+                    ],
+                    "readinessProbe": {**probe, "httpGet": {"path": "/readyz", "port": "admin"}},
+                    "livenessProbe": {
+                        **probe,
+                        "httpGet": {"path": "/healthz", "port": "admin"},
+                        "failureThreshold": 6,
+                    },
+                    "volumeMounts": [{"name": "admin-token", "mountPath": TOKEN_DIR}],
+                }
+            ],
+            "volumes": [{"name": "admin-token", "secret": {"secretName": secret_name(overlay)}}],
+        },
+    }
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return bool(cond.get("status") == "True")
+    return False
+
+
+class KubernetesBackend:
+    """Implements :class:`canopy_operator.executor.Backend` with one Pod per broker."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        spec: OverlaySpec,
+        namespace: str,
+        owner: Mapping[str, Any],
+        token: str,
+        *,
+        image: str = DEFAULT_IMAGE,
+        resolver: Resolver = dns_resolver,
+        poll: float = 0.2,
+    ) -> None:
+        self.api, self.spec, self.namespace, self.owner = api, spec, namespace, owner
+        self.token, self.image, self.resolver, self.poll = token, image, resolver, poll
+        self._admins: dict[str, AdminClient] = {}
+
+    def _pod_path(self, broker: str) -> str:
+        return core_path(self.namespace, "pods", pod_name(self.spec.name, broker))
+
+    def endpoints(self, broker: str) -> Endpoints:
+        return self.resolver(
+            self.namespace, service_name(self.spec.name), pod_name(self.spec.name, broker)
+        )
+
+    async def create_broker(self, name: str) -> None:
+        body = pod_manifest(self.spec, name, self.namespace, self.owner, self.image)
+        await self.api.create(core_path(self.namespace, "pods"), body)
+
+    async def delete_broker(self, name: str) -> None:
+        client = self._admins.pop(name, None)
+        if client is not None:
+            await client.close()
+        await self.api.delete(self._pod_path(name))
+
+    async def wait_ready(self, name: str, within: float) -> None:
+        """The pod's Ready condition (the kubelet's readiness probe), then the admin API."""
+        deadline = time.monotonic() + within
+        while True:
+            pod = await self.api.get(self._pod_path(name))
+            if pod is not None and pod_ready(pod) and await self.admin(name).readyz():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"broker {name} not ready after {within}s")
+            await asyncio.sleep(self.poll)
+
+    def address(self, name: str) -> str:
+        return self.endpoints(name).listen
+
+    def admin(self, name: str) -> AdminClient:
+        client = self._admins.get(name)
+        if client is None:
+            client = self._admins[name] = AdminClient(self.endpoints(name).admin, self.token)
+        return client
+
+    async def pods(self) -> dict[str, dict[str, Any]]:
+        """This overlay's broker pods by broker name (label-filtered here as well)."""
+        out: dict[str, dict[str, Any]] = {}
+        for pod in await self.api.items(core_path(self.namespace, "pods")):
+            labels = (pod.get("metadata") or {}).get("labels") or {}
+            if labels.get(LABEL_OVERLAY) == self.spec.name and LABEL_BROKER in labels:
+                out[str(labels[LABEL_BROKER])] = pod
+        return out
+
+    async def neighbours(self, brokers: Sequence[str]) -> dict[str, set[str]]:
+        async def one(b: str) -> set[str]:
+            status = await self.admin(b).status()
+            return {str(n["peer"]) for n in status.get("neighbours", []) if not n.get("closing")}
+
+        found = await asyncio.gather(*(one(b) for b in brokers))
+        return dict(zip(brokers, found, strict=True))
+
+    async def close(self) -> None:
+        for client in self._admins.values():
+            await client.close()
+        self._admins.clear()
+
+
+def live_tree(neighbours: Mapping[str, set[str]], declared: Sequence[str]) -> LiveOverlay:
+    """The live overlay: the largest linked component (or the first declared broker)."""
+    links = sorted({norm((a, b)) for a, ns in neighbours.items() for b in ns if b in neighbours})
+    adj: dict[str, set[str]] = {}
+    for a, b in links:
+        adj.setdefault(a, set()).add(b)
+        adj.setdefault(b, set()).add(a)
+    best: set[str] = set()
+    seen: set[str] = set()
+    for start in sorted(adj):
+        if start in seen:
+            continue
+        comp, todo = set(), [start]
+        while todo:
+            x = todo.pop()
+            if x not in comp:
+                comp.add(x)
+                todo.extend(adj[x] - comp)
+        seen |= comp
+        if len(comp) > len(best):
+            best = comp
+    if not best:
+        first = next((b for b in declared if b in neighbours), None)
+        first = first or next(iter(sorted(neighbours)), None)
+        return LiveOverlay((first,) if first else (), ())
+    return LiveOverlay(
+        tuple(sorted(best)), tuple(e for e in links if e[0] in best and e[1] in best)
+    )
+
+
+# -- status helpers -----------------------------------------------------------------------------
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_condition(
+    conditions: list[dict[str, Any]], ctype: str, status: bool, reason: str, message: str = ""
+) -> list[dict[str, Any]]:
+    value = "True" if status else "False"
+    out = [dict(c) for c in conditions if c.get("type") != ctype]
+    old = next((c for c in conditions if c.get("type") == ctype), None)
+    since = old.get("lastTransitionTime") if old and old.get("status") == value else None
+    out.append(
+        {
+            "type": ctype,
+            "status": value,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": since or now(),
+        }
+    )
+    order = ["Valid", "Ready", "Reconfiguring", "Degraded"]
+    out.sort(key=lambda c: order.index(c["type"]) if c["type"] in order else 99)
+    return out
+
+
+def steps_from_json(steps: Sequence[Mapping[str, Any]]) -> tuple[Step, ...]:
+    out = []
+    for s in steps:
+        remove, add = s.get("remove"), s.get("add")
+        out.append(
+            Step(
+                kind=s["kind"],
+                batch=int(s.get("batch", 0)),
+                broker=s.get("broker"),
+                remove=(remove[0], remove[1]) if remove else None,
+                add=(add[0], add[1]) if add else None,
+                cycle=tuple(s.get("cycle") or ()),
+            )
+        )
+    return tuple(out)
+
+
+# -- the operator -----------------------------------------------------------------------------
+
+
+@dataclass
+class OperatorConfig:
+    """How the operator reaches Kubernetes and the brokers; tests inject a resolver."""
+
+    server: str | None = None  # None: the in-cluster service account (or kubeconfig)
+    token: str | None = None
+    insecure: bool = False
+    image: str = field(default_factory=lambda: os.environ.get("CANOPY_BROKER_IMAGE", DEFAULT_IMAGE))
+    resolver: Resolver = dns_resolver
+    ready_within: float = 120.0
+    poll: float = 0.2
+    heal_interval: float = 30.0
+    api: KubeApi | None = None
+    stopping: bool = False
+    locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+    def lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self.locks.setdefault((namespace, name), asyncio.Lock())
+
+
+class Reconciler:
+    """One reconcile of one overlay; writes only its status."""
+
+    def __init__(self, config: OperatorConfig, api: KubeApi, namespace: str, name: str) -> None:
+        self.config, self.api, self.namespace, self.name = config, api, namespace, name
+        self.obj: dict[str, Any] = {}
+        self.conditions: list[dict[str, Any]] = []
+
+    @property
+    def path(self) -> str:
+        return overlay_path(self.namespace, self.name)
+
+    async def load(self) -> bool:
+        obj = await self.api.get(self.path)
+        if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
+            return False
+        self.obj = obj
+        self.conditions = list((obj.get("status") or {}).get("conditions") or [])
+        return True
+
+    async def status(self, **fields: Any) -> None:
+        fields["conditions"] = self.conditions
+        await self.api.patch(self.path + "/status", {"status": fields})
+
+    def event(self, reason: str, message: str, warning: bool = False) -> None:
+        kind = "Warning" if warning else "Normal"
+        # kopf posts Events from a queue of its own; a plain dict body is all it reads.
+        kopf.event(cast(kopf.Body, self.obj), type=kind, reason=reason, message=message)
+
+    def condition(self, ctype: str, status: bool, reason: str, message: str = "") -> None:
+        self.conditions = set_condition(self.conditions, ctype, status, reason, message)
+
+    def generation(self) -> int:
+        return int(self.obj["metadata"].get("generation") or 1)
+
+    def parse(self) -> tuple[OverlaySpec | None, list[str]]:
+        manifest = {**self.obj, "kind": self.obj.get("kind") or KIND}
+        try:
+            spec = parse_overlay(manifest)
+        except SpecError as exc:
+            return None, [str(exc)]
+        return spec, validate(spec)
+
+    async def ensure_objects(self, spec: OverlaySpec) -> str:
+        """Secret (admin token) and headless Service; returns the token."""
+        owner = owner_reference(self.obj)
+        labels = {LABEL_OVERLAY: spec.name, "app.kubernetes.io/part-of": "canopy"}
+        sname = secret_name(spec.name)
+        secret = await self.api.get(core_path(self.namespace, "secrets", sname))
+        if secret is None:
+            token = secrets.token_urlsafe(24)
+            await self.api.create(
+                core_path(self.namespace, "secrets"),
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {
+                        "name": sname,
+                        "namespace": self.namespace,
+                        "labels": labels,
+                        "ownerReferences": [owner],
+                    },
+                    "type": "Opaque",
+                    "data": {"token": base64.b64encode(token.encode()).decode()},
+                },
+            )
+            secret = await self.api.get(core_path(self.namespace, "secrets", sname))
+        assert secret is not None
+        token = base64.b64decode(secret["data"]["token"]).decode()
+        await self.api.create(
+            core_path(self.namespace, "services"),
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {
+                    "name": service_name(spec.name),
+                    "namespace": self.namespace,
+                    "labels": labels,
+                    "ownerReferences": [owner],
+                },
+                "spec": {
+                    "clusterIP": "None",
+                    "publishNotReadyAddresses": True,  # brokers link before they are Ready
+                    "selector": {LABEL_OVERLAY: spec.name},
+                    "ports": [
+                        {"name": "broker", "port": BROKER_PORT},
+                        {"name": "admin", "port": ADMIN_PORT},
+                    ],
+                },
+            },
+        )
+        return token
+
+    def backend(self, spec: OverlaySpec, token: str) -> KubernetesBackend:
+        image = str(((self.obj.get("spec") or {}).get("broker") or {}).get("image") or "")
+        return KubernetesBackend(
+            self.api,
+            spec,
+            self.namespace,
+            owner_reference(self.obj),
+            token,
+            image=image or self.config.image,
+            resolver=self.config.resolver,
+            poll=self.config.poll,
+        )
+
+    async def run(self) -> None:
+        if not await self.load():
+            return
+        generation = self.generation()
+        spec, problems = self.parse()
+        if spec is None or problems:
+            message = "; ".join(problems)
+            self.condition("Valid", False, "InvalidSpec", message)
+            await self.status(observedGeneration=generation, phase="Invalid")
+            self.event("InvalidSpec", message, warning=True)
+            return
+        self.condition("Valid", True, "SpecValid", "the spec describes a valid tree")
+        token = await self.ensure_objects(spec)
+        backend = self.backend(spec, token)
+        try:
+            await self._converge(spec, backend, generation)
+        finally:
+            await backend.close()
+
+    async def _converge(
+        self, spec: OverlaySpec, backend: KubernetesBackend, generation: int
+    ) -> None:
+        declared = spec.broker_names
+        status = self.obj.get("status") or {}
+        saved = status.get("plan") or {}
+        resuming = saved.get("generation") == generation and not all(
+            s.get("done") for s in saved.get("steps") or []
+        )
+        if status.get("phase") in (None, "Pending", "Invalid") and not resuming:
+            await self.status(phase="Creating", observedGeneration=generation)
+        pods = await backend.pods()
+        # Pods for every declared broker up front (they start in parallel); the plan links them.
+        await asyncio.gather(*(backend.create_broker(b) for b in declared if b not in pods))
+        running = sorted(set(declared) | set(pods))
+        try:
+            await asyncio.gather(
+                *(backend.wait_ready(b, self.config.ready_within) for b in running)
+            )
+        except TimeoutError as exc:
+            self.condition("Degraded", True, "BrokersNotReady", str(exc))
+            self.condition("Ready", False, "BrokersNotReady", str(exc))
+            await self.status(phase="Degraded")
+            raise kopf.TemporaryError(str(exc), delay=10) from exc
+        neighbours = await backend.neighbours(running)
+        live = live_tree(neighbours, declared)
+        if resuming:
+            steps = steps_from_json(saved["steps"])
+            the_plan = Plan(steps, ())
+            completed = [i for i, s in enumerate(saved["steps"]) if s.get("done")]
+            self.event(
+                "PlanResumed",
+                f"resuming generation {generation}: {len(completed)}/{len(steps)} steps were done",
+            )
+        else:
+            the_plan = plan(live, spec)
+            completed = []
+        total = len(the_plan.steps)
+        PLAN_LENGTH.labels(self.name).set(total)
+        if total:
+            if not resuming:
+                self.event(
+                    "PlanCreated",
+                    f"generation {generation}: {total} steps ({len(the_plan.exchanges)} exchanges)",
+                )
+            self.condition("Reconfiguring", True, "PlanRunning", f"{total} steps")
+            await self.status(
+                phase="Reconfiguring",
+                plan=self._plan_status(generation, the_plan, completed),
+            )
+        started = time.perf_counter()
+        executor = Executor(
+            backend,
+            _StatusStore(self, the_plan),
+            spec.name,
+            ordering=spec.ordering,
+            on_event=self._on_step_event,
+            on_degraded=self._on_degraded,
+        )
+        try:
+            await executor.run(
+                the_plan, generation, {"generation": generation, "completed": completed}
+            )
+        except StepError as exc:
+            STEPS.labels(exc.step.kind, "failed").inc()
+            self.condition("Degraded", True, "StepFailed", str(exc))
+            self.condition("Ready", False, "StepFailed", str(exc))
+            await self.status(phase="Degraded")
+            self.event("StepFailed", str(exc), warning=True)
+            raise kopf.TemporaryError(str(exc), delay=15) from exc
+        # Brokers that are neither declared nor part of the live tree (left-overs) go.
+        for b in sorted(set(pods) - set(declared)):
+            await backend.delete_broker(b)
+        live_now = await backend.neighbours(declared)
+        links = sorted({norm((a, b)) for a, ns in live_now.items() for b in ns})
+        ready = sum(1 for b in declared if b in live_now)
+        self.condition("Ready", True, "Converged", f"{ready} brokers, {len(links)} links")
+        self.condition("Reconfiguring", False, "Idle")
+        self.condition("Degraded", False, "AllBrokersReachable")
+        fields: dict[str, Any] = {
+            "phase": "Ready",
+            "observedGeneration": generation,
+            "brokersReady": f"{ready}/{len(declared)}",
+            "linkCount": len(links),
+            "links": [list(e) for e in links],
+        }
+        if total:
+            fields["plan"] = self._plan_status(generation, the_plan, list(range(total)))
+            fields["lastReconfiguration"] = {
+                "generation": generation,
+                "steps": total,
+                "exchanges": len(the_plan.exchanges),
+                "seconds": round(time.perf_counter() - started, 3),
+                "finished": now(),
+            }
+            self.event("PlanFinished", f"generation {generation}: {total} steps done")
+        elif saved.get("generation") != generation:
+            fields["plan"] = {"generation": generation, "steps": [], "done": 0, "progress": "0/0"}
+        await self.status(**fields)
+
+    def _plan_status(
+        self, generation: int, the_plan: Plan, completed: Sequence[int]
+    ) -> dict[str, Any]:
+        done = set(completed)
+        steps = [{**s.to_json(), "done": i in done} for i, s in enumerate(the_plan.steps)]
+        return {
+            "generation": generation,
+            "steps": steps,
+            "done": len(done),
+            "progress": f"{len(done)}/{len(steps)}",
+        }
+
+    def _on_step_event(self, reason: str, message: str) -> None:
+        if reason == "StepDone":
+            kind = message.split(":", 1)[1].split(maxsplit=1)[0] if ":" in message else "step"
+            STEPS.labels(kind, "done").inc()
+        self.event(reason, message)
+
+    async def _on_degraded(self, reason: str | None) -> None:
+        if reason is None:
+            self.condition("Degraded", False, "AllBrokersReachable")
+        else:
+            self.condition("Degraded", True, "BrokerUnreachable", reason)
+            self.event("BrokerUnreachable", reason, warning=True)
+        await self.status()
+
+
+class _StatusStore:
+    """The executor's progress, as ``status.plan`` (a merge patch on the status subresource)."""
+
+    def __init__(self, reconciler: Reconciler, the_plan: Plan) -> None:
+        self.reconciler, self.plan = reconciler, the_plan
+
+    async def save(self, progress: dict[str, Any]) -> None:
+        r = self.reconciler
+        await r.status(
+            plan=r._plan_status(progress["generation"], self.plan, progress["completed"])
+        )
+
+
+async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) -> None:
+    """Compare the live brokers with the declared ones: re-create a missing pod and re-link a
+    broker that came back without its links (it gets its routing state back from the link)."""
+    r = Reconciler(config, api, namespace, name)
+    if not await r.load():
+        return
+    status = r.obj.get("status") or {}
+    if status.get("phase") != "Ready" or status.get("observedGeneration") != r.generation():
+        return
+    spec, problems = r.parse()
+    if spec is None or problems:
+        return
+    token = await r.ensure_objects(spec)
+    backend = r.backend(spec, token)
+    try:
+        pods = await backend.pods()
+        missing = [b for b in spec.broker_names if b not in pods]
+        for b in missing:
+            r.event("BrokerMissing", f"broker {b} has no pod; re-creating it", warning=True)
+            await backend.create_broker(b)
+        await asyncio.gather(
+            *(backend.wait_ready(b, config.ready_within) for b in spec.broker_names)
+        )
+        neighbours = await backend.neighbours(spec.broker_names)
+        want = [tuple(e) for e in status.get("links") or []]
+        for a, b in want:
+            if b in neighbours.get(a, set()) or a in neighbours.get(b, set()):
+                continue
+            # The side that lost all its links restarted: it dials its old neighbours.
+            side, other = (a, b) if not neighbours.get(a) else (b, a)
+            await backend.admin(side).set_peers({other: backend.address(other)})
+            await backend.admin(side).add_link(other, backend.address(other))
+            r.event("BrokerRelinked", f"re-linked {side}-{other}")
+    finally:
+        await backend.close()
+
+
+def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
+    """The operator's handlers, bound to ``config`` (a fresh registry per operator run)."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        config.stopping = True
+        if config.api is not None:
+            await config.api.close()
+            config.api = None
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info: kopf.ConnectionInfo | None
+        if config.server:
+            info = kopf.ConnectionInfo(
+                server=config.server, token=config.token, insecure=config.insecure
+            )
+        else:
+            info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        if info is not None and config.api is None:
+            config.api = KubeApi.from_connection(info)
+        return info
+
+    def api() -> KubeApi:
+        assert config.api is not None, "login has not run"
+        return config.api
+
+    async def reconcile(namespace: str | None, name: str | None) -> None:
+        assert namespace and name
+        started = time.perf_counter()
+        result = "ok"
+        try:
+            async with config.lock(namespace, name):
+                await Reconciler(config, api(), namespace, name).run()
+        except BaseException:
+            result = "error"
+            raise
+        finally:
+            RECONCILE_SECONDS.labels(result).observe(time.perf_counter() - started)
+
+    @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
+    async def on_overlay(namespace: str | None, name: str | None, **_: Any) -> None:
+        await reconcile(namespace, name)
+
+    @kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        interval=config.heal_interval,
+        idle=config.heal_interval,
+        registry=registry,
+    )
+    async def on_timer(namespace: str | None, name: str | None, **_: Any) -> None:
+        assert namespace and name
+        lock = config.lock(namespace, name)
+        if lock.locked() or config.stopping:  # a reconcile is running; it converges anyway
+            return
+        async with lock:
+            await heal(config, api(), namespace, name)
+
+    return registry
+
+
+async def run_operator(
+    config: OperatorConfig,
+    *,
+    namespaces: Sequence[str] = (),
+    stop_flag: Any = None,
+    ready_flag: Any = None,
+    hard_exit: bool = True,
+    liveness: str | None = None,
+) -> None:
+    """Run the operator until ``stop_flag`` is set (or a signal, in the main thread).
+
+    ``hard_exit=False`` turns off kopf's last resort (SIGKILL when a stop hangs), which would
+    take the whole process with it when the operator runs in a thread of a bigger program."""
+    settings = kopf.OperatorSettings()
+    if not hard_exit:
+        settings.process.ultimate_exiting_timeout = None
+    settings.peering.standalone = True
+    # kopf's own bookkeeping in annotations of our group, never in status (the CRD has no
+    # field for it) and never in spec.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    settings.persistence.finalizer = f"{GROUP}/operator"
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 60
+    # Discovery once at start-up; no watches on CRDs or namespaces (least privilege).
+    settings.scanning.disabled = True
+    await kopf.operator(
+        registry=build_registry(config),
+        settings=settings,
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=list(namespaces),
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+        liveness_endpoint=liveness,
+    )

@@ -1,0 +1,329 @@
+"""Test harness for the Kubernetes face: kmock's emulator as the API server, the real operator in
+a thread of its own, and a test "kubelet" that runs a real broker process for every broker Pod.
+
+* :class:`CanopyEmulator` adds what an API server does and kmock leaves out: ``uid``,
+  ``resourceVersion``, ``creationTimestamp`` and ``generation`` on create, a new
+  ``resourceVersion`` on every change and a new ``generation`` when ``spec`` changes, and list
+  responses that ``kubectl`` accepts (``kind: <Kind>List``, JSON watch streams).
+* :class:`OperatorThread` runs :func:`canopy_operator.k8s.run_operator` in its own thread and
+  event loop (kopf cancels every task of its loop when it stops, so it cannot share the test's).
+  Stopping it mid-plan is, for the brokers, an operator that died.
+* :class:`Kubelet` plays the kubelet: a Pod object appears -> a real ``canopy-broker`` process
+  with the overlay's token from the Secret, the Pod marked Ready; the resolver maps the pod to
+  that process's loopback addresses. A deleted Pod stops its process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import datetime
+import itertools
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import kmock
+from kmock._internal import rendering
+
+from canopy_broker.procs import BrokerProc, spawn_broker
+from canopy_operator.k8s import (
+    LABEL_BROKER,
+    LABEL_OVERLAY,
+    Endpoints,
+    KubeApi,
+    OperatorConfig,
+    run_operator,
+    secret_name,
+)
+
+T = TypeVar("T")
+NS = "canopy"
+_versions = itertools.count(1000)
+
+
+class Gate:
+    """Holds the answer to the first status patch that ``predicate`` picks, after applying it,
+    until :attr:`opened` is set: the operator is then stuck at a known point of its plan."""
+
+    def __init__(self, predicate: Callable[[dict[str, Any]], bool]) -> None:
+        self.predicate = predicate
+        self.reached = asyncio.Event()
+        self.opened = asyncio.Event()
+
+
+class CanopyEmulator(kmock.KubernetesEmulator):
+    """kmock's emulator with the bookkeeping fields a real API server keeps."""
+
+    gate: Gate | None = None
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        response = await self._handle_k8s(request)
+        gate = self.gate
+        data = request.data
+        held = gate is not None and request.subresource == "status" and isinstance(data, dict)
+        if gate is not None and held and not gate.reached.is_set() and gate.predicate(data):
+            gate.reached.set()
+            await gate.opened.wait()
+        return response
+
+    async def _handle_k8s(self, request: rendering.Request) -> Any:
+        data = request.data
+        if request.resource is not None and isinstance(data, dict):
+            meta = data.setdefault("metadata", {})
+            if request.action == kmock.action.CREATE:
+                if not meta.get("name") and meta.get("generateName"):  # as kopf's Events do
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.setdefault(
+                    "creationTimestamp",
+                    datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                )
+                meta.setdefault("generation", 1)
+                meta["resourceVersion"] = str(next(_versions))
+            elif request.action == kmock.action.UPDATE and request.name is not None:
+                meta["resourceVersion"] = str(next(_versions))
+                key = (request.resource, request.namespace, request.name)
+                if "spec" in data and request.subresource is None and key in self.objects:
+                    current = self.objects[key]
+                    if not current.deleted:
+                        gen = int(current.get("metadata", {}).get("generation") or 1)
+                        meta["generation"] = gen + 1
+        return await super()._handle(request)
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        result = dict(await super()._serve_list(request))
+        kinds = {
+            info.kind
+            for res, info in self.resources.items()
+            if request.resource is not None and res == request.resource and info.kind
+        }
+        assert request.resource is not None
+        group, version = request.resource.group, request.resource.version
+        result["apiVersion"] = f"{group}/{version}" if group else str(version)
+        result["kind"] = f"{next(iter(kinds), 'Object')}List"
+        result["metadata"] = {"resourceVersion": str(next(_versions))}
+        return result
+
+
+def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
+    """Discovery, as kopf and kubectl ask for it."""
+    every = {"get", "list", "watch", "create", "update", "patch", "delete"}
+    emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
+        kind="Namespace", namespaced=False, verbs=every
+    )
+    for plural, kind in (
+        ("pods", "Pod"),
+        ("services", "Service"),
+        ("secrets", "Secret"),
+        ("events", "Event"),
+    ):
+        emulator.resources[f"v1/{plural}"] = kmock.ResourceInfo(
+            kind=kind,
+            singular=kind.lower(),
+            namespaced=True,
+            verbs=every,
+            subresources={"status"} if plural == "pods" else set(),
+        )
+    emulator.resources["canopy.dev/v1alpha1/brokeroverlays"] = kmock.ResourceInfo(
+        kind="BrokerOverlay",
+        singular="brokeroverlay",
+        namespaced=True,
+        verbs=every,
+        shortnames={"bo", "overlay"},
+        categories={"canopy"},
+        subresources={"status"},
+    )
+    emulator.resources["canopy.dev/v1alpha1/topologyproposals"] = kmock.ResourceInfo(
+        kind="TopologyProposal",
+        singular="topologyproposal",
+        namespaced=True,
+        verbs=every,
+        shortnames={"tp"},
+        subresources={"status"},
+    )
+
+
+def server_url(emulator: kmock.KubernetesEmulator) -> str:
+    return str(emulator.url).rstrip("/")
+
+
+def objects(emulator: kmock.KubernetesEmulator, plural: str) -> list[dict[str, Any]]:
+    out = []
+    for (resource, _ns, _name), obj in list(emulator.objects.items()):
+        if resource.plural == plural and not obj.deleted:
+            out.append(obj.raw)
+    return out
+
+
+async def until(
+    predicate: Callable[[], Awaitable[T | None]] | Callable[[], T | None],
+    within: float = 30.0,
+    what: str = "condition",
+) -> T:
+    """Poll ``predicate`` (sync or async) until it returns something truthy."""
+    deadline = time.monotonic() + within
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+class Kubelet:
+    """Runs a real broker process for every broker Pod in the emulator and marks it Ready."""
+
+    def __init__(self, emulator: kmock.KubernetesEmulator, log_dir: Path) -> None:
+        self.emulator = emulator
+        self.log_dir = log_dir
+        self.procs: dict[str, BrokerProc] = {}
+        self.endpoints: dict[str, Endpoints] = {}
+        self.started: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+        self._starting: dict[str, asyncio.Task[None]] = {}
+
+    def resolve(self, namespace: str, service: str, pod: str) -> Endpoints:
+        return self.endpoints[pod]
+
+    def token(self, overlay: str) -> str:
+        for secret in objects(self.emulator, "secrets"):
+            if secret["metadata"]["name"] == secret_name(overlay):
+                return base64.b64decode(secret["data"]["token"]).decode()
+        raise KeyError(overlay)
+
+    async def _start(self, key: Any, pod: dict[str, Any]) -> None:
+        labels = pod["metadata"]["labels"]
+        name = pod["metadata"]["name"]
+        proc = await spawn_broker(
+            labels[LABEL_BROKER], token=self.token(labels[LABEL_OVERLAY]), log_dir=self.log_dir
+        )
+        self.procs[name] = proc
+        self.endpoints[name] = Endpoints(proc.listen, proc.admin_address)
+        self.started.append(name)
+        self.emulator.objects[key].patch(
+            {
+                "status": {
+                    "phase": "Running",
+                    "podIP": "127.0.0.1",
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                }
+            }
+        )
+
+    async def _loop(self) -> None:
+        while True:
+            seen = set()
+            for key, obj in list(self.emulator.objects.items()):
+                if key[0].plural != "pods" or obj.deleted:
+                    continue
+                name = key[2]
+                seen.add(name)
+                if name not in self._starting:
+                    self._starting[name] = asyncio.create_task(self._start(key, obj.raw))
+            for name in [n for n in self._starting if n not in seen]:
+                task = self._starting.pop(name)
+                await task
+                self.endpoints.pop(name, None)
+                proc = self.procs.pop(name, None)
+                if proc is not None:
+                    await proc.stop()
+            await asyncio.sleep(0.05)
+
+    async def restart(self, pod: str) -> None:
+        """The broker process of ``pod`` dies and the kubelet starts it again (empty state)."""
+        proc = self.procs.pop(pod)
+        proc.kill()
+        await proc.stop()
+        labels = proc.name, pod
+        new = await spawn_broker(labels[0], token=proc.token, log_dir=self.log_dir)
+        self.procs[pod] = new
+        self.endpoints[pod] = Endpoints(new.listen, new.admin_address)
+
+    async def __aenter__(self) -> Kubelet:
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for task in self._starting.values():
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await asyncio.gather(*(p.stop() for p in self.procs.values()))
+        self.procs.clear()
+
+
+class OperatorThread:
+    """The operator in a thread with its own event loop; :meth:`stop` ends it (mid-plan too)."""
+
+    def __init__(self, config: OperatorConfig) -> None:
+        self.config = config
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="canopy-operator", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(run_operator(self.config, stop_flag=self._stop, hard_exit=False))
+        except BaseException as exc:  # reported by stop()
+            self.error = exc
+
+    def start(self) -> OperatorThread:
+        self._thread.start()
+        return self
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join, 30)
+        assert not self._thread.is_alive(), "the operator did not stop within 30s"
+        if self.error is not None:
+            raise self.error
+
+
+def make_config(emulator: kmock.KubernetesEmulator, kubelet: Kubelet) -> OperatorConfig:
+    return OperatorConfig(
+        server=server_url(emulator),
+        resolver=kubelet.resolve,
+        ready_within=30.0,
+        poll=0.05,
+        heal_interval=0.5,
+    )
+
+
+async def get_overlay(api: KubeApi, name: str) -> dict[str, Any]:
+    obj = await api.get(f"/apis/canopy.dev/v1alpha1/namespaces/{NS}/brokeroverlays/{name}")
+    assert obj is not None
+    return obj
+
+
+def overlay_manifest(
+    name: str, brokers: list[str], links: list[tuple[str, str]] | None, **spec: Any
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": "canopy.dev/v1alpha1",
+        "kind": "BrokerOverlay",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"brokers": [{"name": b} for b in brokers], "maxFanOut": 3, **spec},
+    }
+    if links is not None:
+        body["spec"]["links"] = [list(e) for e in links]
+    return body
+
+
+def condition(obj: dict[str, Any], ctype: str) -> dict[str, Any]:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c["type"] == ctype:
+            return dict(c)
+    return {}

@@ -1,0 +1,328 @@
+"""The kopf operator for real against kmock's Kubernetes emulator, with real broker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kmock
+import pytest
+import yaml
+
+from canopy_broker.sim.checker import check_deliveries
+from canopy_operator.k8s import KubeApi, overlay_path
+from canopy_operator.topology import norm
+from tests.integration.test_overlay import random_filter
+from tests.integration.test_reconfiguration import Run, converged
+from tests.operator.k8s_harness import (
+    NS,
+    CanopyEmulator,
+    Gate,
+    Kubelet,
+    OperatorThread,
+    condition,
+    declare_resources,
+    get_overlay,
+    make_config,
+    objects,
+    overlay_manifest,
+    server_url,
+    until,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.kmock(cls=CanopyEmulator)]
+
+
+class Cluster:
+    def __init__(self, emulator: kmock.KubernetesEmulator, kubelet: Kubelet, api: KubeApi):
+        self.emulator, self.kubelet, self.api = emulator, kubelet, api
+        self.operator: OperatorThread | None = None
+
+    def start_operator(self) -> OperatorThread:
+        self.operator = OperatorThread(make_config(self.emulator, self.kubelet)).start()
+        return self.operator
+
+    async def stop_operator(self) -> None:
+        if self.operator is not None:
+            op, self.operator = self.operator, None
+            await op.stop()
+
+    async def apply(self, body: dict[str, Any]) -> None:
+        await self.api.create(overlay_path(NS), body)
+
+    async def overlay(self, name: str) -> dict[str, Any]:
+        return await get_overlay(self.api, name)
+
+    async def ready(self, name: str, generation: int = 1, within: float = 30.0) -> dict[str, Any]:
+        async def check() -> dict[str, Any] | None:
+            obj = await self.overlay(name)
+            st = obj.get("status") or {}
+            ok = st.get("phase") == "Ready" and st.get("observedGeneration") == generation
+            return obj if ok else None
+
+        return await until(check, within, f"{name} Ready at generation {generation}")
+
+
+@pytest.fixture
+async def cluster(kmock: kmock.KubernetesEmulator, tmp_path: Path) -> AsyncIterator[Cluster]:
+    declare_resources(kmock)
+    api = KubeApi(server_url(kmock), user_agent="canopy-tests")
+    async with Kubelet(kmock, tmp_path) as kubelet:
+        c = Cluster(kmock, kubelet, api)
+        try:
+            yield c
+        finally:
+            await c.stop_operator()
+            await api.close()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create"}
+VERBS |= {"UPDATE": "patch", "DELETE": "delete"}
+
+
+def verbs_used(emulator: kmock.KubernetesEmulator) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) of every request kopf or the operator made."""
+    used = set()
+    for r in emulator._requests:  # kmock keeps every request it served
+        agent = r.headers.get("User-Agent", "")
+        if (
+            r.resource is None
+            or r.resource.plural is None
+            or not agent.startswith(("kopf", "canopy-operator"))
+        ):
+            continue
+        plural = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
+        used.add((r.resource.group or "", plural, VERBS[r.action.name]))
+    return used
+
+
+def verbs_granted() -> set[tuple[str, str, str]]:
+    docs = list(yaml.safe_load_all((ROOT / "manifests/install/rbac.yaml").read_text()))
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    return {
+        (group, res, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for res in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def events(emulator: kmock.KubernetesEmulator, reason: str | None = None) -> list[dict[str, Any]]:
+    return [e for e in objects(emulator, "events") if reason is None or e.get("reason") == reason]
+
+
+async def test_creating_an_overlay_creates_its_objects_and_links(cluster: Cluster) -> None:
+    cluster.start_operator()
+    links = [("a", "b"), ("b", "c"), ("b", "d")]
+    await cluster.apply(overlay_manifest("demo", ["a", "b", "c", "d"], links))
+    obj = await cluster.ready("demo")
+    uid = obj["metadata"]["uid"]
+    st = obj["status"]
+    assert st["brokersReady"] == "4/4"
+    assert sorted(map(tuple, st["links"])) == sorted(links)
+    assert st["linkCount"] == 3
+    assert condition(obj, "Valid")["status"] == "True"
+    assert condition(obj, "Ready")["status"] == "True"
+    assert condition(obj, "Reconfiguring")["status"] == "False"
+    assert condition(obj, "Degraded")["status"] == "False"
+
+    pods = {p["metadata"]["name"]: p for p in objects(cluster.emulator, "pods")}
+    assert sorted(pods) == ["demo-a", "demo-b", "demo-c", "demo-d"]
+    for name, pod in pods.items():
+        (owner,) = pod["metadata"]["ownerReferences"]
+        assert owner["uid"] == uid and owner["kind"] == "BrokerOverlay" and owner["controller"]
+        assert pod["metadata"]["labels"]["canopy.dev/broker"] == name.removeprefix("demo-")
+        c = pod["spec"]["containers"][0]
+        assert c["args"][:2] == ["serve", "--name"] and "--token-file" in c["args"]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    anti = pods["demo-b"]["spec"]["affinity"]["podAntiAffinity"]
+    terms = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    near = terms[0]["podAffinityTerm"]["labelSelector"]["matchExpressions"][0]["values"]
+    assert near == ["a", "c", "d"]  # b's neighbours are kept off b's node
+
+    (svc,) = objects(cluster.emulator, "services")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["metadata"]["ownerReferences"][0]["uid"] == uid
+    (secret,) = objects(cluster.emulator, "secrets")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert secret["data"]["token"]
+
+    # The brokers themselves hold the declared tree.
+    for pod, proc in cluster.kubelet.procs.items():
+        status = await proc.admin.status()
+        mine = pod.removeprefix("demo-")
+        peers = sorted(n["peer"] for n in status["neighbours"])
+        assert peers == sorted(b for e in links for b in e if mine in e and b != mine)
+    assert events(cluster.emulator, "PlanFinished")
+    assert "spec" in obj and obj["spec"]["links"] == [list(e) for e in links]  # untouched
+
+
+async def test_an_invalid_spec_gets_valid_false_and_nothing_is_created(cluster: Cluster) -> None:
+    cluster.start_operator()
+    bad = overlay_manifest("bad", ["a", "b", "c"], [("a", "b"), ("b", "c"), ("c", "a")])
+    await cluster.apply(bad)
+
+    async def invalid() -> dict[str, Any] | None:
+        obj = await cluster.overlay("bad")
+        return obj if (obj.get("status") or {}).get("phase") == "Invalid" else None
+
+    obj = await until(invalid, 20, "phase Invalid")
+    valid = condition(obj, "Valid")
+    assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
+    assert "cycle" in valid["message"] and "a" in valid["message"]
+    await until(lambda: events(cluster.emulator, "InvalidSpec"), 10, "an InvalidSpec event")
+    (event,) = events(cluster.emulator, "InvalidSpec")
+    assert event["type"] == "Warning" and event["involvedObject"]["name"] == "bad"
+    assert objects(cluster.emulator, "pods") == []
+    assert objects(cluster.emulator, "secrets") == []
+    assert objects(cluster.emulator, "services") == []
+
+
+def history(emulator: kmock.KubernetesEmulator, name: str) -> list[dict[str, Any]]:
+    """Every version of the overlay the API server stored, oldest first."""
+    for (resource, _ns, oname), obj in list(emulator.objects.items()):
+        if resource.plural == "brokeroverlays" and oname == name:
+            return [v.raw for v in obj.history if v is not None]
+    return []
+
+
+CHAIN = [("a", "b"), ("b", "c"), ("c", "d"), ("d", "e")]
+# Drop e, add f, re-wire a..d: 3 exchanges, an add-leaf and a remove-leaf.
+RESHAPED = [("a", "c"), ("a", "d"), ("b", "d"), ("d", "f")]
+
+
+async def test_changing_the_spec_runs_the_plan_on_real_brokers(cluster: Cluster) -> None:
+    cluster.start_operator()
+    await cluster.apply(overlay_manifest("demo", ["a", "b", "c", "d", "e"], CHAIN))
+    await cluster.ready("demo")
+    new_spec = overlay_manifest("demo", ["a", "b", "c", "d", "f"], RESHAPED)["spec"]
+    await cluster.api.patch(overlay_path(NS, "demo"), {"spec": new_spec})
+    obj = await cluster.ready("demo", generation=2)
+
+    st = obj["status"]
+    assert sorted(map(tuple, st["links"])) == sorted(RESHAPED)
+    assert st["brokersReady"] == "5/5" and st["linkCount"] == 4
+    steps = st["plan"]["steps"]
+    kinds = [s["kind"] for s in steps]
+    assert kinds.count("exchange") == 3 and kinds.count("add-leaf") == 1
+    assert kinds.count("remove-leaf") == 1
+    assert all(s["done"] for s in steps) and st["plan"]["progress"] == f"{len(steps)}/{len(steps)}"
+    assert st["plan"]["generation"] == 2 and st["lastReconfiguration"]["exchanges"] == 3
+
+    # The status showed the plan's progress step by step while it ran.
+    seen = [
+        (v.get("status") or {}).get("plan", {}).get("progress")
+        for v in history(cluster.emulator, "demo")
+        if ((v.get("status") or {}).get("plan") or {}).get("generation") == 2
+    ]
+    assert [f"{i}/{len(steps)}" for i in range(len(steps) + 1)] == sorted(
+        set(filter(None, seen)), key=lambda p: int(p.split("/")[0])
+    )
+    reconfiguring = [
+        v
+        for v in history(cluster.emulator, "demo")
+        if v.get("status", {}).get("phase") == "Reconfiguring"
+    ]
+    assert reconfiguring and condition(reconfiguring[-1], "Reconfiguring")["status"] == "True"
+
+    # The brokers hold the new tree; e's pod and process are gone, f runs.
+    pods = sorted(p["metadata"]["name"] for p in objects(cluster.emulator, "pods"))
+    assert pods == ["demo-a", "demo-b", "demo-c", "demo-d", "demo-f"]
+    await until(lambda: "demo-e" not in cluster.kubelet.procs, 10, "e's process stopped")
+    for pod, proc in cluster.kubelet.procs.items():
+        mine = pod.removeprefix("demo-")
+        peers = sorted(n["peer"] for n in (await proc.admin.status())["neighbours"])
+        assert peers == sorted(b for e in RESHAPED for b in e if mine in e and b != mine)
+    done = [e["message"] for e in events(cluster.emulator, "StepDone")]
+    assert len(done) == 4 + len(steps)  # 4 add-leaf steps at creation, then this plan
+
+    # Least privilege: the ClusterRole grants exactly what the operator used, no more.
+    assert verbs_used(cluster.emulator) == verbs_granted()
+
+
+class BrokerView:
+    """The kubelet's broker processes of one overlay, shaped like ``procs.Overlay`` for the
+    integration tests' traffic helpers."""
+
+    def __init__(self, kubelet: Kubelet, overlay: str, edges: list[tuple[str, str]]) -> None:
+        self.kubelet, self.prefix, self.edges = kubelet, f"{overlay}-", edges
+
+    def __getitem__(self, broker: str) -> Any:
+        return self.kubelet.procs[self.prefix + broker]
+
+    @property
+    def brokers(self) -> dict[str, Any]:
+        return {p.removeprefix(self.prefix): proc for p, proc in self.kubelet.procs.items()}
+
+
+STAR = [("a", "b"), ("a", "c"), ("a", "d"), ("d", "e"), ("d", "f")]
+# Four exchanges, run one at a time.
+REWIRED = [("b", "c"), ("c", "d"), ("d", "e"), ("e", "f"), ("f", "a")]
+
+
+async def test_a_restarted_operator_resumes_the_plan_and_nothing_is_lost(
+    cluster: Cluster,
+) -> None:
+    names = ["a", "b", "c", "d", "e", "f"]
+    cluster.start_operator()
+    await cluster.apply(overlay_manifest("demo", names, STAR))
+    await cluster.ready("demo")
+
+    view = BrokerView(cluster.kubelet, "demo", STAR)
+    run = Run()
+    rng = random.Random(7)
+    for i, broker in enumerate(names):
+        await run.subscriber(view, f"s{i}", broker, ["qty > 400", random_filter(rng)])
+    run.settled(await converged(view, run))  # type: ignore[arg-type]
+    for i, broker in enumerate(["b", "f"]):
+        await run.publisher(view, f"p{i}", broker, seed=i)  # type: ignore[arg-type]
+
+    def second_step_saved(patch: dict[str, Any]) -> bool:
+        plan = patch.get("status", {}).get("plan") or {}
+        return bool(plan.get("generation") == 2 and plan.get("done") == 2)
+
+    # The API server holds the answer to the save after step 2; meanwhile the operator dies.
+    gate = cluster.emulator.gate = Gate(second_step_saved)
+    new_spec = overlay_manifest("demo", names, REWIRED)["spec"]
+    await cluster.api.patch(overlay_path(NS, "demo"), {"spec": new_spec})
+    await asyncio.wait_for(gate.reached.wait(), 30)
+    await cluster.stop_operator()  # kopf gives the stuck handler 5 s, then cancels it
+    gate.opened.set()
+    saved = (await cluster.overlay("demo"))["status"]["plan"]
+    total = len(saved["steps"])
+    assert total == 4 and saved["done"] == 2, saved
+
+    cluster.start_operator()
+    obj = await cluster.ready("demo", generation=2, within=40)
+    st = obj["status"]
+    assert sorted(map(tuple, st["links"])) == sorted(norm(e) for e in REWIRED)
+    assert st["plan"]["progress"] == "4/4" and all(s["done"] for s in st["plan"]["steps"])
+    assert events(cluster.emulator, "PlanResumed")
+    # Every exchange ran once: the resumed operator skipped the two that were saved as done
+    # (step 2's StepDone Event died with the first operator; its start was never repeated).
+    started = [e["message"] for e in events(cluster.emulator, "StepStarted")]
+    started = sorted(m.split(":")[0] for m in started if "exchange" in m)
+    assert started == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"], started
+    done = [e["message"] for e in events(cluster.emulator, "StepDone")]
+    assert sorted(m.split(":")[0] for m in done if "exchange" in m) == [
+        "step 1",
+        "step 3",
+        "step 4",
+    ]
+
+    # Traffic flowed throughout: nothing lost, duplicated or reordered.
+    view.edges = [norm(e) for e in REWIRED]
+    await converged(view, run)  # type: ignore[arg-type]
+    run.stop.set()
+    await asyncio.gather(*(run.clients[p].flush() for p in ("p0", "p1")))
+    await run.wait_delivered(within=30)
+    await run.finish()
+    report = check_deliveries(run.subs, run.pubs, run.deliveries)
+    assert report.ok, str(report)
+    assert report.owed > 500, str(report)
