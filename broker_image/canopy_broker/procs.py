@@ -29,15 +29,43 @@ from canopy_broker.cli import READY_PREFIX
 Edge = tuple[str, str]
 
 
-def broker_env() -> dict[str, str]:
+def broker_env(token: str | None = None) -> dict[str, str]:
     """The environment for a child broker: PYTHONPATH reaches this package even when the project
-    is not pip-installed."""
+    is not pip-installed; the admin token, when given, travels in $CANOPY_ADMIN_TOKEN (not argv,
+    which other local users can read)."""
     env = dict(os.environ)
     root = str(Path(canopy_broker.__file__).resolve().parent.parent)
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in parts:
         env["PYTHONPATH"] = os.pathsep.join([root, *parts])
+    if token is not None:
+        env["CANOPY_ADMIN_TOKEN"] = token
     return env
+
+
+def serve_command(
+    name: str,
+    *,
+    host: str = "127.0.0.1",
+    routing: str = "covering",
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """`canopy-broker serve` on free ports of ``host`` (it reports them on stdout when ready)."""
+    return [
+        sys.executable,
+        "-m",
+        "canopy_broker.cli",
+        "serve",
+        "--name",
+        name,
+        "--listen",
+        f"{host}:0",
+        "--admin",
+        f"{host}:0",
+        "--routing",
+        routing,
+        *extra_args,
+    ]
 
 
 def rss_mb(pid: int) -> float:
@@ -109,26 +137,12 @@ async def spawn_broker(
     token = token or secrets.token_urlsafe(16)
     log_path = (log_dir / f"{name}.log") if log_dir is not None else None
     log = log_path.open("wb") if log_path is not None else None
-    env = broker_env()
-    env["CANOPY_ADMIN_TOKEN"] = token
     process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "canopy_broker.cli",
-        "serve",
-        "--name",
-        name,
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-        "--routing",
-        routing,
-        *extra_args,
+        *serve_command(name, routing=routing, extra_args=extra_args),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=log if log is not None else asyncio.subprocess.DEVNULL,
-        env=env,
+        env=broker_env(token),
     )
     try:
         assert process.stdout is not None

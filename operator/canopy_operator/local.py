@@ -15,14 +15,13 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from canopy_broker.admin_client import AdminClient
 from canopy_broker.cli import READY_PREFIX
-from canopy_broker.procs import broker_env
+from canopy_broker.procs import broker_env, serve_command
 
 
 class LocalBackend:
@@ -73,29 +72,14 @@ class LocalBackend:
         log = self.dir / f"{name}.log"
         ready = self.dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
-        env = broker_env()
-        env["CANOPY_ADMIN_TOKEN"] = self.state["token"]
         with ready.open("wb") as out, log.open("ab") as err:
             # Detached on purpose (not asyncio's subprocess): it must outlive this event loop.
             proc = subprocess.Popen(  # noqa: ASYNC220
-                [
-                    sys.executable,
-                    "-m",
-                    "canopy_broker.cli",
-                    "serve",
-                    "--name",
-                    name,
-                    "--listen",
-                    f"{self.host}:0",
-                    "--admin",
-                    f"{self.host}:0",
-                    "--routing",
-                    self.routing,
-                ],
+                serve_command(name, host=self.host, routing=self.routing),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                env=env,
+                env=broker_env(self.state["token"]),
                 start_new_session=True,  # the overlay outlives this command
             )
         deadline = time.monotonic() + 30.0
