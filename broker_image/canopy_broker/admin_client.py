@@ -173,6 +173,20 @@ class AdminClient(AsyncClosing):
             body["lease"] = lease
         return await self._object("POST", "/exchanges", json=body, ok=(200, 202), waits=wait)
 
+    async def reconfigure(self, rid: str, kind: str, **fields: Any) -> dict[str, Any]:
+        """POST /reconfigurations: ``kind`` exchange / add-leaf / remove-leaf, idempotent by
+        ``rid``. Waiting calls get the time they ask for (``wait``)."""
+        body = {"id": rid, "kind": kind, **fields}
+        wait = fields.get("wait", 30.0 if kind != "exchange" else 0.0)
+        result: dict[str, Any] = await self._request(
+            "POST", "/reconfigurations", json=body, ok=(200, 202), waits=float(wait)
+        )
+        return result
+
+    async def reconfiguration(self, rid: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._request("GET", f"/reconfigurations/{rid}")
+        return result
+
     async def exchange(self, xid: str) -> dict[str, Any]:
         return await self._object("GET", f"/exchanges/{xid}")
 

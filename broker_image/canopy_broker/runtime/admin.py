@@ -145,10 +145,13 @@ async def set_peers(request: web.Request) -> web.Response:
 
 
 async def start_exchange(request: web.Request) -> web.Response:
-    broker = request.app[BROKER]
     body = await _json_object(request)
+    return await _exchange(request.app[BROKER], body, body.get("xid"))
+
+
+async def _exchange(broker: Broker, body: dict[str, Any], xid: object) -> web.Response:
     path, remove = body.get("path"), body.get("remove")
-    ordering, xid, wait = body.get("ordering", "fifo"), body.get("xid"), body.get("wait", 0)
+    ordering, wait = body.get("ordering", "fifo"), body.get("wait", 0)
     lease = body.get("lease", 30.0)
     if (
         not isinstance(path, list)
@@ -171,7 +174,78 @@ async def start_exchange(request: web.Request) -> web.Response:
     if wait:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(rec.done.wait(), float(wait))
-    return web.json_response(rec.to_json(), status=202 if rec.state == "running" else 200)
+    return web.json_response(
+        _with_counts(broker, rec.to_json()), status=202 if rec.state == "running" else 200
+    )
+
+
+def _with_counts(broker: Broker, record: dict[str, Any]) -> dict[str, Any]:
+    counts = broker.reconfiguration_messages.get(record.get("xid") or record.get("id", ""), {})
+    return {**record, "messages_sent_here": dict(counts)}
+
+
+async def start_reconfiguration(request: web.Request) -> web.Response:
+    """One entry point for the elementary reconfigurations, idempotent by the caller's ``id``:
+    ``exchange`` (on A1: path, remove, ordering, lease, wait), ``add-leaf`` (on the new broker:
+    peer, address — it dials its neighbour) and ``remove-leaf`` (on the leaf: target, address,
+    wait — its clients migrate to the target, then the link goes)."""
+    broker = request.app[BROKER]
+    body = await _json_object(request)
+    rid, kind = body.get("id"), body.get("kind")
+    if not isinstance(rid, str) or not rid:
+        return _error(400, "need 'id' (chosen by the caller; repeating it repeats nothing)")
+    if kind == "exchange":
+        return await _exchange(broker, body, rid)
+    if kind not in ("add-leaf", "remove-leaf"):
+        return _error(400, "'kind' is exchange, add-leaf or remove-leaf")
+    step = broker.leaf_steps.get(rid)
+    if step is not None and step["state"] == "finished":
+        return web.json_response(step)
+    wait = body.get("wait", 30.0)
+    if not _seconds(wait, 0, 600):
+        return _error(400, "'wait' must be a number of seconds in [0, 600]")
+    if kind == "add-leaf":
+        peer, address = body.get("peer"), body.get("address")
+        if not isinstance(peer, str) or not peer or not isinstance(address, str):
+            return _error(400, "need 'peer' (the neighbour's name) and 'address' (HOST:PORT)")
+        try:
+            broker.add_link(peer, address)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        up = await broker.wait_link_up(peer, float(wait)) if wait else False
+        step = {"id": rid, "kind": kind, "peer": peer, "state": "finished" if up else "running"}
+    else:
+        target, address = body.get("target"), body.get("address")
+        if not isinstance(target, str) or not (address is None or isinstance(address, str)):
+            return _error(400, "need 'target' (the neighbour's name), optionally 'address'")
+        try:
+            broker.drain(target, address)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        drained = await broker.wait_drained(float(wait)) if wait else False
+        if drained:
+            broker.remove_link(target)
+        step = {
+            "id": rid,
+            "kind": kind,
+            "target": target,
+            "state": "finished" if drained else "draining",
+        }
+    broker.leaf_steps[rid] = step
+    return web.json_response(step, status=200 if step["state"] == "finished" else 202)
+
+
+async def get_reconfiguration(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    rid = request.match_info["id"]
+    rec = broker.exchanges.get(rid)
+    if rec is not None:
+        return web.json_response(_with_counts(broker, rec.to_json()))
+    if rid in broker.leaf_steps:
+        return web.json_response(broker.leaf_steps[rid])
+    if rid in broker.reconfiguration_messages:  # a participant, not the initiator
+        return web.json_response(_with_counts(broker, {"id": rid, "state": "participant"}))
+    return _error(404, f"no reconfiguration {rid} here")
 
 
 def _seconds(value: object, low: float, high: float) -> bool:
@@ -209,10 +283,11 @@ async def cancel_drain(request: web.Request) -> web.Response:
 
 
 async def get_exchange(request: web.Request) -> web.Response:
-    rec = request.app[BROKER].exchanges.get(request.match_info["xid"])
+    broker = request.app[BROKER]
+    rec = broker.exchanges.get(request.match_info["xid"])
     if rec is None:
         return _error(404, "no such exchange started here")
-    return web.json_response(rec.to_json())
+    return web.json_response(_with_counts(broker, rec.to_json()))
 
 
 async def telemetry(request: web.Request) -> web.Response:
@@ -248,6 +323,8 @@ ROUTES: list[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]]] 
     ("GET", "/peers", get_peers),
     ("POST", "/peers", set_peers),
     ("POST", "/exchanges", start_exchange),
+    ("POST", "/reconfigurations", start_reconfiguration),
+    ("GET", "/reconfigurations/{id}", get_reconfiguration),
     ("GET", "/exchanges/{xid}", get_exchange),
     ("POST", "/drain", start_drain),
     ("GET", "/drain", get_drain),

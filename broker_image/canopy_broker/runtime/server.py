@@ -191,6 +191,9 @@ class Broker:
         self.channels_in: dict[str, Link] = {}  # ... and those other brokers dialed
         self.peers: dict[str, str] = {}  # address book: broker name -> HOST:PORT
         self.exchanges: dict[str, ExchangeRecord] = {}
+        self.reconfiguration_messages: dict[str, dict[str, int]] = {}
+        # Leaf additions and removals asked for through POST /reconfigurations, by id.
+        self.leaf_steps: dict[str, dict[str, Any]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self.clients: dict[str, Client] = {}
         self.metrics = BrokerMetrics(self._gauges)
@@ -681,6 +684,8 @@ class Broker:
                 if msg is not last_msg:
                     last_bytes = encode_link_message(msg)
                     last_msg = msg
+                    if type(msg) is not Publish:
+                        self._count_reconfiguration_message(msg)
                 link = self.links[eff.peer]
                 link.out.append(last_bytes)
                 if not link.dirty:
@@ -702,6 +707,7 @@ class Broker:
                 if marked is not None:  # behind every notification already queued to it
                     self._to_client(marked, _MARKER)
             elif isinstance(eff, SendToPeer):
+                self._count_reconfiguration_message(eff.message)
                 self._send_to_peer(eff.peer, eff.message)
             elif isinstance(eff, StartTimer):
                 self._start_timer(eff.key, eff.delay)
@@ -1168,6 +1174,21 @@ class Broker:
             del self.exchanges[xid]
             raise ValueError(str(exc)) from None
         return rec
+
+    def _count_reconfiguration_message(self, msg: object) -> None:
+        """Protocol messages this broker sends for a reconfiguration, by id and type (kept for
+        the last 256 reconfigurations; routing (un)subscriptions have no id and are not
+        counted here — the metrics count them per link)."""
+        xid = getattr(msg, "xid", None)
+        if xid is None:
+            return
+        counts = self.reconfiguration_messages.get(xid)
+        if counts is None:
+            if len(self.reconfiguration_messages) >= 256:
+                del self.reconfiguration_messages[next(iter(self.reconfiguration_messages))]
+            counts = self.reconfiguration_messages[xid] = {}
+        name = type(msg).__name__
+        counts[name] = counts.get(name, 0) + 1
 
     def _send_to_peer(self, peer: str, msg: object) -> None:
         ch = self.channels_out.get(peer)
