@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import shutil
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from canopy_broker.admin_client import AdminError
 from canopy_broker.client import Client, connect
 from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Filter
@@ -220,6 +222,19 @@ async def _publish_until(
         await asyncio.sleep(0.01)
 
 
+async def _protocol_messages(backend: LocalBackend, xids: list[Any]) -> dict[str, int]:
+    """Reconfiguration protocol messages every live broker sent for these exchanges."""
+    total: Counter[str] = Counter()
+    for name in sorted(backend.brokers):
+        for xid in xids:
+            if not xid:
+                continue
+            with contextlib.suppress(AdminError):
+                rec = await backend.admin(name).reconfiguration(xid)
+                total.update(rec.get("messages_sent_here", {}))
+    return dict(total)
+
+
 async def demo(args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     rng = random.Random(seed)
@@ -287,6 +302,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         )
         after = await backend.live_links()
         draw(sorted(backend.brokers), after, out_dir / "after.png", title="after")
+        control = await _protocol_messages(backend, [r.detail.get("xid") for r in executor.results])
         steps_report = [
             {"step": r.index + 1, "kind": r.kind, "seconds": round(r.seconds, 3), **r.detail}
             for r in sorted(executor.results, key=lambda r: r.index)
@@ -333,7 +349,13 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         f"1 removed; final links {'as declared' if shape_ok else 'DIFFER from the manifest'}; "
         f"pictures: {out_dir / 'before.png'}, {out_dir / 'after.png'}"
     )
+    print(
+        f"reconfiguration protocol messages (all brokers): {sum(control.values())} "
+        + ", ".join(f"{k} {v}" for k, v in sorted(control.items()))
+    )
     result.update(
+        control_messages=sum(control.values()),
+        control_messages_by_type=control,
         exchanges=len(p.exchanges),
         brokers_added=1,
         brokers_removed=1,
