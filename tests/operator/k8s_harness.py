@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import kmock
+import yaml
 from kmock._internal import rendering
 
 from canopy_broker.procs import BrokerProc, spawn_broker
@@ -95,8 +96,16 @@ class CanopyEmulator(kmock.KubernetesEmulator):
                         meta["generation"] = gen + 1
         return await super()._handle(request)
 
+    async def _serve_fetch(self, request: rendering.Request) -> Any:
+        result = await super()._serve_fetch(request)
+        if wants_table(request):
+            return as_table(request, [result])
+        return result
+
     async def _serve_list(self, request: rendering.Request) -> Any:
         result = dict(await super()._serve_list(request))
+        if wants_table(request):
+            return as_table(request, result["items"])
         kinds = {
             info.kind
             for res, info in self.resources.items()
@@ -108,6 +117,74 @@ class CanopyEmulator(kmock.KubernetesEmulator):
         result["kind"] = f"{next(iter(kinds), 'Object')}List"
         result["metadata"] = {"resourceVersion": str(next(_versions))}
         return result
+
+
+CRDS = Path(__file__).resolve().parents[2] / "manifests" / "crds"
+
+
+def printer_columns() -> dict[str, list[dict[str, Any]]]:
+    """additionalPrinterColumns of our CRDs, by plural (what the API server renders from)."""
+    out = {}
+    for path in sorted(CRDS.glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        (version,) = crd["spec"]["versions"]
+        out[crd["spec"]["names"]["plural"]] = version.get("additionalPrinterColumns", [])
+    return out
+
+
+def wants_table(request: rendering.Request) -> bool:
+    return "as=Table" in request.headers.get("Accept", "")
+
+
+def _json_path(obj: Any, path: str) -> Any:
+    for part in path.strip(".").split("."):
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(part)
+    return obj
+
+
+def _age(timestamp: str | None) -> str:
+    if not timestamp:
+        return "<unknown>"
+    then = datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    seconds = int((datetime.datetime.now(datetime.UTC) - then).total_seconds())
+    return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m"
+
+
+def as_table(request: rendering.Request, items: list[dict[str, Any]]) -> dict[str, Any]:
+    """A meta.k8s.io/v1 Table as the API server renders for ``kubectl get`` of a custom
+    resource: Name, then the CRD's printer columns (dates as ages)."""
+    assert request.resource is not None
+    columns = printer_columns().get(str(request.resource.plural), [])
+    definitions = [{"name": "Name", "type": "string", "format": "name", "priority": 0}]
+    definitions += [
+        {"name": c["name"], "type": c["type"], "format": "", "priority": c.get("priority", 0)}
+        for c in columns
+    ]
+    rows = []
+    for obj in items:
+        cells: list[Any] = [obj["metadata"]["name"]]
+        for c in columns:
+            value = _json_path(obj, c["jsonPath"])
+            cells.append(_age(value) if c["type"] == "date" else value)
+        rows.append(
+            {
+                "cells": cells,
+                "object": {
+                    "kind": "PartialObjectMetadata",
+                    "apiVersion": "meta.k8s.io/v1",
+                    "metadata": obj["metadata"],
+                },
+            }
+        )
+    return {
+        "kind": "Table",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": {"resourceVersion": str(next(_versions))},
+        "columnDefinitions": definitions,
+        "rows": rows,
+    }
 
 
 def declare_resources(emulator: kmock.KubernetesEmulator) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,10 @@ class Cluster:
 
     async def overlay(self, name: str) -> dict[str, Any]:
         return await get_overlay(self.api, name)
+
+    async def ready_in(self, namespace: str, name: str) -> bool:
+        obj = await self.api.get(overlay_path(namespace, name)) or {}
+        return (obj.get("status") or {}).get("phase") == "Ready"
 
     async def ready(self, name: str, generation: int = 1, within: float = 30.0) -> dict[str, Any]:
         async def check() -> dict[str, Any] | None:
@@ -110,6 +116,32 @@ def verbs_granted() -> set[tuple[str, str, str]]:
         for res in rule["resources"]
         for verb in rule["verbs"]
     }
+
+
+def undeclared(value: Any, schema: dict[str, Any], where: str = "") -> list[str]:
+    """Fields a real API server would prune: not declared in the CRD's structural schema."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        out = [f"{where}.{k}" for k in value if k not in props]
+        for k, v in value.items():
+            if k in props:
+                out += undeclared(v, props[k], f"{where}.{k}")
+        return out
+    if isinstance(value, list):
+        return [
+            x
+            for i, v in enumerate(value)
+            for x in undeclared(v, schema.get("items") or {}, f"{where}[{i}]")
+        ]
+    return []
+
+
+def status_schema() -> dict[str, Any]:
+    crd = yaml.safe_load((ROOT / "manifests/crds/brokeroverlays.canopy.dev.yaml").read_text())
+    schema: dict[str, Any] = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema["properties"]["status"]
 
 
 def events(emulator: kmock.KubernetesEmulator, reason: str | None = None) -> list[dict[str, Any]]:
@@ -242,6 +274,10 @@ async def test_changing_the_spec_runs_the_plan_on_real_brokers(cluster: Cluster)
     done = [e["message"] for e in events(cluster.emulator, "StepDone")]
     assert len(done) == 4 + len(steps)  # 4 add-leaf steps at creation, then this plan
 
+    # Everything the operator wrote into status is declared in the CRD (nothing gets pruned).
+    for version in history(cluster.emulator, "demo"):
+        assert not undeclared(version.get("status") or {}, status_schema(), "status")
+
     # Least privilege: the ClusterRole grants exactly what the operator used, no more.
     assert verbs_used(cluster.emulator) == verbs_granted()
 
@@ -326,3 +362,48 @@ async def test_a_restarted_operator_resumes_the_plan_and_nothing_is_lost(
     report = check_deliveries(run.subs, run.pubs, run.deliveries)
     assert report.ok, str(report)
     assert report.owed > 500, str(report)
+
+
+async def kubectl(cluster: Cluster, tmp_path: Path, *args: str) -> str:
+    """The real kubectl against the emulator (it runs in this event loop: no blocking)."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / "none")}
+    proc = await asyncio.create_subprocess_exec(
+        "kubectl",
+        "--server",
+        server_url(cluster.emulator),
+        "--cache-dir",
+        str(tmp_path / "kube-cache"),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, f"kubectl {' '.join(args)}: {err.decode()}"
+    return out.decode()
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs the kubectl client")
+async def test_kubectl_applies_the_examples_and_shows_the_printer_columns(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    cluster.start_operator()
+    out = await kubectl(
+        cluster, tmp_path, "apply", "--validate=false", "-f", str(ROOT / "manifests/examples")
+    )
+    assert "brokeroverlay.canopy.dev/trading created" in out, out
+    assert "topologyproposal.canopy.dev/trading-1 created" in out, out
+    for name in ("trading", "sensors"):
+        await until(lambda n=name: cluster.ready_in("default", n), 40, f"{name} Ready")
+    table = await kubectl(cluster, tmp_path, "get", "brokeroverlays", "-n", "default")
+    header, *rows = [line.split() for line in table.strip().splitlines()]
+    assert header == ["NAME", "PHASE", "READY", "LINKS", "PROGRESS", "AGE"], table
+    by_name = {r[0]: r[1:] for r in rows}
+    assert by_name["trading"][:3] == ["Ready", "6/6", "5"], table
+    assert by_name["sensors"][:3] == ["Ready", "8/8", "7"], table
+    assert by_name["trading"][3] == "5/5" and by_name["sensors"][3] == "7/7", table  # joins
+    # The short name from discovery, one object (a Table of one row).
+    short = await kubectl(cluster, tmp_path, "get", "bo", "trading", "-n", "default")
+    assert short.split()[6:10] == ["trading", "Ready", "6/6", "5"], short
+    proposals = await kubectl(cluster, tmp_path, "get", "topologyproposals", "-n", "default")
+    assert proposals.split()[:4] == ["NAME", "OVERLAY", "PHASE", "GAIN"], proposals
