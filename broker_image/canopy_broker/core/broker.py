@@ -24,10 +24,11 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from canopy_broker.core import exchange as coordinated
 from canopy_broker.core import path as path_algorithm
 from canopy_broker.core.errors import ProtocolError
 from canopy_broker.core.events import Event
-from canopy_broker.core.exchange import Exchange, backoff, validate_path
+from canopy_broker.core.exchange import Exchange
 from canopy_broker.core.filters import Filter, covers
 from canopy_broker.core.matching import IndexedMatcher
 from canopy_broker.core.messages import (
@@ -40,7 +41,6 @@ from canopy_broker.core.messages import (
     ClientPublish,
     ClientSubscribe,
     ClientUnsubscribe,
-    CloseLink,
     CtrlMsg,
     Deliver,
     DeliverMarker,
@@ -48,7 +48,6 @@ from canopy_broker.core.messages import (
     Echo,
     Effect,
     End,
-    ExchangeFinished,
     FlushMsg,
     FromLink,
     FromPeer,
@@ -59,13 +58,10 @@ from canopy_broker.core.messages import (
     LockRefused,
     Marker,
     Moved,
-    OpenLink,
-    Ordering,
     PeerMessage,
     Publish,
     RecMsg,
     Relay,
-    RelayEnd,
     RemoveLink,
     RouteKey,
     RoutingMode,
@@ -77,14 +73,10 @@ from canopy_broker.core.messages import (
     Subscribe,
     Tag,
     TimerFired,
-    Transfer,
     Unsubscribe,
 )
 
-MAX_LOCK_ATTEMPTS = 60
-
 __all__ = ["BrokerCore", "ProtocolError", "RoutingTable", "client_key", "dominates", "maximal"]
-
 
 # A matcher payload: a neighbour name (str) or a local subscription (client, sub_id).
 Dest = str | tuple[str, str]
@@ -367,7 +359,9 @@ class BrokerCore:
                 for peer in sorted(peers):
                     out.append(SendToLink(peer, copy))
             else:
-                self._route_on_cycle(ex, copy, sorted(peers), out, source=source, tag=tag)
+                coordinated.route_on_cycle(
+                    self, ex, copy, sorted(peers), out, source=source, tag=tag
+                )
         for client in sorted(local):
             out.append(Deliver(client, event, tuple(sorted(local[client]))))
 
@@ -468,39 +462,6 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ link exchange
 
-    def _route_on_cycle(
-        self,
-        ex: Exchange,
-        copy: Publish,
-        peers: list[str],
-        out: list[Effect],
-        *,
-        source: str | None,
-        tag: Tag | None,
-    ) -> None:
-        """Forward a notification on a reconfiguration cycle: colour it, and let black copies
-        cross only the removed link and gray copies only the added one."""
-        if tag is not None and tag.xid == ex.xid:
-            gray = tag.gray
-        elif source is not None and source in ex.cycle_peers():
-            # Untagged from a cycle neighbour: sent before it locked (old tree, black) — except
-            # at an A end that has seen End, whose down neighbour has released: new tree.
-            gray = ex.end_seen and source == ex.down
-        else:
-            gray = ex.gray
-        tagged = Publish(copy.event, Tag(ex.xid, gray))
-        for peer in peers:
-            if peer == ex.r_peer:
-                if not gray:
-                    out.append(SendToLink(peer, tagged))
-            elif peer == ex.a_peer:
-                if gray:
-                    out.append(SendToLink(peer, tagged))
-            elif peer in (ex.up, ex.down):
-                out.append(SendToLink(peer, tagged))
-            else:
-                out.append(SendToLink(peer, copy))
-
     def _to_peer(self, peer: str, msg: PeerMessage, out: list[Effect]) -> None:
         """Out-of-band send; a broker that plays both roles hands the message to itself."""
         if peer == self.name:
@@ -511,115 +472,25 @@ class BrokerCore:
     def _start_exchange(self, req: StartExchange, out: list[Effect]) -> None:
         if req.algorithm is Algorithm.PATH:
             path_algorithm.start(self, req, out)
-            return
-        if req.xid in self._attempts:
-            return  # idempotent: the same request is already being carried out
-        try:
-            validate_path(req.path, req.remove)
-        except ValueError as exc:
-            raise ProtocolError(str(exc)) from None
-        if req.path[0] != self.name:
-            raise ProtocolError(f"{self.name}: exchange {req.xid} must start at {req.path[0]}")
-        self._attempts[req.xid] = (req, 0)
-        self._try_lock(req.xid, out)
-
-    def _try_lock(self, xid: str, out: list[Effect]) -> None:
-        req, _ = self._attempts[xid]
-        k = validate_path(req.path, req.remove)
-        problem = self._lock_problem(req.path, 0, req.xid)
-        if problem is None:
-            lock = Lock(req.xid, req.path, k, req.ordering, req.lease)
-            self._lock_here(lock, 0, out)
-            out.append(SendToLink(req.path[1], lock))
         else:
-            self._retry_later(xid, problem, out)
-
-    def _retry_later(self, xid: str, reason: str, out: list[Effect]) -> None:
-        req, attempt = self._attempts[xid]
-        attempt += 1
-        if attempt >= MAX_LOCK_ATTEMPTS:
-            del self._attempts[xid]
-            out.append(
-                ExchangeFinished(xid, False, f"gave up after {attempt} attempts: {reason}", attempt)
-            )
-            return
-        self._attempts[xid] = (req, attempt)
-        out.append(StartTimer(f"lock:{xid}", backoff(xid, attempt)))
+            coordinated.start(self, req, out)
 
     def _timer(self, key: str, out: list[Effect]) -> None:
-        kind, _, xid = key.partition(":")
-        if kind == "lock" and xid in self._attempts and (self._ex is None or self._ex.xid != xid):
-            self._try_lock(xid, out)
-        elif kind == "lease" and self._ex is not None and self._ex.xid == xid:
-            self._lease_expired(self._ex, out)
+        coordinated.timer(self, key, out)
 
-    def _lease_expired(self, ex: Exchange, out: list[Effect]) -> None:
-        """Nothing heard from the exchange for a whole lease: a participant or the initiator is
-        gone. Before phase 1 nothing has changed, so roll back; after it the new link may carry
-        traffic, so roll forward — finish this broker's part without the missing messages."""
-        if not ex.granted:
-            self._undo_lock(ex, out)
-            if ex.me == 0:
-                self._retry_later(ex.xid, "lease expired while locking", out)
-            return
-        ex.by_lease = True
-        r = ex.r_peer
-        if r is not None and r in self._from_link:
-            if not ex.phase2_done:
-                self._phase2(ex, out)
-            ex.other_sep_seen = True
-            self._close_removed_link(ex, out)
-        if ex.is_a and not ex.own_done:
-            ex.other_sep_seen = ex.relay_end = ex.echo_seen = ex.end_seen = True
-            self._maybe_release_queue(ex, out)
-            self._maybe_finish_a(ex, out)
-        if self._ex is not ex:
-            return  # finishing our part completed the exchange after all
-        self._ex = None
-        self._left.append(ex.xid)
-        if ex.me == 0:
-            _req, attempt = self._attempts.pop(ex.xid)
-            reason = "lease expired after phase 1 began: rolled forward"
-            out.append(ExchangeFinished(ex.xid, False, reason, attempt + 1))
+    def _from_peer(self, peer: str, msg: PeerMessage, out: list[Effect]) -> None:
+        if isinstance(msg, RecMsg):  # the path algorithm's RECMSG across the new link
+            path_algorithm.on_recmsg(self, peer, msg, out)
+        else:
+            coordinated.from_peer(self, peer, msg, out)
 
-    def _lock_problem(self, path: tuple[str, ...], i: int, xid: str) -> str | None:
-        """Why this broker cannot lock for the exchange at position ``i`` (None if it can)."""
-        if self._ex is not None:
-            return f"{self.name} is locked by exchange {self._ex.xid}"
-        if i < len(path) - 1 and (
-            path[i + 1] not in self._from_link or path[i + 1] in self._frozen
-        ):
-            return f"{self.name} has no link to {path[i + 1]}"
-        if i in (0, len(path) - 1):
-            other = path[-1] if i == 0 else path[0]
-            if other in self._from_link:
-                return f"{self.name} is already linked to {other}"
-        return None
-
-    def _lock_here(self, lock: Lock, i: int, out: list[Effect]) -> None:
-        ex = Exchange(lock.xid, lock.path, lock.k, i, lock.ordering, lock.lease)
-        self._ex = ex
-        out.append(StartTimer(f"lease:{ex.xid}", ex.lease))
-        a = ex.a_peer
-        if a is not None:  # an A end: the added link exists from now on, frozen
-            self._from_link[a] = set()
-            self._advertised[a] = set()
-            self._frozen.add(a)
-            out.append(OpenLink(a))
-
-    def _release(self, out: list[Effect]) -> None:
-        """Leave the exchange (normal end, or a refused lock before anything changed)."""
-        ex = self._ex
-        assert ex is not None
-        self._ex = None
-        if ex.me == 0 and ex.own_done:
-            _req, attempt = self._attempts.pop(ex.xid)
-            reason = "lease expired after phase 1 began: rolled forward" if ex.by_lease else ""
-            out.append(ExchangeFinished(ex.xid, not ex.by_lease, reason, attempt + 1))
+    def _wanted_by(self, peer: str) -> set[RouteKey]:
+        """What this broker must advertise to ``peer``: the maximal keys held from elsewhere."""
+        return maximal((k for k in self._holders if self._held_except(k, peer) > 0), self.mode)
 
     def _exchange_msg(self, peer: str, msg: object, out: list[Effect]) -> None:
         if isinstance(msg, Lock):
-            self._on_lock(peer, msg, out)
+            coordinated.on_lock(self, peer, msg, out)
             return
         if isinstance(msg, RecMsg):
             path_algorithm.on_recmsg(self, peer, msg, out)
@@ -647,7 +518,7 @@ class BrokerCore:
         ex = self._ex
         xid = getattr(msg, "xid", None)
         if isinstance(msg, Done):
-            self._apply_done(peer, msg, out)
+            coordinated.apply_done(self, peer, msg, out)
         if ex is None or ex.xid != xid:
             if xid in self._left:
                 return  # a late message of an exchange we finished by lease: nothing to do
@@ -656,18 +527,18 @@ class BrokerCore:
             )
         out.append(StartTimer(f"lease:{ex.xid}", ex.lease))  # the exchange is alive: renew
         if isinstance(msg, LockRefused):
-            self._on_refused(ex, msg, out)
+            coordinated.on_refused(self, ex, msg, out)
         elif isinstance(msg, Granted):
-            self._on_granted(ex, out)
+            coordinated.on_granted(self, ex, out)
         elif isinstance(msg, Separator):
-            self._on_separator(ex, msg.side, out)
+            coordinated.on_separator(self, ex, msg.side, out)
         elif isinstance(msg, End):
-            self._on_end(ex, out)
+            coordinated.on_end(self, ex, out)
         elif isinstance(msg, Done):
             ex.peer_done = True
-            self._maybe_release_a(ex, out)
+            coordinated.maybe_release_a(self, ex, out)
         elif isinstance(msg, Echo):
-            self._on_echo(ex, out)
+            coordinated.on_echo(self, ex, out)
         else:  # pragma: no cover
             raise ProtocolError(f"unknown link message {msg!r}")
 
@@ -681,202 +552,3 @@ class BrokerCore:
         """Hand over (and forget) the ordering delays measured since the last call."""
         delays, self.ordering_delays = self.ordering_delays, []
         return delays
-
-    def _apply_done(self, peer: str, msg: Done, out: list[Effect]) -> None:
-        """The other side's advertisement, complete: apply what differs from what we hold."""
-        table = self._from_link[peer]
-        keys = set(msg.keys)
-        for key in sorted(keys - table, key=RouteKey.sort_key):
-            self._apply_route_msg(table, peer, Subscribe(key), out)
-        for key in sorted(table - keys, key=RouteKey.sort_key):
-            self._apply_route_msg(table, peer, Unsubscribe(key), out)
-
-    def _on_lock(self, peer: str, msg: Lock, out: list[Effect]) -> None:
-        path = msg.path
-        if self.name not in path:
-            raise ProtocolError(f"{self.name}: lock {msg.xid} for a path it is not on")
-        i = path.index(self.name)
-        if i == 0 or path[i - 1] != peer:
-            raise ProtocolError(
-                f"{self.name}: lock {msg.xid} arrived from {peer}, not path[{i - 1}]"
-            )
-        problem = self._lock_problem(path, i, msg.xid)
-        if problem is not None:
-            out.append(SendToLink(peer, LockRefused(msg.xid, problem)))
-            return
-        self._lock_here(msg, i, out)
-        if i == len(path) - 1:
-            assert self._ex is not None
-            self._on_granted(self._ex, out)  # the last lock grants: phase 1 starts here
-        else:
-            out.append(SendToLink(path[i + 1], msg))
-
-    def _undo_lock(self, ex: Exchange, out: list[Effect]) -> None:
-        """Leave an exchange that never started phase 1 (only an A end has changed anything)."""
-        a = ex.a_peer
-        if a is not None and a in self._frozen:
-            del self._from_link[a]
-            del self._advertised[a]
-            self._frozen.discard(a)
-            out.append(CloseLink(a))
-        self._ex = None
-
-    def _on_refused(self, ex: Exchange, msg: LockRefused, out: list[Effect]) -> None:
-        if ex.granted:
-            raise ProtocolError(f"{self.name}: lock of {ex.xid} refused after it was granted")
-        self._undo_lock(ex, out)
-        if ex.me == 0:
-            self._retry_later(ex.xid, msg.reason, out)
-        else:
-            out.append(SendToLink(ex.path[ex.me - 1], msg))
-
-    def _on_granted(self, ex: Exchange, out: list[Effect]) -> None:
-        ex.granted = True
-        if ex.is_r:
-            r = ex.r_peer
-            assert r is not None
-            self._frozen.add(r)
-            transfer = Transfer(ex.xid, tuple(sorted(self._from_link[r], key=RouteKey.sort_key)))
-            self._to_peer(ex.a_end_of_my_side, transfer, out)
-            self._to_peer(ex.a_end_of_my_side, Separator(ex.xid, ex.side), out)
-        if ex.me > 0:
-            out.append(SendToLink(ex.path[ex.me - 1], Granted(ex.xid)))
-
-    def _from_peer(self, peer: str, msg: PeerMessage, out: list[Effect]) -> None:
-        if isinstance(msg, RecMsg):  # the path algorithm's RECMSG across the new link
-            path_algorithm.on_recmsg(self, peer, msg, out)
-            return
-        ex = self._ex
-        if ex is None or ex.xid != msg.xid or not ex.is_a:
-            if msg.xid in self._left:
-                return  # late: we finished this exchange by lease
-            raise ProtocolError(
-                f"{self.name}: {type(msg).__name__} for exchange {msg.xid} it is not an A end of"
-            )
-        a = ex.a_peer
-        assert a is not None
-        out.append(StartTimer(f"lease:{ex.xid}", ex.lease))  # the exchange is alive: renew
-        table = self._from_link[a]
-        if isinstance(msg, Transfer):
-            for key in msg.keys:
-                self._apply_route_msg(table, a, Subscribe(key), out)
-        elif isinstance(msg, Relay):
-            self._apply_route_msg(table, a, msg.message, out)
-        elif isinstance(msg, RelayEnd):
-            ex.relay_end = True
-            self._maybe_release_queue(ex, out)
-        elif isinstance(msg, Separator):
-            self._on_separator(ex, msg.side, out)
-        else:  # pragma: no cover
-            raise ProtocolError(f"unknown peer message {msg!r}")
-
-    def _on_separator(self, ex: Exchange, side: int, out: list[Effect]) -> None:
-        if side == ex.side:
-            # Our side's separator walks down to our R end: everything the transfer changed
-            # is in place above us, so notifications entering here may take the new link.
-            ex.gray = True
-            if ex.is_r:
-                self._phase2(ex, out)
-                if ex.ordering is Ordering.CAUSAL:
-                    self._on_echo(ex, out)
-                r = ex.r_peer
-                assert r is not None
-                out.append(SendToLink(r, Separator(ex.xid, side)))
-                self._maybe_finish_r(ex, out)
-            else:
-                out.append(SendToLink(ex.down, Separator(ex.xid, side)))
-            return
-        # The other side's separator walks up to our A end: no black message from that side
-        # follows it.
-        ex.other_sep_seen = True
-        if ex.is_r:
-            self._to_peer(ex.a_end_of_my_side, RelayEnd(ex.xid), out)
-        if ex.is_a:
-            self._maybe_release_queue(ex, out)
-        else:
-            out.append(SendToLink(ex.up, Separator(ex.xid, side)))
-        if ex.is_r:
-            self._maybe_finish_r(ex, out)
-
-    def _phase2(self, ex: Exchange, out: list[Effect]) -> None:
-        """Drop the removed link's routing entries; the withdrawals travel up this side only."""
-        r = ex.r_peer
-        assert r is not None
-        ex.phase2_done = True
-        table = self._from_link[r]
-        self._retired.add(r)
-        for key in sorted(table, key=RouteKey.sort_key):
-            table.remove(key)
-            self._matcher.remove(key.filter, r)
-            self._key_removed(key, r, out)
-
-    def _close_removed_link(self, ex: Exchange, out: list[Effect]) -> None:
-        r = ex.r_peer
-        assert r is not None
-        del self._from_link[r]
-        del self._advertised[r]
-        self._frozen.discard(r)
-        self._retired.discard(r)
-        out.append(CloseLink(r))
-
-    def _maybe_finish_r(self, ex: Exchange, out: list[Effect]) -> None:
-        if not (ex.phase2_done and ex.other_sep_seen):
-            return
-        self._close_removed_link(ex, out)
-        if ex.is_a:
-            self._on_end(ex, out)
-        else:
-            out.append(SendToLink(ex.up, End(ex.xid, ex.side)))
-            self._release(out)
-
-    def _on_end(self, ex: Exchange, out: list[Effect]) -> None:
-        if not ex.is_a:
-            out.append(SendToLink(ex.up, End(ex.xid, ex.side)))
-            self._release(out)
-            return
-        ex.end_seen = True
-        self._maybe_finish_a(ex, out)
-
-    def _on_echo(self, ex: Exchange, out: list[Effect]) -> None:
-        if ex.is_a:
-            ex.echo_seen = True
-            self._maybe_release_queue(ex, out)
-        else:
-            out.append(SendToLink(ex.up, Echo(ex.xid)))
-
-    def _maybe_release_queue(self, ex: Exchange, out: list[Effect]) -> None:
-        causal_ready = ex.echo_seen or ex.ordering is not Ordering.CAUSAL
-        if ex.queue_released or not (ex.other_sep_seen and ex.relay_end and causal_ready):
-            return
-        ex.queue_released = True
-        queued, ex.queue = ex.queue, []
-        for queued_at, inp in queued:
-            if isinstance(inp.message, Publish):
-                self.ordering_delays.append(self._now - queued_at)
-                by_xid = self.ordering_delays_by_exchange
-                if ex.xid not in by_xid and len(by_xid) >= 64:
-                    del by_xid[next(iter(by_xid))]
-                by_xid.setdefault(ex.xid, []).append(self._now - queued_at)
-            self._from_link_msg(inp, out)
-            if self._ex is not ex:  # a queued Done finished the exchange
-                break
-        self._maybe_finish_a(ex, out)
-
-    def _maybe_finish_a(self, ex: Exchange, out: list[Effect]) -> None:
-        if self._ex is not ex or ex.own_done or not (ex.end_seen and ex.queue_released):
-            return
-        a = ex.a_peer
-        assert a is not None
-        # Unfreeze the added link: tell the other side exactly what this side advertises; it
-        # holds the old advertisement (from its R end's transfer) and applies the difference.
-        self._frozen.discard(a)
-        held = [key for key in self._holders if self._held_except(key, a) > 0]
-        want = maximal(held, self.mode)
-        self._advertised[a] = want
-        out.append(SendToLink(a, Done(ex.xid, tuple(sorted(want, key=RouteKey.sort_key)))))
-        ex.own_done = True
-        self._maybe_release_a(ex, out)
-
-    def _maybe_release_a(self, ex: Exchange, out: list[Effect]) -> None:
-        if ex.own_done and ex.peer_done:
-            self._release(out)
