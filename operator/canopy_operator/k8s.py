@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime
 import logging
 import os
@@ -738,8 +739,9 @@ class Reconciler:
         }
 
     def _on_step_event(self, reason: str, message: str) -> None:
-        if reason == "StepDone":
-            kind = message.split(":", 1)[1].split(maxsplit=1)[0] if ":" in message else "step"
+        if reason == "StepDone":  # "step 3: exchange a-b for ..." / "add leaf ..." / ...
+            word = message.split(":", 1)[-1].split(maxsplit=1)[0]
+            kind = {"add": "add-leaf", "remove": "remove-leaf"}.get(word, word)
             STEPS.labels(kind, "done").inc()
         self.event(reason, message)
 
@@ -789,15 +791,20 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
             *(backend.wait_ready(b, config.ready_within) for b in spec.broker_names)
         )
         neighbours = await backend.neighbours(spec.broker_names)
-        want = [tuple(e) for e in status.get("links") or []]
+        want = [(str(e[0]), str(e[1])) for e in status.get("links") or []]
         for a, b in want:
-            if b in neighbours.get(a, set()) or a in neighbours.get(b, set()):
+            has_a, has_b = b in neighbours.get(a, set()), a in neighbours.get(b, set())
+            if has_a and has_b:
                 continue
-            # The side that lost all its links restarted: it dials its old neighbours.
-            side, other = (a, b) if not neighbours.get(a) else (b, a)
+            # One end restarted and knows nothing of the link; the other may still hold the
+            # old session. Drop that (its routing entries go with it), then the restarted end
+            # dials afresh and both ends exchange their routing state over the new link.
+            side, other = (a, b) if not has_a else (b, a)
+            if side in neighbours.get(other, set()):
+                await backend.admin(other).remove_link(side)
             await backend.admin(side).set_peers({other: backend.address(other)})
             await backend.admin(side).add_link(other, backend.address(other))
-            r.event("BrokerRelinked", f"re-linked {side}-{other}")
+            r.event("BrokerRelinked", f"re-linked {side} to {other}")
     finally:
         await backend.close()
 
@@ -848,6 +855,21 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", registry=registry)
     async def on_overlay(namespace: str | None, name: str | None, **_: Any) -> None:
         await reconcile(namespace, name)
+
+    @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True, registry=registry)
+    async def on_delete(namespace: str | None, name: str | None, body: kopf.Body, **_: Any) -> None:
+        """Owner references let the garbage collector remove the overlay's objects; this stops
+        the brokers at once (best effort: optional, no finalizer that could block a delete)."""
+        assert namespace and name
+        config.locks.pop((namespace, name), None)
+        with contextlib.suppress(KeyError):
+            PLAN_LENGTH.remove(name)
+        for pod in await api().items(core_path(namespace, "pods")):
+            meta = pod.get("metadata") or {}
+            if (meta.get("labels") or {}).get(LABEL_OVERLAY) == name and any(
+                o.get("uid") == body.metadata.uid for o in meta.get("ownerReferences") or []
+            ):
+                await api().delete(core_path(namespace, "pods", meta["name"]))
 
     @kopf.timer(
         GROUP,

@@ -319,8 +319,7 @@ class Kubelet:
         proc = self.procs.pop(pod)
         proc.kill()
         await proc.stop()
-        labels = proc.name, pod
-        new = await spawn_broker(labels[0], token=proc.token, log_dir=self.log_dir)
+        new = await spawn_broker(proc.name, token=proc.token, log_dir=self.log_dir)
         self.procs[pod] = new
         self.endpoints[pod] = Endpoints(new.listen, new.admin_address)
 

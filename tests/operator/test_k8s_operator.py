@@ -13,6 +13,7 @@ from typing import Any
 import kmock
 import pytest
 import yaml
+from prometheus_client import REGISTRY
 
 from canopy_broker.sim.checker import check_deliveries
 from canopy_operator.k8s import KubeApi, overlay_path
@@ -278,6 +279,13 @@ async def test_changing_the_spec_runs_the_plan_on_real_brokers(cluster: Cluster)
     for version in history(cluster.emulator, "demo"):
         assert not undeclared(version.get("status") or {}, status_schema(), "status")
 
+    # Operator metrics (the process-wide registry /metrics serves).
+    assert REGISTRY.get_sample_value("canopy_operator_plan_steps", {"overlay": "demo"}) == 5
+    done = {"kind": "exchange", "result": "done"}
+    assert (REGISTRY.get_sample_value("canopy_operator_steps_total", done) or 0) >= 3
+    ok = {"result": "ok"}
+    assert (REGISTRY.get_sample_value("canopy_operator_reconcile_seconds_count", ok) or 0) >= 2
+
     # Least privilege: the ClusterRole grants exactly what the operator used, no more.
     assert verbs_used(cluster.emulator) == verbs_granted()
 
@@ -407,3 +415,50 @@ async def test_kubectl_applies_the_examples_and_shows_the_printer_columns(
     assert short.split()[6:10] == ["trading", "Ready", "6/6", "5"], short
     proposals = await kubectl(cluster, tmp_path, "get", "topologyproposals", "-n", "default")
     assert proposals.split()[:4] == ["NAME", "OVERLAY", "PHASE", "GAIN"], proposals
+
+
+async def test_a_restarted_broker_is_relinked_and_gets_its_routing_state_back(
+    cluster: Cluster,
+) -> None:
+    links = [("a", "b"), ("b", "c"), ("b", "d")]
+    cluster.start_operator()
+    await cluster.apply(overlay_manifest("demo", ["a", "b", "c", "d"], links))
+    await cluster.ready("demo")
+    view = BrokerView(cluster.kubelet, "demo", links)
+    run = Run()
+    await run.subscriber(view, "s-c", "c", ['side = "buy"'])
+    await run.subscriber(view, "s-d", "d", ["qty > 10"])
+    await converged(view, run)  # type: ignore[arg-type]
+
+    await cluster.kubelet.restart("demo-b")  # the inner broker dies; its pod restarts it
+
+    async def relinked() -> bool:
+        status = await view["b"].admin.status()
+        return sorted(n["peer"] for n in status["neighbours"] if n.get("up", True)) == [
+            "a",
+            "c",
+            "d",
+        ]
+
+    await until(relinked, 20, "b re-linked to a, c and d")
+    t = await converged(view, run)  # type: ignore[arg-type]  # routing tables canonical again
+    run.settled(t)
+    await run.publisher(view, "p", "a", seed=1)  # type: ignore[arg-type]
+    await until(lambda: len(run.pubs) > 200, 20, "some traffic")
+    run.stop.set()
+    await run.clients["p"].flush()
+    await run.wait_delivered(within=20)
+    await run.finish()
+    report = check_deliveries(run.subs, run.pubs, run.deliveries)
+    assert report.ok and report.owed > 20, str(report)
+    assert events(cluster.emulator, "BrokerRelinked")
+
+
+async def test_deleting_the_overlay_stops_its_brokers(cluster: Cluster) -> None:
+    cluster.start_operator()
+    await cluster.apply(overlay_manifest("demo", ["a", "b"], [("a", "b")]))
+    await cluster.ready("demo")
+    assert len(cluster.kubelet.procs) == 2
+    await cluster.api.delete(overlay_path(NS, "demo"))
+    await until(lambda: not objects(cluster.emulator, "pods"), 20, "the pods deleted")
+    await until(lambda: not cluster.kubelet.procs, 20, "the broker processes stopped")
