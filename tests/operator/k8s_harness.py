@@ -309,9 +309,10 @@ class Kubelet:
                 task = self._starting.pop(name)
                 await task
                 self.endpoints.pop(name, None)
-                proc = self.procs.pop(name, None)
-                if proc is not None:
+                proc = self.procs.get(name)
+                if proc is not None:  # forgotten once stopped: __aexit__ stops what is left
                     await proc.stop()
+                    del self.procs[name]
             await asyncio.sleep(0.05)
 
     async def restart(self, pod: str) -> None:

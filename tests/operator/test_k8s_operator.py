@@ -462,3 +462,35 @@ async def test_deleting_the_overlay_stops_its_brokers(cluster: Cluster) -> None:
     await cluster.api.delete(overlay_path(NS, "demo"))
     await until(lambda: not objects(cluster.emulator, "pods"), 20, "the pods deleted")
     await until(lambda: not cluster.kubelet.procs, 20, "the broker processes stopped")
+
+
+async def test_an_invalid_update_leaves_the_running_overlay_as_it_was(cluster: Cluster) -> None:
+    links = [("a", "b"), ("b", "c")]
+    cluster.start_operator()
+    await cluster.apply(overlay_manifest("demo", ["a", "b", "c"], links))
+    await cluster.ready("demo")
+    pids = {pod: proc.pid for pod, proc in cluster.kubelet.procs.items()}
+    # A link to an undeclared broker and fan-out: invalid.
+    bad = overlay_manifest("demo", ["a", "b", "c"], [("a", "b"), ("b", "x")])["spec"]
+    await cluster.api.patch(overlay_path(NS, "demo"), {"spec": bad})
+
+    async def invalid() -> dict[str, Any] | None:
+        obj = await cluster.overlay("demo")
+        return obj if condition(obj, "Valid").get("status") == "False" else None
+
+    obj = await until(invalid, 20, "Valid=False")
+    assert "x" in condition(obj, "Valid")["message"]
+    assert obj["status"]["phase"] == "Invalid" and obj["status"]["observedGeneration"] == 2
+    assert sorted(map(tuple, obj["status"]["links"])) == links  # what still runs
+    assert {pod: proc.pid for pod, proc in cluster.kubelet.procs.items()} == pids
+    for pod, proc in cluster.kubelet.procs.items():
+        mine = pod.removeprefix("demo-")
+        peers = sorted(n["peer"] for n in (await proc.admin.status())["neighbours"])
+        assert peers == sorted(b for e in links for b in e if mine in e and b != mine)
+
+    # Fixed again: the operator carries on from the live overlay.
+    good = overlay_manifest("demo", ["a", "b", "c"], [("a", "b"), ("a", "c")])["spec"]
+    await cluster.api.patch(overlay_path(NS, "demo"), {"spec": good})
+    obj = await cluster.ready("demo", generation=3)
+    assert sorted(map(tuple, obj["status"]["links"])) == [("a", "b"), ("a", "c")]
+    assert condition(obj, "Valid")["status"] == "True"
