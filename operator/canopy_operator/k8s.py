@@ -202,9 +202,16 @@ def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def pod_manifest(
-    spec: OverlaySpec, broker: str, namespace: str, owner: Mapping[str, Any], image: str
+    spec: OverlaySpec,
+    broker: str,
+    namespace: str,
+    owner: Mapping[str, Any],
+    image: str,
+    *,
+    resources: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One broker's Pod: stable name, labels, owner reference, probes, anti-affinity."""
+    """One broker's Pod: stable name, labels (the broker's own too), owner reference, probes,
+    anti-affinity, resources (the broker's, else the overlay's ``spec.broker.resources``)."""
     overlay = spec.name
     neighbours = sorted({b for e in spec.links or () for b in e if broker in e and b != broker})
     terms: list[dict[str, Any]] = []
@@ -253,7 +260,9 @@ def pod_manifest(
                 }
             ]
         }
+    own = next((dict(b.labels) for b in spec.brokers if b.name == broker), {})
     labels = {
+        **own,
         "app.kubernetes.io/name": "canopy-broker",
         "app.kubernetes.io/part-of": "canopy",
         "app.kubernetes.io/managed-by": "canopy-operator",
@@ -307,8 +316,15 @@ def pod_manifest(
                         "failureThreshold": 6,
                     },
                     "volumeMounts": [{"name": "admin-token", "mountPath": TOKEN_DIR}],
+                    "resources": dict(resources or {}),
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "readOnlyRootFilesystem": True,
+                        "capabilities": {"drop": ["ALL"]},
+                    },
                 }
             ],
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
             "volumes": [{"name": "admin-token", "secret": {"secretName": secret_name(overlay)}}],
         },
     }
@@ -337,7 +353,9 @@ class KubernetesBackend:
         image: str = DEFAULT_IMAGE,
         resolver: Resolver = dns_resolver,
         poll: float = 0.2,
+        resources: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
+        self.resources = dict(resources or {})
         self.api, self.spec, self.namespace, self.owner = api, spec, namespace, owner
         self.token, self.image, self.resolver, self.poll = token, image, resolver, poll
         self._admins: dict[str, AdminClient] = {}
@@ -351,7 +369,14 @@ class KubernetesBackend:
         )
 
     async def create_broker(self, name: str) -> None:
-        body = pod_manifest(self.spec, name, self.namespace, self.owner, self.image)
+        body = pod_manifest(
+            self.spec,
+            name,
+            self.namespace,
+            self.owner,
+            self.image,
+            resources=self.resources.get(name),
+        )
         await self.api.create(core_path(self.namespace, "pods"), body)
 
     async def delete_broker(self, name: str) -> None:
@@ -595,7 +620,14 @@ class Reconciler:
         return token
 
     def backend(self, spec: OverlaySpec, token: str) -> KubernetesBackend:
-        image = str(((self.obj.get("spec") or {}).get("broker") or {}).get("image") or "")
+        raw = self.obj.get("spec") or {}
+        image = str((raw.get("broker") or {}).get("image") or "")
+        shared = (raw.get("broker") or {}).get("resources") or {}
+        resources = {
+            str(b.get("name")): b.get("resources") or shared
+            for b in raw.get("brokers") or []
+            if isinstance(b, Mapping)
+        }
         return KubernetesBackend(
             self.api,
             spec,
@@ -605,6 +637,7 @@ class Reconciler:
             image=image or self.config.image,
             resolver=self.config.resolver,
             poll=self.config.poll,
+            resources=resources,
         )
 
     async def run(self) -> None:

@@ -152,7 +152,12 @@ def events(emulator: kmock.KubernetesEmulator, reason: str | None = None) -> lis
 async def test_creating_an_overlay_creates_its_objects_and_links(cluster: Cluster) -> None:
     cluster.start_operator()
     links = [("a", "b"), ("b", "c"), ("b", "d")]
-    await cluster.apply(overlay_manifest("demo", ["a", "b", "c", "d"], links))
+    body = overlay_manifest("demo", ["a", "b", "c", "d"], links)
+    small = {"requests": {"cpu": "100m", "memory": "64Mi"}}
+    big = {"requests": {"cpu": "1", "memory": "512Mi"}}
+    body["spec"]["broker"] = {"image": "registry.example/canopy:1.2", "resources": small}
+    body["spec"]["brokers"][1].update(zone="zone-b", labels={"tier": "core"}, resources=big)
+    await cluster.apply(body)
     obj = await cluster.ready("demo")
     uid = obj["metadata"]["uid"]
     st = obj["status"]
@@ -174,6 +179,12 @@ async def test_creating_an_overlay_creates_its_objects_and_links(cluster: Cluste
         assert c["args"][:2] == ["serve", "--name"] and "--token-file" in c["args"]
         assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
         assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert c["image"] == "registry.example/canopy:1.2"
+        assert c["resources"] == (big if name == "demo-b" else small)
+    assert pods["demo-b"]["metadata"]["labels"]["tier"] == "core"
+    zone = pods["demo-b"]["spec"]["affinity"]["nodeAffinity"]
+    term = zone["preferredDuringSchedulingIgnoredDuringExecution"][0]["preference"]
+    assert term["matchExpressions"][0]["values"] == ["zone-b"]
     anti = pods["demo-b"]["spec"]["affinity"]["podAntiAffinity"]
     terms = anti["preferredDuringSchedulingIgnoredDuringExecution"]
     near = terms[0]["podAffinityTerm"]["labelSelector"]["matchExpressions"][0]["values"]
