@@ -428,7 +428,16 @@ class Simulator:
             del self._timers[(broker, inp.key)]
         if broker in self.crashed:
             return  # a dead process: whatever reaches it is lost
-        effects = self.cores[broker].handle(inp, self.now)
+        core = self.cores[broker]
+        ex = core.exchange
+        queued = {id(q): q for _, q in ex.queue} if ex is not None and ex.queue else {}
+        effects = core.handle(inp, self.now)
+        if queued:
+            # Notifications that waited in the new link's ordering queue live until released.
+            still = {id(q) for _, q in ex.queue} if ex is not None else set()
+            for key, q in queued.items():
+                if key not in still and isinstance(q.message, Publish):
+                    self._copy_done(q.message.event)
         self._carry_out(broker, effects)
         if isinstance(inp, ClientDetach) and broker in self._leaving:
             self._maybe_remove_leaf(broker)
