@@ -518,6 +518,7 @@ class OperatorConfig:
     ready_within: float = 120.0
     poll: float = 0.2
     heal_interval: float = 30.0
+    retry_delay: float = 10.0  # before a reconcile that failed (brokers not ready, a step) again
     api: KubeApi | None = None
     stopping: bool = False
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
@@ -682,7 +683,7 @@ class Reconciler:
             self.condition("Degraded", True, "BrokersNotReady", str(exc))
             self.condition("Ready", False, "BrokersNotReady", str(exc))
             await self.status(phase="Degraded")
-            raise kopf.TemporaryError(str(exc), delay=10) from exc
+            raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
         neighbours = await backend.neighbours(running)
         live = live_tree(neighbours, declared)
         if resuming:
@@ -728,7 +729,7 @@ class Reconciler:
             self.condition("Ready", False, "StepFailed", str(exc))
             await self.status(phase="Degraded")
             self.event("StepFailed", str(exc), warning=True)
-            raise kopf.TemporaryError(str(exc), delay=15) from exc
+            raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
         # Brokers that are neither declared nor part of the live tree (left-overs) go.
         for b in sorted(set(pods) - set(declared)):
             await backend.delete_broker(b)

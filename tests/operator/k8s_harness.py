@@ -264,10 +264,13 @@ class Kubelet:
         self.procs: dict[str, BrokerProc] = {}
         self.endpoints: dict[str, Endpoints] = {}
         self.started: list[str] = []
+        self.cut_off: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._starting: dict[str, asyncio.Task[None]] = {}
 
     def resolve(self, namespace: str, service: str, pod: str) -> Endpoints:
+        if pod in self.cut_off:  # the operator cannot reach this broker's admin API
+            return Endpoints(self.endpoints[pod].listen, "127.0.0.1:1")
         return self.endpoints[pod]
 
     def token(self, overlay: str) -> str:

@@ -505,3 +505,34 @@ async def test_an_invalid_update_leaves_the_running_overlay_as_it_was(cluster: C
     obj = await cluster.ready("demo", generation=3)
     assert sorted(map(tuple, obj["status"]["links"])) == [("a", "b"), ("a", "c")]
     assert condition(obj, "Valid")["status"] == "True"
+
+
+async def test_an_unreachable_broker_sets_degraded_and_the_plan_waits(cluster: Cluster) -> None:
+    links = [("a", "b"), ("b", "c")]
+    cluster.start_operator()
+    await cluster.apply(overlay_manifest("demo", ["a", "b", "c"], links))
+    await cluster.ready("demo")
+    await cluster.stop_operator()
+    config = make_config(cluster.emulator, cluster.kubelet)
+    config.ready_within, config.retry_delay = 1.0, 0.5
+    cluster.operator = OperatorThread(config).start()
+
+    cluster.kubelet.cut_off.add("demo-c")
+    new = overlay_manifest("demo", ["a", "b", "c"], [("a", "b"), ("a", "c")])["spec"]
+    await cluster.api.patch(overlay_path(NS, "demo"), {"spec": new})
+
+    async def degraded() -> dict[str, Any] | None:
+        obj = await cluster.overlay("demo")
+        return obj if condition(obj, "Degraded").get("status") == "True" else None
+
+    obj = await until(degraded, 20, "Degraded=True")
+    assert condition(obj, "Degraded")["reason"] == "BrokersNotReady"
+    assert "c" in condition(obj, "Degraded")["message"]
+    assert obj["status"]["phase"] == "Degraded"
+    assert condition(obj, "Ready")["status"] == "False"
+    assert sorted(map(tuple, obj["status"]["links"])) == links  # nothing was changed
+
+    cluster.kubelet.cut_off.clear()  # reachable again: the retried reconcile finishes the job
+    obj = await cluster.ready("demo", generation=2)
+    assert sorted(map(tuple, obj["status"]["links"])) == [("a", "b"), ("a", "c")]
+    assert condition(obj, "Degraded")["status"] == "False"
