@@ -540,3 +540,24 @@ async def test_an_unreachable_broker_sets_degraded_and_the_plan_waits(cluster: C
     obj = await cluster.ready("demo", generation=2)
     assert sorted(map(tuple, obj["status"]["links"])) == [("a", "b"), ("a", "c")]
     assert condition(obj, "Degraded")["status"] == "False"
+
+
+async def test_a_deleted_broker_pod_is_recreated_and_relinked(cluster: Cluster) -> None:
+    links = [("a", "b"), ("b", "c")]
+    cluster.start_operator()
+    await cluster.apply(overlay_manifest("demo", ["a", "b", "c"], links))
+    await cluster.ready("demo")
+    await cluster.api.delete(f"/api/v1/namespaces/{NS}/pods/demo-c")
+
+    await until(lambda: events(cluster.emulator, "BrokerMissing"), 20, "the missing broker noticed")
+
+    async def relinked() -> bool:
+        proc = cluster.kubelet.procs.get("demo-c")
+        if proc is None or cluster.kubelet.started.count("demo-c") < 2:
+            return False
+        peers = [n["peer"] for n in (await proc.admin.status())["neighbours"]]
+        return peers == ["b"]
+
+    await until(relinked, 20, "c's new pod re-linked to b")
+    pod = next(p for p in objects(cluster.emulator, "pods") if p["metadata"]["name"] == "demo-c")
+    assert pod["metadata"]["ownerReferences"][0]["name"] == "demo"
