@@ -1,8 +1,10 @@
-"""Topology pictures: a tree laid out by depth from its most central broker (PNG/SVG via
-matplotlib, or Graphviz DOT text)."""
+"""Topology pictures: Graphviz when its ``dot`` is installed (PNG/SVG), otherwise a tree laid
+out by depth from its most central broker with matplotlib; ``.dot`` writes the DOT text."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -47,10 +49,18 @@ def layout(names: Iterable[str], edges: Iterable[Edge]) -> dict[str, tuple[float
     return pos
 
 
-def to_dot(names: Iterable[str], edges: Iterable[Edge], title: str = "overlay") -> str:
-    lines = [f'graph "{title}" {{', "  node [shape=circle, fontsize=10];"]
+def to_dot(
+    names: Iterable[str],
+    edges: Iterable[Edge],
+    title: str = "overlay",
+    highlight: Iterable[Edge] = (),
+) -> str:
+    bold = {(min(e), max(e)) for e in highlight}
+    lines = [f'graph "{title}" {{', f'  label="{title}";', "  node [shape=circle, fontsize=10];"]
     lines += [f'  "{n}";' for n in sorted(set(names))]
-    lines += [f'  "{a}" -- "{b}";' for a, b in sorted(edges)]
+    for a, b in sorted((min(e), max(e)) for e in edges):
+        style = " [color=red, penwidth=2.5]" if (a, b) in bold else ""
+        lines.append(f'  "{a}" -- "{b}"{style};')
     return "\n".join([*lines, "}"]) + "\n"
 
 
@@ -64,8 +74,15 @@ def draw(
     """Write the tree to ``out`` (.png, .svg or .dot); ``highlight`` edges are drawn bold."""
     names = list(names)
     edges = [(min(e), max(e)) for e in edges]
+    dot = to_dot(names, edges, title or "overlay", highlight)
     if out.suffix == ".dot":
-        out.write_text(to_dot(names, edges, title or "overlay"))
+        out.write_text(dot)
+        return out
+    graphviz = shutil.which("dot")
+    if graphviz is not None and out.suffix in (".png", ".svg"):
+        subprocess.run(
+            [graphviz, f"-T{out.suffix[1:]}", "-o", str(out)], input=dot, text=True, check=True
+        )
         return out
     import matplotlib  # noqa: PLC0415 - optional dependency, only for pictures
 
