@@ -13,7 +13,22 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-Edge = tuple[str, str]
+from canopy_broker.sim.topology import Edge, adjacency, norm
+from canopy_broker.sim.topology import path_between as tree_path
+
+__all__ = [
+    "Broker",
+    "Edge",
+    "OverlaySpec",
+    "SpecError",
+    "adjacency",
+    "find_cycle",
+    "norm",
+    "parse_overlay",
+    "tree_path",
+    "validate",
+    "validate_tree",
+]
 
 ROUTING_MODES = ("simple", "identity", "covering")
 ALGORITHMS = ("coordinated", "path", "strawman")
@@ -23,11 +38,6 @@ SELF_ORGANIZATION = ("off", "propose", "auto")
 
 class SpecError(ValueError):
     """A manifest that cannot be read as a BrokerOverlay at all (wrong shape or types)."""
-
-
-def norm(e: Iterable[str]) -> Edge:
-    a, b = e
-    return (a, b) if a <= b else (b, a)
 
 
 @dataclass(frozen=True)
@@ -216,14 +226,6 @@ def _dns_label(name: str) -> bool:
     return 0 < len(name) <= 63 and set(name) <= ok and name[0] != "-" and name[-1] != "-"
 
 
-def adjacency(edges: Iterable[Edge]) -> dict[str, set[str]]:
-    adj: dict[str, set[str]] = defaultdict(set)
-    for a, b in edges:
-        adj[a].add(b)
-        adj[b].add(a)
-    return adj
-
-
 def _components(nodes: set[str], edges: Iterable[Edge]) -> list[set[str]]:
     adj = adjacency(edges)
     left = set(nodes)
@@ -267,25 +269,3 @@ def find_cycle(edges: Iterable[Edge]) -> list[str]:
                 parent[nxt] = node
                 stack.append(nxt)
     return []
-
-
-def tree_path(adj: Mapping[str, set[str]], src: str, dst: str) -> list[str]:
-    """The path from ``src`` to ``dst`` in a tree given as adjacency sets."""
-    if src == dst:
-        return [src]
-    parent: dict[str, str] = {src: src}
-    frontier = [src]
-    while frontier and dst not in parent:
-        nxt_frontier = []
-        for node in frontier:
-            for nxt in adj[node]:
-                if nxt not in parent:
-                    parent[nxt] = node
-                    nxt_frontier.append(nxt)
-        frontier = nxt_frontier
-    if dst not in parent:
-        raise ValueError(f"{dst} is not connected to {src}")
-    path = [dst]
-    while path[-1] != src:
-        path.append(parent[path[-1]])
-    return path[::-1]

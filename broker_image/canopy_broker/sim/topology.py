@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 Edge = tuple[str, str]
@@ -36,27 +36,35 @@ def adjacency(edges: Iterable[Edge]) -> dict[str, set[str]]:
 
 
 def tree_path(edges: Iterable[Edge], src: str, dst: str) -> list[str]:
-    """The unique path from ``src`` to ``dst`` in a tree."""
-    adj = adjacency(edges)
-    parent: dict[str, str | None] = {src: None}
-    stack = [src]
-    while stack:
-        node = stack.pop()
-        if node == dst:
-            break
-        for nxt in adj[node]:
-            if nxt not in parent:
-                parent[nxt] = node
-                stack.append(nxt)
+    """The unique path from ``src`` to ``dst`` in a tree given as edges."""
+    return path_between(adjacency(edges), src, dst)
+
+
+def path_between(adj: Mapping[str, set[str]], src: str, dst: str) -> list[str]:
+    """The path from ``src`` to ``dst`` in a tree given as adjacency sets (breadth first, so
+    only the part of the tree nearer than ``dst`` is visited)."""
+    if src == dst:
+        return [src]
+    parent: dict[str, str] = {src: src}
+    frontier = [src]
+    while frontier and dst not in parent:
+        nxt_frontier = []
+        for node in frontier:
+            for nxt in adj[node]:
+                if nxt not in parent:
+                    parent[nxt] = node
+                    nxt_frontier.append(nxt)
+        frontier = nxt_frontier
     if dst not in parent:
-        raise ValueError(f"{dst} is not reachable from {src}")
+        raise ValueError(f"{dst} is not connected to {src}")
     path = [dst]
-    while (p := parent[path[-1]]) is not None:
-        path.append(p)
+    while path[-1] != src:
+        path.append(parent[path[-1]])
     return path[::-1]
 
 
-def norm(e: Edge) -> Edge:
+def norm(e: Iterable[str]) -> Edge:
+    """A link with its ends in a canonical order (links are undirected)."""
     a, b = e
     return (a, b) if a <= b else (b, a)
 
