@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.tools import ROOT, run_tool
 
 
 def test_hadolint_is_clean() -> None:
-    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
-    result = subprocess.run(
-        [hadolint, "--failure-threshold", "warning", str(ROOT / "Dockerfile")],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = run_tool("hadolint", "--failure-threshold", "warning", str(ROOT / "Dockerfile"))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -25,6 +16,4 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path: Path) -> None:
     """Negative control: the check above can fail."""
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python:latest\nRUN apt-get install curl\n")
-    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
-    result = subprocess.run([hadolint, str(bad)], capture_output=True, text=True, check=False)
-    assert result.returncode != 0
+    assert run_tool("hadolint", str(bad)).returncode != 0

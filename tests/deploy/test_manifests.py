@@ -4,9 +4,6 @@ validates against its CRD's OpenAPI schema and against the operator's own valida
 from __future__ import annotations
 
 import copy
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +12,7 @@ import pytest
 import yaml
 
 from canopy_operator.topology import parse_overlay, validate
+from tests.tools import kubernetes_validate, yaml_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = sorted((ROOT / "manifests" / "crds").glob("*.yaml"))
@@ -30,21 +28,12 @@ def crd_schema(kind: str) -> dict[str, Any]:
 
 
 def examples() -> list[dict[str, Any]]:
-    return [d for p in EXAMPLES for d in yaml.safe_load_all(p.read_text()) if d]
-
-
-def tool(name: str) -> str:
-    return shutil.which(name) or str(Path(sys.executable).parent / name)
+    return yaml_docs(EXAMPLES)
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "1.33.0"])
 def test_crds_pass_kubernetes_validate(version: str) -> None:
-    result = subprocess.run(
-        [tool("kubernetes-validate"), "--strict", "-k", version, *map(str, CRDS)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = kubernetes_validate(CRDS, version)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -53,12 +42,7 @@ def test_kubernetes_validate_catches_a_broken_crd(tmp_path: Path) -> None:
     crd["spec"]["scope"] = 7
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(crd))
-    result = subprocess.run(
-        [tool("kubernetes-validate"), "--strict", "-k", "1.33.0", str(bad)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = kubernetes_validate([bad], "1.33.0")
     assert result.returncode != 0
 
 

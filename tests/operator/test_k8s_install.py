@@ -3,37 +3,25 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from canopy_operator.cli import build_parser
+from tests.tools import kubernetes_validate, yaml_docs
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = sorted((ROOT / "manifests" / "install").glob("*.yaml"))
 
 
 def docs() -> list[dict[str, Any]]:
-    return [d for p in INSTALL for d in yaml.safe_load_all(p.read_text()) if d]
-
-
-def tool(name: str) -> str:
-    return shutil.which(name) or str(Path(sys.executable).parent / name)
+    return yaml_docs(INSTALL)
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "1.33.0"])
 def test_install_manifests_pass_kubernetes_validate(version: str) -> None:
-    result = subprocess.run(
-        [tool("kubernetes-validate"), "--strict", "-k", version, *map(str, INSTALL)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = kubernetes_validate(INSTALL, version)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
