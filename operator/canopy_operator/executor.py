@@ -107,14 +107,14 @@ class Executor:
         self, generation: int, i: int, step: Step, state: dict[str, Any], done: set[int]
     ) -> None:
         started = time.perf_counter()
-        self.on_event("StepStarted", f"step {i + 1}/{len(state['steps'])}: {describe(step)}")
+        self.on_event("StepStarted", f"step {i + 1}/{len(state['steps'])}: {step.describe()}")
         detail = await self._retrying(lambda: self._do(generation, i, step), step, i)
         done.add(i)
         state["completed"] = sorted(done)
         await self.store.save(dict(state))
         seconds = time.perf_counter() - started
         self.results.append(StepResult(i, step.kind, seconds, detail))
-        self.on_event("StepDone", f"step {i + 1}: {describe(step)} in {seconds:.2f}s")
+        self.on_event("StepDone", f"step {i + 1}: {step.describe()} in {seconds:.2f}s")
 
     async def _retrying(
         self, action: Callable[[], Awaitable[dict[str, Any]]], step: Step, i: int
@@ -192,16 +192,3 @@ class Executor:
                 await admin.remove_link(other)
         await self.backend.delete_broker(leaf)
         return {"broker": leaf, "clients_moved_to": other}
-
-
-def describe(step: Step) -> str:
-    if step.kind == "add-leaf":
-        assert step.add is not None
-        return f"add leaf {step.broker} at {step.add[0]}"
-    if step.kind == "remove-leaf":
-        return f"remove leaf {step.broker}"
-    assert step.remove is not None and step.add is not None
-    return (
-        f"exchange {step.remove[0]}-{step.remove[1]} for {step.add[0]}-{step.add[1]} "
-        f"(cycle of {len(step.cycle)})"
-    )

@@ -11,7 +11,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -62,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     for note in p.notes:
         print(f"note: {note}")
     for i, step in enumerate(p.steps, 1):
-        print(f"{i:>3}. [batch {step.batch}] {describe(step.to_json())}")
+        print(f"{i:>3}. [batch {step.batch}] {step.describe(full_cycle=True)}")
     n_ex = len(p.exchanges)
     batches = 1 + max((s.batch for s in p.steps), default=-1)
     print(
@@ -72,16 +71,3 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"steps": p.to_json()["steps"]}))
     return 0
-
-
-def describe(step: dict[str, Any]) -> str:
-    kind = step["kind"]
-    if kind == "add-leaf":
-        return f"add leaf {step['broker']} linked to {step['add'][0]}"
-    if kind == "remove-leaf":
-        return f"remove leaf {step['broker']}"
-    cycle = " → ".join(step["cycle"])
-    return (
-        f"exchange {step['remove'][0]}-{step['remove'][1]} for {step['add'][0]}-"
-        f"{step['add'][1]} (cycle {cycle}, {len(step['cycle'])} links)"
-    )

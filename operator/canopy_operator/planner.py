@@ -54,6 +54,23 @@ class Step:
                 out.update(e)
         return out
 
+    def describe(self, *, full_cycle: bool = False) -> str:
+        """One line for people (Events, progress lines, ``canopy plan``)."""
+        if self.kind == "add-leaf":
+            assert self.add is not None
+            return f"add leaf {self.broker} at {self.add[0]}"
+        if self.kind == "remove-leaf":
+            return f"remove leaf {self.broker}"
+        assert self.remove is not None and self.add is not None
+        cycle = (
+            f"cycle {' → '.join(self.cycle)}, {len(self.cycle)} links"
+            if full_cycle
+            else f"cycle of {len(self.cycle)}"
+        )
+        return (
+            f"exchange {self.remove[0]}-{self.remove[1]} for {self.add[0]}-{self.add[1]} ({cycle})"
+        )
+
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind}
         if self.broker is not None:

@@ -316,10 +316,6 @@ class BrokerCore:
             return False
         return isinstance(msg, Unsubscribe) or msg.key in table
 
-    def _held_set_except(self, peer: str) -> set[RouteKey]:
-        """What identity/simple routing advertises to ``peer``: every key held from elsewhere."""
-        return {key for key in self._holders if self._held_except(key, peer) > 0}
-
     def _apply_route_msg(
         self, table: set[RouteKey], peer: str, msg: Subscribe | Unsubscribe, out: list[Effect]
     ) -> None:

@@ -113,7 +113,7 @@ def _head_step(core: BrokerCore, msg: RecMsg, i: int, prev: str, out: list[Effec
         del core._advertised[prev]
         out.append(CloseLink(prev))
     else:
-        core._advertised[prev] = core._held_set_except(prev)
+        core._advertised[prev] = core._wanted_by(prev)
         out.append(SendToLink(prev, CtrlMsg(xid)))
     core._frozen -= {prev, nxt} - was_frozen
     if i == 0:
@@ -121,7 +121,7 @@ def _head_step(core: BrokerCore, msg: RecMsg, i: int, prev: str, out: list[Effec
         core._frozen.add(nxt)
         out.append(SendToPeer(nxt, RecMsg(xid, path, k, _keys(p_add))))
         return
-    new_next = core._held_set_except(nxt)
+    new_next = core._wanted_by(nxt)
     p_del_next = frozenset(core._advertised[nxt] - new_next)
     core._advertised[nxt] = new_next
     core._ignore.setdefault(nxt, {})[xid] = set(p_add)
@@ -178,7 +178,7 @@ def on_link_ready(core: BrokerCore, peer: str, out: list[Effect]) -> None:
 def unfreeze_and_reconcile(core: BrokerCore, peer: str, out: list[Effect]) -> None:
     """Advertise over ``peer`` exactly the difference to what it holds from us."""
     core._frozen.discard(peer)
-    want = core._held_set_except(peer)
+    want = core._wanted_by(peer)
     have = core._advertised[peer]
     for key in _keys(want - have):
         out.append(SendToLink(peer, Subscribe(key)))
