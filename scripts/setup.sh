@@ -7,11 +7,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3.11}
-EXTRAS=${CANOPY_EXTRAS:-dev}
+EXTRAS=${CANOPY_EXTRAS:-dev,mining}
 
-# System packages the tests and the demo need. None yet beyond Python itself; later parts add
-# Java (Spark) and graphviz here.
+# System packages the tests and the demo need: a Java runtime for Spark (the mining job runs
+# PySpark in local mode). Graphviz is optional (`canopy graph` falls back to matplotlib).
 need_apt=()
+if ! command -v java >/dev/null 2>&1; then
+    need_apt+=(openjdk-17-jre-headless)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
         apt-get update -qq && apt-get install -y -qq "${need_apt[@]}"
