@@ -1,5 +1,5 @@
 # The two commands of the README are `make demo` and `make test`; both set everything up first.
-.PHONY: setup demo test lint typecheck contracts pytest bench
+.PHONY: setup demo test lint typecheck contracts pytest bench manifests
 
 VENV := .venv/bin
 
@@ -26,3 +26,8 @@ pytest:
 
 bench: setup
 	$(VENV)/canopy bench dataplane
+
+# The chart's CRDs (copied from manifests/crds/) and manifests/install/ (the chart rendered with
+# its default values); tests/deploy/test_sync.py fails when they drift.
+manifests: setup
+	$(VENV)/python scripts/sync_manifests.py

@@ -65,3 +65,25 @@ def kinds_without_schema(result: subprocess.CompletedProcess[str]) -> set[tuple[
     """(apiVersion, kind) that kubernetes-validate skipped with only a warning (custom resources):
     a caller must validate those some other way, or fail."""
     return {(m[2], m[1]) for m in _NO_SCHEMA.finditer(result.stdout + result.stderr)}
+
+
+# Chart values that are Kubernetes objects or free maps in their own right: set (and documented)
+# as a whole, not key by key.
+WHOLE_VALUES = {
+    "podSecurityContext",
+    "securityContext",
+    "resources",
+    "affinity",
+    "sparkConf",
+    "labels",
+}
+
+
+def value_keys(values: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a values tree -> their values, down to the leaves (or WHOLE_VALUES)."""
+    if isinstance(values, dict) and values and prefix.rsplit(".", 1)[-1] not in WHOLE_VALUES:
+        out: dict[str, Any] = {}
+        for k, v in values.items():
+            out |= value_keys(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return {prefix: values}

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from canopy_broker.cli import build_parser as broker_parser
 from canopy_operator import k8s
-from tests.tools import ROOT, run_tool
+from canopy_operator.cli import build_parser as canopy_parser
+from tests.tools import CHART, ROOT, run_tool
 
 DOCKERFILE = ROOT / "Dockerfile"
 TARGETS = ("broker", "operator", "miner")
@@ -183,6 +185,20 @@ def test_the_broker_image_serves_the_ports_the_operator_uses(stages: dict[str, S
     assert f"127.0.0.1:{k8s.ADMIN_PORT}/healthz" in health
 
 
+def test_the_operator_image_runs_canopy_operator_with_the_charts_ports(
+    stages: dict[str, Stage],
+) -> None:
+    operator = stages["operator"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["operator"]
+    command = exec_form(operator.all("ENTRYPOINT")[0]) + exec_form(operator.all("CMD")[0])
+    assert command[:2] == ["canopy", "operator"]
+    args = canopy_parser().parse_args(command[1:])
+    assert args.metrics_port == values["metrics"]["port"]
+    assert args.liveness == f"http://0.0.0.0:{values['healthPort']}/healthz"
+    (health,) = operator.all("HEALTHCHECK")
+    assert f"127.0.0.1:{values['healthPort']}/healthz" in health
+
+
 def test_the_miner_image_has_java_17_and_pyspark(stages: dict[str, Stage]) -> None:
     miner = stages["miner"]
     jre = [c.split()[0].removeprefix("--from=") for c in miner.all("COPY") if "java" in c]
@@ -198,6 +214,11 @@ def test_the_miner_image_has_java_17_and_pyspark(stages: dict[str, Stage]) -> No
     assert re.search(r'mining = \[[^\]]*"pyspark', pyproject)
     assert miner.all("HEALTHCHECK") == ["NONE"]  # a batch job: nothing to probe
     assert shlex.split(" ".join(exec_form(miner.all("ENTRYPOINT")[0]))) == ["canopy", "mine"]
+
+
+def test_the_chart_names_the_three_images_after_the_targets() -> None:
+    images = yaml.safe_load((CHART / "values.yaml").read_text())["image"]
+    assert {t: images[t]["repository"] for t in TARGETS} == {t: f"canopy-{t}" for t in TARGETS}
 
 
 def test_the_build_context_is_small() -> None:
