@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -37,9 +38,18 @@ from prometheus_client import Counter, Gauge, Histogram
 from canopy_broker.admin_client import AdminClient
 from canopy_operator.executor import Executor, StepError
 from canopy_operator.planner import LiveOverlay, Plan, Step, plan
+from canopy_operator.proposals import (
+    BOOKKEEPING_PREFIX,
+    TERMINAL_PHASES,
+    Decision,
+    apply_changes,
+    from_manifest,
+    lifecycle,
+)
 from canopy_operator.topology import OverlaySpec, SpecError, norm, parse_overlay, validate
 
 GROUP, VERSION, PLURAL, KIND = "canopy.dev", "v1alpha1", "brokeroverlays", "BrokerOverlay"
+PROPOSALS = "topologyproposals"
 BROKER_PORT, ADMIN_PORT = 7000, 8080
 LABEL_OVERLAY, LABEL_BROKER = "canopy.dev/overlay", "canopy.dev/broker"
 TOKEN_DIR = "/var/run/canopy"  # where the broker image expects its token
@@ -481,9 +491,28 @@ def set_condition(
             "lastTransitionTime": since or now(),
         }
     )
-    order = ["Valid", "Ready", "Reconfiguring", "Degraded"]
+    order = ["Valid", "Ready", "Reconfiguring", "Degraded", "Approved", "Applied"]
     out.sort(key=lambda c: order.index(c["type"]) if c["type"] in order else 99)
     return out
+
+
+def plan_status(generation: int, the_plan: Plan, completed: Sequence[int]) -> dict[str, Any]:
+    """A plan and its progress as ``status.plan`` (every step carries ``done``)."""
+    done = set(completed)
+    steps = [{**s.to_json(), "done": i in done} for i, s in enumerate(the_plan.steps)]
+    return {
+        "generation": generation,
+        "steps": steps,
+        "done": len(done),
+        "progress": f"{len(done)}/{len(steps)}",
+    }
+
+
+def post_event(obj: Mapping[str, Any], reason: str, message: str, warning: bool = False) -> None:
+    """An Event about ``obj``; kopf posts Events from a queue of its own (best effort), and a
+    plain dict body is all it reads."""
+    kind = "Warning" if warning else "Normal"
+    kopf.event(cast(kopf.Body, obj), type=kind, reason=reason, message=message)
 
 
 def steps_from_json(steps: Sequence[Mapping[str, Any]]) -> tuple[Step, ...]:
@@ -552,9 +581,7 @@ class Reconciler:
         await self.api.patch(self.path + "/status", {"status": fields})
 
     def event(self, reason: str, message: str, warning: bool = False) -> None:
-        kind = "Warning" if warning else "Normal"
-        # kopf posts Events from a queue of its own; a plain dict body is all it reads.
-        kopf.event(cast(kopf.Body, self.obj), type=kind, reason=reason, message=message)
+        post_event(self.obj, reason, message, warning)
 
     def condition(self, ctype: str, status: bool, reason: str, message: str = "") -> None:
         self.conditions = set_condition(self.conditions, ctype, status, reason, message)
@@ -763,14 +790,7 @@ class Reconciler:
     def _plan_status(
         self, generation: int, the_plan: Plan, completed: Sequence[int]
     ) -> dict[str, Any]:
-        done = set(completed)
-        steps = [{**s.to_json(), "done": i in done} for i, s in enumerate(the_plan.steps)]
-        return {
-            "generation": generation,
-            "steps": steps,
-            "done": len(done),
-            "progress": f"{len(done)}/{len(steps)}",
-        }
+        return plan_status(generation, the_plan, completed)
 
     def _on_step_event(self, reason: str, message: str) -> None:
         if reason == "StepDone":  # "step 3: exchange a-b for ..." / "add leaf ..." / ...
@@ -843,6 +863,256 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
         await backend.close()
 
 
+# -- TopologyProposals ------------------------------------------------------------------------
+
+
+def proposal_path(namespace: str, name: str = "") -> str:
+    base = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{PROPOSALS}"
+    return f"{base}/{name}" if name else base
+
+
+class ProposalKeeper:
+    """One pass over one TopologyProposal: :func:`canopy_operator.proposals.lifecycle` decides,
+    this writes the decision into the proposal's status (conditions, an Event per transition)
+    and, for an approved proposal of a managed-links overlay, applies it with the planner and
+    the shared executor, holding the overlay's lock. Writes only the proposal's status and,
+    around an apply, the overlay's."""
+
+    def __init__(self, config: OperatorConfig, api: KubeApi, namespace: str, name: str) -> None:
+        self.config, self.api, self.namespace, self.name = config, api, namespace, name
+        self.obj: dict[str, Any] = {}
+
+    @property
+    def path(self) -> str:
+        return proposal_path(self.namespace, self.name)
+
+    @property
+    def overlay(self) -> str:
+        name = (self.obj.get("spec") or {}).get("overlay")
+        return name if isinstance(name, str) else ""
+
+    async def load(self) -> bool:
+        obj = await self.api.get(self.path)
+        if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
+            return False
+        self.obj = obj
+        return True
+
+    async def load_overlay(self) -> dict[str, Any] | None:
+        if not self.overlay:
+            return None
+        obj = await self.api.get(overlay_path(self.namespace, self.overlay))
+        if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        return obj
+
+    async def status(self, **fields: Any) -> None:
+        await self.api.patch(self.path + "/status", {"status": fields})
+        self.obj["status"] = {**(self.obj.get("status") or {}), **fields}
+
+    async def record(self, d: Decision, **extra: Any) -> None:
+        """Write ``d`` if it changes anything; an Event when the phase changes."""
+        status = self.obj.get("status") or {}
+        old = status.get("phase")
+        patch_changed = d.patch is not None and d.patch != status.get("patch")
+        if (
+            d.phase == old
+            and d.message == status.get("message")
+            and not patch_changed
+            and not extra
+        ):
+            return
+        conditions = list(status.get("conditions") or [])
+        was: dict[str, Any] = next((c for c in conditions if c.get("type") == "Approved"), {})
+        if d.approved is not None and was.get("status") != str(d.approved):
+            why = d.reason if d.approved or d.phase == "Rejected" else "AwaitingApproval"
+            conditions = set_condition(conditions, "Approved", d.approved, why, d.message)
+        applied_reason = d.reason if d.phase in ("Applied", "Stale", "Failed") else d.phase
+        conditions = set_condition(
+            conditions, "Applied", d.phase == "Applied", applied_reason, d.message
+        )
+        fields: dict[str, Any] = {
+            "phase": d.phase,
+            "message": d.message,
+            "observedGeneration": int((self.obj.get("metadata") or {}).get("generation") or 1),
+            "conditions": conditions,
+            **extra,
+        }
+        if d.patch is not None:
+            fields["patch"] = dict(d.patch)
+        await self.status(**fields)
+        if d.phase != old:
+            post_event(self.obj, d.phase, d.message, warning=d.phase in ("Stale", "Failed"))
+
+    async def run(self) -> bool:
+        """One pass; True if the overlay's live links changed (other proposals may not fit)."""
+        if not await self.load():
+            return False
+        decision = lifecycle(self.obj, await self.load_overlay())
+        await self.record(decision)
+        if decision.action != "apply":
+            return False
+        async with self.config.lock(self.namespace, self.overlay):
+            return await self._apply()
+
+    async def _apply(self) -> bool:
+        """Apply (or resume applying) this proposal to its managed-links overlay; the caller
+        holds the overlay's lock, so no reconcile of the overlay runs meanwhile."""
+        if not await self.load():
+            return False
+        r = Reconciler(self.config, self.api, self.namespace, self.overlay)
+        if not await r.load():
+            await self.record(lifecycle(self.obj, None))
+            return False
+        spec, problems = r.parse()
+        if spec is None or problems:
+            await self.record(
+                Decision("Failed", "InvalidOverlay", f"overlay {self.overlay} is invalid")
+            )
+            return False
+        status = self.obj.get("status") or {}
+        saved = status.get("plan") or {}
+        p = from_manifest(self.obj)
+        token = await r.ensure_objects(spec)
+        backend = r.backend(spec, token)
+        try:
+            if status.get("phase") == "Applying" and saved.get("steps"):
+                the_plan = Plan(steps_from_json(saved["steps"]), ())
+                completed = [i for i, s in enumerate(saved["steps"]) if s.get("done")]
+                post_event(
+                    self.obj,
+                    "PlanResumed",
+                    f"resuming: {len(completed)}/{len(the_plan.steps)} steps were done",
+                )
+            else:
+                live = live_tree(await backend.neighbours(spec.broker_names), spec.broker_names)
+                decision = lifecycle(self.obj, r.obj, live_links=live.links)
+                if decision.action != "apply":
+                    await self.record(decision)
+                    return False
+                desired = dataclasses.replace(spec, links=apply_changes(live.links, p.changes))
+                the_plan = plan(live, desired)
+                completed = []
+                n = len(the_plan.steps)
+                await self.record(
+                    Decision("Applying", "Applying", f"applying {n} steps to {self.overlay}"),
+                    plan=plan_status(p.generation, the_plan, []),
+                )
+            r.condition("Reconfiguring", True, "ProposalApplying", f"applying proposal {self.name}")
+            await r.status(phase="Reconfiguring")
+            r.event("ProposalApplying", f"applying proposal {self.name}")
+            await self._execute(
+                r=r,
+                spec=spec,
+                backend=backend,
+                generation=p.generation,
+                the_plan=the_plan,
+                completed=completed,
+            )
+        finally:
+            await backend.close()
+        return True
+
+    async def _execute(
+        self,
+        *,
+        r: Reconciler,
+        spec: OverlaySpec,
+        backend: KubernetesBackend,
+        generation: int,
+        the_plan: Plan,
+        completed: list[int],
+    ) -> None:
+        started = time.perf_counter()
+        uid = str((self.obj.get("metadata") or {}).get("uid") or "")[:8]
+        executor = Executor(
+            backend,
+            _ProposalStore(self, the_plan),
+            f"{self.name}-{uid}",  # exchange ids unique to this proposal object
+            ordering=spec.ordering,
+            on_event=lambda reason, message: post_event(self.obj, reason, message),
+            on_degraded=r._on_degraded,
+        )
+        failure: StepError | None = None
+        try:
+            await executor.run(
+                the_plan, generation, {"generation": generation, "completed": completed}
+            )
+        except StepError as exc:
+            STEPS.labels(exc.step.kind, "failed").inc()
+            failure = exc
+        # Every step leaves a tree: what the brokers hold now is the overlay's live tree.
+        live_now = await backend.neighbours(spec.broker_names)
+        links = sorted({norm((a, b)) for a, ns in live_now.items() for b in ns})
+        seconds = round(time.perf_counter() - started, 3)
+        r.condition("Reconfiguring", False, "Idle")
+        fields: dict[str, Any] = {
+            "phase": "Ready",
+            "linkCount": len(links),
+            "links": [list(e) for e in links],
+        }
+        if failure is None:
+            fields["lastReconfiguration"] = {
+                "generation": generation,
+                "proposal": self.name,
+                "steps": len(the_plan.steps),
+                "exchanges": len(the_plan.exchanges),
+                "seconds": seconds,
+                "finished": now(),
+            }
+        await r.status(**fields)
+        if failure is not None:
+            await self.record(Decision("Failed", "StepFailed", str(failure)))
+            r.event("ProposalFailed", f"proposal {self.name}: {failure}", warning=True)
+            return
+        message = f"applied {len(the_plan.exchanges)} exchanges to {self.overlay} in {seconds}s"
+        await self.record(
+            Decision("Applied", "Applied", message, approved=True),
+            plan=plan_status(generation, the_plan, range(len(the_plan.steps))),
+        )
+        r.event("ProposalApplied", f"proposal {self.name}: {message}")
+
+
+class _ProposalStore:
+    """The executor's progress, as the proposal's ``status.plan``."""
+
+    def __init__(self, keeper: ProposalKeeper, the_plan: Plan) -> None:
+        self.keeper, self.plan = keeper, the_plan
+
+    async def save(self, progress: dict[str, Any]) -> None:
+        await self.keeper.status(
+            plan=plan_status(progress["generation"], self.plan, progress["completed"])
+        )
+
+
+async def keep_proposal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) -> None:
+    """Move one proposal along its lifecycle (one pass at a time per proposal)."""
+    keeper = ProposalKeeper(config, api, namespace, name)
+    async with config.lock(namespace, f"{PROPOSALS}/{name}"):
+        changed = await keeper.run()
+    if changed:  # the live tree moved: the overlay's other open proposals may no longer fit
+        await recheck_proposals(config, api, namespace, keeper.overlay)
+
+
+async def recheck_proposals(
+    config: OperatorConfig, api: KubeApi, namespace: str, overlay: str
+) -> None:
+    """The overlay changed (or went): every open proposal for it is looked at again, so Stale,
+    Applied (GitOps merged it) and waiting approvals are noticed at once. A proposal that
+    cannot be handled now is logged; its own handler retries it."""
+    for obj in await api.items(proposal_path(namespace)):
+        phase = (obj.get("status") or {}).get("phase")
+        if (obj.get("spec") or {}).get("overlay") != overlay or phase in TERMINAL_PHASES:
+            continue
+        name = str(obj["metadata"]["name"])
+        try:
+            await keep_proposal(config, api, namespace, name)
+        except Exception:
+            log.exception(
+                "proposal %s/%s: re-check after overlay %s changed", namespace, name, overlay
+            )
+
+
 def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     """The operator's handlers, bound to ``config`` (a fresh registry per operator run)."""
     registry = kopf.OperatorRegistry()
@@ -883,6 +1153,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
             raise
         finally:
             RECONCILE_SECONDS.labels(result).observe(time.perf_counter() - started)
+        await recheck_proposals(config, api(), namespace, name)
 
     @kopf.on.resume(GROUP, VERSION, PLURAL, registry=registry)
     @kopf.on.create(GROUP, VERSION, PLURAL, registry=registry)
@@ -896,6 +1167,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         the brokers at once (best effort: optional, no finalizer that could block a delete)."""
         assert namespace and name
         config.locks.pop((namespace, name), None)
+        await recheck_proposals(config, api(), namespace, name)  # they go Stale
         with contextlib.suppress(KeyError):
             PLAN_LENGTH.remove(name)
         for pod in await api().items(core_path(namespace, "pods")):
@@ -921,6 +1193,16 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         async with lock:
             await heal(config, api(), namespace, name)
 
+    @kopf.on.resume(GROUP, VERSION, PROPOSALS, registry=registry)
+    @kopf.on.create(GROUP, VERSION, PROPOSALS, registry=registry)
+    @kopf.on.update(GROUP, VERSION, PROPOSALS, registry=registry)  # approve/reject annotations
+    async def on_proposal(namespace: str | None, name: str | None, **_: Any) -> None:
+        assert namespace and name
+        try:
+            await keep_proposal(config, api(), namespace, name)
+        except (aiohttp.ClientError, OSError, KubeError) as exc:
+            raise kopf.TemporaryError(str(exc), delay=config.retry_delay) from exc
+
     return registry
 
 
@@ -941,10 +1223,15 @@ async def run_operator(
     if not hard_exit:
         settings.process.ultimate_exiting_timeout = None
     settings.peering.standalone = True
-    # kopf's own bookkeeping in annotations of our group, never in status (the CRD has no
-    # field for it) and never in spec.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+    # kopf's own bookkeeping in annotations, never in status (the CRD has no field for it) and
+    # never in spec. Not under canopy.dev/ itself: kopf ignores every annotation under its own
+    # prefix when it looks for changes, and canopy.dev/approve must be seen.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=BOOKKEEPING_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=BOOKKEEPING_PREFIX
+    )
     settings.persistence.finalizer = f"{GROUP}/operator"
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 60

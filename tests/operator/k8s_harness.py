@@ -20,6 +20,7 @@ import base64
 import contextlib
 import datetime
 import itertools
+import random
 import threading
 import time
 import uuid
@@ -32,6 +33,7 @@ import yaml
 from kmock._internal import rendering
 
 from canopy_broker.procs import BrokerProc, spawn_broker
+from canopy_broker.sim.checker import DeliveryReport, check_deliveries
 from canopy_operator.k8s import (
     LABEL_BROKER,
     LABEL_OVERLAY,
@@ -41,6 +43,8 @@ from canopy_operator.k8s import (
     run_operator,
     secret_name,
 )
+from tests.integration.test_overlay import random_filter
+from tests.integration.test_reconfiguration import Run, converged
 
 T = TypeVar("T")
 NS = "canopy"
@@ -407,3 +411,47 @@ def condition(obj: dict[str, Any], ctype: str) -> dict[str, Any]:
         if c["type"] == ctype:
             return dict(c)
     return {}
+
+
+class BrokerView:
+    """The kubelet's broker processes of one overlay, shaped like ``procs.Overlay`` for the
+    integration tests' traffic helpers."""
+
+    def __init__(self, kubelet: Kubelet, overlay: str, edges: list[tuple[str, str]]) -> None:
+        self.kubelet, self.prefix, self.edges = kubelet, f"{overlay}-", edges
+
+    def __getitem__(self, broker: str) -> Any:
+        return self.kubelet.procs[self.prefix + broker]
+
+    @property
+    def brokers(self) -> dict[str, Any]:
+        return {p.removeprefix(self.prefix): proc for p, proc in self.kubelet.procs.items()}
+
+
+async def live_traffic(
+    view: BrokerView, subscribers: list[str], publishers: list[str], seed: int
+) -> Run:
+    """A subscriber with two filters on each of ``subscribers`` (settled: routing converged),
+    then a paced publisher on each of ``publishers`` (clients s0.., p0..)."""
+    run = Run()
+    rng = random.Random(seed)
+    for i, broker in enumerate(subscribers):
+        await run.subscriber(view, f"s{i}", broker, ["qty > 400", random_filter(rng)])  # type: ignore[arg-type]
+    run.settled(await converged(view, run))  # type: ignore[arg-type]
+    for i, broker in enumerate(publishers):
+        await run.publisher(view, f"p{i}", broker, seed=i)  # type: ignore[arg-type]
+    return run
+
+
+async def deliveries(
+    view: BrokerView, run: Run, edges: list[tuple[str, str]], within: float = 30
+) -> DeliveryReport:
+    """Once the routing tables are those of ``edges``: stop publishing, wait for what is owed,
+    and check it was delivered exactly once and in order."""
+    view.edges = edges
+    await converged(view, run)  # type: ignore[arg-type]
+    run.stop.set()
+    await asyncio.gather(*(c.flush() for name, c in run.clients.items() if name.startswith("p")))
+    await run.wait_delivered(within=within)
+    await run.finish()
+    return check_deliveries(run.subs, run.pubs, run.deliveries)
