@@ -104,6 +104,16 @@ matchExpressions:
 - apiGroups: [canopy.dev]
   resources: [brokeroverlays/status]
   verbs: [patch]
+# TopologyProposals: watched by kopf (bookkeeping annotations: patch); the operator reads
+# one before each pass (get) and lists an overlay's open ones when the overlay changes.
+# It never writes their spec, nor creates or deletes them (the miner does).
+- apiGroups: [canopy.dev]
+  resources: [topologyproposals]
+  verbs: [get, list, watch, patch]
+# Their status: phase, conditions, the exported patch, the plan's progress.
+- apiGroups: [canopy.dev]
+  resources: [topologyproposals/status]
+  verbs: [patch]
 # One Pod per broker: created, checked for readiness, listed per overlay, deleted on removal.
 - apiGroups: [""]
   resources: [pods]
