@@ -24,8 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     localcmd.add_arguments(sub)
     simcmd.add_arguments(sub)
     _add_operator_command(sub)
+    _add_proposal_commands(sub)
     _add_broker_commands(sub)
     return parser
+
+
+def _add_proposal_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`canopy proposal export | list`: TopologyProposals for GitOps and people."""
+    from canopy_operator import proposalcmd
+
+    proposalcmd.add_arguments(sub)
 
 
 def _add_operator_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

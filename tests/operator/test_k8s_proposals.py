@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from pathlib import Path
 from typing import Any
 
 import kmock
 import pytest
 import yaml
 
+from canopy_operator.cli import main
 from canopy_operator.k8s import overlay_path, proposal_path
 from canopy_operator.proposals import Change, Proposal, apply_changes, exported_overlay, to_manifest
 from canopy_operator.topology import Edge, adjacency, norm, tree_path
@@ -25,6 +27,7 @@ from tests.operator.k8s_harness import (
     deliveries,
     live_traffic,
     overlay_manifest,
+    server_url,
     until,
 )
 from tests.operator.test_k8s_operator import (
@@ -204,7 +207,7 @@ async def test_auto_mode_applies_a_proposal_without_approval(cluster: Cluster) -
 
 
 async def test_an_explicit_links_overlay_gets_a_patch_and_is_applied_by_gitops(
-    cluster: Cluster,
+    cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     links = [("a", "b"), ("b", "c"), ("c", "d")]
     cluster.start_operator()
@@ -229,6 +232,16 @@ async def test_an_explicit_links_overlay_gets_a_patch_and_is_applied_by_gitops(
     assert overlay["spec"] == before["spec"] and overlay["metadata"]["generation"] == 1
     assert await live_links(cluster, "git") == {norm(e) for e in links}
     assert await reaches(cluster, name, "Approved")  # and it waits for the merge
+
+    # `canopy proposal export NAME` reads both from the cluster and prints the same spec.
+    server = ["--server", server_url(cluster.emulator), "-n", NS]
+    out = tmp_path / "git.yaml"
+    export = ["proposal", "export", name, *server, "-o", str(out)]
+    assert await asyncio.to_thread(main, export) == 0
+    exported = yaml.safe_load(out.read_text())
+    assert exported["spec"] == patch and exported["metadata"] == {"name": "git", "namespace": NS}
+    assert await asyncio.to_thread(main, ["proposal", "export", "nope", *server]) == 2
+    assert "topologyproposal nope in namespace canopy not found" in capsys.readouterr().err
 
     # GitOps merges the exported spec: the overlay reconciles, the proposal is Applied.
     await cluster.api.patch(overlay_path(NS, "git"), {"spec": patch})

@@ -4,6 +4,7 @@ the lifecycle decision, transition by transition."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
+from canopy_operator.cli import main
 from canopy_operator.proposals import (
     EVIDENCE_KEYS,
     Decision,
@@ -499,3 +501,106 @@ def test_lifecycle_uses_the_live_links_it_is_given() -> None:
     assert d.phase == "Stale" and "b-c" in d.message
     d = lifecycle(proposal(annotations=APPROVE), overlay(), live_links=MANAGED_LINKS)
     assert d.action == "apply"
+
+
+# -- canopy proposal export | list (files) ----------------------------------------------------
+
+
+def canopy(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+EXAMPLES = ROOT / "manifests" / "examples"
+
+
+def test_export_prints_the_overlay_with_the_proposal_applied(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, err = canopy(
+        capsys,
+        "proposal",
+        "export",
+        str(EXAMPLES / "proposal.yaml"),
+        "--overlay",
+        str(EXAMPLES / "overlay-explicit.yaml"),
+    )
+    assert code == 0, err
+    manifest = yaml.safe_load(out)
+    assert manifest == exported_overlay(example_overlay(), from_manifest(example_proposal()))
+    assert ["west", "north"] in manifest["spec"]["links"]
+    assert ["hub", "north"] not in manifest["spec"]["links"]
+    # JSON in (as the miner may write it), a file out.
+    src = tmp_path / "p.json"
+    src.write_text(json.dumps(example_proposal()))
+    dest = tmp_path / "trading.yaml"
+    code, out, err = canopy(
+        capsys,
+        "proposal",
+        "export",
+        str(src),
+        "--overlay",
+        str(EXAMPLES / "overlay-explicit.yaml"),
+        "-o",
+        str(dest),
+    )
+    assert code == 0 and out == "", err
+    assert yaml.safe_load(dest.read_text()) == manifest
+
+
+def example_proposal() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((EXAMPLES / "proposal.yaml").read_text())
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("edit", "overlay_file", "message"),
+    [
+        (None, None, "--overlay FILE is required"),
+        (None, "overlay-managed.yaml", "is for overlay 'trading', not 'sensors'"),
+        ({"remove": ["hub", "south"], "add": ["west", "south"]}, None, "hub-south is not in"),
+        ({"remove": ["hub", "north"], "add": ["east", "west"]}, None, "would not leave a tree"),
+        ("missing", None, "no such file"),
+    ],
+)
+def test_export_errors_exit_2_with_a_message(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    edit: Any,
+    overlay_file: str | None,
+    message: str,
+) -> None:
+    proposal = example_proposal()
+    src = tmp_path / "p.yaml"
+    if isinstance(edit, dict):
+        proposal["spec"]["changes"] = [edit]
+        overlay_file = overlay_file or "overlay-explicit.yaml"
+    if edit != "missing":
+        src.write_text(yaml.safe_dump(proposal))
+    args = ["proposal", "export", str(src)]
+    if overlay_file:
+        args += ["--overlay", str(EXAMPLES / overlay_file)]
+    code, out, err = canopy(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and message in err, err
+
+
+def test_list_shows_the_proposals_of_a_directory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "proposals").mkdir()
+    for p in (
+        Proposal("trading", 1, MOVE_NORTH, EVIDENCE),
+        Proposal("sensors", 4, ((("s-1", "s-2"), ("s-1", "s-3")),), {}),
+    ):
+        (tmp_path / "proposals" / f"{p.name}.yaml").write_text(yaml.safe_dump(to_manifest(p)))
+    (tmp_path / "overlay.yaml").write_text((EXAMPLES / "overlay-explicit.yaml").read_text())
+    code, out, err = canopy(capsys, "proposal", "list", str(tmp_path))
+    assert code == 0, err
+    header, *rows = out.splitlines()
+    assert header.split() == ["NAME", "OVERLAY", "GEN", "PHASE", "GAIN", "CHANGES"]
+    assert len(rows) == 2
+    assert rows[1].split()[:4] == [proposal_name("trading", MOVE_NORTH), "trading", "1", "-"]
+    assert "hub-north => west-north" in rows[1]
+    assert canopy(capsys, "proposal", "list", str(tmp_path / "nowhere"))[0] == 2
