@@ -95,6 +95,9 @@ matchExpressions:
 {{/* RBAC rules of the operator: exactly the requests it makes (tests/operator checks them
      against every request the operator sends to the API emulator). */}}
 {{- define "canopy.operator.rules" -}}
+# Least privilege: exactly the verbs the operator uses (tests/operator/test_k8s_operator.py and,
+# for TopologyProposals, test_k8s_proposals.py check this list against every request the
+# operator makes to the API emulator).
 # The overlays: watched by kopf, which keeps its bookkeeping in annotations (patch);
 # the operator reads one before each reconcile (get). It never writes spec.
 - apiGroups: [canopy.dev]
