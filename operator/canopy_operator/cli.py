@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from canopy_operator import demo, localcmd, plancmd, simcmd
+    from canopy_operator import demo, localcmd, minecmd, plancmd, simcmd
 
     parser = argparse.ArgumentParser(
         prog="canopy",
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     plancmd.add_arguments(sub)
     localcmd.add_arguments(sub)
     simcmd.add_arguments(sub)
+    minecmd.add_arguments(sub)
     _add_operator_command(sub)
     _add_proposal_commands(sub)
     _add_broker_commands(sub)
@@ -82,6 +83,7 @@ def _run_operator(args: argparse.Namespace) -> int:
 def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Client and benchmark commands that live with the broker package."""
     from canopy_broker import bench, clients_cli
+    from canopy_operator import minecmd
 
     clients_cli.add_pubsub_arguments(sub)
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
@@ -93,6 +95,7 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     dataplane.set_defaults(
         func=lambda a: bench.main([*(["--json"] if a.json else []), "--duration", str(a.duration)])
     )
+    minecmd.add_bench_arguments(bench_sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

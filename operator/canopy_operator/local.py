@@ -16,6 +16,7 @@ import secrets
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,18 @@ from canopy_broker.procs import broker_env, serve_command
 class LocalBackend:
     """Implements :class:`canopy_operator.executor.Backend` with local processes."""
 
-    def __init__(self, state_dir: Path, *, routing: str = "covering", host: str = "127.0.0.1"):
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        routing: str = "covering",
+        host: str = "127.0.0.1",
+        broker_args: Sequence[str] = (),
+    ):
         self.dir = state_dir
         self.host = host
         self.routing = routing
+        self.broker_args = tuple(broker_args)  # e.g. telemetry sampling for the miner
         self.dir.mkdir(parents=True, exist_ok=True)
         self.state: dict[str, Any] = self._load()
         self.state.setdefault("token", secrets.token_urlsafe(18))
@@ -75,7 +84,9 @@ class LocalBackend:
         with ready.open("wb") as out, log.open("ab") as err:
             # Detached on purpose (not asyncio's subprocess): it must outlive this event loop.
             proc = subprocess.Popen(  # noqa: ASYNC220
-                serve_command(name, host=self.host, routing=self.routing),
+                serve_command(
+                    name, host=self.host, routing=self.routing, extra_args=self.broker_args
+                ),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,

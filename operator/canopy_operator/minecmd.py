@@ -1,0 +1,317 @@
+"""`canopy mine` and `canopy bench mining`: the Spark job's command-line shells.
+
+Three ways to feed the job, one pipeline (:func:`canopy_operator.mining.job.mine`):
+
+* ``--telemetry PATH``: JSON lines already on disk or in an object store;
+* ``--pull``: fetch them first from a local overlay's brokers (``canopy up`` / the demo);
+* ``--cluster``: the CronJob's mode — for every BrokerOverlay whose ``selfOrganization.mode`` is
+  ``propose`` or ``auto``, pull from its brokers over the cluster DNS, mine, and file
+  TopologyProposals (de-duplicated against open ones; old closed ones pruned).
+
+pyspark is imported only when a job runs, so the rest of ``canopy`` works without the mining
+extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from canopy_operator.plancmd import load_overlay
+from canopy_operator.topology import Edge, OverlaySpec, SpecError, norm
+
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "mine",
+        help="mine broker telemetry on Spark and propose better topologies",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--telemetry", help="telemetry directory or Spark-readable path")
+    src.add_argument("--pull", action="store_true", help="pull from a local overlay's brokers")
+    src.add_argument("--cluster", action="store_true", help="mine every overlay in the cluster")
+    p.add_argument("--overlay", type=Path, help="the BrokerOverlay manifest (not with --cluster)")
+    p.add_argument("--state-dir", type=Path, default=Path(".canopy"), help="for --pull")
+    p.add_argument("--out", type=Path, help="write tables, summary and proposal YAML here")
+    p.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    p.add_argument("--top", type=int, default=3, help="proposals to emit (default 3)")
+    p.add_argument(
+        "--max-distance",
+        type=float,
+        help="ms; default: the overlay's spec.selfOrganization.maxDistance (none: any)",
+    )
+    p.add_argument("--replay-sets", type=int, default=3000, help="terminal sets replayed")
+    p.add_argument("--spark-master", help="default $CANOPY_SPARK_MASTER or local[*]")
+    p.add_argument("--driver-memory", help="Spark driver memory, e.g. 4g (local mode)")
+    p.add_argument("-n", "--namespace", action="append", default=[], help="--cluster: only here")
+    p.add_argument("--history-limit", type=int, default=10, help="--cluster: closed proposals kept")
+    p.add_argument("--server", help="--cluster: API server URL (default: in-cluster)")
+    p.add_argument("--token", help="--cluster: bearer token for --server")
+    p.add_argument("--insecure", action="store_true", help="--cluster: skip TLS verification")
+    p.set_defaults(func=run_mine)
+
+
+def add_bench_arguments(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = bench_sub.add_parser("mining", help="wall time of the Spark job on synthetic telemetry")
+    p.add_argument("--brokers", type=int, default=1000, help="brokers in the synthetic overlay")
+    p.add_argument("--rows", type=int, default=1_000_000, help="telemetry records to mine")
+    p.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
+    p.add_argument("--driver-memory", default="6g", help="Spark driver memory (local mode)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--data-dir", type=Path, default=Path(".canopy/bench-mining"))
+    p.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from canopy_operator.mining import bench
+
+    return bench.run(args)
+
+
+def _say(msg: str) -> None:
+    print(f"[mine] {msg}", file=sys.stderr, flush=True)
+
+
+def current_links(manifest: dict[str, Any], spec: OverlaySpec) -> list[Edge] | None:
+    """Explicit links, else the live links the operator reported in ``status.links``."""
+    if spec.links is not None:
+        return [norm(e) for e in spec.links]
+    live = (manifest.get("status") or {}).get("links")
+    if live:
+        return [norm((str(a), str(b))) for a, b in live]
+    return None
+
+
+def settings_for(args: argparse.Namespace, manifest: dict[str, Any]) -> Any:
+    from canopy_operator.mining.job import Settings
+
+    selforg = (manifest.get("spec") or {}).get("selfOrganization") or {}
+    distance = args.max_distance if args.max_distance is not None else selforg.get("maxDistance")
+    return Settings(
+        top_k=args.top,
+        max_distance=None if distance is None else float(distance),
+        replay_sets=args.replay_sets,
+    )
+
+
+def run_mine(args: argparse.Namespace) -> int:
+    if args.cluster:
+        return asyncio.run(_mine_cluster(args))
+    if args.overlay is None:
+        print(
+            "error: --overlay FILE is required (the overlay the telemetry is from)", file=sys.stderr
+        )
+        return 2
+    try:
+        spec = load_overlay(args.overlay)
+        manifest = next(
+            d
+            for d in yaml.safe_load_all(args.overlay.read_text())
+            if isinstance(d, dict) and d.get("kind") == "BrokerOverlay"
+        )
+    except (OSError, SpecError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    links = current_links(manifest, spec)
+    with tempfile.TemporaryDirectory(prefix="canopy-pull-") as staging:
+        where: str = args.telemetry or staging
+        if args.pull:
+            from canopy_operator.mining.source import TelemetryError
+
+            try:
+                links = asyncio.run(_pull_local(args.state_dir, spec.name, Path(staging))) or links
+            except TelemetryError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+        if links is None:
+            print(
+                "error: a managed-links overlay has no links in its manifest: pass --pull "
+                "(asks the brokers) or a manifest with status.links (kubectl get -o yaml)",
+                file=sys.stderr,
+            )
+            return 2
+        return _mine_one(args, manifest, spec, links, where)
+
+
+async def _pull_local(state_dir: Path, overlay: str, into: Path) -> list[Edge]:
+    """Pull telemetry from a local overlay; return its live links."""
+    from canopy_operator.local import LocalBackend
+    from canopy_operator.mining.source import local_admins, pull_telemetry
+
+    admins, token = local_admins(state_dir, overlay)
+    got = await pull_telemetry(admins, token, into)
+    _say("pulled " + ", ".join(f"{b} {n}" for b, n in got.items()))
+    backend = LocalBackend(state_dir / overlay)
+    try:
+        return await backend.live_links()
+    finally:
+        await backend.close()
+
+
+def _mine_one(
+    args: argparse.Namespace,
+    manifest: dict[str, Any],
+    spec: OverlaySpec,
+    links: Sequence[Edge],
+    where: str,
+) -> int:
+    from canopy_operator.mining.job import describe, mine, write_outputs
+    from canopy_operator.mining.session import spark_session
+    from canopy_operator.mining.source import TelemetryError
+
+    spark = spark_session(args.spark_master, driver_memory=args.driver_memory)
+    try:
+        result = mine(spark, where, spec, links, settings_for(args, manifest), progress=_say)
+    except TelemetryError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    proposals = result.proposals()
+    names = {i: p.name or "" for i, p in enumerate(proposals)}
+    for line in describe(result, names):
+        print(line)
+    if args.out:
+        written = write_outputs(result, args.out, proposals)
+        print(f"wrote {args.out}/ (mining.json, tables, {len(written)} proposal file(s))")
+    if args.json:
+        print(json.dumps(result.to_json()))
+    return 0
+
+
+# -- cluster ----------------------------------------------------------------------------------
+
+
+def _kube(args: argparse.Namespace) -> Any:
+    from canopy_operator.k8s import KubeApi
+
+    if args.server:
+        return KubeApi(
+            args.server, token=args.token, insecure=args.insecure, user_agent="canopy-miner"
+        )
+    host, port = (
+        os.environ.get("KUBERNETES_SERVICE_HOST"),
+        os.environ.get("KUBERNETES_SERVICE_PORT"),
+    )
+    if not host or not (SA_DIR / "token").exists():
+        raise SystemExit("error: not in a cluster: pass --server (and --token)")
+    return KubeApi(
+        f"https://{host}:{port or 443}",
+        token=(SA_DIR / "token").read_text().strip(),
+        ca_path=str(SA_DIR / "ca.crt"),
+        user_agent="canopy-miner",
+    )
+
+
+async def _mine_cluster(args: argparse.Namespace) -> int:
+    """The CronJob: every self-organising overlay → pull → mine → file proposals."""
+    from canopy_operator import k8s
+    from canopy_operator.topology import parse_overlay
+
+    api = _kube(args)
+    failures = 0
+    try:
+        paths = [k8s.overlay_path(ns) for ns in args.namespace] or [
+            f"/apis/{k8s.GROUP}/{k8s.VERSION}/{k8s.PLURAL}"
+        ]
+        overlays = [o for path in paths for o in await api.items(path)]
+        for obj in overlays:
+            meta = obj.get("metadata") or {}
+            ns, name = str(meta.get("namespace") or "default"), str(meta.get("name"))
+            mode = ((obj.get("spec") or {}).get("selfOrganization") or {}).get("mode", "off")
+            if mode not in ("propose", "auto"):
+                _say(f"{ns}/{name}: selfOrganization.mode is {mode}: skipped")
+                continue
+            try:
+                spec = parse_overlay(obj)
+            except SpecError as exc:
+                _say(f"{ns}/{name}: invalid spec, skipped: {exc}")
+                continue
+            links = current_links(obj, spec)
+            if not links:
+                _say(f"{ns}/{name}: no live links reported yet: skipped")
+                continue
+            secret = await api.get(k8s.core_path(ns, "secrets", k8s.secret_name(name)))
+            if not secret:
+                _say(f"{ns}/{name}: no admin token secret yet: skipped")
+                continue
+            token = base64.b64decode(secret["data"]["token"]).decode()
+            admins = {
+                b: k8s.dns_resolver(ns, k8s.service_name(name), k8s.pod_name(name, b)).admin
+                for b in spec.broker_names
+            }
+            failures += await _mine_and_file(
+                args, api, obj=obj, spec=spec, links=links, admins=admins, token=token, ns=ns
+            )
+    finally:
+        await api.close()
+    return 1 if failures else 0
+
+
+async def _mine_and_file(
+    args: argparse.Namespace,
+    api: Any,
+    *,
+    obj: dict[str, Any],
+    spec: OverlaySpec,
+    links: Sequence[Edge],
+    admins: dict[str, str],
+    token: str,
+    ns: str,
+) -> int:
+    from canopy_operator import proposals
+    from canopy_operator.k8s import GROUP, VERSION
+    from canopy_operator.mining.job import describe, mine
+    from canopy_operator.mining.session import spark_session
+    from canopy_operator.mining.source import TelemetryError, pull_telemetry
+
+    name = spec.name
+    base = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/topologyproposals"
+    with tempfile.TemporaryDirectory(prefix="canopy-pull-") as staging:
+        got = await pull_telemetry(admins, token, Path(staging))
+        unreachable = [b for b, n in got.items() if n < 0]
+        _say(
+            f"{ns}/{name}: pulled {sum(n for n in got.values() if n > 0):,} records"
+            + (f"; unreachable: {', '.join(unreachable)}" if unreachable else "")
+        )
+        spark = spark_session(args.spark_master, driver_memory=args.driver_memory)
+        try:
+            result = await asyncio.to_thread(
+                mine, spark, staging, spec, links, settings_for(args, obj), progress=_say
+            )
+        except TelemetryError as exc:
+            _say(f"{ns}/{name}: {exc}")
+            return 0  # nothing to mine yet is not a failure of the job
+    for line in describe(result):
+        _say(f"{ns}/{name}: {line}")
+    existing = [
+        p
+        for p in await api.items(base)
+        if ((p.get("metadata") or {}).get("labels") or {}).get(proposals.LABEL_OVERLAY) == name
+    ]
+    for p in result.proposals(namespace=ns):
+        if proposals.open_duplicates(existing, p):
+            _say(f"{ns}/{name}: {p.name} is already open: not filed again")
+            continue
+        manifest = proposals.to_manifest(p)
+        await api.create(base, manifest)
+        existing.append(manifest)
+        _say(
+            f"{ns}/{name}: filed {manifest['metadata']['name']} ({p.evidence.get('expectedGain')})"
+        )
+    for old in proposals.to_prune(existing, args.history_limit):
+        await api.delete(f"{base}/{old}")
+        _say(f"{ns}/{name}: pruned {old}")
+    return 0

@@ -1,0 +1,234 @@
+"""Where the miner's input comes from, and what it keeps of it.
+
+Telemetry (schema ``canopy.telemetry/v1``) is read as JSON lines from a directory (the brokers'
+``--telemetry-dir`` layout, ``broker=NAME/date=…/hour=…/part-….jsonl``), from any path Spark can
+read (``s3a://…``), or pulled first from the brokers' admin APIs (``GET /telemetry``) into a
+staging directory of the same layout, so that one reader serves every source.
+
+The reader is strict about meaning and lenient about damage: every record is classified once
+(ok, malformed JSON, another schema version, missing fields, a broker the overlay does not
+have), the bad ones are counted and skipped, and an input with no usable event at all is an
+error that says why. Telemetry files are appended to by live brokers and pulled more than once,
+so the same (broker, event) may appear twice: it is kept once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from pyspark import StorageLevel
+from pyspark.sql import functions as F
+
+from canopy_broker.admin_client import AdminClient, AdminError
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+SCHEMA_V1 = "canopy.telemetry/v1"
+CORRUPT = "_corrupt_record"
+
+# Columns the miner reads; anything else in a record (``attrs``, …) is never parsed.
+_FIELDS: tuple[tuple[str, str], ...] = (
+    ("schema", "string"),
+    ("type", "string"),
+    ("broker", "string"),
+    ("ts", "double"),
+    ("cursor", "long"),
+    ("event_id", "string"),
+    ("publisher", "string"),
+    ("hops", "long"),
+    ("source_kind", "string"),
+    ("source", "string"),
+    ("matched_local", "boolean"),
+    ("deliveries", "long"),
+    ("peer", "string"),
+    ("rtt_ms", "double"),
+    ("via", "string"),
+    ("msgs_in", "long"),
+    ("msgs_out", "long"),
+    ("bytes_in", "long"),
+    ("bytes_out", "long"),
+    (CORRUPT, "string"),
+)
+
+# Why a record was skipped, in the order the checks apply.
+SKIP_REASONS = ("malformed", "other_schema", "incomplete", "unknown_broker", "unknown_type")
+
+
+class TelemetryError(Exception):
+    """The input cannot be mined (nothing usable in it); the message says what was found."""
+
+
+@dataclass
+class Telemetry:
+    """The usable records, split by type, and the count of what was skipped and why."""
+
+    events: DataFrame  # broker, event_id, publisher, hops, source_kind, source, matched, deliveries
+    rtts: DataFrame  # broker, peer, rtt_ms, via
+    links: DataFrame  # broker, peer, msgs_in, msgs_out, bytes_in, bytes_out (latest snapshot)
+    records: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def skipped_total(self) -> int:
+        return sum(self.skipped.values())
+
+
+def schema_ddl() -> str:
+    return ", ".join(f"`{name}` {kind}" for name, kind in _FIELDS)
+
+
+def read_telemetry(
+    spark: SparkSession,
+    path: str | Path,
+    brokers: Iterable[str],
+    *,
+    since_ts: float | None = None,
+) -> Telemetry:
+    """Read, classify and clean the telemetry under ``path`` for an overlay of ``brokers``;
+    with ``since_ts`` (Unix seconds), only events recorded from then on are mined (e.g. the
+    traffic since the last reconfiguration)."""
+    where = str(path)
+    if "://" not in where and not Path(where).exists():
+        raise TelemetryError(f"no telemetry at {where}: the path does not exist")
+    raw = (
+        spark.read.schema(schema_ddl())
+        .option("mode", "PERMISSIVE")
+        .option("columnNameOfCorruptRecord", CORRUPT)
+        .option("recursiveFileLookup", "true")  # broker=… folders are data, not partitions
+        .option("pathGlobFilter", "*.json*")  # .jsonl from brokers, .json from Spark
+        .json(where)
+    )
+    known = sorted(set(brokers))  # `isin` with many values becomes a hash-set lookup
+    is_event = F.col("type") == "event"
+    status = (
+        F.when(F.col(CORRUPT).isNotNull(), "malformed")
+        .when(F.col("schema").isNull() | (F.col("schema") != SCHEMA_V1), "other_schema")
+        .when(F.col("broker").isNull() | F.col("type").isNull(), "incomplete")
+        .when(
+            is_event
+            & (
+                F.col("event_id").isNull()
+                | F.col("source_kind").isNull()
+                | F.col("matched_local").isNull()
+            ),
+            "incomplete",
+        )
+        .when(
+            (F.col("type") == "rtt") & (F.col("peer").isNull() | F.col("rtt_ms").isNull()),
+            "incomplete",
+        )
+        .when((F.col("type") == "link") & F.col("peer").isNull(), "incomplete")
+        .when(~F.col("broker").isin(known), "unknown_broker")
+        .when(~F.col("type").isin("event", "rtt", "link"), "unknown_type")
+        .otherwise("ok")
+    )
+    # One parse of the files: the classified, narrowed records are cached and everything below
+    # (the counts, the events, the small rtt and link tables) is computed from that cache.
+    keep = [name for name, _ in _FIELDS if name not in (CORRUPT, "schema")]
+    narrow = raw.select(status.alias("_status"), *keep).persist(StorageLevel.MEMORY_AND_DISK)
+    counts = {
+        r["_status"]: r["n"]
+        for r in narrow.groupBy("_status").agg(F.count("*").alias("n")).collect()
+    }
+    total = sum(counts.values())
+    skipped = {reason: counts.get(reason, 0) for reason in SKIP_REASONS if counts.get(reason, 0)}
+    good = narrow.where(F.col("_status") == "ok")
+    if since_ts is not None:
+        good = good.where(~is_event | (F.col("ts") >= since_ts))
+
+    # Partitioned by event once: the de-duplication, the self-join for associativity and the
+    # per-event aggregations of the replay then need no further shuffle of the big table.
+    events = (
+        good.where(is_event)
+        .select(
+            "broker",
+            "event_id",
+            "publisher",
+            F.coalesce("hops", F.lit(0)).alias("hops"),
+            "source_kind",
+            "source",
+            F.col("matched_local").alias("matched"),
+            F.coalesce("deliveries", F.lit(0)).alias("deliveries"),
+        )
+        .repartition("event_id")
+        .dropDuplicates(["broker", "event_id"])
+        .persist(StorageLevel.MEMORY_AND_DISK)
+    )
+    if counts.get("ok", 0) == 0 or events.isEmpty():
+        found = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no records"
+        raise TelemetryError(
+            f"no usable event records in {where} ({found}); expected {SCHEMA_V1} JSON lines "
+            f"from brokers {', '.join(sorted(set(brokers))[:5])}…"
+        )
+    rtts = good.where(F.col("type") == "rtt").select(
+        "broker", "peer", "rtt_ms", F.coalesce("via", F.lit("heartbeat")).alias("via")
+    )
+    latest = F.max(F.struct("cursor", "msgs_in", "msgs_out", "bytes_in", "bytes_out"))
+    links = (
+        good.where(F.col("type") == "link")
+        .groupBy("broker", "peer")
+        .agg(latest.alias("s"))
+        .select("broker", "peer", "s.msgs_in", "s.msgs_out", "s.bytes_in", "s.bytes_out")
+    )
+    rtts, links = rtts.persist(), links.persist()
+    rtts.count(), links.count()  # materialised: the wide cache can go
+    narrow.unpersist()
+    return Telemetry(events=events, rtts=rtts, links=links, records=total, skipped=skipped)
+
+
+# -- pulling from brokers ---------------------------------------------------------------------
+
+
+async def pull_telemetry(
+    admins: Mapping[str, str],
+    token: str,
+    into: Path,
+    *,
+    batch: int = 10_000,
+    request_timeout: float = 10.0,
+) -> dict[str, int]:
+    """Fetch every broker's telemetry ring into ``into/broker=NAME/part-pull.jsonl``.
+
+    ``admins`` maps broker name → admin address. Returns records per broker; a broker that
+    cannot be reached counts -1 (the miner carries on with the others and says so).
+    """
+
+    async def one(name: str, address: str) -> int:
+        target = into / f"broker={name}" / "part-pull.jsonl"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        got, cursor = 0, 0
+        try:
+            async with AdminClient(address, token, timeout=request_timeout) as admin:
+                with target.open("wb") as fh:
+                    while True:
+                        page = await admin.telemetry(since=cursor, limit=batch)
+                        records = page.get("records") or []
+                        fh.writelines(orjson.dumps(r) + b"\n" for r in records)
+                        got += len(records)
+                        if not records or page.get("next", cursor) <= cursor:
+                            return got
+                        cursor = int(page["next"])
+        except (AdminError, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            target.with_name("pull-error.txt").write_text(f"{type(exc).__name__}: {exc}\n")
+            return -1
+
+    results = await asyncio.gather(*(one(n, a) for n, a in sorted(admins.items())))
+    return dict(zip(sorted(admins), results, strict=True))
+
+
+def local_admins(state_dir: Path, overlay: str) -> tuple[dict[str, str], str]:
+    """Admin addresses and token of a local overlay started by ``canopy up`` or the demo."""
+    state_file = state_dir / overlay / "state.json"
+    if not state_file.exists():
+        raise TelemetryError(f"no local overlay {overlay!r} in {state_dir} (no {state_file})")
+    state: dict[str, Any] = json.loads(state_file.read_text())
+    admins = {name: b["admin"] for name, b in (state.get("brokers") or {}).items()}
+    return admins, str(state["token"])

@@ -1,0 +1,73 @@
+"""Damaged, partial and foreign telemetry: counted and skipped, or a clear error — never a crash."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from canopy_broker.core.events import Event
+from canopy_broker.core.messages import Deliver
+from canopy_broker.runtime.telemetry import Telemetry
+from canopy_operator.mining.source import TelemetryError, read_telemetry
+from tests.mining.telemetry import event_records, record, write
+from tests.mining.test_metrics import LINKS, SPEC
+
+
+def test_bad_records_are_counted_and_skipped(spark: SparkSession, tmp_path: Path) -> None:
+    good = event_records(LINKS, "E1", "d", ["d", "e"])  # 5 records
+    bad = [
+        {**record("a", "event", event_id="E9"), "schema": "canopy.telemetry/v2"},  # other schema
+        record("a", "event", source_kind="link", matched_local=False),  # no event_id
+        record("zz", "event", event_id="E8", source_kind="client", matched_local=True),
+        record("b", "gossip"),  # a type this miner does not know
+        record("c", "rtt", peer="a"),  # no rtt_ms
+    ]
+    lines = ['{"schema": "canopy.telemetry/v1", "type": "ev', "not json at all", "[1, 2]"]
+    tel = read_telemetry(spark, write(tmp_path, good + bad, lines), SPEC.broker_names)
+    assert tel.records == 5 + 5 + 3
+    assert tel.skipped == {
+        "malformed": 3,
+        "other_schema": 1,
+        "incomplete": 2,
+        "unknown_broker": 1,
+        "unknown_type": 1,
+    }
+    assert tel.events.count() == 5
+
+
+def test_duplicate_records_count_once(spark: SparkSession, tmp_path: Path) -> None:
+    recs = event_records(LINKS, "E1", "d", ["d", "e"])
+    tel = read_telemetry(spark, write(tmp_path, recs + recs), SPEC.broker_names)
+    assert tel.events.count() == len(recs)
+
+
+def test_nothing_usable_is_a_clear_error(spark: SparkSession, tmp_path: Path) -> None:
+    with pytest.raises(TelemetryError, match="does not exist"):
+        read_telemetry(spark, tmp_path / "missing", SPEC.broker_names)
+    stranger = record("zz", "event", event_id="E1", source_kind="client", matched_local=True)
+    write(tmp_path / "junk", [stranger], ["{oops"])
+    with pytest.raises(
+        TelemetryError, match=r"no usable event records .*1 malformed.*1 unknown_broker"
+    ):
+        read_telemetry(spark, tmp_path / "junk", SPEC.broker_names)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "x.jsonl").write_text("")
+    with pytest.raises(TelemetryError, match="no usable event records"):
+        read_telemetry(spark, tmp_path / "empty", SPEC.broker_names)
+
+
+def test_brokers_own_files_are_read_as_written(spark: SparkSession, tmp_path: Path) -> None:
+    """The layout and field set a real broker writes (runtime/telemetry.py), attrs and all."""
+    t = Telemetry("a", sample_rate=1.0, directory=tmp_path)
+    event = Event("p", 1, {"k": 1, "s": "x"})
+    t.event(event, "client", "p", [Deliver("c1", event, ("s1",))])
+    t.rtt("b", 1.5, via="probe")
+    t._write_pending(t._pending)
+    files = list(tmp_path.rglob("*.jsonl"))
+    assert files and "broker=a" in str(files[0])
+    assert json.loads(files[0].read_text().splitlines()[0])["schema"] == "canopy.telemetry/v1"
+    tel = read_telemetry(spark, tmp_path, ["a", "b"])
+    assert tel.skipped == {} and tel.events.count() == 1 and tel.rtts.count() == 1
