@@ -45,6 +45,9 @@ class LocalBackend:
         self.state.setdefault("token", secrets.token_urlsafe(18))
         self.state.setdefault("brokers", {})
         self._admins: dict[str, AdminClient] = {}
+        # Brokers this object started: kept until stopped, so that no Popen is collected while
+        # its process runs (the overlay may outlive us, but not our handles on it).
+        self._children: dict[int, subprocess.Popen[bytes]] = {}
 
     # -- persistence ------------------------------------------------------------------------
 
@@ -98,6 +101,7 @@ class LocalBackend:
             for line in ready.read_text(errors="replace").splitlines():
                 if line.startswith(READY_PREFIX):
                     addr = json.loads(line[len(READY_PREFIX) :])
+                    self._children[proc.pid] = proc
                     self.brokers[name] = {
                         "pid": proc.pid,
                         "listen": addr["listen"],
@@ -126,6 +130,7 @@ class LocalBackend:
             await admin.close()
         if info is not None:
             await _stop(info["pid"])
+            self._children.pop(info["pid"], None)
         self.save()
 
     def address(self, name: str) -> str:
@@ -161,6 +166,9 @@ class LocalBackend:
     async def down(self) -> None:
         await self.close()
         await asyncio.gather(*(_stop(info["pid"]) for info in self.brokers.values()))
+        for child in self._children.values():
+            child.poll()  # reaped by _stop already; this tells the Popen so
+        self._children.clear()
         self.state["brokers"] = {}
         self.state.pop("progress", None)
         self.save()
