@@ -7,7 +7,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(VENV)/canopy demo
+	$(VENV)/canopy demo --self-organize
 
 test: setup lint typecheck contracts pytest
 

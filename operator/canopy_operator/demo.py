@@ -37,11 +37,19 @@ from canopy_broker.sim.checker import (
     SubRecord,
     check_deliveries,
 )
-from canopy_broker.sim.topology import random_tree
+from canopy_broker.sim.topology import adjacency, path_between, random_tree
 from canopy_operator.draw import draw
 from canopy_operator.local import LocalBackend
 from canopy_operator.localcmd import apply
 from canopy_operator.planner import LiveOverlay, plan
+from canopy_operator.selforg import (
+    TELEMETRY_ARGS,
+    apply_proposal,
+    describe,
+    measure_overlay,
+    mine_overlay,
+    start_spark,
+)
 from canopy_operator.topology import parse_overlay
 
 SYMBOLS = ["ACME", "GLOBEX", "INITECH", "UMBRELLA", "HOOLI", "GRINGOTTS", "STARK", "WAYNE"]
@@ -60,6 +68,9 @@ FILTERS = [
     "urgent = true",
     "price < 5",
 ]
+# One interest shared by two subscribers placed far apart in the tree: the case paper 001's
+# self-organisation is for (the miner should propose bringing their brokers together).
+GROUP_FILTER = 'symbol = "GLOBEX"'
 
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -84,6 +95,18 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--rate", type=int, default=3000, help="notifications/s, all publishers")
     p.add_argument("--routing", choices=["simple", "identity", "covering"], default="covering")
     p.add_argument("--seed", type=int, default=None, help="topology and workload seed")
+    p.add_argument(
+        "--no-mining",
+        dest="mining",
+        action="store_false",
+        help="skip the self-organisation phase (Spark mining of the demo's telemetry)",
+    )
+    p.add_argument(
+        "--self-organize",
+        action="store_true",
+        help="apply the best mined proposal live and measure hops before and after",
+    )
+    p.add_argument("--spark-master", default="local[2]", help="Spark master for the mining")
     p.add_argument("--json", action="store_true", help="one JSON object on the last line")
     p.set_defaults(func=run)
 
@@ -172,8 +195,10 @@ def reshaped(
     *,
     rng: random.Random,
     routing: str,
+    apart: tuple[str, str] | None = None,
 ) -> tuple[dict[str, Any], int]:
-    """A new tree over the brokers (one removed, one added) that takes at least 5 exchanges."""
+    """A new tree over the brokers (one removed, one added) that takes at least 5 exchanges
+    (and keeps the brokers ``apart`` at least three links apart)."""
     new_names = [b for b in names if b != removed] + [added]
     for _ in range(200):
         order = new_names[:]
@@ -183,6 +208,8 @@ def reshaped(
         manifest = overlay_manifest("demo", new_names, tree, routing)
         spec = parse_overlay(manifest)
         p = plan(LiveOverlay(tuple(names), tuple(live)), spec)
+        if apart and len(path_between(adjacency(tree), *apart)) < 4:
+            continue
         if len(p.exchanges) >= 5:
             return manifest, len(p.exchanges)
     raise RuntimeError("no reshaped tree with 5 exchanges found")
@@ -245,7 +272,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
     print(f"Overlay of {n} brokers (seed {seed}, {args.routing} routing):")
     print(draw_tree(names, edges))
     state = Path(tempfile.mkdtemp(prefix="canopy-demo-"))
-    backend = LocalBackend(state / "demo", routing=args.routing)
+    backend = LocalBackend(state / "demo", routing=args.routing, broker_args=TELEMETRY_ARGS)
     clients: list[Client] = []
     steps_report: list[dict[str, Any]] = []
     try:
@@ -255,9 +282,12 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         victim = rng.choice(names[1:])  # leaves the overlay later, with its clients
         added = f"b{n}"
         subscribers = []
+        far = _far_apart(edges, exclude=victim)
         for i in range(args.subscribers):
             chosen = rng.sample(FILTERS, rng.choice([1, 1, 2]))
             broker = victim if i < 2 else rng.choice(names)
+            if i in (2, 3):  # one interest, two brokers far apart: what self-organisation fixes
+                chosen, broker = [GROUP_FILTER], far[i - 2]
             subscribers.append(
                 Subscriber(
                     f"sub{i}", broker, {f"s{k}": Filter.parse(t) for k, t in enumerate(chosen)}
@@ -291,7 +321,9 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         progress(f"publishing ~{args.rate}/s from {len(publishers)} publishers")
         await asyncio.sleep(args.duration / 2)
         live = await backend.live_links()
-        manifest2, n_ex = reshaped(names, victim, added, live, rng=rng, routing=args.routing)
+        manifest2, n_ex = reshaped(
+            names, victim, added, live, rng=rng, routing=args.routing, apart=far
+        )
         draw(names, live, out_dir / "before.png", title="before")
         progress(
             f"applying a new shape: {n_ex} link exchanges, add {added}, remove {victim} "
@@ -301,6 +333,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             parse_overlay(manifest2), manifest2, backend, log=progress
         )
         after = await backend.live_links()
+        reshaped_at = time.time()
         draw(sorted(backend.brokers), after, out_dir / "after.png", title="after")
         control = await _protocol_messages(backend, [r.detail.get("xid") for r in executor.results])
         steps_report = [
@@ -308,6 +341,11 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             for r in sorted(executor.results, key=lambda r: r.index)
         ]
         await asyncio.sleep(args.duration / 2)
+        selforg = (
+            await _self_organise(args, backend, manifest2, subscribers, since=reshaped_at)
+            if args.mining
+            else None
+        )
         stop_pub.set()
         await asyncio.gather(*publishing)
         publish_wall = time.perf_counter() - t0
@@ -360,11 +398,97 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         brokers_added=1,
         brokers_removed=1,
         reshape_seconds=round(apply_wall, 3),
+        self_organization=selforg,
         steps=steps_report,
         final_links=final_links,
     )
     result["ok"] = result["ok"] and shape_ok
     return result
+
+
+def _far_apart(edges: list[tuple[str, str]], exclude: str) -> tuple[str, str]:
+    """Two brokers (not ``exclude``) at the ends of the longest path of the tree without it."""
+    adj = adjacency(edges)
+    names = sorted(b for b in adj if b != exclude)
+    return max(
+        ((a, b) for a in names for b in names if a < b),
+        key=lambda ab: (len(path_between(adj, *ab)), ab),
+    )
+
+
+def _hops(subscribers: list[Subscriber]) -> Counter[int]:
+    return sum((s.hops for s in subscribers), Counter())
+
+
+def _mean_hops_between(early: Counter[int], late: Counter[int]) -> float:
+    window = late - early
+    n = sum(window.values())
+    return sum(h * c for h, c in window.items()) / n if n else 0.0
+
+
+async def _self_organise(
+    args: argparse.Namespace,
+    backend: LocalBackend,
+    manifest: dict[str, Any],
+    subscribers: list[Subscriber],
+    *,
+    since: float,
+) -> dict[str, Any]:
+    """Mine the telemetry of the traffic since the reshaping; print the proposals; with
+    ``--self-organize`` apply the best one live and measure the hops again."""
+    progress("self-organisation: mining the brokers' telemetry on Spark (local mode) ...")
+    spark = await asyncio.to_thread(start_spark, args.spark_master)
+    window_start = _hops(subscribers)
+    result = await mine_overlay(backend, manifest, spark, since_ts=since, progress=progress)
+    clients_before = _mean_hops_between(window_start, _hops(subscribers))
+    proposals = result.proposals()
+    print()
+    print("Self-organisation (paper 001): the miner's view of the live overlay")
+    for line in describe(result, {i: p.name or "" for i, p in enumerate(proposals)}):
+        print(f"  {line}")
+    report: dict[str, Any] = {
+        "measured_before": result.traffic.to_json(),
+        "associativity_before": round(result.total_as, 4),
+        "proposals": [
+            {"name": p.name, "changes": [[list(r), list(a)] for r, a in p.changes], **p.evidence}
+            for p in proposals
+        ],
+        "applied": None,
+    }
+    if not args.self_organize:
+        print("  (run with --self-organize to apply the best proposal live)")
+        return report
+    if not proposals:
+        print("  nothing to apply: no exchange would lower the hops")
+        return report
+    best = proposals[0]
+    progress(f"applying proposal {best.name} live — traffic keeps flowing")
+    target, the_plan, _, wall = await apply_proposal(backend, manifest, best, progress=progress)
+    applied_at, window_start = time.time(), _hops(subscribers)
+    await asyncio.sleep(max(2.0, args.duration / 2))
+    clients_after = _mean_hops_between(window_start, _hops(subscribers))
+    after = await measure_overlay(backend, target, spark, since_ts=applied_at)
+    links = await backend.live_links()
+    draw(sorted(backend.brokers), links, args.out / "self-organized.png", title="self-organized")
+    before = result.traffic
+    print(
+        f"  applied {best.name} in {wall:.2f}s ({len(the_plan.exchanges)} exchange): "
+        f"hops per notification {before.hops_per_delivery:.3f} → {after.hops_per_delivery:.3f}, "
+        f"hops per event {before.hops_per_event:.3f} → {after.hops_per_event:.3f}, "
+        f"pure-forwarder rate {before.pure_forwarder_rate:.1%} → "
+        f"{after.pure_forwarder_rate:.1%} (telemetry); mean hops per delivery seen by the "
+        f"subscribers {clients_before:.3f} → {clients_after:.3f}; picture: "
+        f"{args.out / 'self-organized.png'}"
+    )
+    report["applied"] = {
+        "proposal": best.name,
+        "seconds": round(wall, 3),
+        "measured_after": after.to_json(),
+        "client_hops_before": round(clients_before, 4),
+        "client_hops_after": round(clients_after, 4),
+        "links": [list(e) for e in links],
+    }
+    return report
 
 
 async def _ticker(subscribers: list[Subscriber], pubs: list[PubRecord], t0: float) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,10 +26,25 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from canopy_operator.mining.job import MiningResult, Settings
+    from canopy_operator.mining.metrics import Traffic
 
 # Broker flags that make telemetry rich enough to mine within seconds: one event in five
 # sampled (the default, 1%, suits production rates), RTT probes every two seconds.
 TELEMETRY_ARGS = ("--telemetry-sample", "0.2", "--probe-interval", "2")
+
+
+def start_spark(master: str | None = None) -> SparkSession:
+    """The process's Spark session (pyspark is imported here, only when mining runs)."""
+    from canopy_operator.mining.session import spark_session
+
+    return spark_session(master, app="canopy-self-organisation")
+
+
+def describe(result: MiningResult, names: Mapping[int, str]) -> list[str]:
+    """The mining result for people (see :func:`canopy_operator.mining.job.describe`)."""
+    from canopy_operator.mining.job import describe as describe_result
+
+    return describe_result(result, names)
 
 
 async def mine_overlay(
@@ -62,6 +77,25 @@ async def mine_overlay(
             progress=progress,
             since_ts=since_ts,
         )
+
+
+async def measure_overlay(
+    backend: LocalBackend,
+    manifest: dict[str, Any],
+    spark: SparkSession,
+    *,
+    since_ts: float | None = None,
+) -> Traffic:
+    """Hops and pure forwarders of the traffic since ``since_ts``, from the brokers' telemetry."""
+    from canopy_operator.mining.metrics import traffic
+    from canopy_operator.mining.source import pull_telemetry, read_telemetry
+
+    admins = {name: info["admin"] for name, info in backend.brokers.items()}
+    brokers = parse_overlay(manifest).broker_names
+    with tempfile.TemporaryDirectory(prefix="canopy-telemetry-") as staging:
+        await pull_telemetry(admins, backend.state["token"], Path(staging))
+        tel = await asyncio.to_thread(read_telemetry, spark, staging, brokers, since_ts=since_ts)
+        return await asyncio.to_thread(traffic, tel.events)
 
 
 async def apply_proposal(
