@@ -110,7 +110,7 @@ def settings_for(args: argparse.Namespace, manifest: dict[str, Any]) -> Any:
 
 def run_mine(args: argparse.Namespace) -> int:
     if args.cluster:
-        return asyncio.run(_mine_cluster(args))
+        return asyncio.run(mine_cluster(args))
     if args.overlay is None:
         print(
             "error: --overlay FILE is required (the overlay the telemetry is from)", file=sys.stderr
@@ -215,9 +215,14 @@ def _kube(args: argparse.Namespace) -> Any:
     )
 
 
-async def _mine_cluster(args: argparse.Namespace) -> int:
-    """The CronJob: every self-organising overlay → pull → mine → file proposals."""
+async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:
+    """The CronJob: every self-organising overlay → pull → mine → file proposals.
+
+    ``resolver`` maps (namespace, service, pod) to a broker's endpoints: the cluster DNS by
+    default, local processes in tests (as for the operator)."""
     from canopy_operator import k8s
+
+    resolve = resolver or k8s.dns_resolver
     from canopy_operator.topology import parse_overlay
 
     api = _kube(args)
@@ -249,7 +254,7 @@ async def _mine_cluster(args: argparse.Namespace) -> int:
                 continue
             token = base64.b64decode(secret["data"]["token"]).decode()
             admins = {
-                b: k8s.dns_resolver(ns, k8s.service_name(name), k8s.pod_name(name, b)).admin
+                b: resolve(ns, k8s.service_name(name), k8s.pod_name(name, b)).admin
                 for b in spec.broker_names
             }
             failures += await _mine_and_file(
@@ -306,11 +311,12 @@ async def _mine_and_file(
             _say(f"{ns}/{name}: {p.name} is already open: not filed again")
             continue
         manifest = proposals.to_manifest(p)
-        await api.create(base, manifest)
+        if not await api.create(base, manifest):
+            # same changes, same name: a closed proposal holds the name until it is pruned
+            _say(f"{ns}/{name}: {p.name} exists (closed): not filed again until pruned")
+            continue
         existing.append(manifest)
-        _say(
-            f"{ns}/{name}: filed {manifest['metadata']['name']} ({p.evidence.get('expectedGain')})"
-        )
+        _say(f"{ns}/{name}: filed {p.name} ({p.evidence.get('expectedGain')})")
     for old in proposals.to_prune(existing, args.history_limit):
         await api.delete(f"{base}/{old}")
         _say(f"{ns}/{name}: pruned {old}")

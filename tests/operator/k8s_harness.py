@@ -271,6 +271,7 @@ class Kubelet:
         self.cut_off: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._starting: dict[str, asyncio.Task[None]] = {}
+        self.broker_args: tuple[str, ...] = ()  # extra `canopy-broker serve` flags for new pods
 
     def resolve(self, namespace: str, service: str, pod: str) -> Endpoints:
         if pod in self.cut_off:  # the operator cannot reach this broker's admin API
@@ -287,7 +288,10 @@ class Kubelet:
         labels = pod["metadata"]["labels"]
         name = pod["metadata"]["name"]
         proc = await spawn_broker(
-            labels[LABEL_BROKER], token=self.token(labels[LABEL_OVERLAY]), log_dir=self.log_dir
+            labels[LABEL_BROKER],
+            token=self.token(labels[LABEL_OVERLAY]),
+            log_dir=self.log_dir,
+            extra_args=self.broker_args,
         )
         self.procs[name] = proc
         self.endpoints[name] = Endpoints(proc.listen, proc.admin_address)

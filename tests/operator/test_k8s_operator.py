@@ -92,24 +92,23 @@ VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create"}
 VERBS |= {"UPDATE": "patch", "DELETE": "delete"}
 
 
-def verbs_used(emulator: kmock.KubernetesEmulator) -> set[tuple[str, str, str]]:
-    """(apiGroup, resource[/subresource], verb) of every request kopf or the operator made."""
+def verbs_used(
+    emulator: kmock.KubernetesEmulator, agents: tuple[str, ...] = ("kopf", "canopy-operator")
+) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) of every request kopf or the operator (or the
+    given ``agents``, by User-Agent prefix) made."""
     used = set()
     for r in emulator._requests:  # kmock keeps every request it served
         agent = r.headers.get("User-Agent", "")
-        if (
-            r.resource is None
-            or r.resource.plural is None
-            or not agent.startswith(("kopf", "canopy-operator"))
-        ):
+        if r.resource is None or r.resource.plural is None or not agent.startswith(agents):
             continue
         plural = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
         used.add((r.resource.group or "", plural, VERBS[r.action.name]))
     return used
 
 
-def verbs_granted() -> set[tuple[str, str, str]]:
-    docs = list(yaml.safe_load_all((ROOT / "manifests/install/rbac.yaml").read_text()))
+def verbs_granted(manifest: str = "manifests/install/rbac.yaml") -> set[tuple[str, str, str]]:
+    docs = list(yaml.safe_load_all((ROOT / manifest).read_text()))
     (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
     return {
         (group, res, verb)
