@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,17 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "canopy"
 _HELM_HOME = tempfile.TemporaryDirectory(prefix="canopy-helm-")  # removed at exit
+
+
+def rbac_rules(role: Mapping[str, Any]) -> set[tuple[str, str, str]]:
+    """A Role's or ClusterRole's grants as (apiGroup, resource, verb) triples."""
+    return {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
 
 
 def tool(name: str) -> str:

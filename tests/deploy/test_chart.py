@@ -29,6 +29,7 @@ from tests.tools import (
     helm_template,
     kinds_without_schema,
     kubernetes_validate,
+    rbac_rules,
     value_keys,
 )
 
@@ -75,16 +76,6 @@ def one(docs: Sequence[dict[str, Any]], kind: str, name: str | None = None) -> d
     found = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
     assert len(found) == 1, f"{len(found)} {kind} {name or ''} rendered"
     return found[0]
-
-
-def rules(role: Mapping[str, Any]) -> set[tuple[str, str, str]]:
-    return {
-        (g, r, v)
-        for rule in role["rules"]
-        for g in rule["apiGroups"]
-        for r in rule["resources"]
-        for v in rule["verbs"]
-    }
 
 
 def selects(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
@@ -361,7 +352,7 @@ def test_the_miner_cronjob_with_every_option(rendered: dict[str, list[dict[str, 
     assert settings["spark.ui.enabled"] == "true"
     spark_role = one(docs, "Role", "mesh-canopy-miner-spark")
     assert spark_role["metadata"]["namespace"] == "ops"
-    assert {r for _, r, _ in rules(spark_role)} == {"pods", "configmaps"}
+    assert {r for _, r, _ in rbac_rules(spark_role)} == {"pods", "configmaps"}
 
 
 def test_the_miner_command_parses_with_the_real_canopy_mine(
@@ -385,7 +376,7 @@ def test_rbac_is_exactly_the_contract_cluster_wide(
     rendered: dict[str, list[dict[str, Any]]],
 ) -> None:
     docs = rendered["defaults"]
-    assert rules(one(docs, "ClusterRole", "canopy-miner")) == MINER_RULES
+    assert rbac_rules(one(docs, "ClusterRole", "canopy-miner")) == MINER_RULES
     for name in ("canopy-operator", "canopy-miner"):
         binding = one(docs, "ClusterRoleBinding", name)
         assert binding["roleRef"] == {
@@ -406,15 +397,15 @@ def test_rbac_is_namespaced_when_overlay_namespaces_are_listed(
     docs = rendered["all-on"]
     assert not [d for d in docs if d["kind"].startswith("Cluster")]
     defaults = rendered["defaults"]
-    operator_rules = rules(one(defaults, "ClusterRole", "canopy-operator"))
+    operator_rules = rbac_rules(one(defaults, "ClusterRole", "canopy-operator"))
     for ns in ("trading", "sensors"):
         roles = {
             d["metadata"]["name"]: d
             for d in docs
             if d["kind"] == "Role" and d["metadata"]["namespace"] == ns
         }
-        assert rules(roles["mesh-canopy-operator"]) == operator_rules
-        assert rules(roles["mesh-canopy-miner"]) == MINER_RULES
+        assert rbac_rules(roles["mesh-canopy-operator"]) == operator_rules
+        assert rbac_rules(roles["mesh-canopy-miner"]) == MINER_RULES
         for d in docs:
             if d["kind"] == "RoleBinding" and d["metadata"]["namespace"] == ns:
                 (subject,) = d["subjects"]

@@ -11,6 +11,7 @@ from pyspark.sql import SparkSession
 from canopy_broker.core.events import Event
 from canopy_broker.core.messages import Deliver
 from canopy_broker.runtime.telemetry import Telemetry
+from canopy_operator.mining.propose import terminal_sets
 from canopy_operator.mining.source import TelemetryError, read_telemetry
 from tests.mining.telemetry import event_records, record, write
 from tests.mining.test_metrics import LINKS, SPEC
@@ -71,3 +72,15 @@ def test_brokers_own_files_are_read_as_written(spark: SparkSession, tmp_path: Pa
     assert json.loads(files[0].read_text().splitlines()[0])["schema"] == "canopy.telemetry/v1"
     tel = read_telemetry(spark, tmp_path, ["a", "b"])
     assert tel.skipped == {} and tel.events.count() == 1 and tel.rtts.count() == 1
+
+
+def test_events_missing_their_publishers_record_are_counted_partial(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A broker's history cut short (ring overflow) loses an event's origin record: that event
+    still counts in the measured figures but cannot be replayed, and says so."""
+    whole = event_records(LINKS, "E1", "d", ["d", "e"])
+    cut = [r for r in event_records(LINKS, "E2", "d", ["d", "e"]) if r["source_kind"] != "client"]
+    tel = read_telemetry(spark, write(tmp_path, whole + cut), SPEC.broker_names)
+    _, stats = terminal_sets(tel.events)
+    assert (stats["events"], stats["replayable"], stats["partial"]) == (2, 1, 1)

@@ -36,6 +36,7 @@ from tests.operator.k8s_harness import (
     server_url,
     until,
 )
+from tests.tools import rbac_rules
 
 pytestmark = [pytest.mark.integration, pytest.mark.kmock(cls=CanopyEmulator)]
 
@@ -110,13 +111,7 @@ def verbs_used(
 def verbs_granted(manifest: str = "manifests/install/rbac.yaml") -> set[tuple[str, str, str]]:
     docs = list(yaml.safe_load_all((ROOT / manifest).read_text()))
     (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
-    return {
-        (group, res, verb)
-        for rule in role["rules"]
-        for group in rule["apiGroups"]
-        for res in rule["resources"]
-        for verb in rule["verbs"]
-    }
+    return rbac_rules(role)
 
 
 def without_proposals(verbs: set[tuple[str, str, str]]) -> set[tuple[str, str, str]]:
