@@ -314,6 +314,7 @@ def pod_manifest(
                         spec.routing,
                         "--token-file",
                         f"{TOKEN_DIR}/token",
+                        *spec.broker_args(),
                     ],
                     "ports": [
                         {"name": "broker", "containerPort": BROKER_PORT},

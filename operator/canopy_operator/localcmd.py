@@ -117,7 +117,9 @@ def run_apply(args: argparse.Namespace) -> int:
     )
 
     async def go() -> dict[str, Any]:
-        backend = LocalBackend(args.state_dir / spec.name, routing=spec.routing)
+        backend = LocalBackend(
+            args.state_dir / spec.name, routing=spec.routing, broker_args=spec.broker_args()
+        )
         try:
             p, _executor, wall = await apply(spec, manifest, backend)
             links = await backend.live_links()

@@ -59,6 +59,8 @@ class OverlaySpec:
     max_concurrent: int = 1
     self_organization: str = "off"
     generation: int = 0
+    telemetry_sample: float = 0.1  # the CRD's default: one event in ten kept for the miner
+    telemetry_history: int = 10_000
 
     @property
     def broker_names(self) -> list[str]:
@@ -70,6 +72,15 @@ class OverlaySpec:
 
     def zone_of(self) -> dict[str, str]:
         return {b.name: b.zone for b in self.brokers}
+
+    def broker_args(self) -> tuple[str, ...]:
+        """`canopy-broker serve` flags every broker of this overlay runs with (telemetry)."""
+        return (
+            "--telemetry-sample",
+            repr(self.telemetry_sample),
+            "--history",
+            str(self.telemetry_history),
+        )
 
 
 def _get(obj: Mapping[str, Any], key: str, kind: type, default: Any, where: str) -> Any:
@@ -124,6 +135,10 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         links = tuple(parsed)
     reconf = _get(spec, "reconfiguration", dict, {}, "spec")
     selforg = _get(spec, "selfOrganization", dict, {}, "spec")
+    telemetry = _get(spec, "telemetry", dict, {}, "spec")
+    sample = telemetry.get("sample", 0.1)
+    if isinstance(sample, bool) or not isinstance(sample, int | float):
+        raise SpecError(f"spec.telemetry.sample must be a number, got {sample!r}")
     status = manifest.get("metadata", {}) or {}
     return OverlaySpec(
         name=name,
@@ -136,6 +151,8 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         max_concurrent=_get(reconf, "maxConcurrent", int, 1, "spec.reconfiguration"),
         self_organization=_get(selforg, "mode", str, "off", "spec.selfOrganization"),
         generation=int(status.get("generation", 0) or 0),
+        telemetry_sample=float(sample),
+        telemetry_history=_get(telemetry, "history", int, 10_000, "spec.telemetry"),
     )
 
 
@@ -175,6 +192,10 @@ def validate(spec: OverlaySpec) -> list[str]:
             "reconfiguration.algorithm 'path' needs routing 'identity' or 'simple' "
             "(covering overlays use 'coordinated')"
         )
+    if not 0.0 <= spec.telemetry_sample <= 1.0:
+        problems.append(f"telemetry.sample must be between 0 and 1, got {spec.telemetry_sample}")
+    if spec.telemetry_history < 0:
+        problems.append(f"telemetry.history must not be negative, got {spec.telemetry_history}")
     if spec.links is not None:
         problems += validate_tree(seen, spec.links, spec.max_fan_out)
     return problems

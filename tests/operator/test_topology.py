@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from canopy_broker.cli import build_parser as broker_parser
 from canopy_operator.topology import SpecError, find_cycle, parse_overlay, validate
 
 
@@ -54,6 +55,8 @@ def test_a_valid_tree_and_managed_links_pass() -> None:
             "'path' needs routing 'identity' or 'simple'",
         ),
         ([], [], {}, "spec.brokers is empty"),
+        (["a"], [], {"telemetry": {"sample": 1.5}}, "telemetry.sample must be between 0 and 1"),
+        (["a"], [], {"telemetry": {"history": -1}}, "telemetry.history must not be negative"),
     ],
 )
 def test_problems_name_what_is_wrong(
@@ -98,6 +101,16 @@ def test_problems_name_what_is_wrong(
 def test_malformed_manifests_raise_with_the_field(doc: dict[str, object], message: str) -> None:
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_overlay(doc)
+
+
+def test_telemetry_settings_reach_the_broker_command_line() -> None:
+    default = parse_overlay(manifest(["a"], []))
+    assert (default.telemetry_sample, default.telemetry_history) == (0.1, 10_000)  # the CRD's
+    spec = parse_overlay(manifest(["a"], [], telemetry={"sample": 1, "history": 500}))
+    args = broker_parser().parse_args(["serve", "--name", "a", *spec.broker_args()])
+    assert (args.telemetry_sample, args.history) == (1.0, 500)
+    with pytest.raises(SpecError, match=r"spec\.telemetry\.sample must be a number"):
+        parse_overlay(manifest(["a"], [], telemetry={"sample": "lots"}))
 
 
 def test_find_cycle_names_the_cycle() -> None:
