@@ -469,7 +469,13 @@ async def _self_organise(
     clients_after = _mean_hops_between(window_start, _hops(subscribers))
     after = await measure_overlay(backend, target, spark, since_ts=applied_at)
     links = await backend.live_links()
-    draw(sorted(backend.brokers), links, args.out / "self-organized.png", title="self-organized")
+    draw(
+        sorted(backend.brokers),
+        links,
+        args.out / "self-organized.png",
+        title=f"self-organized: {best.name} applied (added link in red)",
+        highlight=[a for _, a in best.changes],
+    )
     before = result.traffic
     print(
         f"  applied {best.name} in {wall:.2f}s ({len(the_plan.exchanges)} exchange): "

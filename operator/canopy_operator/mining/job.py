@@ -16,13 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from canopy_operator.draw import draw
 from canopy_operator.mining import metrics, propose
 from canopy_operator.mining.source import Telemetry, read_telemetry
-from canopy_operator.proposals import Proposal, to_manifest
+from canopy_operator.proposals import Proposal, apply_changes, to_manifest
 from canopy_operator.topology import Edge, OverlaySpec, norm
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
+
+
+MAX_DRAWN = 200  # brokers; larger overlays get no proposal pictures
 
 
 @dataclass(frozen=True)
@@ -242,7 +246,9 @@ def mine(
 
 
 def write_outputs(result: MiningResult, out: Path, proposals: Sequence[Proposal]) -> list[Path]:
-    """Tables as CSV folders (Spark writes them), the summary as JSON, proposals as YAML."""
+    """Tables as CSV folders (Spark writes them), the summary as JSON, proposals as YAML and,
+    for overlays small enough to look at, a picture of the tree each proposal leads to (the
+    added link in red)."""
     out.mkdir(parents=True, exist_ok=True)
     for name, frame in result.frames.items():
         frame.coalesce(1).write.mode("overwrite").option("header", True).csv(str(out / name))
@@ -250,11 +256,23 @@ def write_outputs(result: MiningResult, out: Path, proposals: Sequence[Proposal]
     written = []
     pdir = out / "proposals"
     pdir.mkdir(exist_ok=True)
+    brokers = sorted({b for e in result.links for b in e})
     for p in proposals:
         manifest = to_manifest(p)
         path = pdir / f"{manifest['metadata']['name']}.yaml"
         path.write_text(yaml.safe_dump(manifest, sort_keys=False))
         written.append(path)
+        if len(brokers) <= MAX_DRAWN:  # a picture of a thousand brokers helps nobody
+            after = apply_changes(result.links, p.changes)
+            gain = p.evidence.get("expectedGain", "")
+            changes = ", ".join(f"{r[0]}-{r[1]} → {a[0]}-{a[1]}" for r, a in p.changes)
+            draw(
+                brokers,
+                after,
+                path.with_suffix(".png"),
+                f"{p.name}: {changes} ({gain})",
+                highlight=[a for _, a in p.changes],
+            )
     return written
 
 

@@ -1,0 +1,74 @@
+"""`canopy mine` as a user runs it on files: outputs, the JSON line, and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from pyspark.sql import SparkSession
+
+from canopy_operator.cli import main
+from tests.mining.telemetry import write
+from tests.mining.test_metrics import fixture_records, overlay_manifest
+
+
+@pytest.fixture
+def overlay_file(tmp_path: Path) -> Path:
+    path = tmp_path / "overlay.yaml"
+    path.write_text(yaml.safe_dump(overlay_manifest()))
+    return path
+
+
+def test_mine_writes_tables_summary_and_proposals(
+    spark: SparkSession, tmp_path: Path, overlay_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    telemetry = write(tmp_path / "telemetry", fixture_records())
+    out = tmp_path / "mined"
+    code = main(
+        [
+            "mine",
+            "--telemetry",
+            str(telemetry),
+            "--overlay",
+            str(overlay_file),
+            "--out",
+            str(out),
+            "--json",
+            "--spark-master",
+            "local[2]",
+        ]
+    )
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["measured"]["events"] == 7 and summary["associativity"]["total"] == 2.0
+    assert [(p["remove"], p["add"]) for p in summary["proposals"]] == [(["a", "c"], ["d", "e"])]
+    assert "exchange a-c for d-e" in stdout and "-63.2% hops/event" in stdout
+    assert json.loads((out / "mining.json").read_text()) == summary
+    (proposal,) = (out / "proposals").glob("*.yaml")
+    manifest = yaml.safe_load(proposal.read_text())
+    assert manifest["kind"] == "TopologyProposal"
+    assert manifest["metadata"]["labels"]["canopy.dev/overlay"] == "hand"
+    assert proposal.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    pairs = next((out / "associativity").glob("part-*.csv")).read_text().splitlines()
+    assert pairs[0].startswith("a,b,common") and len(pairs) == 3  # header + two pairs
+
+
+def test_mine_errors_name_the_problem(
+    spark: SparkSession, tmp_path: Path, overlay_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = ["mine", "--telemetry", str(tmp_path / "nowhere"), "--overlay", str(overlay_file)]
+    assert main(missing) == 2
+    assert "no telemetry at" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "kind: BrokerOverlay\nmetadata: {name: x}\nspec: {brokers: [{name: a}, {name: a}]}\n"
+    )
+    assert main(["mine", "--telemetry", str(tmp_path), "--overlay", str(bad)]) == 2
+    assert "declared more than once" in capsys.readouterr().err
+    managed = tmp_path / "managed.yaml"
+    managed.write_text("kind: BrokerOverlay\nmetadata: {name: x}\nspec: {brokers: [{name: a}]}\n")
+    assert main(["mine", "--telemetry", str(tmp_path), "--overlay", str(managed)]) == 2
+    assert "managed-links overlay" in capsys.readouterr().err
