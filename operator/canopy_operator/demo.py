@@ -41,6 +41,7 @@ from canopy_broker.sim.topology import adjacency, path_between, random_tree
 from canopy_operator.draw import draw
 from canopy_operator.local import LocalBackend
 from canopy_operator.localcmd import apply
+from canopy_operator.mining.errors import MiningInputError
 from canopy_operator.planner import LiveOverlay, plan
 from canopy_operator.selforg import (
     TELEMETRY_ARGS,
@@ -341,11 +342,15 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             for r in sorted(executor.results, key=lambda r: r.index)
         ]
         await asyncio.sleep(args.duration / 2)
-        selforg = (
-            await _self_organise(args, backend, manifest2, subscribers, since=reshaped_at)
-            if args.mining
-            else None
-        )
+        selforg = None
+        if args.mining:
+            try:
+                selforg = await _self_organise(
+                    args, backend, manifest2, subscribers, since=reshaped_at
+                )
+            except (MiningInputError, RuntimeError) as exc:  # e.g. no Java, nothing sampled
+                print(f"self-organisation skipped: {exc}", file=sys.stderr)
+                selforg = {"skipped": str(exc)}
         stop_pub.set()
         await asyncio.gather(*publishing)
         publish_wall = time.perf_counter() - t0

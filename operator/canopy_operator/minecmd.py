@@ -47,13 +47,13 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--state-dir", type=Path, default=Path(".canopy"), help="for --pull")
     p.add_argument("--out", type=Path, help="write tables, summary and proposal YAML here")
     p.add_argument("--json", action="store_true", help="one JSON object on the last line")
-    p.add_argument("--top", type=int, default=3, help="proposals to emit (default 3)")
+    p.add_argument("--top", type=_positive, default=3, help="proposals to emit (default 3)")
     p.add_argument(
         "--max-distance",
         type=float,
         help="ms; default: the overlay's spec.selfOrganization.maxDistance (none: any)",
     )
-    p.add_argument("--replay-sets", type=int, default=3000, help="terminal sets replayed")
+    p.add_argument("--replay-sets", type=_positive, default=3000, help="terminal sets replayed")
     p.add_argument("--spark-master", help="default $CANOPY_SPARK_MASTER or local[*]")
     p.add_argument("--driver-memory", help="Spark driver memory, e.g. 4g (local mode)")
     p.add_argument("-n", "--namespace", action="append", default=[], help="--cluster: only here")
@@ -62,6 +62,13 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--token", help="--cluster: bearer token for --server")
     p.add_argument("--insecure", action="store_true", help="--cluster: skip TLS verification")
     p.set_defaults(func=run_mine)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def add_bench_arguments(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -126,17 +133,22 @@ def run_mine(args: argparse.Namespace) -> int:
     except (OSError, SpecError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
+        return 2
     links = current_links(manifest, spec)
+    since: float | None = None
     with tempfile.TemporaryDirectory(prefix="canopy-pull-") as staging:
         where: str = args.telemetry or staging
         if args.pull:
-            from canopy_operator.mining.source import TelemetryError
+            from canopy_operator.mining.errors import MiningInputError
 
             try:
-                links = asyncio.run(_pull_local(args.state_dir, spec.name, Path(staging))) or links
-            except TelemetryError as exc:
+                live, since = asyncio.run(_pull_local(args.state_dir, spec.name, Path(staging)))
+            except MiningInputError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
+            links = live or links
         if links is None:
             print(
                 "error: a managed-links overlay has no links in its manifest: pass --pull "
@@ -144,20 +156,21 @@ def run_mine(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        return _mine_one(args, manifest, spec, links, where)
+        return _mine_one(args, manifest, spec, links, where, since=since)
 
 
-async def _pull_local(state_dir: Path, overlay: str, into: Path) -> list[Edge]:
-    """Pull telemetry from a local overlay; return its live links."""
+async def _pull_local(state_dir: Path, overlay: str, into: Path) -> tuple[list[Edge], float | None]:
+    """Pull telemetry from a local overlay; return its live links and from when the brokers'
+    histories are all complete."""
     from canopy_operator.local import LocalBackend
     from canopy_operator.mining.source import local_admins, pull_telemetry
 
     admins, token = local_admins(state_dir, overlay)
-    got = await pull_telemetry(admins, token, into)
-    _say("pulled " + ", ".join(f"{b} {n}" for b, n in got.items()))
+    pulled = await pull_telemetry(admins, token, into)
+    _say(pulled.describe())
     backend = LocalBackend(state_dir / overlay)
     try:
-        return await backend.live_links()
+        return await backend.live_links(), pulled.window_start
     finally:
         await backend.close()
 
@@ -168,15 +181,19 @@ def _mine_one(
     spec: OverlaySpec,
     links: Sequence[Edge],
     where: str,
+    *,
+    since: float | None = None,
 ) -> int:
+    from canopy_operator.mining.errors import MiningInputError
     from canopy_operator.mining.job import describe, mine, write_outputs
     from canopy_operator.mining.session import spark_session
-    from canopy_operator.mining.source import TelemetryError
 
     spark = spark_session(args.spark_master, driver_memory=args.driver_memory)
     try:
-        result = mine(spark, where, spec, links, settings_for(args, manifest), progress=_say)
-    except TelemetryError as exc:
+        result = mine(
+            spark, where, spec, links, settings_for(args, manifest), progress=_say, since_ts=since
+        )
+    except MiningInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     proposals = result.proposals()
@@ -218,12 +235,11 @@ def _kube(args: argparse.Namespace) -> Any:
 async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:
     """The CronJob: every self-organising overlay → pull → mine → file proposals.
 
+    One overlay's failure (a broker unreachable, the API refusing, Spark failing) is reported
+    and counted; the others are still mined; the exit code is 1 if any failed.
     ``resolver`` maps (namespace, service, pod) to a broker's endpoints: the cluster DNS by
     default, local processes in tests (as for the operator)."""
     from canopy_operator import k8s
-
-    resolve = resolver or k8s.dns_resolver
-    from canopy_operator.topology import parse_overlay
 
     api = _kube(args)
     failures = 0
@@ -234,35 +250,63 @@ async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:
         overlays = [o for path in paths for o in await api.items(path)]
         for obj in overlays:
             meta = obj.get("metadata") or {}
-            ns, name = str(meta.get("namespace") or "default"), str(meta.get("name"))
-            mode = ((obj.get("spec") or {}).get("selfOrganization") or {}).get("mode", "off")
-            if mode not in ("propose", "auto"):
-                _say(f"{ns}/{name}: selfOrganization.mode is {mode}: skipped")
-                continue
+            where = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
             try:
-                spec = parse_overlay(obj)
-            except SpecError as exc:
-                _say(f"{ns}/{name}: invalid spec, skipped: {exc}")
-                continue
-            links = current_links(obj, spec)
-            if not links:
-                _say(f"{ns}/{name}: no live links reported yet: skipped")
-                continue
-            secret = await api.get(k8s.core_path(ns, "secrets", k8s.secret_name(name)))
-            if not secret:
-                _say(f"{ns}/{name}: no admin token secret yet: skipped")
-                continue
-            token = base64.b64decode(secret["data"]["token"]).decode()
-            admins = {
-                b: resolve(ns, k8s.service_name(name), k8s.pod_name(name, b)).admin
-                for b in spec.broker_names
-            }
-            failures += await _mine_and_file(
-                args, api, obj=obj, spec=spec, links=links, admins=admins, token=token, ns=ns
-            )
+                await _mine_overlay(args, api, obj, resolver or k8s.dns_resolver)
+            except Exception as exc:  # one overlay must not stop the others
+                failures += 1
+                _say(f"{where}: FAILED: {type(exc).__name__}: {exc}")
     finally:
         await api.close()
+    _say(f"mined {len(overlays)} overlay(s), {failures} failed")
     return 1 if failures else 0
+
+
+async def _mine_overlay(
+    args: argparse.Namespace, api: Any, obj: dict[str, Any], resolve: Any
+) -> None:
+    from canopy_operator import k8s
+    from canopy_operator.topology import parse_overlay, validate_tree
+
+    meta, status = obj.get("metadata") or {}, obj.get("status") or {}
+    ns, name = str(meta.get("namespace") or "default"), str(meta.get("name"))
+    mode = ((obj.get("spec") or {}).get("selfOrganization") or {}).get("mode", "off")
+    if mode not in ("propose", "auto"):
+        _say(f"{ns}/{name}: selfOrganization.mode is {mode}: skipped")
+        return
+    try:
+        spec = parse_overlay(obj)
+    except SpecError as exc:
+        _say(f"{ns}/{name}: invalid spec, skipped: {exc}")
+        return
+    if status.get("phase") != "Ready" or status.get("observedGeneration") != spec.generation:
+        # Mid-reconfiguration the live links are not the spec's yet: proposals made against
+        # them would be stale at birth. The next run will find it converged.
+        _say(f"{ns}/{name}: not converged (phase {status.get('phase')}): skipped")
+        return
+    links = current_links(obj, spec)
+    problems = validate_tree(set(spec.broker_names), links or [], 10**6)
+    if not links or problems:
+        _say(f"{ns}/{name}: live links are not a tree over its brokers: skipped ({problems})")
+        return
+    secret = await api.get(k8s.core_path(ns, "secrets", k8s.secret_name(name)))
+    token_b64 = ((secret or {}).get("data") or {}).get("token")
+    if not token_b64:
+        raise RuntimeError(f"no admin token in secret {k8s.secret_name(name)}")
+    admins = {
+        b: resolve(ns, k8s.service_name(name), k8s.pod_name(name, b)).admin
+        for b in spec.broker_names
+    }
+    await _mine_and_file(
+        args,
+        api,
+        obj=obj,
+        spec=spec,
+        links=links,
+        admins=admins,
+        token=base64.b64decode(token_b64).decode(),
+        ns=ns,
+    )
 
 
 async def _mine_and_file(
@@ -275,30 +319,41 @@ async def _mine_and_file(
     admins: dict[str, str],
     token: str,
     ns: str,
-) -> int:
+) -> None:
     from canopy_operator import proposals
     from canopy_operator.k8s import GROUP, VERSION
+    from canopy_operator.mining.errors import TelemetryError
     from canopy_operator.mining.job import describe, mine
     from canopy_operator.mining.session import spark_session
-    from canopy_operator.mining.source import TelemetryError, pull_telemetry
+    from canopy_operator.mining.source import pull_telemetry
 
     name = spec.name
     base = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/topologyproposals"
+    spark = spark_session(args.spark_master, driver_memory=args.driver_memory)
     with tempfile.TemporaryDirectory(prefix="canopy-pull-") as staging:
-        got = await pull_telemetry(admins, token, Path(staging))
-        unreachable = [b for b, n in got.items() if n < 0]
-        _say(
-            f"{ns}/{name}: pulled {sum(n for n in got.values() if n > 0):,} records"
-            + (f"; unreachable: {', '.join(unreachable)}" if unreachable else "")
-        )
-        spark = spark_session(args.spark_master, driver_memory=args.driver_memory)
+        pulled = await pull_telemetry(admins, token, Path(staging))
+        _say(f"{ns}/{name}: {pulled.describe()}")
+        if pulled.unreachable:
+            raise RuntimeError(
+                f"brokers unreachable: {', '.join(pulled.unreachable)} (no proposal from a "
+                "partial view)"
+            )
         try:
             result = await asyncio.to_thread(
-                mine, spark, staging, spec, links, settings_for(args, obj), progress=_say
+                mine,
+                spark,
+                staging,
+                spec,
+                links,
+                settings_for(args, obj),
+                progress=_say,
+                since_ts=pulled.window_start,
             )
         except TelemetryError as exc:
-            _say(f"{ns}/{name}: {exc}")
-            return 0  # nothing to mine yet is not a failure of the job
+            _say(f"{ns}/{name}: nothing to mine yet: {exc}")
+            return
+        finally:
+            spark.catalog.clearCache()  # the next overlay starts with an empty cache
     for line in describe(result):
         _say(f"{ns}/{name}: {line}")
     existing = [
@@ -312,12 +367,18 @@ async def _mine_and_file(
             continue
         manifest = proposals.to_manifest(p)
         if not await api.create(base, manifest):
-            # same changes, same name: a closed proposal holds the name until it is pruned
-            _say(f"{ns}/{name}: {p.name} exists (closed): not filed again until pruned")
-            continue
+            # Same changes, same name. A Stale or Failed one is replaced (this is a fresh
+            # finding against the current generation); a Rejected one stays rejected.
+            old = await api.get(f"{base}/{p.name}") or {}
+            phase = (old.get("status") or {}).get("phase")
+            if phase not in ("Stale", "Failed"):
+                _say(f"{ns}/{name}: {p.name} was {phase or 'filed'} before: not filed again")
+                continue
+            await api.delete(f"{base}/{p.name}")
+            existing = [e for e in existing if e["metadata"]["name"] != p.name]
+            await api.create(base, manifest)
         existing.append(manifest)
         _say(f"{ns}/{name}: filed {p.name} ({p.evidence.get('expectedGain')})")
-    for old in proposals.to_prune(existing, args.history_limit):
-        await api.delete(f"{base}/{old}")
-        _say(f"{ns}/{name}: pruned {old}")
-    return 0
+    for old_name in proposals.to_prune(existing, args.history_limit):
+        await api.delete(f"{base}/{old_name}")
+        _say(f"{ns}/{name}: pruned {old_name}")

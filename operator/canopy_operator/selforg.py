@@ -64,8 +64,9 @@ async def mine_overlay(
     links = await backend.live_links()
     spec = parse_overlay(manifest)
     with tempfile.TemporaryDirectory(prefix="canopy-telemetry-") as staging:
-        got = await pull_telemetry(admins, backend.state["token"], Path(staging))
-        progress(f"pulled {sum(n for n in got.values() if n > 0):,} telemetry records")
+        pulled = await pull_telemetry(admins, backend.state["token"], Path(staging))
+        progress(pulled.describe())
+        starts = [t for t in (since_ts, pulled.window_start) if t is not None]
         # Spark works in a thread: the event loop keeps serving the clients meanwhile.
         return await asyncio.to_thread(
             mine,
@@ -75,7 +76,7 @@ async def mine_overlay(
             links,
             settings or Settings(),
             progress=progress,
-            since_ts=since_ts,
+            since_ts=max(starts) if starts else None,
         )
 
 
@@ -93,8 +94,11 @@ async def measure_overlay(
     admins = {name: info["admin"] for name, info in backend.brokers.items()}
     brokers = parse_overlay(manifest).broker_names
     with tempfile.TemporaryDirectory(prefix="canopy-telemetry-") as staging:
-        await pull_telemetry(admins, backend.state["token"], Path(staging))
-        tel = await asyncio.to_thread(read_telemetry, spark, staging, brokers, since_ts=since_ts)
+        pulled = await pull_telemetry(admins, backend.state["token"], Path(staging))
+        starts = [t for t in (since_ts, pulled.window_start) if t is not None]
+        tel = await asyncio.to_thread(
+            read_telemetry, spark, staging, brokers, since_ts=max(starts) if starts else None
+        )
         return await asyncio.to_thread(traffic, tel.events)
 
 

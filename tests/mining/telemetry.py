@@ -18,7 +18,7 @@ def record(broker: str, kind: str, **fields: Any) -> dict[str, Any]:
 
 
 def event_records(
-    links: Sequence[Edge], event_id: str, origin: str, matched: Iterable[str]
+    links: Sequence[Edge], event_id: str, origin: str, matched: Iterable[str], ts: float = 1.0
 ) -> list[dict[str, Any]]:
     """The records one event leaves on the brokers of its route under exact routing."""
     out = []
@@ -38,6 +38,7 @@ def event_records(
                 forwarded_to=[],
                 attrs={"k": 1},
             )
+            | {"ts": ts}
         )
     return out
 

@@ -129,3 +129,15 @@ def test_distance_matrix_medians_zones_and_unknowns(spark: SparkSession, telemet
 def test_the_fixture_is_what_the_docstring_says() -> None:
     """7 events leave 5+5+5+5 (d-b-a-c-e) + 2+2 (b-a) + 2 (c-e) = 26 event records."""
     assert sum(1 for r in fixture_records() if r["type"] == "event") == 26
+
+
+def test_the_median_of_an_even_number_of_samples_is_the_middle(
+    spark: SparkSession, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = write(
+        tmp_path_factory.mktemp("even"),
+        [*event_records(LINKS, "E1", "d", ["e"]), rtt("d", "e", 2.0), rtt("e", "d", 4.0)],
+    )
+    tel = read_telemetry(spark, root, SPEC.broker_names)
+    measured, _ = metrics.distances(spark, tel.rtts, ZONES)
+    assert [(r["distance_ms"], r["samples"]) for r in measured.collect()] == [(3.0, 2)]

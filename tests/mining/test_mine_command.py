@@ -72,3 +72,17 @@ def test_mine_errors_name_the_problem(
     managed.write_text("kind: BrokerOverlay\nmetadata: {name: x}\nspec: {brokers: [{name: a}]}\n")
     assert main(["mine", "--telemetry", str(tmp_path), "--overlay", str(managed)]) == 2
     assert "managed-links overlay" in capsys.readouterr().err
+
+
+def test_links_that_are_not_one_tree_are_refused(
+    spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `kubectl get -o yaml` dump whose status.links is a forest (mid-change, or stale)."""
+    dump = overlay_manifest()
+    del dump["spec"]["links"]  # type: ignore[attr-defined]
+    dump["status"] = {"links": [["a", "b"], ["c", "e"]]}
+    path = tmp_path / "dump.yaml"
+    path.write_text(yaml.safe_dump(dump))
+    telemetry = write(tmp_path / "telemetry", fixture_records())
+    assert main(["mine", "--telemetry", str(telemetry), "--overlay", str(path)]) == 2
+    assert "not one tree over its brokers" in capsys.readouterr().err

@@ -85,16 +85,30 @@ def test_fan_out_bound_drops_a_candidate() -> None:
     row = {
         "broker": "c",
         "partner": "a",
+        "towards": 0.8,
         "link_as": 1.0,
         "distance_ms": 1.0,
         "distance_from": "rtt",
     }
     # the path c-b-a: the weakest link is b-c (0.0), so a would gain a fifth link
-    kept, dropped = propose.exchanges([row], links, {("a", "b"): 0.5}, max_fan_out=4)
+    kept, dropped = propose.exchanges([row], links, {("a", "b"): (0.25, 0.25)}, max_fan_out=4)
     assert kept == [] and dropped == {"fan_out": 1}
     # removing a-b instead (weaker) keeps a at four links: allowed
-    kept, _ = propose.exchanges([row], links, {("b", "c"): 0.9}, max_fan_out=4)
+    kept, _ = propose.exchanges([row], links, {("b", "c"): (0.45, 0.45)}, max_fan_out=4)
     assert [(c.remove, c.add) for c in kept] == [(("a", "b"), ("a", "c"))]
+
+
+def test_the_asking_broker_must_gain_too() -> None:
+    """Paper 001: B's own associativity must rise, not only the total. c asks for a (AS(a)_c =
+    0.3); the weakest link on the path is c's own link to b, which c values at 0.5 (b does
+    not value it): the total would rise (1.0 > 0.5), c's own associativity would fall."""
+    links = [("a", "b"), ("b", "c")]
+    row = {"broker": "c", "partner": "a", "towards": 0.3, "link_as": 1.0}
+    directed = {("a", "b"): (0.6, 0.6), ("b", "c"): (0.0, 0.5)}
+    kept, dropped = propose.exchanges([row], links, directed, max_fan_out=4)
+    assert kept == [] and dropped == {"associativity_not_higher": 1}
+    kept, _ = propose.exchanges([{**row, "towards": 0.7}], links, directed, max_fan_out=4)
+    assert [(c.remove, c.add) for c in kept] == [(("b", "c"), ("a", "c"))]
 
 
 def test_choose_keeps_only_exchanges_valid_together() -> None:

@@ -11,6 +11,7 @@ import random
 import time
 from pathlib import Path
 
+import pytest
 from pyspark.sql import SparkSession
 
 from canopy_broker.client import Client, connect
@@ -100,6 +101,11 @@ async def test_linking_similar_interests_lowers_measured_hops(
         before = [r for rows in got.values() for r in rows]
 
         result = await mine_overlay(backend, m, spark)
+        # the replay's model of routing is the brokers': on the live tree it predicts what
+        # they measured
+        assert result.before.hops_per_event == pytest.approx(
+            result.traffic.hops_per_event, rel=0.02
+        )
         assert result.chosen, f"no proposal: {result.dropped}"
         best = result.proposals()[0]
         # b0 and b5 share every ACME event: the new link joins them

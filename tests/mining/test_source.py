@@ -84,3 +84,29 @@ def test_events_missing_their_publishers_record_are_counted_partial(
     tel = read_telemetry(spark, write(tmp_path, whole + cut), SPEC.broker_names)
     _, stats = terminal_sets(tel.events)
     assert (stats["events"], stats["replayable"], stats["partial"]) == (2, 1, 1)
+
+
+def test_since_keeps_whole_events_published_from_then_on(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    old = event_records(LINKS, "OLD", "d", ["d", "e"], ts=10.0)
+    new = event_records(LINKS, "NEW", "d", ["d", "e"], ts=20.0)
+    # published before the boundary, recorded downstream after it: not half of it, none of it
+    straddling = [
+        r | {"ts": 10.0 if r["source_kind"] == "client" else 20.0}
+        for r in event_records(LINKS, "MID", "d", ["d", "e"])
+    ]
+    tel = read_telemetry(
+        spark, write(tmp_path, old + new + straddling), SPEC.broker_names, since_ts=15.0
+    )
+    assert {r["event_id"] for r in tel.events.select("event_id").distinct().collect()} == {"NEW"}
+    assert tel.events.count() == len(new)
+
+
+def test_counters_written_as_floats_are_still_read(spark: SparkSession, tmp_path: Path) -> None:
+    recs = [
+        r | {"cursor": 1.0, "hops": 2.0, "deliveries": 1.0}
+        for r in event_records(LINKS, "E1", "d", ["e"])
+    ]
+    tel = read_telemetry(spark, write(tmp_path, recs), SPEC.broker_names)
+    assert tel.skipped == {} and tel.events.count() == len(recs)

@@ -18,9 +18,10 @@ import yaml
 
 from canopy_operator.draw import draw
 from canopy_operator.mining import metrics, propose
+from canopy_operator.mining.errors import MiningInputError
 from canopy_operator.mining.source import Telemetry, read_telemetry
 from canopy_operator.proposals import Proposal, apply_changes, to_manifest
-from canopy_operator.topology import Edge, OverlaySpec, norm
+from canopy_operator.topology import Edge, OverlaySpec, norm, validate_tree
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -156,6 +157,12 @@ def mine(
 
     links = sorted(norm(e) for e in links)
     brokers = spec.broker_names
+    problems = validate_tree(set(brokers), links, max_fan_out=10**6)  # shape only
+    if problems:
+        raise MiningInputError(
+            f"the current links of {spec.name} are not one tree over its brokers: "
+            + "; ".join(problems)
+        )
     zones = spec.zone_of()
     if isinstance(telemetry, Telemetry):
         tel = telemetry
@@ -180,10 +187,9 @@ def mine(
     n_dist = measured.count()
     with_dist = metrics.with_distance(spark, pairs, measured, by_zone, zones)
     partners = propose.best_partners(with_dist, links, settings.max_distance)
-    sym = {e: ab + ba for e, (ab, ba) in link_as.items()}
     link_frame = metrics.link_traffic(tel).cache()
     load = {(r["a"], r["b"]): int(r["sampled_events"]) for r in link_frame.collect()}
-    candidates, dropped = propose.exchanges(partners, links, sym, spec.max_fan_out, load)
+    candidates, dropped = propose.exchanges(partners, links, link_as, spec.max_fan_out, load)
     lap("candidates")
     say(f"{len(candidates)} candidate exchanges ({len(partners)} brokers with a partner)")
 

@@ -153,7 +153,7 @@ def link_traffic(telemetry: Telemetry) -> DataFrame:
     """Per overlay link ``a < b``: sampled events that crossed it (either way) and, where the
     brokers reported counters, the messages sent each way."""
     crossed = (
-        telemetry.events.where(F.col("source_kind") == "link")
+        telemetry.events.where((F.col("source_kind") == "link") & F.col("source").isNotNull())
         .select(
             F.least("broker", "source").alias("a"),
             F.greatest("broker", "source").alias("b"),
@@ -200,7 +200,7 @@ def distances(
         )
         .groupBy("a", "b")
         .agg(
-            F.percentile_approx("rtt_ms", 0.5, 1000).alias("distance_ms"),
+            F.median("rtt_ms").alias("distance_ms"),
             F.count("*").alias("samples"),
         )
     )
@@ -209,7 +209,7 @@ def distances(
             measured.join(_zones_of(spark, zones, "a"), "a").join(_zones_of(spark, zones, "b"), "b")
         )
         .groupBy("z1", "z2")
-        .agg(F.percentile_approx("distance_ms", 0.5, 1000).alias("zone_ms"))
+        .agg(F.median("distance_ms").alias("zone_ms"))
     )
     return measured, by_zone
 

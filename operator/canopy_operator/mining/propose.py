@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import Window
@@ -55,7 +55,6 @@ class Candidate:
     distance_from: str | None
     cycle: tuple[str, ...] = ()
     replayed: Replayed | None = None
-    reasons: list[str] = field(default_factory=list)
 
     @property
     def gain_as(self) -> float:
@@ -82,7 +81,8 @@ def best_partners(
     pairs_with_distance: DataFrame, links: Iterable[Edge], max_distance: float | None
 ) -> list[dict[str, Any]]:
     """Per broker B, its most associated non-neighbour within ``max_distance`` (the paper's
-    B'); rows ``broker, partner, as_towards, link_as, distance_ms, distance_from``."""
+    B'); rows ``broker, partner, towards`` (AS(B')_B), ``link_as, distance_ms, distance_from``.
+    """
     p = pairs_with_distance
     cols = ["link_as", "distance_ms", "distance_from"]
     directed = p.select(
@@ -120,7 +120,7 @@ def best_partners(
 def exchanges(
     partners: Sequence[Mapping[str, Any]],
     links: Iterable[Edge],
-    link_as: Mapping[Edge, float],
+    link_as: Mapping[Edge, tuple[float, float]],
     max_fan_out: int,
     link_load: Mapping[Edge, int] | None = None,
 ) -> tuple[list[Candidate], dict[str, int]]:
@@ -128,8 +128,19 @@ def exchanges(
     link, and the checks. Returns the kept candidates (unique exchanges) and why others went.
 
     Links of equal associativity (often several carry none) are told apart by ``link_load``,
-    the sampled events that crossed them: the least used goes, which disturbs least traffic."""
+    the sampled events that crossed them: the least used goes, which disturbs least traffic.
+    ``link_as`` holds each link ``(a, b)``'s ``(AS(b)_a, AS(a)_b)``.
+
+    As in the paper, the broker asking must gain (its own associativity ``AS(B)`` rises: what it
+    loses if the removed link is its own is less than ``AS(B')_B``) and the overlay must gain
+    (the total rises: the added link's associativity exceeds the removed one's)."""
     load = link_load or {}
+    sym = {e: ab + ba for e, (ab, ba) in link_as.items()}
+
+    def towards(x: str, e: Edge) -> float:
+        ab, ba = link_as.get(e, (0.0, 0.0))
+        return ab if e[0] == x else ba
+
     edges = [norm(e) for e in links]
     adj = adjacency(edges)
     dropped: dict[str, int] = {}
@@ -141,19 +152,20 @@ def exchanges(
             continue
         path = tree_path(adj, b, bp)
         on_path = [norm((x, y)) for x, y in itertools.pairwise(path)]
-        remove = min(on_path, key=lambda e: (link_as.get(e, 0.0), load.get(e, 0), e))
+        remove = min(on_path, key=lambda e: (sym.get(e, 0.0), load.get(e, 0), e))
         add = norm((b, bp))
         cand = Candidate(
             broker=b,
             add=add,
             remove=remove,
             add_as=float(row["link_as"]),
-            remove_as=link_as.get(remove, 0.0),
+            remove_as=sym.get(remove, 0.0),
             distance_ms=None if row.get("distance_ms") is None else float(row["distance_ms"]),
             distance_from=row.get("distance_from"),
             cycle=tuple(path),
         )
-        if cand.gain_as <= 0:
+        own_loss = towards(b, remove) if b in remove else 0.0
+        if cand.gain_as <= 0 or float(row["towards"]) <= own_loss:
             dropped["associativity_not_higher"] = dropped.get("associativity_not_higher", 0) + 1
             continue
         if not fan_out_holds(adj, remove, add, max_fan_out):
@@ -242,9 +254,11 @@ def terminal_sets(
     counts = sigs.agg(F.count("*").alias("sets"), F.sum("weight").alias("events")).first()
     n_sets = int(counts["sets"] or 0) if counts else 0
     n_origin = int(counts["events"] or 0) if counts else 0
+    n_replayed = n_sets
     if max_sets and n_sets > max_sets:
         share = int(max_sets / n_sets * 1_000_000)
         sigs = sigs.where((F.abs(F.col("sig")) % 1_000_000) < share)
+        n_replayed = sigs.count()
     exploded = sigs.select(
         "sig", F.size("nodes").alias("size"), "weight", F.explode("nodes").alias("node")
     )
@@ -253,7 +267,7 @@ def terminal_sets(
         "replayable": n_origin,
         "partial": n_total - n_origin,
         "terminal_sets": n_sets,
-        "terminal_sets_replayed": min(n_sets, max_sets) if max_sets else n_sets,
+        "terminal_sets_replayed": n_replayed,
     }
     return exploded, stats
 

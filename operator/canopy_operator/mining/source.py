@@ -27,6 +27,7 @@ from pyspark import StorageLevel
 from pyspark.sql import functions as F
 
 from canopy_broker.admin_client import AdminClient, AdminError
+from canopy_operator.mining.errors import TelemetryError
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -34,36 +35,33 @@ if TYPE_CHECKING:
 SCHEMA_V1 = "canopy.telemetry/v1"
 CORRUPT = "_corrupt_record"
 
-# Columns the miner reads; anything else in a record (``attrs``, …) is never parsed.
+# Columns the miner reads; anything else in a record (``attrs``, …) is never parsed. Counters
+# are read as numbers of either kind (another writer may emit ``1.0``) and cast where used.
 _FIELDS: tuple[tuple[str, str], ...] = (
     ("schema", "string"),
     ("type", "string"),
     ("broker", "string"),
     ("ts", "double"),
-    ("cursor", "long"),
+    ("cursor", "double"),
     ("event_id", "string"),
     ("publisher", "string"),
-    ("hops", "long"),
+    ("hops", "double"),
     ("source_kind", "string"),
     ("source", "string"),
     ("matched_local", "boolean"),
-    ("deliveries", "long"),
+    ("deliveries", "double"),
     ("peer", "string"),
     ("rtt_ms", "double"),
     ("via", "string"),
-    ("msgs_in", "long"),
-    ("msgs_out", "long"),
-    ("bytes_in", "long"),
-    ("bytes_out", "long"),
+    ("msgs_in", "double"),
+    ("msgs_out", "double"),
+    ("bytes_in", "double"),
+    ("bytes_out", "double"),
     (CORRUPT, "string"),
 )
 
 # Why a record was skipped, in the order the checks apply.
 SKIP_REASONS = ("malformed", "other_schema", "incomplete", "unknown_broker", "unknown_type")
-
-
-class TelemetryError(Exception):
-    """The input cannot be mined (nothing usable in it); the message says what was found."""
 
 
 @dataclass
@@ -141,8 +139,6 @@ def read_telemetry(
     total = sum(counts.values())
     skipped = {reason: counts.get(reason, 0) for reason in SKIP_REASONS if counts.get(reason, 0)}
     good = narrow.where(F.col("_status") == "ok")
-    if since_ts is not None:
-        good = good.where(~is_event | (F.col("ts") >= since_ts))
 
     # Partitioned by event once: the de-duplication, the self-join for associativity and the
     # per-event aggregations of the replay then need no further shuffle of the big table.
@@ -152,16 +148,23 @@ def read_telemetry(
             "broker",
             "event_id",
             "publisher",
-            F.coalesce("hops", F.lit(0)).alias("hops"),
+            F.coalesce("hops", F.lit(0)).cast("long").alias("hops"),
             "source_kind",
             "source",
             F.col("matched_local").alias("matched"),
-            F.coalesce("deliveries", F.lit(0)).alias("deliveries"),
+            F.coalesce("deliveries", F.lit(0)).cast("long").alias("deliveries"),
         )
         .repartition("event_id")
         .dropDuplicates(["broker", "event_id"])
-        .persist(StorageLevel.MEMORY_AND_DISK)
     )
+    if since_ts is not None:
+        # Whole events only: those whose publisher's broker recorded them from then on (an
+        # event cut in two by the boundary would count hops it did not make, or miss some).
+        fresh = good.where(
+            is_event & (F.col("source_kind") == "client") & (F.col("ts") >= since_ts)
+        ).select("event_id")
+        events = events.join(fresh, "event_id", "left_semi")
+    events = events.persist(StorageLevel.MEMORY_AND_DISK)
     if counts.get("ok", 0) == 0 or events.isEmpty():
         found = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no records"
         raise TelemetryError(
@@ -171,12 +174,19 @@ def read_telemetry(
     rtts = good.where(F.col("type") == "rtt").select(
         "broker", "peer", "rtt_ms", F.coalesce("via", F.lit("heartbeat")).alias("via")
     )
-    latest = F.max(F.struct("cursor", "msgs_in", "msgs_out", "bytes_in", "bytes_out"))
+    latest = F.max(F.struct("ts", "cursor", "msgs_in", "msgs_out", "bytes_in", "bytes_out"))
     links = (
         good.where(F.col("type") == "link")
         .groupBy("broker", "peer")
         .agg(latest.alias("s"))
-        .select("broker", "peer", "s.msgs_in", "s.msgs_out", "s.bytes_in", "s.bytes_out")
+        .select(
+            "broker",
+            "peer",
+            *(
+                F.col(f"s.{c}").cast("long").alias(c)
+                for c in ("msgs_in", "msgs_out", "bytes_in", "bytes_out")
+            ),
+        )
     )
     rtts, links = rtts.persist(), links.persist()
     rtts.count(), links.count()  # materialised: the wide cache can go
@@ -187,6 +197,35 @@ def read_telemetry(
 # -- pulling from brokers ---------------------------------------------------------------------
 
 
+@dataclass
+class Pulled:
+    """What a pull fetched: records per broker (-1: unreachable, nothing kept from it) and
+    where the brokers' histories were cut short."""
+
+    records: dict[str, int] = field(default_factory=dict)
+    oldest_ts: dict[str, float] = field(default_factory=dict)  # of brokers whose ring overflowed
+
+    @property
+    def unreachable(self) -> list[str]:
+        return sorted(b for b, n in self.records.items() if n < 0)
+
+    @property
+    def window_start(self) -> float | None:
+        """From when every broker's history is complete: events before it are missing on the
+        brokers whose ring buffer overflowed, which would bias their associativity down (and
+        cut events short), so the miner starts there."""
+        return max(self.oldest_ts.values()) if self.oldest_ts else None
+
+    def describe(self) -> str:
+        got = sum(n for n in self.records.values() if n > 0)
+        text = f"pulled {got:,} telemetry records from {len(self.records)} brokers"
+        if self.unreachable:
+            text += f"; unreachable: {', '.join(self.unreachable)}"
+        if self.oldest_ts:
+            text += f"; histories cut short on {', '.join(sorted(self.oldest_ts))}"
+        return text
+
+
 async def pull_telemetry(
     admins: Mapping[str, str],
     token: str,
@@ -194,34 +233,45 @@ async def pull_telemetry(
     *,
     batch: int = 10_000,
     request_timeout: float = 10.0,
-) -> dict[str, int]:
+    concurrency: int = 16,
+) -> Pulled:
     """Fetch every broker's telemetry ring into ``into/broker=NAME/part-pull.jsonl``.
 
-    ``admins`` maps broker name → admin address. Returns records per broker; a broker that
-    cannot be reached counts -1 (the miner carries on with the others and says so).
+    ``admins`` maps broker name → admin address. A broker that cannot be reached (or fails
+    half-way) contributes nothing and is reported; the miner carries on with the others.
     """
+    pulled = Pulled()
+    gate = asyncio.Semaphore(concurrency)
 
-    async def one(name: str, address: str) -> int:
+    async def one(name: str, address: str) -> None:
         target = into / f"broker={name}" / "part-pull.jsonl"
         target.parent.mkdir(parents=True, exist_ok=True)
         got, cursor = 0, 0
         try:
-            async with AdminClient(address, token, timeout=request_timeout) as admin:
+            async with gate, AdminClient(address, token, timeout=request_timeout) as admin:
                 with target.open("wb") as fh:
                     while True:
                         page = await admin.telemetry(since=cursor, limit=batch)
                         records = page.get("records") or []
+                        if (
+                            cursor == 0
+                            and records
+                            and (page.get("truncated") or int(records[0].get("cursor", 1)) > 1)
+                        ):
+                            pulled.oldest_ts[name] = float(records[0].get("ts", 0.0))
                         fh.writelines(orjson.dumps(r) + b"\n" for r in records)
                         got += len(records)
                         if not records or page.get("next", cursor) <= cursor:
-                            return got
+                            break
                         cursor = int(page["next"])
+            pulled.records[name] = got
         except (AdminError, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            target.unlink(missing_ok=True)  # half a history would skew the figures
             target.with_name("pull-error.txt").write_text(f"{type(exc).__name__}: {exc}\n")
-            return -1
+            pulled.records[name] = -1
 
-    results = await asyncio.gather(*(one(n, a) for n, a in sorted(admins.items())))
-    return dict(zip(sorted(admins), results, strict=True))
+    await asyncio.gather(*(one(n, a) for n, a in sorted(admins.items())))
+    return pulled
 
 
 def local_admins(state_dir: Path, overlay: str) -> tuple[dict[str, str], str]:
