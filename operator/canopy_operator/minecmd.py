@@ -170,7 +170,7 @@ async def _pull_local(state_dir: Path, overlay: str, into: Path) -> tuple[list[E
     _say(pulled.describe())
     backend = LocalBackend(state_dir / overlay)
     try:
-        return await backend.live_links(), pulled.window_start
+        return await backend.live_links(), pulled.since()
     finally:
         await backend.close()
 
@@ -347,7 +347,7 @@ async def _mine_and_file(
                 links,
                 settings_for(args, obj),
                 progress=_say,
-                since_ts=pulled.window_start,
+                since_ts=pulled.since(),
             )
         except TelemetryError as exc:
             _say(f"{ns}/{name}: nothing to mine yet: {exc}")

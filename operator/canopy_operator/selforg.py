@@ -9,9 +9,10 @@ exchanges run live, under traffic, with the coordinated protocol.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,21 @@ def describe(result: MiningResult, names: Mapping[int, str]) -> list[str]:
     return describe_result(result, names)
 
 
+@contextlib.asynccontextmanager
+async def _pulled(
+    backend: LocalBackend, since_ts: float | None, progress: Callable[[str], None]
+) -> AsyncIterator[tuple[str, float | None]]:
+    """Every broker's telemetry pulled into a temporary directory: (its path, where mining
+    starts — ``since_ts`` or later, where every broker's history is complete)."""
+    from canopy_operator.mining.source import pull_telemetry
+
+    admins = {name: info["admin"] for name, info in backend.brokers.items()}
+    with tempfile.TemporaryDirectory(prefix="canopy-telemetry-") as staging:
+        pulled = await pull_telemetry(admins, backend.state["token"], Path(staging))
+        progress(pulled.describe())
+        yield staging, pulled.since(since_ts)
+
+
 async def mine_overlay(
     backend: LocalBackend,
     manifest: dict[str, Any],
@@ -58,15 +74,10 @@ async def mine_overlay(
 ) -> MiningResult:
     """Pull every broker's telemetry and mine it against the live links."""
     from canopy_operator.mining.job import Settings, mine
-    from canopy_operator.mining.source import pull_telemetry
 
-    admins = {name: info["admin"] for name, info in backend.brokers.items()}
     links = await backend.live_links()
     spec = parse_overlay(manifest)
-    with tempfile.TemporaryDirectory(prefix="canopy-telemetry-") as staging:
-        pulled = await pull_telemetry(admins, backend.state["token"], Path(staging))
-        progress(pulled.describe())
-        starts = [t for t in (since_ts, pulled.window_start) if t is not None]
+    async with _pulled(backend, since_ts, progress) as (staging, since):
         # Spark works in a thread: the event loop keeps serving the clients meanwhile.
         return await asyncio.to_thread(
             mine,
@@ -76,7 +87,7 @@ async def mine_overlay(
             links,
             settings or Settings(),
             progress=progress,
-            since_ts=max(starts) if starts else None,
+            since_ts=since,
         )
 
 
@@ -89,16 +100,11 @@ async def measure_overlay(
 ) -> Traffic:
     """Hops and pure forwarders of the traffic since ``since_ts``, from the brokers' telemetry."""
     from canopy_operator.mining.metrics import traffic
-    from canopy_operator.mining.source import pull_telemetry, read_telemetry
+    from canopy_operator.mining.source import read_telemetry
 
-    admins = {name: info["admin"] for name, info in backend.brokers.items()}
     brokers = parse_overlay(manifest).broker_names
-    with tempfile.TemporaryDirectory(prefix="canopy-telemetry-") as staging:
-        pulled = await pull_telemetry(admins, backend.state["token"], Path(staging))
-        starts = [t for t in (since_ts, pulled.window_start) if t is not None]
-        tel = await asyncio.to_thread(
-            read_telemetry, spark, staging, brokers, since_ts=max(starts) if starts else None
-        )
+    async with _pulled(backend, since_ts, lambda _m: None) as (staging, since):
+        tel = await asyncio.to_thread(read_telemetry, spark, staging, brokers, since_ts=since)
         return await asyncio.to_thread(traffic, tel.events)
 
 

@@ -216,6 +216,11 @@ class Pulled:
         cut events short), so the miner starts there."""
         return max(self.oldest_ts.values()) if self.oldest_ts else None
 
+    def since(self, since_ts: float | None = None) -> float | None:
+        """Where mining starts: the later of ``since_ts`` and :attr:`window_start`."""
+        starts = [t for t in (since_ts, self.window_start) if t is not None]
+        return max(starts) if starts else None
+
     def describe(self) -> str:
         got = sum(n for n in self.records.values() if n > 0)
         text = f"pulled {got:,} telemetry records from {len(self.records)} brokers"
