@@ -54,6 +54,12 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="ms; default: the overlay's spec.selfOrganization.maxDistance (none: any)",
     )
     p.add_argument("--replay-sets", type=_positive, default=3000, help="terminal sets replayed")
+    p.add_argument(
+        "--since",
+        type=since_time,
+        help="only events published from then on: Unix seconds, ISO 8601 (2026-11-21T10:00Z), "
+        "or an age such as 30m, 6h, 2d",
+    )
     p.add_argument("--spark-master", help="default $CANOPY_SPARK_MASTER or local[*]")
     p.add_argument("--driver-memory", help="Spark driver memory, e.g. 4g (local mode)")
     p.add_argument("-n", "--namespace", action="append", default=[], help="--cluster: only here")
@@ -62,6 +68,31 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--token", help="--cluster: bearer token for --server")
     p.add_argument("--insecure", action="store_true", help="--cluster: skip TLS verification")
     p.set_defaults(func=run_mine)
+
+
+def since_time(text: str, now: float | None = None) -> float:
+    """``--since``: Unix seconds, an ISO 8601 time (UTC unless it says otherwise), or an age
+    (``90s``, ``30m``, ``6h``, ``2d``) before ``now``."""
+    import datetime
+    import time
+
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    text = text.strip()
+    if text[-1:] in units and text[:-1].replace(".", "", 1).isdigit():
+        return (now if now is not None else time.time()) - float(text[:-1]) * units[text[-1]]
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a time: {text!r} (Unix seconds, ISO 8601, or an age like 30m, 6h, 2d)"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    return moment.timestamp()
 
 
 def _positive(text: str) -> int:
@@ -137,14 +168,16 @@ def run_mine(args: argparse.Namespace) -> int:
         print(f"error: --out {args.out} exists and is not a directory", file=sys.stderr)
         return 2
     links = current_links(manifest, spec)
-    since: float | None = None
+    since: float | None = args.since
     with tempfile.TemporaryDirectory(prefix="canopy-pull-") as staging:
         where: str = args.telemetry or staging
         if args.pull:
             from canopy_operator.mining.errors import MiningInputError
 
             try:
-                live, since = asyncio.run(_pull_local(args.state_dir, spec.name, Path(staging)))
+                live, since = asyncio.run(
+                    _pull_local(args.state_dir, spec.name, Path(staging), since)
+                )
             except MiningInputError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
@@ -159,9 +192,11 @@ def run_mine(args: argparse.Namespace) -> int:
         return _mine_one(args, manifest, spec, links, where, since=since)
 
 
-async def _pull_local(state_dir: Path, overlay: str, into: Path) -> tuple[list[Edge], float | None]:
-    """Pull telemetry from a local overlay; return its live links and from when the brokers'
-    histories are all complete."""
+async def _pull_local(
+    state_dir: Path, overlay: str, into: Path, since: float | None
+) -> tuple[list[Edge], float | None]:
+    """Pull telemetry from a local overlay; return its live links and where mining starts
+    (``since``, or later where a broker's history was cut short)."""
     from canopy_operator.local import LocalBackend
     from canopy_operator.mining.source import local_admins, pull_telemetry
 
@@ -170,7 +205,7 @@ async def _pull_local(state_dir: Path, overlay: str, into: Path) -> tuple[list[E
     _say(pulled.describe())
     backend = LocalBackend(state_dir / overlay)
     try:
-        return await backend.live_links(), pulled.since()
+        return await backend.live_links(), pulled.since(since)
     finally:
         await backend.close()
 
@@ -347,7 +382,7 @@ async def _mine_and_file(
                 links,
                 settings_for(args, obj),
                 progress=_say,
-                since_ts=pulled.since(),
+                since_ts=pulled.since(args.since),
             )
         except TelemetryError as exc:
             _say(f"{ns}/{name}: nothing to mine yet: {exc}")

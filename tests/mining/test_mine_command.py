@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import yaml
 from pyspark.sql import SparkSession
 
 from canopy_operator.cli import main
+from canopy_operator.minecmd import since_time
 from tests.mining.telemetry import write
 from tests.mining.test_metrics import fixture_records, overlay_manifest
 
@@ -86,3 +88,24 @@ def test_links_that_are_not_one_tree_are_refused(
     telemetry = write(tmp_path / "telemetry", fixture_records())
     assert main(["mine", "--telemetry", str(telemetry), "--overlay", str(path)]) == 2
     assert "not one tree over its brokers" in capsys.readouterr().err
+
+
+def test_since_accepts_unix_iso_and_ages() -> None:
+    assert since_time("1795000000") == 1_795_000_000.0
+    assert since_time("2026-11-21T10:00:00Z") == since_time("2026-11-21T10:00:00") == 1795255200.0
+    assert since_time("2026-11-21T11:00:00+01:00") == 1795255200.0
+    assert since_time("30m", now=10_000.0) == 8_200.0
+    assert since_time("2d", now=200_000.0) == 200_000.0 - 2 * 86_400
+    with pytest.raises(argparse.ArgumentTypeError, match="not a time"):
+        since_time("yesterday")
+
+
+def test_since_drops_older_events(
+    spark: SparkSession, tmp_path: Path, overlay_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    telemetry = write(tmp_path / "telemetry", fixture_records())  # every record at ts 1.0
+    args = ["mine", "--telemetry", str(telemetry), "--overlay", str(overlay_file), "--json"]
+    assert main([*args, "--since", "0"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["measured"]["events"] == 7
+    assert main([*args, "--since", "2"]) == 2  # nothing left to mine: said so
+    assert "no usable event records" in capsys.readouterr().err
