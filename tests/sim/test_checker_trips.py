@@ -24,6 +24,7 @@ from canopy_broker.core.messages import (
     SendToLink,
     Unsubscribe,
 )
+from canopy_broker.core.routing import RoutingState
 from canopy_broker.sim.checker import (
     DeliveryRecord,
     DeliveryReport,
@@ -105,14 +106,18 @@ class PromiscuousCore(BrokerCore):
         return out
 
 
-class ForgetfulCore(BrokerCore):
+class ForgetfulRouting(RoutingState):
     """Covering routing that forgets to re-forward what a withdrawn filter covered."""
 
     def _key_left(self, peer: str, key: RouteKey, out: list[Effect]) -> None:
-        adv = self._advertised[peer]
+        adv = self._adv[peer]
         if key in adv:
-            adv.remove(key)
+            adv.discard(key)
             out.append(SendToLink(peer, Unsubscribe(key)))
+
+
+def ForgetfulCore(name: str, mode: RoutingMode) -> BrokerCore:  # noqa: N802 - a core factory
+    return BrokerCore(name, routing=ForgetfulRouting(mode))
 
 
 def run(factory: Callable[[str, RoutingMode], BrokerCore]) -> tuple[DeliveryReport, list[str]]:

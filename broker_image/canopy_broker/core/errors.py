@@ -9,3 +9,9 @@ class ProtocolError(Exception):
     The I/O shells translate it at one boundary: the runtime closes the offending connection,
     the simulator fails the run.
     """
+
+
+class CoreFailedError(Exception):
+    """The core hit an unexpected error while applying an input, so its state may be
+    half-applied; it refuses every further input. Not a :class:`ProtocolError`: no peer is to
+    blame, and closing one connection would not help — the broker as a whole has failed."""

@@ -43,8 +43,10 @@ cross between the sides when the exchange completes (step 5), which is when they
 from __future__ import annotations
 
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol
 
 from canopy_broker.core.errors import ProtocolError
 from canopy_broker.core.messages import (
@@ -69,16 +71,103 @@ from canopy_broker.core.messages import (
     Separator,
     StartExchange,
     StartTimer,
-    Subscribe,
     Tag,
     Transfer,
-    Unsubscribe,
 )
 
 if TYPE_CHECKING:
-    from canopy_broker.core.broker import BrokerCore
+    from canopy_broker.core.routing import RoutingState
 
 MAX_LOCK_ATTEMPTS = 60
+
+
+class BrokerCore(Protocol):
+    """What the exchange needs from the broker it runs in (``core.broker.BrokerCore``).
+
+    Declared here so the protocol depends on an interface, not on the broker module: the broker
+    imports this module, never the other way round.
+    """
+
+    name: str
+    routing: RoutingState
+    ex: Exchange | None  # the exchange this broker is locked for (at most one)
+    attempts: dict[str, tuple[StartExchange, int]]  # at A1: requests not finished, and tries
+    left: deque[str]  # exchanges this broker left on lease expiry: late messages are expected
+    now: float
+
+    def to_peer(self, peer: str, msg: PeerMessage, out: list[Effect]) -> None: ...
+
+    def from_link(self, inp: FromLink, out: list[Effect]) -> None: ...
+
+    def record_ordering_delay(self, xid: str, delay: float) -> None: ...
+
+    def leave_exchange(self, ex: Exchange, *, by_lease: bool) -> None: ...
+
+
+class Phase(Enum):
+    """Where one broker stands in one exchange (it leaves the exchange after ``CLOSING``)."""
+
+    LOCKED = "locked"  # lock taken; waiting for Granted (or a refusal)
+    LOCKED_GRAY = "locked-gray"  # an A end whose separator came out of band before Granted
+    BLACK = "black"  # phase 1: notifications entering here keep the old tree
+    GRAY = "gray"  # own side's separator passed: notifications entering here take the new link
+    CLOSING = "closing"  # an A end that sent Done; waiting for the other A end's Done
+
+
+class Step(Enum):
+    """The inputs an exchange reacts to, named for the transition table."""
+
+    GRANTED = "Granted"
+    REFUSED = "LockRefused"
+    OWN_SEPARATOR = "own Separator"
+    OTHER_SEPARATOR = "other side's Separator"
+    TRANSFER = "Transfer"
+    RELAY = "Relay"
+    RELAY_END = "RelayEnd"
+    ECHO = "Echo"
+    END = "End"
+    DONE = "Done"
+    SEND_DONE = "sending Done"
+
+
+class Mark(Enum):
+    """Facts an exchange collects on its way, each at most once, in orders that vary."""
+
+    OTHER_SEPARATOR = "other side's separator seen"
+    RELAY_END = "RelayEnd seen"
+    END = "End seen"
+    ECHO = "Echo seen"
+    PEER_DONE = "the other A end's Done seen"
+    PHASE2 = "phase 2 done"  # R end: the removed link's entries are dropped
+    QUEUE_RELEASED = "queue released"  # A end: the added link's arrivals may be processed
+    BY_LEASE = "finished by lease"
+
+
+_L, _LG, _B, _G, _C = Phase.LOCKED, Phase.LOCKED_GRAY, Phase.BLACK, Phase.GRAY, Phase.CLOSING
+TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
+    (_L, Step.GRANTED): _B,
+    (_L, Step.REFUSED): _L,  # and the broker leaves the exchange
+    (_L, Step.OWN_SEPARATOR): _LG,  # out of band, ahead of Granted travelling over links
+    (_LG, Step.GRANTED): _G,
+    (_B, Step.OWN_SEPARATOR): _G,
+    **{(ph, Step.OTHER_SEPARATOR): ph for ph in (_B, _G)},
+    **{(ph, st): ph for ph in (_L, _B) for st in (Step.TRANSFER,)},
+    **{(ph, st): ph for ph in (_L, _LG, _B, _G) for st in (Step.RELAY, Step.RELAY_END)},
+    **{(_G, st): _G for st in (Step.ECHO, Step.END, Step.DONE)},
+    (_G, Step.SEND_DONE): _C,
+    (_C, Step.DONE): _C,
+}
+"""Which input each phase accepts and the phase it leads to; anything else is a protocol error,
+raised before the input changes anything (h11's ``_state.py`` is the model)."""
+
+# Inputs that record a fact, which a correct peer sends once.
+_MARKS = {
+    Step.OTHER_SEPARATOR: Mark.OTHER_SEPARATOR,
+    Step.RELAY_END: Mark.RELAY_END,
+    Step.ECHO: Mark.ECHO,
+    Step.END: Mark.END,
+    Step.DONE: Mark.PEER_DONE,
+}
 
 
 @dataclass
@@ -89,19 +178,44 @@ class Exchange:
     me: int
     ordering: Ordering = Ordering.FIFO
     lease: float = 30.0
-    gray: bool = False
-    granted: bool = False
-    phase2_done: bool = False
-    other_sep_seen: bool = False
-    relay_end: bool = False
-    end_seen: bool = False
-    own_done: bool = False
-    peer_done: bool = False
-    echo_seen: bool = False
-    by_lease: bool = False  # this broker finished its part because the lease ran out
-    queue_released: bool = False
+    phase: Phase = Phase.LOCKED
+    marks: set[Mark] = field(default_factory=set)
     queue: list[tuple[float, FromLink]] = field(default_factory=list)
     queued_total: int = 0
+
+    def expect(self, step: Step) -> Phase:
+        """The phase ``step`` leads to; raises (changing nothing) if it is not allowed now."""
+        nxt = TRANSITIONS.get((self.phase, step))
+        mark = _MARKS.get(step)
+        if nxt is None or (mark is not None and mark in self.marks):
+            again = " again" if nxt is not None else ""
+            raise ProtocolError(
+                f"exchange {self.xid}: {step.value}{again} is not expected in phase "
+                f"{self.phase.value} (position {self.me} of {list(self.path)})"
+            )
+        return nxt
+
+    def fire(self, step: Step) -> None:
+        """Take the transition for ``step`` (after :meth:`expect` accepted it)."""
+        self.phase = self.expect(step)
+        mark = _MARKS.get(step)
+        if mark is not None:
+            self.marks.add(mark)
+
+    def has(self, mark: Mark) -> bool:
+        return mark in self.marks
+
+    @property
+    def granted(self) -> bool:
+        return self.phase not in (Phase.LOCKED, Phase.LOCKED_GRAY)
+
+    @property
+    def gray(self) -> bool:
+        return self.phase in (Phase.LOCKED_GRAY, Phase.GRAY, Phase.CLOSING)
+
+    @property
+    def queue_released(self) -> bool:
+        return Mark.QUEUE_RELEASED in self.marks
 
     @property
     def last(self) -> int:
@@ -162,6 +276,12 @@ class Exchange:
     def cycle_peers(self) -> tuple[str, str]:
         return (self.up, self.down)
 
+    @property
+    def retired(self) -> str | None:
+        """The removed link once phase 2 dropped its entries here (its routing changes are only
+        relayed from then on)."""
+        return self.r_peer if Mark.PHASE2 in self.marks else None
+
 
 def backoff(xid: str, attempt: int, base: float = 0.05, cap: float = 5.0) -> float:
     """Randomised exponential backoff without a random source: the jitter is a hash of the
@@ -190,7 +310,6 @@ def validate_path(path: tuple[str, ...], remove: tuple[str, str]) -> int:
 
 
 def route_on_cycle(
-    core: BrokerCore,
     ex: Exchange,
     copy: Publish,
     peers: list[str],
@@ -206,7 +325,7 @@ def route_on_cycle(
     elif source is not None and source in ex.cycle_peers():
         # Untagged from a cycle neighbour: sent before it locked (old tree, black) — except
         # at an A end that has seen End, whose down neighbour has released: new tree.
-        gray = ex.end_seen and source == ex.down
+        gray = ex.has(Mark.END) and source == ex.down
     else:
         gray = ex.gray
     tagged = Publish(copy.event, Tag(ex.xid, gray))
@@ -225,7 +344,7 @@ def route_on_cycle(
 
 def start(core: BrokerCore, req: StartExchange, out: list[Effect]) -> None:
     """At A1: a new exchange request (idempotent by id); lock the cycle."""
-    if req.xid in core._attempts:
+    if req.xid in core.attempts:
         return  # idempotent: the same request is already being carried out
     try:
         validate_path(req.path, req.remove)
@@ -233,14 +352,14 @@ def start(core: BrokerCore, req: StartExchange, out: list[Effect]) -> None:
         raise ProtocolError(str(exc)) from None
     if req.path[0] != core.name:
         raise ProtocolError(f"{core.name}: exchange {req.xid} must start at {req.path[0]}")
-    core._attempts[req.xid] = (req, 0)
+    core.attempts[req.xid] = (req, 0)
     try_lock(core, req.xid, out)
 
 
 def try_lock(core: BrokerCore, xid: str, out: list[Effect]) -> None:
-    req, _ = core._attempts[xid]
+    req, _ = core.attempts[xid]
     k = validate_path(req.path, req.remove)
-    problem = lock_problem(core, req.path, 0, req.xid)
+    problem = lock_problem(core, req.path, 0)
     if problem is None:
         lock = Lock(req.xid, req.path, k, req.ordering, req.lease)
         lock_here(core, lock, 0, out)
@@ -250,100 +369,98 @@ def try_lock(core: BrokerCore, xid: str, out: list[Effect]) -> None:
 
 
 def retry_later(core: BrokerCore, xid: str, reason: str, out: list[Effect]) -> None:
-    req, attempt = core._attempts[xid]
+    req, attempt = core.attempts[xid]
     attempt += 1
     if attempt >= MAX_LOCK_ATTEMPTS:
-        del core._attempts[xid]
+        del core.attempts[xid]
         out.append(
             ExchangeFinished(xid, False, f"gave up after {attempt} attempts: {reason}", attempt)
         )
         return
-    core._attempts[xid] = (req, attempt)
+    core.attempts[xid] = (req, attempt)
     out.append(StartTimer(f"lock:{xid}", backoff(xid, attempt)))
 
 
 def timer(core: BrokerCore, key: str, out: list[Effect]) -> None:
     kind, _, xid = key.partition(":")
-    if kind == "lock" and xid in core._attempts and (core._ex is None or core._ex.xid != xid):
+    ex = core.ex
+    if kind == "lock" and xid in core.attempts and (ex is None or ex.xid != xid):
         try_lock(core, xid, out)
-    elif kind == "lease" and core._ex is not None and core._ex.xid == xid:
-        lease_expired(core, core._ex, out)
+    elif kind == "lease" and ex is not None and ex.xid == xid:
+        lease_expired(core, ex, out)
 
 
 def lease_expired(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     """Nothing heard from the exchange for a whole lease: a participant or the initiator is
     gone. Before phase 1 nothing has changed, so roll back; after it the new link may carry
     traffic, so roll forward — finish this broker's part without the missing messages."""
-    if not ex.granted:
+    if not ex.granted and not ex.gray:
         undo_lock(core, ex, out)
         if ex.me == 0:
             retry_later(core, ex.xid, "lease expired while locking", out)
         return
-    ex.by_lease = True
+    ex.marks.add(Mark.BY_LEASE)
     r = ex.r_peer
-    if r is not None and r in core._from_link:
-        if not ex.phase2_done:
+    if r is not None and core.routing.has_link(r):
+        if not ex.has(Mark.PHASE2):
             phase2(core, ex, out)
-        ex.other_sep_seen = True
+        ex.marks.add(Mark.OTHER_SEPARATOR)
         close_removed_link(core, ex, out)
-    if ex.is_a and not ex.own_done:
-        ex.other_sep_seen = ex.relay_end = ex.echo_seen = ex.end_seen = True
+    if ex.is_a and ex.phase is not Phase.CLOSING:
+        ex.phase = Phase.GRAY
+        ex.marks |= {Mark.OTHER_SEPARATOR, Mark.RELAY_END, Mark.ECHO, Mark.END}
         maybe_release_queue(core, ex, out)
         maybe_finish_a(core, ex, out)
-    if core._ex is not ex:
+    if core.ex is not ex:
         return  # finishing our part completed the exchange after all
-    core._ex = None
-    core._left.append(ex.xid)
+    core.leave_exchange(ex, by_lease=True)
     if ex.me == 0:
-        _req, attempt = core._attempts.pop(ex.xid)
+        _req, attempt = core.attempts.pop(ex.xid)
         reason = "lease expired after phase 1 began: rolled forward"
         out.append(ExchangeFinished(ex.xid, False, reason, attempt + 1))
 
 
-def lock_problem(core: BrokerCore, path: tuple[str, ...], i: int, xid: str) -> str | None:
+def lock_problem(core: BrokerCore, path: tuple[str, ...], i: int) -> str | None:
     """Why this broker cannot lock for the exchange at position ``i`` (None if it can)."""
-    if core._ex is not None:
-        return f"{core.name} is locked by exchange {core._ex.xid}"
-    if i < len(path) - 1 and (path[i + 1] not in core._from_link or path[i + 1] in core._frozen):
+    routing = core.routing
+    if core.ex is not None:
+        return f"{core.name} is locked by exchange {core.ex.xid}"
+    if i < len(path) - 1 and (not routing.has_link(path[i + 1]) or routing.is_frozen(path[i + 1])):
         return f"{core.name} has no link to {path[i + 1]}"
     if i in (0, len(path) - 1):
         other = path[-1] if i == 0 else path[0]
-        if other in core._from_link:
+        if routing.has_link(other):
             return f"{core.name} is already linked to {other}"
     return None
 
 
 def lock_here(core: BrokerCore, lock: Lock, i: int, out: list[Effect]) -> None:
     ex = Exchange(lock.xid, lock.path, lock.k, i, lock.ordering, lock.lease)
-    core._ex = ex
+    core.ex = ex
     out.append(StartTimer(f"lease:{ex.xid}", ex.lease))
     a = ex.a_peer
     if a is not None:  # an A end: the added link exists from now on, frozen
-        core._from_link[a] = set()
-        core._advertised[a] = set()
-        core._frozen.add(a)
+        core.routing.open_frozen(a)
         out.append(OpenLink(a))
 
 
-def release(core: BrokerCore, out: list[Effect]) -> None:
-    """Leave the exchange (normal end, or a refused lock before anything changed)."""
-    ex = core._ex
-    assert ex is not None
-    core._ex = None
-    if ex.me == 0 and ex.own_done:
-        _req, attempt = core._attempts.pop(ex.xid)
-        reason = "lease expired after phase 1 began: rolled forward" if ex.by_lease else ""
-        out.append(ExchangeFinished(ex.xid, not ex.by_lease, reason, attempt + 1))
+def release(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
+    """Leave the exchange (normal end)."""
+    core.leave_exchange(ex, by_lease=False)
+    if ex.me == 0 and ex.phase is Phase.CLOSING:
+        _req, attempt = core.attempts.pop(ex.xid)
+        by_lease = ex.has(Mark.BY_LEASE)
+        reason = "lease expired after phase 1 began: rolled forward" if by_lease else ""
+        out.append(ExchangeFinished(ex.xid, not by_lease, reason, attempt + 1))
 
 
-def apply_done(core: BrokerCore, peer: str, msg: Done, out: list[Effect]) -> None:
+def on_done(core: BrokerCore, peer: str, ex: Exchange, msg: Done, out: list[Effect]) -> None:
     """The other side's advertisement, complete: apply what differs from what we hold."""
-    table = core._from_link[peer]
-    keys = set(msg.keys)
-    for key in sorted(keys - table, key=RouteKey.sort_key):
-        core._apply_route_msg(table, peer, Subscribe(key), out)
-    for key in sorted(table - keys, key=RouteKey.sort_key):
-        core._apply_route_msg(table, peer, Unsubscribe(key), out)
+    if peer != ex.a_peer:
+        raise ProtocolError(f"{core.name}: Done of {ex.xid} from {peer}, not over the added link")
+    ex.fire(Step.DONE)
+    core.routing.sync_from(peer, msg.keys, out)
+    maybe_release_a(core, ex, out)
 
 
 def on_lock(core: BrokerCore, peer: str, msg: Lock, out: list[Effect]) -> None:
@@ -353,14 +470,14 @@ def on_lock(core: BrokerCore, peer: str, msg: Lock, out: list[Effect]) -> None:
     i = path.index(core.name)
     if i == 0 or path[i - 1] != peer:
         raise ProtocolError(f"{core.name}: lock {msg.xid} arrived from {peer}, not path[{i - 1}]")
-    problem = lock_problem(core, path, i, msg.xid)
+    problem = lock_problem(core, path, i)
     if problem is not None:
         out.append(SendToLink(peer, LockRefused(msg.xid, problem)))
         return
     lock_here(core, msg, i, out)
     if i == len(path) - 1:
-        assert core._ex is not None
-        on_granted(core, core._ex, out)  # the last lock grants: phase 1 starts here
+        assert core.ex is not None
+        on_granted(core, core.ex, out)  # the last lock grants: phase 1 starts here
     else:
         out.append(SendToLink(path[i + 1], msg))
 
@@ -368,17 +485,17 @@ def on_lock(core: BrokerCore, peer: str, msg: Lock, out: list[Effect]) -> None:
 def undo_lock(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     """Leave an exchange that never started phase 1 (only an A end has changed anything)."""
     a = ex.a_peer
-    if a is not None and a in core._frozen:
-        del core._from_link[a]
-        del core._advertised[a]
-        core._frozen.discard(a)
+    routing = core.routing
+    if a is not None and routing.has_link(a) and routing.is_frozen(a):
+        routing.remove_link(a, out)
         out.append(CloseLink(a))
-    core._ex = None
+    core.leave_exchange(ex, by_lease=False)
 
 
 def on_refused(core: BrokerCore, ex: Exchange, msg: LockRefused, out: list[Effect]) -> None:
     if ex.granted:
         raise ProtocolError(f"{core.name}: lock of {ex.xid} refused after it was granted")
+    ex.fire(Step.REFUSED)
     undo_lock(core, ex, out)
     if ex.me == 0:
         retry_later(core, ex.xid, msg.reason, out)
@@ -387,50 +504,69 @@ def on_refused(core: BrokerCore, ex: Exchange, msg: LockRefused, out: list[Effec
 
 
 def on_granted(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
-    ex.granted = True
+    ex.fire(Step.GRANTED)
+    # Granted goes on before this broker's own phase-1 work, so the broker behind it is
+    # granted before anything of phase 1 (e.g. this R end's separator over r) reaches it.
+    if ex.me > 0:
+        out.append(SendToLink(ex.path[ex.me - 1], Granted(ex.xid)))
     if ex.is_r:
         r = ex.r_peer
         assert r is not None
-        core._frozen.add(r)
-        transfer = Transfer(ex.xid, tuple(sorted(core._from_link[r], key=RouteKey.sort_key)))
-        core._to_peer(ex.a_end_of_my_side, transfer, out)
-        core._to_peer(ex.a_end_of_my_side, Separator(ex.xid, ex.side), out)
-    if ex.me > 0:
-        out.append(SendToLink(ex.path[ex.me - 1], Granted(ex.xid)))
+        core.routing.freeze(r)
+        keys = tuple(sorted(core.routing.held_from(r), key=RouteKey.sort_key))
+        core.to_peer(ex.a_end_of_my_side, Transfer(ex.xid, keys), out)
+        core.to_peer(ex.a_end_of_my_side, Separator(ex.xid, ex.side), out)
 
 
 def from_peer(core: BrokerCore, peer: str, msg: PeerMessage, out: list[Effect]) -> None:
     """Out-of-band messages to an A end: the transfer, relays, RelayEnd, its separator."""
-    ex = core._ex
+    ex = core.ex
     if ex is None or ex.xid != msg.xid or not ex.is_a:
-        if msg.xid in core._left:
+        if msg.xid in core.left:
             return  # late: we finished this exchange by lease
         raise ProtocolError(
             f"{core.name}: {type(msg).__name__} for exchange {msg.xid} it is not an A end of"
         )
+    if peer != ex.r_end_of_my_side:
+        raise ProtocolError(
+            f"{core.name}: {type(msg).__name__} of {ex.xid} from {peer}, "
+            f"not from this side's R end {ex.r_end_of_my_side}"
+        )
     a = ex.a_peer
     assert a is not None
-    out.append(StartTimer(f"lease:{ex.xid}", ex.lease))  # the exchange is alive: renew
-    table = core._from_link[a]
+    routing = core.routing
     if isinstance(msg, Transfer):
-        for key in msg.keys:
-            core._apply_route_msg(table, a, Subscribe(key), out)
+        ex.expect(Step.TRANSFER)
+        if len(set(msg.keys)) != len(msg.keys) or routing.held_from(a):
+            raise ProtocolError(f"{core.name}: transfer of {ex.xid} repeats keys or came twice")
+        out.append(StartTimer(f"lease:{ex.xid}", ex.lease))  # the exchange is alive: renew
+        routing.learn(a, msg.keys, out)
     elif isinstance(msg, Relay):
-        core._apply_route_msg(table, a, msg.message, out)
+        ex.expect(Step.RELAY)
+        routing.check(a, msg.message)
+        out.append(StartTimer(f"lease:{ex.xid}", ex.lease))
+        routing.apply(a, msg.message, out)
     elif isinstance(msg, RelayEnd):
-        ex.relay_end = True
+        ex.fire(Step.RELAY_END)
+        out.append(StartTimer(f"lease:{ex.xid}", ex.lease))
         maybe_release_queue(core, ex, out)
     elif isinstance(msg, Separator):
+        if msg.side != ex.side:
+            raise ProtocolError(f"{core.name}: the other side's separator came out of band")
+        ex.expect(Step.OWN_SEPARATOR)
+        out.append(StartTimer(f"lease:{ex.xid}", ex.lease))
         on_separator(core, ex, msg.side, out)
     else:  # pragma: no cover
         raise ProtocolError(f"unknown peer message {msg!r}")
 
 
 def on_separator(core: BrokerCore, ex: Exchange, side: int, out: list[Effect]) -> None:
+    if side not in (1, 2):
+        raise ProtocolError(f"{core.name}: separator of {ex.xid} for side {side}")
     if side == ex.side:
         # Our side's separator walks down to our R end: everything the transfer changed
         # is in place above us, so notifications entering here may take the new link.
-        ex.gray = True
+        ex.fire(Step.OWN_SEPARATOR)
         if ex.is_r:
             phase2(core, ex, out)
             if ex.ordering is Ordering.CAUSAL:
@@ -444,9 +580,9 @@ def on_separator(core: BrokerCore, ex: Exchange, side: int, out: list[Effect]) -
         return
     # The other side's separator walks up to our A end: no black message from that side
     # follows it.
-    ex.other_sep_seen = True
+    ex.fire(Step.OTHER_SEPARATOR)
     if ex.is_r:
-        core._to_peer(ex.a_end_of_my_side, RelayEnd(ex.xid), out)
+        core.to_peer(ex.a_end_of_my_side, RelayEnd(ex.xid), out)
     if ex.is_a:
         maybe_release_queue(core, ex, out)
     else:
@@ -459,87 +595,81 @@ def phase2(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     """Drop the removed link's routing entries; the withdrawals travel up this side only."""
     r = ex.r_peer
     assert r is not None
-    ex.phase2_done = True
-    table = core._from_link[r]
-    core._retired.add(r)
-    for key in sorted(table, key=RouteKey.sort_key):
-        table.remove(key)
-        core._matcher.remove(key.filter, r)
-        core._key_removed(key, r, out)
+    ex.marks.add(Mark.PHASE2)
+    routing = core.routing
+    routing.forget(r, set(routing.held_from(r)), out)
 
 
 def close_removed_link(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     r = ex.r_peer
     assert r is not None
-    del core._from_link[r]
-    del core._advertised[r]
-    core._frozen.discard(r)
-    core._retired.discard(r)
+    core.routing.remove_link(r, out)  # its entries are gone since phase 2: nothing to withdraw
     out.append(CloseLink(r))
 
 
 def maybe_finish_r(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
-    if not (ex.phase2_done and ex.other_sep_seen):
+    if not (ex.has(Mark.PHASE2) and ex.has(Mark.OTHER_SEPARATOR)):
         return
     close_removed_link(core, ex, out)
     if ex.is_a:
-        on_end(core, ex, out)
+        ex.fire(Step.END)  # this broker is its own side's R end: End is here already
+        maybe_finish_a(core, ex, out)
     else:
         out.append(SendToLink(ex.up, End(ex.xid, ex.side)))
-        release(core, out)
+        release(core, ex, out)
 
 
-def on_end(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
+def on_end(core: BrokerCore, ex: Exchange, side: int, out: list[Effect]) -> None:
+    if side != ex.side:
+        raise ProtocolError(f"{core.name}: End of {ex.xid} for side {side} on side {ex.side}")
+    ex.fire(Step.END)
     if not ex.is_a:
         out.append(SendToLink(ex.up, End(ex.xid, ex.side)))
-        release(core, out)
+        release(core, ex, out)
         return
-    ex.end_seen = True
     maybe_finish_a(core, ex, out)
 
 
 def on_echo(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
-    if ex.is_a:
-        ex.echo_seen = True
-        maybe_release_queue(core, ex, out)
-    else:
+    if not ex.is_a:  # passed on: an A end is where it counts
+        ex.expect(Step.ECHO)
         out.append(SendToLink(ex.up, Echo(ex.xid)))
+        return
+    ex.fire(Step.ECHO)
+    maybe_release_queue(core, ex, out)
 
 
 def maybe_release_queue(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
-    causal_ready = ex.echo_seen or ex.ordering is not Ordering.CAUSAL
-    if ex.queue_released or not (ex.other_sep_seen and ex.relay_end and causal_ready):
+    causal_ready = ex.has(Mark.ECHO) or ex.ordering is not Ordering.CAUSAL
+    ready = ex.has(Mark.OTHER_SEPARATOR) and ex.has(Mark.RELAY_END) and causal_ready
+    if ex.queue_released or not ready:
         return
-    ex.queue_released = True
+    ex.marks.add(Mark.QUEUE_RELEASED)
     queued, ex.queue = ex.queue, []
     for queued_at, inp in queued:
         if isinstance(inp.message, Publish):
-            core.ordering_delays.append(core._now - queued_at)
-            by_xid = core.ordering_delays_by_exchange
-            if ex.xid not in by_xid and len(by_xid) >= 64:
-                del by_xid[next(iter(by_xid))]
-            by_xid.setdefault(ex.xid, []).append(core._now - queued_at)
-        core._from_link_msg(inp, out)
-        if core._ex is not ex:  # a queued Done finished the exchange
+            core.record_ordering_delay(ex.xid, core.now - queued_at)
+        core.from_link(inp, out)
+        if core.ex is not ex:  # a queued Done finished the exchange
             break
     maybe_finish_a(core, ex, out)
 
 
 def maybe_finish_a(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
-    if core._ex is not ex or ex.own_done or not (ex.end_seen and ex.queue_released):
+    if core.ex is not ex or ex.phase is Phase.CLOSING:
+        return
+    if not (ex.has(Mark.END) and ex.queue_released):
         return
     a = ex.a_peer
     assert a is not None
     # Unfreeze the added link: tell the other side exactly what this side advertises; it
     # holds the old advertisement (from its R end's transfer) and applies the difference.
-    core._frozen.discard(a)
-    want = core._wanted_by(a)
-    core._advertised[a] = want
+    ex.fire(Step.SEND_DONE)
+    want = core.routing.unfreeze(a)
     out.append(SendToLink(a, Done(ex.xid, tuple(sorted(want, key=RouteKey.sort_key)))))
-    ex.own_done = True
     maybe_release_a(core, ex, out)
 
 
 def maybe_release_a(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
-    if ex.own_done and ex.peer_done:
-        release(core, out)
+    if ex.phase is Phase.CLOSING and ex.has(Mark.PEER_DONE):
+        release(core, ex, out)

@@ -452,3 +452,70 @@ def covers(f1: Filter, f2: Filter) -> bool:
     if not satisfiable(f2):
         return True
     return all(implies(f2.on(c.attr), c) for c in f1.constraints)
+
+
+# --------------------------------------------------------------------------- covering index keys
+
+Pin = tuple[str, Kind, Value]
+"""An attribute a filter fixes to a single value: (attribute, kind, value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoverProfile:
+    """What a covering index files a filter under (see :func:`cover_profile`)."""
+
+    satisfiable: bool
+    attrs: tuple[str, ...]
+    pins: tuple[Pin, ...]
+
+
+def _pin(cs: tuple[Constraint, ...]) -> tuple[Kind, Value] | None:
+    """The one value a *satisfiable* same-kind set of constraints on an attribute allows, if it
+    allows only one that :func:`implies` can see: an equality, a boolean ``!=``, or a closed
+    interval of width zero."""
+    valued = tuple(c for c in cs if c.op is not Op.EXISTS)
+    if not valued or valued[0].kind is None:
+        return None
+    kind = valued[0].kind
+    for c in valued:
+        if c.op is Op.EQ:
+            assert c.value is not None
+            return kind, c.value
+    if kind is Kind.BOOL:
+        excluded = {c.value for c in valued if c.op is Op.NE}
+        return (kind, not excluded.pop()) if len(excluded) == 1 else None
+    lo, lo_in, hi, hi_in = _interval(valued)
+    if lo is not None and lo == hi and lo_in and hi_in:
+        return kind, lo
+    return None
+
+
+@lru_cache(maxsize=1 << 18)
+def cover_profile(f: Filter) -> CoverProfile:
+    """Necessary conditions for covering, as set membership, so routing can index filters.
+
+    For a satisfiable ``h`` and any ``g`` with ``covers(g, h)``:
+
+    * every attribute ``g`` constrains, ``h`` constrains (``implies`` on no constraints is
+      False), so ``g.attrs ⊆ h.attrs``;
+    * every pin of ``g`` is a pin of ``h``: if ``g`` fixes ``a`` to ``v``, ``h``'s constraints
+      on ``a`` must allow ``v`` only, and ``implies`` sees that only through the same three
+      shapes ``_pin`` recognises (proved per case in docs/architecture.md; checked by a property
+      test against :func:`covers`).
+
+    Pins are taken only from attributes whose own constraints are satisfiable, which keeps both
+    statements true for an unsatisfiable ``g`` too. An unsatisfiable ``h`` is covered by every
+    filter, so indexes keep those apart.
+    """
+    pins: list[Pin] = []
+    ok = True
+    for attr in f.attrs:
+        cs = f.on(attr)
+        _, valued, mixed = _same_kind(cs)
+        if mixed or (valued and _dense_empty(valued)):
+            ok = False
+            continue
+        pin = _pin(cs)
+        if pin is not None:
+            pins.append((attr, *pin))
+    return CoverProfile(ok, tuple(f.attrs), tuple(pins))

@@ -27,7 +27,9 @@ overhead, which the checker reports rather than hides.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Set
+from enum import Enum
+from typing import TYPE_CHECKING, Protocol
 
 from canopy_broker.core.errors import ProtocolError
 from canopy_broker.core.exchange import validate_path
@@ -45,25 +47,70 @@ from canopy_broker.core.messages import (
     SendToLink,
     SendToPeer,
     StartExchange,
-    Subscribe,
-    Unsubscribe,
 )
 
 if TYPE_CHECKING:
-    from canopy_broker.core.broker import BrokerCore
+    from canopy_broker.core.routing import RoutingState
 
 
-def _keys(ks: set[RouteKey] | frozenset[RouteKey]) -> tuple[RouteKey, ...]:
+class Role(Enum):
+    """What one broker still waits for in one path reconfiguration."""
+
+    AWAIT_CTRL = "awaiting CTRLMSG"  # passed RECMSG on along the head path
+    AWAIT_LINK_READY = "awaiting LINKREADY"  # A1: the new link is open, held back
+    AWAIT_FLUSH = "awaiting FLUSHMSG"  # A2: its advertisement over the new link is held back
+    TAIL = "on the tail path"  # passed RECMSG towards R2; FLUSHMSG comes back this way
+
+
+ANSWERS: dict[Role, type[CtrlMsg | LinkReady | FlushMsg]] = {
+    Role.AWAIT_CTRL: CtrlMsg,
+    Role.AWAIT_LINK_READY: LinkReady,
+    Role.AWAIT_FLUSH: FlushMsg,
+    Role.TAIL: FlushMsg,
+}
+"""The one message that ends each role (and from whom it must come: the peer recorded with the
+role). Anything else for a path reconfiguration is refused before it changes anything."""
+
+
+class PathHost(Protocol):
+    """What the path algorithm needs from its broker (``core.broker.BrokerCore``)."""
+
+    name: str
+    routing: RoutingState
+    # Per reconfiguration: this broker's role and the peer whose message ends it.
+    path_roles: dict[str, tuple[Role, str]]
+    # Per neighbour, per reconfiguration: (un)subscriptions to ignore while RECMSG travels.
+    ignore: dict[str, dict[str, set[RouteKey]]]
+
+
+def _keys(ks: Set[RouteKey]) -> tuple[RouteKey, ...]:
     return tuple(sorted(ks, key=RouteKey.sort_key))
 
 
-def start(core: BrokerCore, req: StartExchange, out: list[Effect]) -> None:
+def _take_role(core: PathHost, xid: str, role: Role, peer: str) -> None:
+    if xid in core.path_roles:
+        raise ProtocolError(f"{core.name}: reconfiguration {xid} reached it twice")
+    core.path_roles[xid] = (role, peer)
+
+
+def expect(core: PathHost, peer: str, msg: CtrlMsg | LinkReady | FlushMsg) -> None:
+    """Refuse (changing nothing) a message that ends no role this broker holds."""
+    role, from_peer = core.path_roles.get(msg.xid, (None, ""))
+    if role is None or not isinstance(msg, ANSWERS[role]) or peer != from_peer:
+        have = f"it is {role.value} from {from_peer}" if role else "it takes no part in it"
+        raise ProtocolError(
+            f"{core.name}: {type(msg).__name__} of reconfiguration {msg.xid} from {peer}, "
+            f"but {have}"
+        )
+
+
+def start(core: PathHost, req: StartExchange, out: list[Effect]) -> None:
     """At R1: the head path starts here."""
     try:
         k = validate_path(req.path, req.remove)
     except ValueError as exc:
         raise ProtocolError(str(exc)) from None
-    if core.mode is RoutingMode.COVERING:
+    if core.routing.mode is RoutingMode.COVERING:
         raise ProtocolError(
             "the path algorithm needs identity or simple routing; covering overlays use the "
             "coordinated algorithm"
@@ -71,9 +118,11 @@ def start(core: BrokerCore, req: StartExchange, out: list[Effect]) -> None:
     if req.path[k] != core.name:
         raise ProtocolError(f"{core.name}: the path algorithm starts at R1 = {req.path[k]}")
     r = req.path[k + 1]
-    if r not in core._from_link:
+    if not core.routing.has_link(r):
         raise ProtocolError(f"{core.name}: no link to {r} to remove")
-    p_add = _keys(core._from_link[r])
+    if req.xid in core.path_roles:
+        return  # idempotent: already under way here
+    p_add = _keys(core.routing.held_from(r))
     _head_step(core, RecMsg(req.xid, req.path, k, p_add, p_add), k, r, out)
 
 
@@ -82,69 +131,71 @@ def _next_on_head(path: tuple[str, ...], i: int) -> str:
     return path[i - 1] if i > 0 else path[-1]
 
 
-def _head_step(core: BrokerCore, msg: RecMsg, i: int, prev: str, out: list[Effect]) -> None:
+def _head_step(core: PathHost, msg: RecMsg, i: int, prev: str, out: list[Effect]) -> None:
     """Rewrite this broker's tables for head-path position ``i``; ``msg`` came from ``prev``."""
     xid, path, k = msg.xid, msg.path, msg.k
-    p_add, p_del = frozenset(msg.p_add), frozenset(msg.p_del)
+    routing = core.routing
     nxt = _next_on_head(path, i)
     at_r1 = i == k
+    if not routing.has_link(prev) or (i > 0 and not routing.has_link(nxt)):
+        raise ProtocolError(f"{core.name}: RECMSG {xid} needs links to {prev} and {nxt}")
+    if i == 0 and routing.has_link(nxt):
+        raise ProtocolError(f"{core.name}: RECMSG {xid}: already linked to {nxt}")
+    _take_role(core, xid, Role.AWAIT_LINK_READY if i == 0 else Role.AWAIT_CTRL, nxt)
     if i == 0:  # A1: the new link exists from now on, held back until A2 has it
-        core._from_link[nxt] = set()
-        core._advertised[nxt] = set()
-        core._frozen.add(nxt)
+        routing.open_frozen(nxt)
         out.append(OpenLink(nxt))
     # Rewrite without the ordinary advertisements: both neighbours on the path learn the
     # change from RECMSG itself.
-    was_frozen = {p for p in (prev, nxt) if p in core._frozen}
-    core._frozen.update((prev, nxt))
-    table_next = core._from_link[nxt]
-    for key in _keys(p_add):
-        if key not in table_next:
-            table_next.add(key)
-            core._matcher.add(key.filter, nxt)
-            core._key_added(key, nxt, out)
-    table_prev = core._from_link[prev]
-    for key in _keys(p_del & table_prev):
-        table_prev.remove(key)
-        core._matcher.remove(key.filter, prev)
-        core._key_removed(key, prev, out)
-    if at_r1:  # the removed link is gone at this end
-        del core._from_link[prev]
-        del core._advertised[prev]
-        out.append(CloseLink(prev))
-    else:
-        core._advertised[prev] = core._wanted_by(prev)
-        out.append(SendToLink(prev, CtrlMsg(xid)))
-    core._frozen -= {prev, nxt} - was_frozen
+    with routing.held_back(prev, nxt):
+        routing.learn(nxt, msg.p_add, out)
+        routing.forget(prev, msg.p_del, out)
+        if at_r1:  # the removed link is gone at this end
+            routing.remove_link(prev, out)
+            out.append(CloseLink(prev))
+        else:
+            routing.set_advertised(prev, routing.wanted_by(prev))
+            out.append(SendToLink(prev, CtrlMsg(xid)))
     if i == 0:
         # A1 advertises over the new link only once A2 has it (LINKREADY): nothing sent yet.
-        core._frozen.add(nxt)
-        out.append(SendToPeer(nxt, RecMsg(xid, path, k, _keys(p_add))))
+        out.append(SendToPeer(nxt, RecMsg(xid, path, k, msg.p_add)))
         return
-    new_next = core._wanted_by(nxt)
-    p_del_next = frozenset(core._advertised[nxt] - new_next)
-    core._advertised[nxt] = new_next
-    core._ignore.setdefault(nxt, {})[xid] = set(p_add)
-    out.append(SendToLink(nxt, RecMsg(xid, path, k, _keys(p_add), _keys(p_del_next))))
+    new_next = routing.wanted_by(nxt)
+    p_del_next = frozenset(routing.advertised_to(nxt) - new_next)
+    routing.set_advertised(nxt, new_next)
+    core.ignore.setdefault(nxt, {})[xid] = set(msg.p_add)
+    out.append(SendToLink(nxt, RecMsg(xid, path, k, msg.p_add, _keys(p_del_next))))
 
 
-def on_recmsg(core: BrokerCore, peer: str, msg: RecMsg, out: list[Effect]) -> None:
+def on_recmsg(core: PathHost, peer: str, msg: RecMsg, out: list[Effect]) -> None:
     path, k = msg.path, msg.k
+    if not 0 <= k < len(path) - 1 or core.name not in path:
+        raise ProtocolError(f"{core.name}: RECMSG {msg.xid} for a path it is not on")
+    try:
+        validate_path(path, (path[k], path[k + 1]))
+    except ValueError as exc:
+        raise ProtocolError(f"{core.name}: RECMSG {msg.xid}: {exc}") from None
     i = path.index(core.name)
     last = len(path) - 1
+    expected_from = path[i + 1] if i <= k else (path[0] if i == last else path[i + 1])
+    if peer != expected_from:
+        raise ProtocolError(f"{core.name}: RECMSG {msg.xid} from {peer}, not {expected_from}")
     if i <= k:  # head path
         _head_step(core, msg, i, peer, out)
         return
-    if i == last and peer == path[0]:  # A2, across the new link (out of band)
-        core._from_link[peer] = set()
-        core._advertised[peer] = set(msg.p_add)  # what A1 believes we advertise
-        core._frozen.add(peer)
+    if i == last:  # A2, across the new link (out of band)
+        if core.routing.has_link(peer):
+            raise ProtocolError(f"{core.name}: RECMSG {msg.xid}: already linked to {peer}")
+        _take_role(core, msg.xid, Role.AWAIT_FLUSH, path[last - 1] if last > k + 1 else "")
+        core.routing.open_frozen(peer, believed=msg.p_add)  # what A1 believes we advertise
         out.append(OpenLink(peer))
         out.append(SendToLink(peer, LinkReady(msg.xid)))
+    else:
+        _take_role(core, msg.xid, Role.TAIL, path[i - 1])
     _tail_step(core, msg, i, out)
 
 
-def _tail_step(core: BrokerCore, msg: RecMsg, i: int, out: list[Effect]) -> None:
+def _tail_step(core: PathHost, msg: RecMsg, i: int, out: list[Effect]) -> None:
     path, k = msg.path, msg.k
     if i > k + 1:
         out.append(SendToLink(path[i - 1], RecMsg(msg.xid, path, k)))
@@ -152,13 +203,20 @@ def _tail_step(core: BrokerCore, msg: RecMsg, i: int, out: list[Effect]) -> None
     # R2: drop the removed link the ordinary way; withdrawals go up the tail path only as far
     # as they must, then FLUSHMSG follows them to A2.
     r1 = path[k]
-    if r1 in core._from_link:
-        core._remove_link(r1, out)
+    if core.routing.has_link(r1):
+        core.routing.remove_link(r1, out)
         out.append(CloseLink(r1))
-    on_flush(core, FlushMsg(msg.xid, path), out)
+    core.path_roles.pop(msg.xid, None)  # R2's own part ends here
+    _flush(core, FlushMsg(msg.xid, path), out)
 
 
-def on_flush(core: BrokerCore, msg: FlushMsg, out: list[Effect]) -> None:
+def on_flush(core: PathHost, peer: str, msg: FlushMsg, out: list[Effect]) -> None:
+    expect(core, peer, msg)
+    del core.path_roles[msg.xid]
+    _flush(core, msg, out)
+
+
+def _flush(core: PathHost, msg: FlushMsg, out: list[Effect]) -> None:
     """Up the tail path to A2, where the reconfiguration completes: A2 advertises across the new
     link the difference to what A1 believes it advertises (P_add)."""
     path = msg.path
@@ -166,22 +224,20 @@ def on_flush(core: BrokerCore, msg: FlushMsg, out: list[Effect]) -> None:
     if i < len(path) - 1:
         out.append(SendToLink(path[i + 1], msg))
         return
-    unfreeze_and_reconcile(core, path[0], out)
+    core.path_roles.pop(msg.xid, None)
+    core.routing.reconcile(path[0], out)
     out.append(ExchangeFinished(msg.xid, True))
 
 
-def on_link_ready(core: BrokerCore, peer: str, out: list[Effect]) -> None:
+def on_link_ready(core: PathHost, peer: str, msg: LinkReady, out: list[Effect]) -> None:
     """At A1: A2 has the new link; advertise over it normally from now on."""
-    unfreeze_and_reconcile(core, peer, out)
+    expect(core, peer, msg)
+    del core.path_roles[msg.xid]
+    core.routing.reconcile(peer, out)
 
 
-def unfreeze_and_reconcile(core: BrokerCore, peer: str, out: list[Effect]) -> None:
-    """Advertise over ``peer`` exactly the difference to what it holds from us."""
-    core._frozen.discard(peer)
-    want = core._wanted_by(peer)
-    have = core._advertised[peer]
-    for key in _keys(want - have):
-        out.append(SendToLink(peer, Subscribe(key)))
-    for key in _keys(have - want):
-        out.append(SendToLink(peer, Unsubscribe(key)))
-    core._advertised[peer] = want
+def on_ctrl(core: PathHost, peer: str, msg: CtrlMsg) -> None:
+    """The next head broker has rewritten its tables: stop ignoring its withdrawals."""
+    expect(core, peer, msg)
+    del core.path_roles[msg.xid]
+    core.ignore.get(peer, {}).pop(msg.xid, None)

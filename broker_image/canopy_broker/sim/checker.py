@@ -24,10 +24,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cache
 
-from canopy_broker.core.broker import BrokerCore, client_key, maximal
+from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import RouteKey, RoutingMode
+from canopy_broker.core.routing import client_key, maximal
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,527 @@
+"""Routing state: what a broker holds from each source and what it advertises to each neighbour.
+
+This module owns the subscription tables that every protocol edits — ordinary subscription
+forwarding, the coordinated link exchange and the reconfiguration-path algorithm — behind one
+public interface, so the protocols depend on the routing state and not on each other or on the
+broker's insides.
+
+Subscription forwarding is kept *canonical*: what a broker advertises to a neighbour N is a pure
+function of the routing keys it holds from every other source (local subscriptions and the other
+neighbours):
+
+* simple / identity: the set of those keys;
+* covering: the maximal ones under a strict *dominance* order (``g`` dominates ``h`` when ``g``
+  covers ``h`` and either ``h`` does not cover ``g`` or ``g`` sorts first).
+
+Because the advertised set depends only on the current state and never on arrival order, a
+central checker can compute every broker's expected routing table from the tree and the
+subscriptions alone, and a reconfiguration can be proven to leave no stale or missing entry.
+
+**Cost.** The set is maintained incrementally, and every covering question ("is this key
+dominated by something already advertised?", "which advertised keys does it make obsolete?",
+"what did a withdrawn key cover?") goes through a :class:`CoverIndex`, which narrows the
+candidates by the necessary conditions of :func:`~canopy_broker.core.filters.cover_profile`
+before the exact test runs. For filters that fix some attribute to a value (``topic = "x"``,
+``k = 17``) a question touches only the keys sharing that value, so inserting or removing a
+subscription costs the same at 1,000 or 100,000 subscriptions; filters that fix nothing (pure
+ranges on one attribute) share a per-attribute bucket, and cost grows with that bucket.
+
+**Freezing.** A *frozen* neighbour gets no advertisement while the reconfiguration protocols
+rewrite tables around it; they reconcile it explicitly when they unfreeze it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Set
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from canopy_broker.core.errors import ProtocolError
+from canopy_broker.core.events import Value
+from canopy_broker.core.filters import CoverProfile, Filter, cover_profile, covers
+from canopy_broker.core.matching import IndexedMatcher
+from canopy_broker.core.messages import (
+    Effect,
+    RouteKey,
+    RoutingMode,
+    SendToLink,
+    Subscribe,
+    Unsubscribe,
+)
+
+__all__ = [
+    "CoverIndex",
+    "Dest",
+    "RoutingState",
+    "RoutingTable",
+    "client_key",
+    "dominates",
+    "maximal",
+]
+
+Dest = str | tuple[str, str]
+"""A matcher payload: a neighbour name, or a local subscription (client, sub_id)."""
+
+
+def dominates(g: RouteKey, h: RouteKey) -> bool:
+    """Strict order used by covering routing: ``g`` makes advertising ``h`` unnecessary."""
+    if g == h or not covers(g.filter, h.filter):
+        return False
+    return not covers(h.filter, g.filter) or g.sort_key() < h.sort_key()
+
+
+def _sorted(keys: Iterable[RouteKey]) -> list[RouteKey]:
+    return sorted(keys, key=RouteKey.sort_key)
+
+
+def maximal(keys: Iterable[RouteKey], mode: RoutingMode) -> set[RouteKey]:
+    """The keys a broker advertises given the keys it holds from other sources."""
+    unique = list(dict.fromkeys(keys))
+    if mode is not RoutingMode.COVERING:
+        return set(unique)
+    index = CoverIndex(unique)
+    return {h for h in unique if not index.dominated(h)}
+
+
+def client_key(mode: RoutingMode, client: str, sub_id: str, f: Filter) -> RouteKey:
+    """Routing key of a local subscription: tagged with its global id only in simple routing."""
+    return RouteKey(f, f"{client}/{sub_id}" if mode is RoutingMode.SIMPLE else "")
+
+
+# --------------------------------------------------------------------------- the covering index
+
+Slot = tuple[object, ...]
+_TOP: Slot = ("cover", "top")
+
+
+def _anchor(p: CoverProfile) -> Slot:
+    """Where a key waits to be found as a *coverer*: its first pin, else its first attribute,
+    else the match-all bucket. Any satisfiable key it covers has that pin (or attribute) too."""
+    if p.pins:
+        return ("cover", "pin", p.pins[0])
+    if p.attrs:
+        return ("cover", "attr", p.attrs[0])
+    return _TOP
+
+
+class CoverIndex:
+    """A set of routing keys that answers covering questions without a scan.
+
+    ``coverers(h)`` yields every key that may cover ``h`` and ``covered(g)`` every key ``g`` may
+    cover (supersets: callers confirm with :func:`dominates`). Each key sits in a few buckets
+    (slots): one *cover* slot (its anchor) for the first question, and one slot per pin and per
+    attribute for the second. Unindexed (``indexed=False``) it is a plain set, for the routing
+    modes that never ask.
+    """
+
+    __slots__ = ("_buckets", "_indexed", "_keys", "_unsat")
+
+    def __init__(self, keys: Iterable[RouteKey] = (), *, indexed: bool = True) -> None:
+        self._keys: set[RouteKey] = set()
+        self._indexed = indexed
+        self._buckets: dict[Slot, set[RouteKey]] = {}
+        self._unsat: set[RouteKey] = set()
+        for key in keys:
+            self.add(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[RouteKey]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def keys(self) -> Set[RouteKey]:
+        return self._keys
+
+    def add(self, key: RouteKey) -> None:
+        if key in self._keys:
+            return
+        self._keys.add(key)
+        if self._indexed:
+            self._file(key, add=True)
+
+    def discard(self, key: RouteKey) -> None:
+        if key not in self._keys:
+            return
+        self._keys.remove(key)
+        if self._indexed:
+            self._file(key, add=False)
+
+    @staticmethod
+    def _slots(p: CoverProfile) -> list[Slot]:
+        slots = [_anchor(p)]
+        if p.satisfiable:
+            slots += [("pin", pin) for pin in p.pins]
+            slots += [("attr", a) for a in p.attrs]
+        return slots
+
+    def _file(self, key: RouteKey, *, add: bool) -> None:
+        p = cover_profile(key.filter)
+        if not p.satisfiable:
+            (self._unsat.add if add else self._unsat.discard)(key)
+        for slot in self._slots(p):
+            if add:
+                self._buckets.setdefault(slot, set()).add(key)
+                continue
+            bucket = self._buckets[slot]
+            bucket.discard(key)
+            if not bucket:
+                del self._buckets[slot]
+
+    def _bucket(self, slot: Slot) -> Set[RouteKey]:
+        return self._buckets.get(slot, frozenset())
+
+    def coverers(self, h: RouteKey) -> Iterable[RouteKey]:
+        """Keys that may cover ``h``."""
+        if not self._indexed:
+            return self._keys
+        p = cover_profile(h.filter)
+        if not p.satisfiable:
+            return self._keys  # everything covers an unsatisfiable filter
+        found = list(self._bucket(_TOP))
+        for pin in p.pins:
+            found += self._bucket(("cover", "pin", pin))
+        for attr in p.attrs:
+            found += self._bucket(("cover", "attr", attr))
+        return found
+
+    def covered(self, g: RouteKey) -> Iterable[RouteKey]:
+        """Keys that ``g`` may cover: those sharing all its pins and attributes, and every
+        unsatisfiable one."""
+        if not self._indexed:
+            return self._keys
+        p = cover_profile(g.filter)
+        slots: list[Slot] = [("pin", pin) for pin in p.pins] or [("attr", a) for a in p.attrs]
+        if not slots:
+            return self._keys  # the match-all filter covers everything
+        smallest = min((self._bucket(s) for s in slots), key=len)
+        return [*smallest, *self._unsat] if self._unsat else smallest
+
+    def dominated(self, h: RouteKey) -> bool:
+        """Whether some key here dominates ``h``."""
+        return any(dominates(g, h) for g in self.coverers(h))
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingTable:
+    """Snapshot: keys received from each neighbour and each client's subscriptions."""
+
+    links: Mapping[str, frozenset[RouteKey]]
+    clients: Mapping[str, Mapping[str, Filter]]
+    advertised: Mapping[str, frozenset[RouteKey]]
+
+    def size(self) -> int:
+        return sum(map(len, self.links.values())) + sum(map(len, self.clients.values()))
+
+    def to_json(self) -> dict[str, object]:
+        def keys(ks: frozenset[RouteKey]) -> list[str]:
+            return [str(k) for k in _sorted(ks)]
+
+        return {
+            "links": {p: keys(ks) for p, ks in sorted(self.links.items())},
+            "advertised": {p: keys(ks) for p, ks in sorted(self.advertised.items())},
+            "clients": {
+                c: {s: str(f) for s, f in sorted(subs.items())}
+                for c, subs in sorted(self.clients.items())
+            },
+        }
+
+
+# --------------------------------------------------------------------------- the state
+
+
+class RoutingState:
+    """Subscription tables of one broker, with the canonical forwarding rule built in.
+
+    Every method that changes a table appends the advertisements the change causes to ``out``
+    (as :class:`SendToLink` effects) in a deterministic order. Methods that can refuse an input
+    check it first and raise :class:`ProtocolError` with nothing changed.
+    """
+
+    def __init__(self, mode: RoutingMode = RoutingMode.COVERING) -> None:
+        self.mode = mode
+        self._covering = mode is RoutingMode.COVERING
+        self._from: dict[str, set[RouteKey]] = {}
+        self._adv: dict[str, CoverIndex] = {}
+        self._clients: dict[str, dict[str, Filter]] = {}
+        # How many sources (neighbours, local subscriptions) hold each key, and those keys
+        # indexed for the covering questions.
+        self._holders: dict[RouteKey, int] = {}
+        self._held = CoverIndex(indexed=self._covering)
+        self._matcher: IndexedMatcher[Dest] = IndexedMatcher()
+        self._frozen: set[str] = set()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def neighbours(self) -> list[str]:
+        return sorted(self._from)
+
+    def has_link(self, peer: str) -> bool:
+        return peer in self._from
+
+    def is_frozen(self, peer: str) -> bool:
+        return peer in self._frozen
+
+    def held_from(self, peer: str) -> Set[RouteKey]:
+        """The keys received from neighbour ``peer`` (read-only view)."""
+        return self._from[peer]
+
+    def advertised_to(self, peer: str) -> Set[RouteKey]:
+        return self._adv[peer].keys
+
+    @property
+    def clients(self) -> list[str]:
+        return sorted(self._clients)
+
+    def subscriptions(self, client: str) -> Mapping[str, Filter] | None:
+        return self._clients.get(client)
+
+    def match(self, attrs: Mapping[str, Value]) -> set[Dest]:
+        return self._matcher.match_payloads(attrs)
+
+    def snapshot(self) -> RoutingTable:
+        return RoutingTable(
+            links={p: frozenset(ks) for p, ks in self._from.items()},
+            clients={c: dict(subs) for c, subs in self._clients.items()},
+            advertised={p: frozenset(ks) for p, ks in self._adv.items()},
+        )
+
+    def size(self) -> int:
+        return sum(map(len, self._from.values())) + sum(map(len, self._clients.values()))
+
+    def wanted_by(self, peer: str) -> set[RouteKey]:
+        """What this broker must advertise to ``peer``: the maximal keys held from elsewhere."""
+        held = [k for k in self._holders if self._held_except(k, peer) > 0]
+        if not self._covering:
+            return set(held)
+        return {
+            h
+            for h in held
+            if not any(
+                self._held_except(g, peer) > 0 and dominates(g, h) for g in self._held.coverers(h)
+            )
+        }
+
+    # ------------------------------------------------------------------ links
+
+    def add_link(self, peer: str, out: list[Effect]) -> None:
+        """A new ordinary link: advertise everything this broker holds."""
+        if peer in self._from:
+            raise ProtocolError(f"link to {peer!r} exists already")
+        adv = maximal(self._holders, self.mode)
+        self._from[peer] = set()
+        self._adv[peer] = CoverIndex(adv, indexed=self._covering)
+        out.extend(SendToLink(peer, Subscribe(key)) for key in _sorted(adv))
+
+    def open_frozen(self, peer: str, believed: Iterable[RouteKey] = ()) -> None:
+        """A new link held back by a reconfiguration: nothing is advertised over it until it is
+        reconciled; ``believed`` is what the other end already thinks it has from us."""
+        if peer in self._from:
+            raise ProtocolError(f"link to {peer!r} exists already")
+        self._from[peer] = set()
+        self._adv[peer] = CoverIndex(believed, indexed=self._covering)
+        self._frozen.add(peer)
+
+    def remove_link(self, peer: str, out: list[Effect]) -> None:
+        """The link is gone: whatever it still held is withdrawn the ordinary way."""
+        table = self._from.get(peer)
+        if table is None:
+            raise ProtocolError(f"no link to {peer!r}")
+        del self._adv[peer]
+        del self._from[peer]
+        self._frozen.discard(peer)
+        for key in _sorted(table):
+            self._matcher.remove(key.filter, peer)
+            self._key_removed(key, None, out)
+
+    def freeze(self, peer: str) -> None:
+        self._frozen.add(peer)
+
+    @contextmanager
+    def held_back(self, *peers: str) -> Iterator[None]:
+        """Rewrite tables without advertising to ``peers``; their frozen state is restored after."""
+        was = {p for p in peers if p in self._frozen}
+        self._frozen.update(peers)
+        try:
+            yield
+        finally:
+            self._frozen -= set(peers) - was
+
+    def set_advertised(self, peer: str, keys: Iterable[RouteKey]) -> None:
+        """Record what ``peer`` now holds from us (the protocol told it another way)."""
+        self._adv[peer] = CoverIndex(keys, indexed=self._covering)
+
+    def unfreeze(self, peer: str) -> set[RouteKey]:
+        """Unfreeze ``peer`` and record the canonical advertisement as sent; the caller tells the
+        peer (the exchange's Done carries the whole set). Returns that set."""
+        self._frozen.discard(peer)
+        want = self.wanted_by(peer)
+        self.set_advertised(peer, want)
+        return want
+
+    def reconcile(self, peer: str, out: list[Effect]) -> None:
+        """Unfreeze ``peer`` and advertise exactly the difference to what it holds from us."""
+        have = set(self._adv[peer])
+        want = self.unfreeze(peer)
+        out.extend(SendToLink(peer, Subscribe(key)) for key in _sorted(want - have))
+        out.extend(SendToLink(peer, Unsubscribe(key)) for key in _sorted(have - want))
+
+    # ------------------------------------------------------------------ route updates
+
+    def check(self, peer: str, msg: Subscribe | Unsubscribe) -> None:
+        """Raise unless ``msg`` from ``peer`` can be applied."""
+        table = self._from.get(peer)
+        if table is None:
+            raise ProtocolError(f"route update from {peer!r}, which is not a neighbour")
+        if isinstance(msg, Subscribe) and msg.key in table:
+            raise ProtocolError(f"{peer!r} subscribed twice to {msg.key}")
+        if isinstance(msg, Unsubscribe) and msg.key not in table:
+            raise ProtocolError(f"{peer!r} unsubscribed {msg.key} it never subscribed")
+
+    def apply(self, peer: str, msg: Subscribe | Unsubscribe, out: list[Effect]) -> None:
+        """A neighbour's (un)subscription."""
+        self.check(peer, msg)
+        table = self._from[peer]
+        key = msg.key
+        if isinstance(msg, Subscribe):
+            table.add(key)
+            self._matcher.add(key.filter, peer)
+            self._key_added(key, peer, out)
+        else:
+            table.remove(key)
+            self._matcher.remove(key.filter, peer)
+            self._key_removed(key, peer, out)
+
+    def learn(self, peer: str, keys: Iterable[RouteKey], out: list[Effect]) -> None:
+        """Add keys to what ``peer`` holds, skipping those it already has."""
+        table = self._from[peer]
+        for key in _sorted(set(keys) - table):
+            self.apply(peer, Subscribe(key), out)
+
+    def forget(self, peer: str, keys: Iterable[RouteKey], out: list[Effect]) -> None:
+        """Drop keys from what ``peer`` holds; ``peer`` itself is not told (it knows)."""
+        table = self._from[peer]
+        for key in _sorted(set(keys) & table):
+            table.remove(key)
+            self._matcher.remove(key.filter, peer)
+            self._key_removed(key, peer, out)
+
+    def sync_from(self, peer: str, keys: Iterable[RouteKey], out: list[Effect]) -> None:
+        """Make what ``peer`` holds exactly ``keys`` (the exchange's Done)."""
+        want = set(keys)
+        table = self._from[peer]
+        self.learn(peer, want - table, out)
+        for key in _sorted(table - want):
+            self.apply(peer, Unsubscribe(key), out)
+
+    # ------------------------------------------------------------------ local clients
+
+    def has_client(self, client: str) -> bool:
+        return client in self._clients
+
+    def attach(self, client: str) -> None:
+        if client in self._clients:
+            raise ProtocolError(f"client {client!r} is already attached")
+        self._clients[client] = {}
+
+    def _subs(self, client: str) -> dict[str, Filter]:
+        subs = self._clients.get(client)
+        if subs is None:
+            raise ProtocolError(f"client {client!r} is not attached")
+        return subs
+
+    def check_client(self, client: str) -> None:
+        self._subs(client)
+
+    def subscribe(self, client: str, sub_id: str, f: Filter, out: list[Effect]) -> None:
+        subs = self._subs(client)
+        if sub_id in subs:
+            raise ProtocolError(f"client {client!r} already has subscription {sub_id!r}")
+        subs[sub_id] = f
+        self._matcher.add(f, (client, sub_id))
+        self._key_added(client_key(self.mode, client, sub_id, f), None, out)
+
+    def unsubscribe(self, client: str, sub_id: str, out: list[Effect]) -> None:
+        subs = self._subs(client)
+        if sub_id not in subs:
+            raise ProtocolError(f"client {client!r} has no subscription {sub_id!r}")
+        f = subs.pop(sub_id)
+        self._matcher.remove(f, (client, sub_id))
+        self._key_removed(client_key(self.mode, client, sub_id, f), None, out)
+
+    def detach(self, client: str, out: list[Effect]) -> None:
+        subs = self._subs(client)
+        for sub_id in list(subs):
+            self.unsubscribe(client, sub_id, out)
+        del self._clients[client]
+
+    # ------------------------------------------------------------------ the forwarding rule
+
+    def _held_except(self, key: RouteKey, peer: str) -> int:
+        """How many sources other than neighbour ``peer`` hold ``key``."""
+        return self._holders.get(key, 0) - (key in self._from[peer])
+
+    def _key_added(self, key: RouteKey, source: str | None, out: list[Effect]) -> None:
+        n = self._holders.get(key, 0)
+        self._holders[key] = n + 1
+        if not n:
+            self._held.add(key)
+        for peer in self._from:
+            if peer != source and peer not in self._frozen and self._held_except(key, peer) == 1:
+                self._key_entered(peer, key, out)
+
+    def _key_removed(self, key: RouteKey, source: str | None, out: list[Effect]) -> None:
+        n = self._holders[key] - 1
+        if n:
+            self._holders[key] = n
+        else:
+            del self._holders[key]
+            self._held.discard(key)
+        for peer in self._from:
+            if peer != source and peer not in self._frozen and self._held_except(key, peer) == 0:
+                self._key_left(peer, key, out)
+
+    def _key_entered(self, peer: str, key: RouteKey, out: list[Effect]) -> None:
+        """``key`` became available for ``peer``: advertise it unless something dominates it."""
+        adv = self._adv[peer]
+        if self._covering:
+            if adv.dominated(key):
+                return
+            obsolete = _sorted(h for h in adv.covered(key) if dominates(key, h))
+            adv.add(key)
+            out.append(SendToLink(peer, Subscribe(key)))
+            for h in obsolete:
+                adv.discard(h)
+                out.append(SendToLink(peer, Unsubscribe(h)))
+            return
+        adv.add(key)
+        out.append(SendToLink(peer, Subscribe(key)))
+
+    def _key_left(self, peer: str, key: RouteKey, out: list[Effect]) -> None:
+        """``key`` is no longer held for ``peer``: withdraw it and re-advertise what it covered."""
+        adv = self._adv[peer]
+        if key not in adv:
+            return
+        adv.discard(key)
+        if self._covering:
+            uncovered = [
+                h
+                for h in self._held.covered(key)
+                if h != key
+                and h not in adv
+                and self._held_except(h, peer) > 0
+                and dominates(key, h)
+                and not adv.dominated(h)
+            ]
+            for h in _sorted(maximal(uncovered, self.mode)):
+                adv.add(h)
+                out.append(SendToLink(peer, Subscribe(h)))
+        out.append(SendToLink(peer, Unsubscribe(key)))
