@@ -364,6 +364,8 @@ class BrokerCore:
                 f"{self.name}: {type(msg).__name__} for exchange {xid} it is not in"
             )
         if isinstance(msg, Separator):
+            if msg.side not in (1, 2):
+                raise ProtocolError(f"{self.name}: separator of {ex.xid} for side {msg.side}")
             step = Step.OWN_SEPARATOR if msg.side == ex.side else Step.OTHER_SEPARATOR
         else:
             found = _EXCHANGE_STEPS.get(type(msg))

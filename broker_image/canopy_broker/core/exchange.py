@@ -73,6 +73,7 @@ from canopy_broker.core.messages import (
     StartTimer,
     Tag,
     Transfer,
+    validate_path,
 )
 
 if TYPE_CHECKING:
@@ -108,7 +109,7 @@ class Phase(Enum):
     """Where one broker stands in one exchange (it leaves the exchange after ``CLOSING``)."""
 
     LOCKED = "locked"  # lock taken; waiting for Granted (or a refusal)
-    LOCKED_GRAY = "locked-gray"  # an A end whose separator came out of band before Granted
+    LOCKED_GRAY = "locked-gray"  # own side's separator passed before Granted reached here
     BLACK = "black"  # phase 1: notifications entering here keep the old tree
     GRAY = "gray"  # own side's separator passed: notifications entering here take the new link
     CLOSING = "closing"  # an A end that sent Done; waiting for the other A end's Done
@@ -119,7 +120,8 @@ class Step(Enum):
 
     GRANTED = "Granted"
     REFUSED = "LockRefused"
-    OWN_SEPARATOR = "own Separator"
+    OWN_SEPARATOR = "own Separator"  # over a link, from the A end's direction
+    SEPARATOR_TO_A = "own Separator out of band"  # at an A end, from its R end
     OTHER_SEPARATOR = "other side's Separator"
     TRANSFER = "Transfer"
     RELAY = "Relay"
@@ -147,8 +149,12 @@ _L, _LG, _B, _G, _C = Phase.LOCKED, Phase.LOCKED_GRAY, Phase.BLACK, Phase.GRAY, 
 TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
     (_L, Step.GRANTED): _B,
     (_L, Step.REFUSED): _L,  # and the broker leaves the exchange
-    (_L, Step.OWN_SEPARATOR): _LG,  # out of band, ahead of Granted travelling over links
+    # The R end sends Granted up over links and the separator out of band to its A end, which
+    # walks it down: both can overtake Granted.
+    (_L, Step.SEPARATOR_TO_A): _LG,
+    (_L, Step.OWN_SEPARATOR): _LG,
     (_LG, Step.GRANTED): _G,
+    (_B, Step.SEPARATOR_TO_A): _G,
     (_B, Step.OWN_SEPARATOR): _G,
     **{(ph, Step.OTHER_SEPARATOR): ph for ph in (_B, _G)},
     **{(ph, st): ph for ph in (_L, _B) for st in (Step.TRANSFER,)},
@@ -289,20 +295,6 @@ def backoff(xid: str, attempt: int, base: float = 0.05, cap: float = 5.0) -> flo
     different ids) spread out."""
     jitter = zlib.crc32(f"{xid}#{attempt}".encode()) / 0x1_0000_0000
     return float(min(cap, base * (2 ** min(attempt, 16))) * (0.5 + jitter))
-
-
-def validate_path(path: tuple[str, ...], remove: tuple[str, str]) -> int:
-    """Return k (R1's index) or raise ``ValueError`` saying what is wrong with the request."""
-    if len(set(path)) != len(path):
-        raise ValueError(f"cycle path repeats a broker: {list(path)}")
-    if len(path) < 3:
-        raise ValueError(
-            f"cycle path {list(path)} is too short: the added link must differ from the removed one"
-        )
-    for k in range(len(path) - 1):
-        if {path[k], path[k + 1]} == set(remove):
-            return k
-    raise ValueError(f"removed link {remove[0]}-{remove[1]} is not on the cycle path {list(path)}")
 
 
 # --------------------------------------------------------------------------- the protocol
@@ -553,20 +545,24 @@ def from_peer(core: BrokerCore, peer: str, msg: PeerMessage, out: list[Effect]) 
     elif isinstance(msg, Separator):
         if msg.side != ex.side:
             raise ProtocolError(f"{core.name}: the other side's separator came out of band")
-        ex.expect(Step.OWN_SEPARATOR)
+        ex.expect(Step.SEPARATOR_TO_A)
         out.append(StartTimer(f"lease:{ex.xid}", ex.lease))
-        on_separator(core, ex, msg.side, out)
+        on_separator(core, ex, msg.side, out, Step.SEPARATOR_TO_A)
     else:  # pragma: no cover
         raise ProtocolError(f"unknown peer message {msg!r}")
 
 
-def on_separator(core: BrokerCore, ex: Exchange, side: int, out: list[Effect]) -> None:
-    if side not in (1, 2):
-        raise ProtocolError(f"{core.name}: separator of {ex.xid} for side {side}")
+def on_separator(
+    core: BrokerCore,
+    ex: Exchange,
+    side: int,
+    out: list[Effect],
+    step: Step = Step.OWN_SEPARATOR,
+) -> None:
     if side == ex.side:
         # Our side's separator walks down to our R end: everything the transfer changed
         # is in place above us, so notifications entering here may take the new link.
-        ex.fire(Step.OWN_SEPARATOR)
+        ex.fire(step)
         if ex.is_r:
             phase2(core, ex, out)
             if ex.ordering is Ordering.CAUSAL:

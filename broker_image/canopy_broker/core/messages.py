@@ -315,6 +315,20 @@ class StartExchange:
     algorithm: Algorithm = Algorithm.COORDINATED
 
 
+def validate_path(path: tuple[str, ...], remove: tuple[str, str]) -> int:
+    """Return k (R1's index) or raise ``ValueError`` saying what is wrong with the request."""
+    if len(set(path)) != len(path):
+        raise ValueError(f"cycle path repeats a broker: {list(path)}")
+    if len(path) < 3:
+        raise ValueError(
+            f"cycle path {list(path)} is too short: the added link must differ from the removed one"
+        )
+    for k in range(len(path) - 1):
+        if {path[k], path[k + 1]} == set(remove):
+            return k
+    raise ValueError(f"removed link {remove[0]}-{remove[1]} is not on the cycle path {list(path)}")
+
+
 @dataclass(frozen=True, slots=True)
 class TimerFired:
     key: str

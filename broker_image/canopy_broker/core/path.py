@@ -32,7 +32,6 @@ from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
 from canopy_broker.core.errors import ProtocolError
-from canopy_broker.core.exchange import validate_path
 from canopy_broker.core.messages import (
     CloseLink,
     CtrlMsg,
@@ -47,6 +46,7 @@ from canopy_broker.core.messages import (
     SendToLink,
     SendToPeer,
     StartExchange,
+    validate_path,
 )
 
 if TYPE_CHECKING:

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, replace
 
 from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.events import Event, Value
-from canopy_broker.core.exchange import validate_path
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
     AddLink,
@@ -59,6 +58,7 @@ from canopy_broker.core.messages import (
     TimerFired,
     Transfer,
     Unsubscribe,
+    validate_path,
 )
 from canopy_broker.sim.checker import DeliveryRecord, PubRecord, SubRecord
 

@@ -1,0 +1,171 @@
+"""Illegal inputs of every protocol role are refused before they change anything, and a core that
+fails unexpectedly refuses everything after.
+
+Each case drives a real core into a known phase, then feeds it an input its transition table has
+no entry for, and compares the whole routing table and the protocol state before and after.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from canopy_broker.core import routing as routing_module
+from canopy_broker.core.broker import BrokerCore
+from canopy_broker.core.errors import CoreFailedError, ProtocolError
+from canopy_broker.core.exchange import TRANSITIONS, Phase, Step
+from canopy_broker.core.filters import Filter
+from canopy_broker.core.messages import (
+    AddLink,
+    ClientAttach,
+    ClientSubscribe,
+    CtrlMsg,
+    Done,
+    Echo,
+    End,
+    FlushMsg,
+    FromLink,
+    FromPeer,
+    Granted,
+    Input,
+    LinkReady,
+    Lock,
+    LockRefused,
+    RecMsg,
+    RouteKey,
+    RoutingMode,
+    Separator,
+    StartExchange,
+    Transfer,
+)
+
+PATH = ("a", "m", "r1", "r2", "z")  # A1 = a, R1 = r1, R2 = r2, A2 = z; k = 2
+K = 2
+
+
+def state_of(core: BrokerCore) -> object:
+    ex = core.exchange
+    return (
+        core.routing_table(),
+        None if ex is None else (ex.phase, frozenset(ex.marks), len(ex.queue)),
+        dict(core.path_roles),
+        copy.deepcopy(core.ignore),
+    )
+
+
+def refused(core: BrokerCore, inp: Input, match: str = "") -> None:
+    before = state_of(core)
+    with pytest.raises(ProtocolError, match=match):
+        core.handle(inp)
+    assert state_of(core) == before
+    assert core.failed is None
+
+
+def locked_middle() -> BrokerCore:
+    """``m``: between A1 and R1, holding the lock, not yet granted."""
+    core = BrokerCore("m")
+    core.handle(AddLink("a"))
+    core.handle(AddLink("r1"))
+    core.handle(ClientAttach("c"))
+    core.handle(ClientSubscribe("c", "s", Filter.parse("x = 1")))
+    core.handle(FromLink("a", Lock("x1", PATH, K)))
+    assert core.exchange is not None and core.exchange.phase is Phase.LOCKED
+    return core
+
+
+def test_every_phase_has_a_way_out_and_unknown_pairs_are_absent() -> None:
+    reachable = {Phase.LOCKED} | set(TRANSITIONS.values())
+    assert reachable == set(Phase)
+    assert (Phase.LOCKED, Step.END) not in TRANSITIONS
+    assert (Phase.CLOSING, Step.GRANTED) not in TRANSITIONS
+
+
+@pytest.mark.parametrize(
+    ("message", "match"),
+    [
+        (End("x1", 1), "End is not expected in phase locked"),
+        (Echo("x1"), "Echo is not expected in phase locked"),
+        (Separator("x1", 2), "other side's Separator is not expected in phase locked"),
+        (Done("x1", ()), "Done is not expected in phase locked"),
+        (Granted("x9"), "exchange x9 it is not in"),
+        (Separator("x1", 7), "not expected|side 7"),
+    ],
+)
+def test_a_locked_broker_refuses_what_comes_later(message: object, match: str) -> None:
+    core = locked_middle()
+    refused(core, FromLink("r1", message), match)  # type: ignore[arg-type]
+
+
+def test_granted_twice_and_refusal_after_grant_are_refused() -> None:
+    core = locked_middle()
+    core.handle(FromLink("r1", Granted("x1")))
+    assert core.exchange is not None and core.exchange.phase is Phase.BLACK
+    refused(core, FromLink("r1", Granted("x1")), "Granted is not expected in phase black")
+    refused(core, FromLink("r1", LockRefused("x1", "late")), "LockRefused is not expected")
+    core.handle(FromLink("r1", Separator("x1", 2)))  # the other side's separator passes up
+    refused(core, FromLink("r1", Separator("x1", 2)), "again")
+
+
+def test_done_for_another_exchange_is_checked_before_it_is_applied() -> None:
+    """It used to be applied to the routing table first and refused afterwards."""
+    core = locked_middle()
+    key = RouteKey(Filter.parse("y = 2"))
+    refused(core, FromLink("a", Done("other", (key,))), "exchange other it is not in")
+    assert key not in core.routing_table().links["a"]
+
+
+def a1_locked() -> BrokerCore:
+    core = BrokerCore("a")
+    core.handle(AddLink("m"))
+    core.handle(StartExchange("x1", PATH, ("r1", "r2")))
+    assert core.exchange is not None and core.exchange.phase is Phase.LOCKED
+    return core
+
+
+def test_out_of_band_messages_only_from_this_sides_r_end() -> None:
+    core = a1_locked()
+    key = RouteKey(Filter.parse("x = 1"))
+    refused(core, FromPeer("z", Transfer("x1", (key,))), "not from this side's R end r1")
+    refused(core, FromPeer("r1", Transfer("x1", (key, key))), "repeats keys")
+    refused(core, FromPeer("r1", Separator("x1", 2)), "out of band")
+    refused(core, FromPeer("r1", Transfer("x9", ())), "not an A end of")
+    core.handle(FromPeer("r1", Transfer("x1", (key,))))  # the real one is taken
+    assert key in core.routing_table().links["z"]
+    refused(core, FromPeer("r1", Transfer("x1", (key,))), "came twice")
+
+
+def test_path_roles_accept_only_the_awaited_answer() -> None:
+    core = BrokerCore("m", RoutingMode.IDENTITY)
+    core.handle(AddLink("a"))
+    core.handle(AddLink("r1"))
+    refused(core, FromLink("a", CtrlMsg("p1")), "takes no part in it")
+    refused(core, FromLink("a", LinkReady("p1")), "takes no part in it")
+    refused(core, FromLink("a", FlushMsg("p1", PATH)), "takes no part in it")
+    refused(core, FromLink("a", RecMsg("p1", ("q", "w", "e"), 0)), "not on")
+    refused(core, FromLink("a", RecMsg("p1", PATH, 9)), "not on")
+    refused(core, FromLink("a", RecMsg("p1", PATH, K)), "from a, not r1")
+    core.handle(FromLink("r1", RecMsg("p1", PATH, K)))  # m rewrites, passes RECMSG to a
+    assert core.path_roles["p1"][1] == "a"
+    refused(core, FromLink("r1", CtrlMsg("p1")), "from r1, but it is awaiting CTRLMSG from a")
+    refused(core, FromLink("a", LinkReady("p1")), "awaiting CTRLMSG")
+    refused(core, FromLink("r1", RecMsg("p1", PATH, K)), "twice")
+    core.handle(FromLink("a", CtrlMsg("p1")))
+    assert "p1" not in core.path_roles
+
+
+def test_an_unexpected_error_fails_the_core_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
+    core = BrokerCore("b")
+    core.handle(AddLink("n"))
+    core.handle(ClientAttach("c"))
+
+    def boom(*_args: object) -> None:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(routing_module.RoutingState, "_key_added", boom)
+    with pytest.raises(CoreFailedError, match="RuntimeError: bug"):
+        core.handle(ClientSubscribe("c", "s", Filter.parse("x = 1")))
+    assert core.failed is not None
+    monkeypatch.undo()
+    with pytest.raises(CoreFailedError, match="failed earlier"):
+        core.handle(ClientAttach("d"))
