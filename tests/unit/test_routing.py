@@ -42,8 +42,8 @@ def test_cover_profile_states_necessary_conditions(g: Filter, h: Filter) -> None
 
 def test_pins_include_closed_intervals_and_boolean_inequality() -> None:
     assert cover_profile(Filter.parse("a >= 2 and a <= 2 and b != true")).pins == (
-        ("a", Kind.NUMBER, 2),
-        ("b", Kind.BOOL, False),
+        ("a", Kind.NUMBER.value, 2),
+        ("b", Kind.BOOL.value, False),
     )
     assert cover_profile(Filter.parse("a > 1 and a < 3")).pins == ()
     assert not cover_profile(Filter.parse("a = 1 and a = 2")).satisfiable

@@ -456,17 +456,36 @@ def covers(f1: Filter, f2: Filter) -> bool:
 
 # --------------------------------------------------------------------------- covering index keys
 
-Pin = tuple[str, Kind, Value]
-"""An attribute a filter fixes to a single value: (attribute, kind, value)."""
+Pin = tuple[str, str, Value]
+"""An attribute a filter fixes to a single value: (attribute, kind name, value). The kind keeps
+``x = 1`` and ``x = true`` apart (Python says ``1 == True``); its name, not the enum, because
+these tuples are hashed on every routing decision and an enum member hashes in Python code."""
+
+Slot = tuple[str, str, object]
+"""A bucket of a covering index (see :class:`CoverProfile`)."""
 
 
 @dataclass(frozen=True, slots=True)
 class CoverProfile:
-    """What a covering index files a filter under (see :func:`cover_profile`)."""
+    """What a covering index files a filter under (see :func:`cover_profile`).
+
+    ``anchor``: the one bucket where the filter waits to be found as a *coverer* (its first pin,
+    else its first attribute, else the match-all bucket); any satisfiable filter it covers has
+    that pin or attribute. ``filed``: every bucket it sits in (the anchor, and one per pin and
+    per attribute when satisfiable). ``probe``: the buckets to read to find what may cover it.
+    ``narrow``: the buckets any filter it covers must be in (its pins, else its attributes).
+    """
 
     satisfiable: bool
     attrs: tuple[str, ...]
     pins: tuple[Pin, ...]
+    anchor: Slot
+    filed: tuple[Slot, ...]
+    probe: tuple[Slot, ...]
+    narrow: tuple[Slot, ...]
+
+
+MATCH_ALL_SLOT: Slot = ("cover", "top", None)
 
 
 def _pin(cs: tuple[Constraint, ...]) -> tuple[Kind, Value] | None:
@@ -517,5 +536,20 @@ def cover_profile(f: Filter) -> CoverProfile:
             continue
         pin = _pin(cs)
         if pin is not None:
-            pins.append((attr, *pin))
-    return CoverProfile(ok, tuple(f.attrs), tuple(pins))
+            pins.append((attr, pin[0].value, pin[1]))
+    attrs = tuple(f.attrs)
+    if pins:
+        anchor: Slot = ("cover", "pin", pins[0])
+    elif attrs:
+        anchor = ("cover", "attr", attrs[0])
+    else:
+        anchor = MATCH_ALL_SLOT
+    by_pin: list[Slot] = [("pin", "", pin) for pin in pins]
+    by_attr: list[Slot] = [("attr", "", a) for a in attrs]
+    filed = (anchor, *by_pin, *by_attr) if ok else (anchor,)
+    probe = (
+        MATCH_ALL_SLOT,
+        *(("cover", "pin", pin) for pin in pins),
+        *(("cover", "attr", a) for a in attrs),
+    )
+    return CoverProfile(ok, attrs, tuple(pins), anchor, filed, probe, tuple(by_pin or by_attr))

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from canopy_broker.core.errors import ProtocolError
 from canopy_broker.core.events import Value
-from canopy_broker.core.filters import CoverProfile, Filter, cover_profile, covers
+from canopy_broker.core.filters import Filter, Slot, cover_profile, covers
 from canopy_broker.core.matching import IndexedMatcher
 from canopy_broker.core.messages import (
     Effect,
@@ -90,18 +90,7 @@ def client_key(mode: RoutingMode, client: str, sub_id: str, f: Filter) -> RouteK
 
 # --------------------------------------------------------------------------- the covering index
 
-Slot = tuple[object, ...]
-_TOP: Slot = ("cover", "top")
-
-
-def _anchor(p: CoverProfile) -> Slot:
-    """Where a key waits to be found as a *coverer*: its first pin, else its first attribute,
-    else the match-all bucket. Any satisfiable key it covers has that pin (or attribute) too."""
-    if p.pins:
-        return ("cover", "pin", p.pins[0])
-    if p.attrs:
-        return ("cover", "attr", p.attrs[0])
-    return _TOP
+_EMPTY: frozenset[RouteKey] = frozenset()
 
 
 class CoverIndex:
@@ -151,29 +140,23 @@ class CoverIndex:
         if self._indexed:
             self._file(key, add=False)
 
-    @staticmethod
-    def _slots(p: CoverProfile) -> list[Slot]:
-        slots = [_anchor(p)]
-        if p.satisfiable:
-            slots += [("pin", pin) for pin in p.pins]
-            slots += [("attr", a) for a in p.attrs]
-        return slots
-
     def _file(self, key: RouteKey, *, add: bool) -> None:
         p = cover_profile(key.filter)
         if not p.satisfiable:
             (self._unsat.add if add else self._unsat.discard)(key)
-        for slot in self._slots(p):
+        buckets = self._buckets
+        for slot in p.filed:
             if add:
-                self._buckets.setdefault(slot, set()).add(key)
+                bucket = buckets.get(slot)
+                if bucket is None:
+                    buckets[slot] = {key}
+                else:
+                    bucket.add(key)
                 continue
-            bucket = self._buckets[slot]
+            bucket = buckets[slot]
             bucket.discard(key)
             if not bucket:
-                del self._buckets[slot]
-
-    def _bucket(self, slot: Slot) -> Set[RouteKey]:
-        return self._buckets.get(slot, frozenset())
+                del buckets[slot]
 
     def coverers(self, h: RouteKey) -> Iterable[RouteKey]:
         """Keys that may cover ``h``."""
@@ -182,11 +165,12 @@ class CoverIndex:
         p = cover_profile(h.filter)
         if not p.satisfiable:
             return self._keys  # everything covers an unsatisfiable filter
-        found = list(self._bucket(_TOP))
-        for pin in p.pins:
-            found += self._bucket(("cover", "pin", pin))
-        for attr in p.attrs:
-            found += self._bucket(("cover", "attr", attr))
+        get = self._buckets.get
+        found: list[RouteKey] = []
+        for slot in p.probe:
+            bucket = get(slot)
+            if bucket:
+                found.extend(bucket)
         return found
 
     def covered(self, g: RouteKey) -> Iterable[RouteKey]:
@@ -195,10 +179,10 @@ class CoverIndex:
         if not self._indexed:
             return self._keys
         p = cover_profile(g.filter)
-        slots: list[Slot] = [("pin", pin) for pin in p.pins] or [("attr", a) for a in p.attrs]
-        if not slots:
+        if not p.narrow:
             return self._keys  # the match-all filter covers everything
-        smallest = min((self._bucket(s) for s in slots), key=len)
+        get = self._buckets.get
+        smallest = min((get(s) or _EMPTY for s in p.narrow), key=len)
         return [*smallest, *self._unsat] if self._unsat else smallest
 
     def dominated(self, h: RouteKey) -> bool:
