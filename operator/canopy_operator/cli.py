@@ -82,7 +82,7 @@ def _run_operator(args: argparse.Namespace) -> int:
 
 def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Client and benchmark commands that live with the broker package."""
-    from canopy_broker import bench, clients_cli
+    from canopy_broker import bench, bench_subscriptions, clients_cli
     from canopy_operator import minecmd
 
     clients_cli.add_pubsub_arguments(sub)
@@ -95,6 +95,12 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     dataplane.set_defaults(
         func=lambda a: bench.main([*(["--json"] if a.json else []), "--duration", str(a.duration)])
     )
+    subscriptions = bench_sub.add_parser(
+        "subscriptions",
+        help="subscription install time, churn and event-loop stalls in a real overlay",
+    )
+    bench_subscriptions.add_arguments(subscriptions)
+    subscriptions.set_defaults(func=bench_subscriptions.run_args)
     minecmd.add_bench_arguments(bench_sub)
 
 

@@ -205,3 +205,36 @@ def test_plan_rejects_an_invalid_spec_by_name(tmp_path: Path) -> None:
     result = canopy("plan", str(current), str(bad))
     assert result.returncode == 2
     assert "link a-c names undeclared broker(s) c" in result.stderr
+
+
+@pytest.mark.integration
+def test_bench_subscriptions_measures_and_loses_nothing_under_churn() -> None:
+    """A small run of the real benchmark: the figures are there, every broker's table got the
+    subscriptions, and the steady subscriber received every event published during churn."""
+    result = canopy(
+        "bench",
+        "subscriptions",
+        "--brokers",
+        "4",
+        "--counts",
+        "300,600",
+        "--batch",
+        "100",
+        "--rate",
+        "200",
+        "--churn-seconds",
+        "1.5",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = last_json(result.stdout)
+    installs = data["install"]
+    assert isinstance(installs, list)
+    assert [r["subscriptions"] for r in installs] == [300, 600]
+    for r in installs:
+        assert 0 < r["acknowledged_s"] <= r["installed_everywhere_s"]
+        assert r["longest_healthz_s"] > 0
+    churn = data["churn"]
+    assert isinstance(churn, dict)
+    assert churn["churn_pairs_per_s"] > 0
+    assert churn["received_by_steady_subscriber"] == churn["published"] > 0

@@ -1,0 +1,221 @@
+"""``canopy bench subscriptions``: how subscription load scales in a real overlay.
+
+Brokers are real processes on 127.0.0.1 (covering routing), linked as a binary tree of
+``--brokers`` brokers. Measured, each for N in ``--counts``:
+
+* **install**: one client on the deepest leaf sends N subscriptions ``k = i`` (distinct values,
+  so none covers another and every broker must hold all N) in batches of ``--batch``; the
+  figure is the time until every broker's routing table holds them (polled through the admin
+  API), and the time per 1,000 for the first and the last 1,000 acknowledgements (flat when
+  insertion cost does not grow with the table);
+* **longest stall**: while that runs, a probe calls every broker's ``/healthz`` every 10 ms; the
+  longest answer bounds how long any broker's event loop was blocked (plus HTTP overhead);
+* **churn**: with the table full, a publisher on the root sends ``--rate`` events/s while another
+  client subscribes and unsubscribes as fast as acknowledgements come back for ``--churn-seconds``;
+  a steady subscriber counts what it received against what was published (must be all).
+
+Progress goes to stderr; with ``--json`` the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from canopy_broker.client import Client, connect
+from canopy_broker.procs import Overlay
+
+
+def progress(msg: str) -> None:
+    print(f"[bench subscriptions] {msg}", file=sys.stderr, flush=True)
+
+
+def tree(n: int) -> tuple[list[str], list[tuple[str, str]]]:
+    names = [f"b{i}" for i in range(n)]
+    return names, [(names[(i - 1) // 2], names[i]) for i in range(1, n)]
+
+
+class StallProbe:
+    """Longest ``/healthz`` answer of any broker while running (a blocked loop answers late)."""
+
+    def __init__(self, overlay: Overlay) -> None:
+        self.overlay = overlay
+        self.longest = 0.0
+        self.worst = ""
+        self._stop = asyncio.Event()
+
+    async def _probe(self, name: str) -> None:
+        admin = self.overlay[name].admin
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            await admin.healthz()
+            took = time.perf_counter() - t0
+            if took > self.longest:
+                self.longest, self.worst = took, name
+            await asyncio.sleep(0.01)
+
+    async def __aenter__(self) -> StallProbe:
+        self._tasks = [asyncio.create_task(self._probe(n)) for n in self.overlay.brokers]
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _table_sizes(overlay: Overlay) -> dict[str, int]:
+    statuses = await asyncio.gather(*(p.admin.status() for p in overlay.brokers.values()))
+    return {
+        name: int(s["routing_table_size"])
+        for name, s in zip(overlay.brokers, statuses, strict=True)
+    }
+
+
+async def install(
+    overlay: Overlay, client: Client, n: int, batch: int, offset: int
+) -> dict[str, Any]:
+    """Subscriptions ``offset .. offset + n`` from ``client``; they stay (the next N adds to
+    them, so the table keeps growing across runs)."""
+    base = {name: size for name, size in (await _table_sizes(overlay)).items()}
+    acked: list[float] = []
+    async with StallProbe(overlay) as probe:
+        t0 = time.perf_counter()
+        for start in range(0, n, batch):
+            ids = range(offset + start, offset + min(n, start + batch))
+            await asyncio.gather(*(client.subscribe(f"k = {i}", f"s{i}") for i in ids))
+            acked.append(time.perf_counter())
+            if len(acked) % max(1, 10_000 // batch) == 0:
+                progress(f"N={n:,}: {start + batch:,} acknowledged")
+        t_ack = time.perf_counter() - t0
+        while True:
+            sizes = await _table_sizes(overlay)
+            if all(sizes[b] - base[b] >= n for b in sizes):
+                break
+            if time.perf_counter() - t0 > 900:
+                short = {b: sizes[b] - base[b] for b in sizes if sizes[b] - base[b] < n}
+                raise RuntimeError(f"after 900 s these brokers still miss entries: {short}")
+            await asyncio.sleep(0.05)
+        t_all = time.perf_counter() - t0
+    per_batch = [b - a for a, b in zip([t0, *acked], acked, strict=False)]
+    k = max(1, 1000 // batch)
+    first, last = sum(per_batch[:k]), sum(per_batch[-k:])
+    result = {
+        "subscriptions": n,
+        "acknowledged_s": round(t_ack, 3),
+        "installed_everywhere_s": round(t_all, 3),
+        "first_1k_s": round(first, 4),
+        "last_1k_s": round(last, 4),
+        "longest_healthz_s": round(probe.longest, 4),
+        "longest_healthz_broker": probe.worst,
+    }
+    progress(
+        f"N={n:,}: acknowledged in {t_ack:.2f}s, in every routing table after {t_all:.2f}s; "
+        f"first 1k {first:.3f}s, last 1k {last:.3f}s; longest /healthz "
+        f"{probe.longest * 1000:.0f} ms ({probe.worst})"
+    )
+    return result
+
+
+async def churn(
+    overlay: Overlay, root: str, other: str, rate: float, seconds: float
+) -> dict[str, Any]:
+    pub = await connect(overlay[root].listen, client_id="bench-churn-pub")
+    steady = await connect(overlay[other].listen, client_id="bench-churn-steady")
+    churner = await connect(overlay[other].listen, client_id="bench-churn-sub")
+    received = 0
+
+    async def drain(c: Client) -> None:
+        nonlocal received
+        async for _ in c.notifications():
+            received += 1
+
+    try:
+        await steady.subscribe("tick exists")
+        await asyncio.sleep(0.5)
+        drainer = asyncio.create_task(drain(steady))
+        stop = asyncio.Event()
+        pairs = 0
+
+        async def flap() -> None:
+            nonlocal pairs
+            while not stop.is_set():
+                sid = await churner.subscribe(f"tick = {pairs % 50} and k = -1")
+                await churner.unsubscribe(sid)
+                pairs += 1
+
+        flapper = asyncio.create_task(flap())
+        published = 0
+        t0 = time.perf_counter()
+        while (now := time.perf_counter() - t0) < seconds:
+            due = int(now * rate)
+            while published < due:
+                published += 1
+                await pub.publish({"tick": published})
+            await asyncio.sleep(0.002)
+        stop.set()
+        await flapper
+        took = time.perf_counter() - t0
+        deadline = time.perf_counter() + 10
+        while received < published and time.perf_counter() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)  # a count, not an event: poll it with a deadline
+        drainer.cancel()
+        await asyncio.gather(drainer, return_exceptions=True)
+        result = {
+            "churn_pairs_per_s": round(pairs / took, 1),
+            "events_per_s": round(published / took, 1),
+            "published": published,
+            "received_by_steady_subscriber": received,
+        }
+        progress(
+            f"churn: {pairs / took:,.0f} subscribe+unsubscribe pairs/s while publishing "
+            f"{published / took:,.0f} events/s; steady subscriber got {received}/{published}"
+        )
+        return result
+    finally:
+        for c in (pub, steady, churner):
+            await c.close()
+
+
+async def run(
+    brokers: int, counts: Sequence[int], batch: int, rate: float, churn_seconds: float
+) -> dict[str, Any]:
+    names, edges = tree(brokers)
+    leaf = names[-1]
+    progress(f"starting {brokers} brokers (binary tree), subscriptions enter at {leaf}")
+    async with Overlay(names, edges, routing="covering") as overlay:
+        results = []
+        offset = 0
+        client = await connect(overlay[leaf].listen, client_id="bench-subs")
+        for n in counts:
+            results.append(await install(overlay, client, n, batch, offset))
+            offset += n
+        churned = await churn(overlay, names[0], names[-2], rate, churn_seconds)
+    return {"brokers": brokers, "routing": "covering", "install": results, "churn": churned}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--brokers", type=int, default=10)
+    parser.add_argument("--counts", default="10000,100000", help="comma-separated N values")
+    parser.add_argument("--batch", type=int, default=500, help="subscriptions in flight")
+    parser.add_argument("--rate", type=float, default=1000.0, help="events/s during churn")
+    parser.add_argument("--churn-seconds", type=float, default=10.0)
+    parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="canopy bench subscriptions", description=__doc__)
+    add_arguments(parser)
+    return run_args(parser.parse_args(argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run with arguments parsed by :func:`add_arguments` (``canopy bench subscriptions``)."""
+    counts = [int(c) for c in str(args.counts).split(",") if c.strip()]
+    result = asyncio.run(run(args.brokers, counts, args.batch, args.rate, args.churn_seconds))
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
