@@ -66,6 +66,7 @@ from canopy_broker.runtime.framing import (
     msgs_frame,
     parse_address,
 )
+from canopy_broker.runtime.tasks import TaskSet
 
 __all__ = ["Client", "ClientError", "Notification", "connect"]
 
@@ -315,6 +316,7 @@ class Client(AsyncClosing):
         self._last_seq: dict[str, int] = {}  # per publisher, the last seq delivered
         self._lock = asyncio.Lock()  # migrations and subscription changes, one at a time
         self._redirect: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(f"client {client_id or '(unnamed)'}")
         self._seq = 0
         self._sub_counter = 0
         self._inbox: deque[Notification] = deque()
@@ -355,10 +357,8 @@ class Client(AsyncClosing):
     async def close(self) -> None:
         """Flush what is buffered, close the connection(s) and wait until they are closed."""
         self._closing = True
-        task, self._redirect = self._redirect, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        self._redirect = None
+        await self._tasks.stop()
         m = self._migration
         if m is not None:  # a move awaited by the application itself: end it here
             if not m.switched.done():
@@ -483,9 +483,7 @@ class Client(AsyncClosing):
             or (self._redirect is not None and not self._redirect.done())
         ):
             return
-        self._redirect = asyncio.get_running_loop().create_task(
-            self._follow(), name=f"{self.client_id}-redirect"
-        )
+        self._redirect = self._tasks.spawn(self._follow(), "follow redirect")
 
     async def _follow(self) -> None:
         while (conn := self._conn) is not None and conn.redirect is not None:

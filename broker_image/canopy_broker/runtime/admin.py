@@ -48,6 +48,9 @@ def _auth_middleware(token: str | None) -> Middleware:
 
 
 async def healthz(request: web.Request) -> web.Response:
+    broker = request.app[BROKER]
+    if broker.failed is not None:
+        return web.json_response({"status": "failed", "reason": broker.failed}, status=500)
     return web.json_response({"status": "ok"})
 
 

@@ -17,9 +17,9 @@ iteration.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from canopy_broker.core.broker import ProtocolError
+from canopy_broker.core.broker import CoreFailedError, ProtocolError
 from canopy_broker.runtime.framing import (
     F_ACK,
     FrameError,
@@ -33,14 +33,35 @@ from canopy_broker.runtime.framing import (
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-    from canopy_broker.runtime.server import Broker
+
+class ConnOwner(Protocol):
+    """What a connection needs from the broker process that owns it.
+
+    Declared here so that connections and sessions sit *below* the broker process
+    (``runtime.server``) and never import it; the broker implements this interface.
+    """
+
+    @property
+    def max_frame(self) -> int: ...
+
+    def conn_made(self, conn: Conn) -> None: ...
+
+    def frame_received(self, conn: Conn, frame: list[Any]) -> None: ...
+
+    def conn_failed(self, conn: Conn, exc: FrameError) -> None: ...
+
+    def conn_lost(self, conn: Conn) -> None: ...
+
+    def mark_dirty(self, dest: Link | Client) -> None: ...
+
+    def fail(self, why: str) -> None: ...
 
 
 class Conn(FrameProtocol):
-    """A framed connection owned by a :class:`Broker`; routes frames to it by role."""
+    """A framed connection owned by a broker process; routes frames to it by role."""
 
-    def __init__(self, broker: Broker, dial: Link | None = None) -> None:
-        super().__init__(broker.config.max_frame)
+    def __init__(self, broker: ConnOwner, dial: Link | None = None) -> None:
+        super().__init__(broker.max_frame)
         self.broker = broker
         self.role: str | None = None  # "link" | "client" once the hello is done
         self.link: Link | None = dial
@@ -65,6 +86,9 @@ class Conn(FrameProtocol):
             self.broker.frame_received(self, frame)
         except ProtocolError as exc:
             raise FrameError(str(exc), "protocol") from None
+        except CoreFailedError as exc:
+            self.broker.fail(str(exc))
+            raise FrameError("the broker failed internally; see its log", "internal") from None
 
     def fail(self, exc: FrameError) -> None:
         self.broker.conn_failed(self, exc)

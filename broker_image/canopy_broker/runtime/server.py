@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from canopy_broker.core.broker import BrokerCore, ProtocolError
+from canopy_broker.core.broker import BrokerCore, CoreFailedError, ProtocolError
 from canopy_broker.core.events import Event
 from canopy_broker.core.messages import (
     AddLink,
@@ -93,6 +93,7 @@ from canopy_broker.runtime.framing import (
 )
 from canopy_broker.runtime.links import Client, Conn, Link
 from canopy_broker.runtime.metrics import BrokerMetrics, Gauges
+from canopy_broker.runtime.tasks import TaskSet
 from canopy_broker.runtime.telemetry import Telemetry
 
 log = logging.getLogger("canopy.broker")
@@ -185,6 +186,10 @@ class Broker:
         self.config = config
         self.name = config.name
         self.core = BrokerCore(config.name, RoutingMode(config.routing))
+        self.tasks = TaskSet(config.name, on_failure=self._task_failed)
+        # Why this broker can no longer be trusted (a background task died, or its core hit an
+        # internal error); /healthz reports it so a supervisor restarts the process.
+        self.failed: str | None = None
         self.incarnation = uuid.uuid4().hex[:8]
         self.links: dict[str, Link] = {}
         self.channels_out: dict[str, Link] = {}  # out-of-band control channels we dialed
@@ -241,12 +246,26 @@ class Broker:
         sock = self._server.sockets[0].getsockname()
         self.address = (sock[0], sock[1])
         self.advertised = self.config.advertise or f"{sock[0]}:{sock[1]}"
-        self._ticker = asyncio.create_task(self._tick(), name=f"{self.name}-ticker")
+        self._ticker = self.tasks.spawn(self._tick(), "ticker", forever=True)
         log.info("broker %s listening on %s:%d", self.name, *self.address)
 
     @property
     def ready(self) -> bool:
-        return self._server is not None and not self.stopping
+        return self._server is not None and not self.stopping and self.failed is None
+
+    @property
+    def max_frame(self) -> int:
+        return self.config.max_frame
+
+    def fail(self, why: str) -> None:
+        """This broker is broken beyond one connection: say so once, loudly, and report it
+        unhealthy (a Kubernetes liveness probe or ``canopy up``'s supervisor restarts it)."""
+        if self.failed is None:
+            self.failed = why
+            log.critical("%s: broker failed: %s", self.name, why)
+
+    def _task_failed(self, task: str, why: str) -> None:
+        self.fail(f"background task {task!r} {why}")
 
     async def stop(self, flush_timeout: float = 2.0) -> None:
         """Graceful stop: no new connections, flush queues briefly, say goodbye, close all."""
@@ -258,14 +277,7 @@ class Broker:
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
-        tasks = [
-            t
-            for t in (self._ticker, self._probing, *(lk.dial_task for lk in self._all_links()))
-            if t
-        ]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.tasks.stop()
         self._flush()
         deadline = self._loop.time() + flush_timeout
         while self._loop.time() < deadline and self._undelivered():  # noqa: ASYNC110
@@ -306,7 +318,7 @@ class Broker:
             now = self._loop.time()
             if cfg.probe_interval > 0 and now >= next_probe and self._probing is None:
                 next_probe = now + cfg.probe_interval
-                self._probing = asyncio.create_task(self._probe_peers(), name=f"{self.name}-probes")
+                self._probing = self.tasks.spawn(self._probe_peers(), "rtt probes")
             for link in self._all_links():
                 conn = link.conn
                 if conn is None:
@@ -848,9 +860,7 @@ class Broker:
             self._removed.pop(peer, None)
         self._table(kind, dialer)[peer] = link
         if dialer:
-            link.dial_task = asyncio.create_task(
-                self._dial_loop(link), name=f"{self.name}->{peer} ({kind})"
-            )
+            link.dial_task = self.tasks.spawn(self._dial_loop(link), f"dial {peer} ({kind})")
         return link
 
     def add_link(self, peer: str, address: str) -> Link:
@@ -1213,6 +1223,8 @@ class Broker:
             self._apply(self.core.handle(TimerFired(key), self._now()))
         except ProtocolError:
             log.exception("%s: timer %s", self.name, key)
+        except CoreFailedError as exc:
+            self.fail(str(exc))
 
     def _take_ordering_delays(self) -> None:
         """Move the waits the core recorded for gray notifications at the new link into the
