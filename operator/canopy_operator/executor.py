@@ -99,9 +99,36 @@ class Executor:
         }
         for batch in sorted({s.batch for s in plan.steps}):
             todo = [(i, s) for i, s in steps if s.batch == batch and i not in done]
-            if not todo:
-                continue
-            await asyncio.gather(*(self._run_step(generation, i, s, state, done) for i, s in todo))
+            if todo:
+                await self._run_batch(generation, todo, state, done)
+
+    async def _run_batch(
+        self,
+        generation: int,
+        todo: list[tuple[int, Step]],
+        state: dict[str, Any],
+        done: set[int],
+    ) -> None:
+        """Run one batch of independent steps; the first failure cancels the others.
+
+        Cancelling a sibling only stops *watching* it: an exchange a broker has started runs to
+        its end there (or is rolled back or forward by its lease), so no lock is left behind.
+        The cancelled step is not recorded as completed; the next run of the plan starts it
+        again under the same id (``step_id``), which the broker answers with the exchange it
+        already ran instead of running it twice. The batch waits for every sibling to end
+        before it reports the first failure, so nothing runs on unobserved.
+        """
+        try:
+            async with asyncio.TaskGroup() as group:
+                for i, s in todo:
+                    group.create_task(
+                        self._run_step(generation, i, s, state, done), name=f"step {i + 1}"
+                    )
+        except BaseExceptionGroup as failed:
+            first = failed.exceptions[0]
+            for other in failed.exceptions[1:]:
+                self.on_event("StepFailed", f"also failed in the same batch: {other}")
+            raise first from None
 
     async def _run_step(
         self, generation: int, i: int, step: Step, state: dict[str, Any], done: set[int]

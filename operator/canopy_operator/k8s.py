@@ -37,7 +37,16 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from canopy_broker.admin_client import AdminClient
 from canopy_operator.executor import Executor, StepError
-from canopy_operator.planner import LiveOverlay, Plan, Step, plan
+from canopy_operator.planner import (
+    Cause,
+    LiveOverlay,
+    Plan,
+    Reconcile,
+    decide,
+    plan,
+    plan_status,
+    steps_from_json,
+)
 from canopy_operator.proposals import (
     BOOKKEEPING_PREFIX,
     TERMINAL_PHASES,
@@ -497,40 +506,11 @@ def set_condition(
     return out
 
 
-def plan_status(generation: int, the_plan: Plan, completed: Sequence[int]) -> dict[str, Any]:
-    """A plan and its progress as ``status.plan`` (every step carries ``done``)."""
-    done = set(completed)
-    steps = [{**s.to_json(), "done": i in done} for i, s in enumerate(the_plan.steps)]
-    return {
-        "generation": generation,
-        "steps": steps,
-        "done": len(done),
-        "progress": f"{len(done)}/{len(steps)}",
-    }
-
-
 def post_event(obj: Mapping[str, Any], reason: str, message: str, warning: bool = False) -> None:
     """An Event about ``obj``; kopf posts Events from a queue of its own (best effort), and a
     plain dict body is all it reads."""
     kind = "Warning" if warning else "Normal"
     kopf.event(cast(kopf.Body, obj), type=kind, reason=reason, message=message)
-
-
-def steps_from_json(steps: Sequence[Mapping[str, Any]]) -> tuple[Step, ...]:
-    out = []
-    for s in steps:
-        remove, add = s.get("remove"), s.get("add")
-        out.append(
-            Step(
-                kind=s["kind"],
-                batch=int(s.get("batch", 0)),
-                broker=s.get("broker"),
-                remove=(remove[0], remove[1]) if remove else None,
-                add=(add[0], add[1]) if add else None,
-                cycle=tuple(s.get("cycle") or ()),
-            )
-        )
-    return tuple(out)
 
 
 # -- the operator -----------------------------------------------------------------------------
@@ -674,8 +654,13 @@ class Reconciler:
             return
         generation = self.generation()
         spec, problems = self.parse()
-        if spec is None or problems:
-            message = "; ".join(problems)
+        decision = decide(
+            problems or ([] if spec is not None else ["the spec could not be read"]),
+            generation,
+            self.obj.get("status") or {},
+        )
+        if decision.cause is Cause.INVALID or spec is None:
+            message = "; ".join(decision.problems)
             self.condition("Valid", False, "InvalidSpec", message)
             await self.status(observedGeneration=generation, phase="Invalid")
             self.event("InvalidSpec", message, warning=True)
@@ -684,20 +669,21 @@ class Reconciler:
         token = await self.ensure_objects(spec)
         backend = self.backend(spec, token)
         try:
-            await self._converge(spec, backend, generation)
+            await self._converge(spec, backend, generation, decision)
         finally:
             await backend.close()
 
     async def _converge(
-        self, spec: OverlaySpec, backend: KubernetesBackend, generation: int
+        self,
+        spec: OverlaySpec,
+        backend: KubernetesBackend,
+        generation: int,
+        decision: Reconcile,
     ) -> None:
         declared = spec.broker_names
-        status = self.obj.get("status") or {}
-        saved = status.get("plan") or {}
-        resuming = saved.get("generation") == generation and not all(
-            s.get("done") for s in saved.get("steps") or []
-        )
-        if status.get("phase") in (None, "Pending", "Invalid") and not resuming:
+        saved = (self.obj.get("status") or {}).get("plan") or {}
+        resuming = decision.cause is Cause.RESUME
+        if decision.creating:
             await self.status(phase="Creating", observedGeneration=generation)
         pods = await backend.pods()
         # Pods for every declared broker up front (they start in parallel); the plan links them.
@@ -715,9 +701,9 @@ class Reconciler:
         neighbours = await backend.neighbours(running)
         live = live_tree(neighbours, declared)
         if resuming:
-            steps = steps_from_json(saved["steps"])
+            steps = decision.steps
             the_plan = Plan(steps, ())
-            completed = [i for i, s in enumerate(saved["steps"]) if s.get("done")]
+            completed = list(decision.completed)
             self.event(
                 "PlanResumed",
                 f"resuming generation {generation}: {len(completed)}/{len(steps)} steps were done",

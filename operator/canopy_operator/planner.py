@@ -28,8 +28,9 @@ import itertools
 import random
 import zlib
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Literal
 
 from canopy_operator.topology import Edge, OverlaySpec, adjacency, norm, tree_path
@@ -380,3 +381,74 @@ def degree_excess(edges: Iterable[Edge], f: int) -> int:
         deg[a] = deg.get(a, 0) + 1
         deg[b] = deg.get(b, 0) + 1
     return max((d - f for d in deg.values()), default=0) if deg else 0
+
+
+# --------------------------------------------------------------------------- plans in status
+
+
+def plan_status(generation: int, the_plan: Plan, completed: Sequence[int]) -> dict[str, Any]:
+    """A plan and its progress as ``status.plan`` (every step carries ``done``)."""
+    done = set(completed)
+    steps = [{**s.to_json(), "done": i in done} for i, s in enumerate(the_plan.steps)]
+    return {
+        "generation": generation,
+        "steps": steps,
+        "done": len(done),
+        "progress": f"{len(done)}/{len(steps)}",
+    }
+
+
+def steps_from_json(steps: Sequence[Mapping[str, Any]]) -> tuple[Step, ...]:
+    out = []
+    for s in steps:
+        remove, add = s.get("remove"), s.get("add")
+        out.append(
+            Step(
+                kind=s["kind"],
+                batch=int(s.get("batch", 0)),
+                broker=s.get("broker"),
+                remove=(remove[0], remove[1]) if remove else None,
+                add=(add[0], add[1]) if add else None,
+                cycle=tuple(s.get("cycle") or ()),
+            )
+        )
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- what to do
+
+
+class Cause(Enum):
+    """Why a reconcile does what it does (kopf's ``detect_*_cause`` is the model): decided from
+    data alone, carried out by the reconciler."""
+
+    INVALID = "invalid"  # the spec is not a valid tree: touch nothing, say what is wrong
+    RESUME = "resume"  # a saved plan of this generation has steps left: finish it as saved
+    PLAN = "plan"  # a new generation, or the saved plan is done: plan from the live tree
+
+
+@dataclass(frozen=True)
+class Reconcile:
+    """What one reconcile of an overlay will do (see :func:`decide`)."""
+
+    cause: Cause
+    problems: tuple[str, ...] = ()
+    steps: tuple[Step, ...] = ()  # RESUME: the saved plan
+    completed: tuple[int, ...] = ()  # RESUME: the steps it had finished
+    creating: bool = False  # the overlay was never converged: its phase becomes Creating
+
+
+def decide(problems: Sequence[str], generation: int, status: Mapping[str, Any]) -> Reconcile:
+    """The reconcile decision from the spec's validation problems, the object's generation and
+    its status. A resumed plan is taken as saved, never re-planned: re-planning from a half-done
+    live tree could pick other exchanges than the ones already applied."""
+    if problems:
+        return Reconcile(Cause.INVALID, problems=tuple(problems))
+    saved = status.get("plan") or {}
+    saved_steps = saved.get("steps") or []
+    resuming = saved.get("generation") == generation and not all(s.get("done") for s in saved_steps)
+    creating = status.get("phase") in (None, "Pending", "Invalid") and not resuming
+    if resuming:
+        completed = tuple(i for i, s in enumerate(saved_steps) if s.get("done"))
+        return Reconcile(Cause.RESUME, steps=steps_from_json(saved_steps), completed=completed)
+    return Reconcile(Cause.PLAN, creating=creating)

@@ -6,11 +6,12 @@ import itertools
 import random
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canopy_broker.sim.topology import random_tree
-from canopy_operator.planner import LiveOverlay, Plan, plan
+from canopy_operator.planner import Cause, LiveOverlay, Plan, decide, plan
 from canopy_operator.topology import Broker, OverlaySpec, adjacency, norm, tree_path, validate
 
 
@@ -165,3 +166,54 @@ def test_planning_a_1000_broker_change_is_fast() -> None:
     wall = time.perf_counter() - t
     print(f"planned {len(p.steps)} exchanges for 1000 brokers in {wall:.3f} s")
     assert len(p.exchanges) == len({norm(e) for e in t1} - {norm(e) for e in t2})
+
+
+@pytest.mark.parametrize(
+    ("problems", "status", "cause", "creating"),
+    [
+        (["links do not form a tree"], {}, Cause.INVALID, False),
+        ([], {}, Cause.PLAN, True),  # never converged: Creating
+        ([], {"phase": "Invalid"}, Cause.PLAN, True),
+        ([], {"phase": "Ready", "plan": {"generation": 4, "steps": []}}, Cause.PLAN, False),
+        (  # the saved plan of this generation is done: plan again from the live tree
+            [],
+            {
+                "phase": "Ready",
+                "plan": {"generation": 5, "steps": [{"kind": "add-leaf", "done": True}]},
+            },
+            Cause.PLAN,
+            False,
+        ),
+        (  # an older generation's unfinished plan is not resumed
+            [],
+            {"phase": "Degraded", "plan": {"generation": 4, "steps": [{"kind": "add-leaf"}]}},
+            Cause.PLAN,
+            False,
+        ),
+    ],
+)
+def test_reconcile_decision_table(
+    problems: list[str], status: dict[str, object], cause: Cause, creating: bool
+) -> None:
+    d = decide(problems, 5, status)
+    assert (d.cause, d.creating) == (cause, creating)
+    assert d.problems == tuple(problems)
+
+
+def test_an_unfinished_plan_of_this_generation_is_resumed_as_saved() -> None:
+    steps = [
+        {"kind": "add-leaf", "batch": 0, "broker": "d", "add": ["c", "d"], "done": True},
+        {
+            "kind": "exchange",
+            "batch": 1,
+            "remove": ["a", "b"],
+            "add": ["a", "d"],
+            "cycle": ["a", "b", "c", "d"],
+            "done": False,
+        },
+    ]
+    d = decide([], 5, {"phase": "Reconfiguring", "plan": {"generation": 5, "steps": steps}})
+    assert d.cause is Cause.RESUME and not d.creating
+    assert d.completed == (0,)
+    assert [s.kind for s in d.steps] == ["add-leaf", "exchange"]
+    assert d.steps[1].cycle == ("a", "b", "c", "d") and d.steps[1].remove == ("a", "b")

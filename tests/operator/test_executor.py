@@ -1,0 +1,66 @@
+"""The executor's batches: one failed step cancels its siblings, waits for them, and leaves
+progress that a second run resumes from without repeating a step."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from canopy_operator.executor import Executor, StepError
+from canopy_operator.planner import Plan, Step
+
+
+class Store:
+    def __init__(self) -> None:
+        self.saved: dict[str, Any] = {}
+
+    async def save(self, progress: dict[str, Any]) -> None:
+        self.saved = progress
+
+
+class ScriptedExecutor(Executor):
+    """Steps do what the test says instead of calling brokers."""
+
+    fail_once: set[int]
+    log: list[str]
+
+    async def _do(self, generation: int, i: int, step: Step) -> dict[str, Any]:
+        self.log.append(f"start {i}")
+        try:
+            if i in self.fail_once:
+                self.fail_once.discard(i)
+                await asyncio.sleep(0.01)
+                raise StepError(i, step, "the broker refused")
+            await asyncio.sleep(0.2 if i == 1 else 0)
+        except asyncio.CancelledError:
+            self.log.append(f"cancelled {i}")
+            raise
+        self.log.append(f"done {i}")
+        return {}
+
+
+def plan() -> Plan:
+    steps = (
+        Step("exchange", 0, remove=("a", "b"), add=("a", "c"), cycle=("a", "b", "c")),
+        Step("exchange", 0, remove=("d", "e"), add=("d", "f"), cycle=("d", "e", "f")),
+        Step("exchange", 1, remove=("a", "c"), add=("a", "d"), cycle=("a", "c", "d")),
+    )
+    return Plan(steps, ())
+
+
+async def test_a_failed_step_cancels_its_siblings_and_a_rerun_resumes() -> None:
+    store = Store()
+    ex = ScriptedExecutor(backend=None, store=store, overlay="ov")  # type: ignore[arg-type]
+    ex.fail_once, ex.log = {0}, []
+    with pytest.raises(StepError, match="the broker refused"):
+        await ex.run(plan(), generation=3)
+    assert ex.log == ["start 0", "start 1", "cancelled 1"]  # batch 1 never started
+    assert store.saved == {}  # nothing completed
+    await ex.run(plan(), generation=3, progress=store.saved)
+    assert ex.log[3:] == ["start 0", "start 1", "done 0", "done 1", "start 2", "done 2"]
+    assert store.saved["completed"] == [0, 1, 2]
+    ex.log.clear()
+    await ex.run(plan(), generation=3, progress=store.saved)
+    assert ex.log == []  # a finished plan runs nothing again
