@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
+from typing import Any
 
 import pytest
 
@@ -70,3 +73,37 @@ async def test_a_broker_whose_core_fails_reports_unhealthy(
     await client.close()
     assert b.failed is not None and "KeyError" in b.failed
     assert not await admin.healthz() and not await admin.readyz()
+
+
+async def test_a_long_frame_is_handled_over_several_loop_turns(make_broker: MakeBroker) -> None:
+    """5,000 subscriptions in one frame: the broker hands the loop back between slices (other
+    callbacks run in between), and every subscription is still taken, in order."""
+    b = await make_broker("b")
+    slices: list[int] = []
+    handle = b._client_msgs
+
+    def counting(client: Any, items: list[Any], deadline: float = math.inf) -> list[Any] | None:
+        rest = handle(client, items, min(deadline, time.perf_counter() + 0.002))
+        slices.append(len(items) - len(rest or ()))
+        return rest
+
+    b._client_msgs = counting  # type: ignore[method-assign]
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    tick_task = asyncio.create_task(ticker())
+    try:
+        async with await connect(b.advertised) as c:
+            await asyncio.gather(*(c.subscribe(f"k = {i}", f"s{i}") for i in range(5000)))
+            subs = b.core.routing.subscriptions(c.client_id)
+            assert subs is not None and list(subs) == [f"s{i}" for i in range(5000)]
+    finally:
+        tick_task.cancel()
+        await asyncio.gather(tick_task, return_exceptions=True)
+    assert sum(slices) == 5000 and len(slices) > 3, slices
+    assert ticks > len(slices)

@@ -24,6 +24,8 @@ import asyncio
 import dataclasses
 import logging
 import math
+import time
+from collections import deque
 from collections.abc import Mapping
 from enum import Enum
 from types import TracebackType
@@ -437,6 +439,11 @@ class FrameProtocol(asyncio.Protocol):
     """
 
     write_high_water = 1024 * 1024
+    work_budget: float | None = None
+    """Seconds of frame handling per event-loop turn (None: no limit). With a budget, a read
+    that brings more work than that is handled over several turns: reading pauses, the rest
+    waits in ``pending`` (a frame may be handed back half done, see :meth:`frame_received`),
+    and heartbeats, timers and other connections get the loop in between."""
 
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self.transport: asyncio.Transport | None = None
@@ -444,6 +451,10 @@ class FrameProtocol(asyncio.Protocol):
         self.writing_paused = False
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._drained: asyncio.Future[None] | None = None
+        self.pending: deque[list[Any]] = deque()
+        self.deadline = math.inf  # when the current turn's budget runs out
+        self._pauses: set[str] = set()
+        self._continuing = False
 
     # -- asyncio callbacks -------------------------------------------------------------------
 
@@ -455,14 +466,51 @@ class FrameProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             for payload in self.splitter.feed(data):
+                self.pending.append(loads_frame(payload))
+        except FrameError as exc:
+            self.fail(exc)
+            return
+        if not self._continuing:
+            self._work()
+
+    def _work(self) -> None:
+        """Handle pending frames until done or the turn's budget is spent."""
+        self._continuing = False
+        budget = self.work_budget
+        self.deadline = math.inf if budget is None else time.perf_counter() + budget
+        pending = self.pending
+        try:
+            while pending:
                 if self.is_closing():
+                    pending.clear()
                     return
-                self.frame_received(loads_frame(payload))
+                rest = self.frame_received(pending.popleft())
+                if rest is not None:
+                    pending.appendleft(rest)
+                if pending and time.perf_counter() >= self.deadline:
+                    self.pause("busy")
+                    self._continuing = True
+                    asyncio.get_running_loop().call_soon(self._work)
+                    return
+            self.resume("busy")
         except FrameError as exc:
             self.fail(exc)
         except Exception as exc:  # a bug must cost this connection, not the process
             log.exception("internal error while handling a frame")
             self.fail(FrameError(f"internal error: {exc!r}", "internal"))
+
+    def pause(self, reason: str) -> None:
+        """Stop reading for ``reason``; reading resumes once no reason is left."""
+        if not self._pauses and self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+        self._pauses.add(reason)
+
+    def resume(self, reason: str) -> None:
+        if reason not in self._pauses:
+            return
+        self._pauses.discard(reason)
+        if not self._pauses and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.lost.done():
@@ -478,7 +526,9 @@ class FrameProtocol(asyncio.Protocol):
 
     # -- for subclasses and owners -----------------------------------------------------------
 
-    def frame_received(self, frame: list[Any]) -> None:
+    def frame_received(self, frame: list[Any]) -> list[Any] | None:
+        """Handle one frame; return what is left of it if ``deadline`` passed half-way (it is
+        handed back first on the next turn), or None when it is done."""
         raise NotImplementedError
 
     def is_closing(self) -> bool:

@@ -46,7 +46,7 @@ class ConnOwner(Protocol):
 
     def conn_made(self, conn: Conn) -> None: ...
 
-    def frame_received(self, conn: Conn, frame: list[Any]) -> None: ...
+    def frame_received(self, conn: Conn, frame: list[Any]) -> list[Any] | None: ...
 
     def conn_failed(self, conn: Conn, exc: FrameError) -> None: ...
 
@@ -81,9 +81,11 @@ class Conn(FrameProtocol):
                 link.m_bytes_in.inc(len(data))
         super().data_received(data)
 
-    def frame_received(self, frame: list[Any]) -> None:
+    work_budget = 0.02  # a broker hands the loop back every 20 ms (heartbeats, other peers)
+
+    def frame_received(self, frame: list[Any]) -> list[Any] | None:
         try:
-            self.broker.frame_received(self, frame)
+            return self.broker.frame_received(self, frame)
         except ProtocolError as exc:
             raise FrameError(str(exc), "protocol") from None
         except CoreFailedError as exc:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 import uuid
@@ -478,12 +479,11 @@ class Broker:
         if paused:
             self.metrics.backpressure.inc()
         for client in self.clients.values():
-            transport = client.conn.transport
-            if client.publisher and transport is not None and not transport.is_closing():
+            if client.publisher:
                 if paused:
-                    transport.pause_reading()
+                    client.conn.pause("pressure")
                 else:
-                    transport.resume_reading()
+                    client.conn.resume("pressure")
 
     def _acked(self, link: Link, upto: int) -> None:
         link.ack(upto)
@@ -504,32 +504,35 @@ class Broker:
 
     # ------------------------------------------------------------------ frames
 
-    def frame_received(self, conn: Conn, frame: list[Any]) -> None:
+    def frame_received(self, conn: Conn, frame: list[Any]) -> list[Any] | None:
+        """Handle one frame; a long one may be handed back unfinished (see ``work_budget``)."""
         ftype = frame[0]
         role = conn.role
         if role == "client":
             if ftype == F_MSGS and len(frame) == 2 and type(frame[1]) is list:
                 client = conn.client
                 assert client is not None
-                self._client_msgs(client, frame[1])
-                return
+                rest = self._client_msgs(client, frame[1], conn.deadline)
+                return None if rest is None else [F_MSGS, rest]
         elif role in {"link", "peer"}:
             link = conn.link
             assert link is not None
             if link.removed:
-                return
+                return None
             link.last_heard = self._loop.time()
+            if ftype == F_DATA and len(frame) == 3:
+                return self._link_data(link, frame[1], frame[2], conn.deadline)
             self._link_frame(link, conn, ftype, frame)
-            return
+            return None
         elif ftype == F_HELLO and len(frame) == 2 and isinstance(frame[1], dict):
             if conn.dialing:
                 self._dial_answered(conn, frame[1])
             else:
                 self._hello(conn, frame[1])
-            return
+            return None
         elif ftype == F_ERROR and conn.dialing:
             self._dial_refused(conn, frame)
-            return
+            return None
         raise FrameError(
             f"unexpected frame type {ftype!r} for a {role or 'new'} connection", "unknown-type"
         )
@@ -602,11 +605,20 @@ class Broker:
     def _redirect(self, client: Client, target: str, address: str) -> None:
         self._to_client(client, dumps([B_REDIRECT, target, address]))
 
-    def _client_msgs(self, client: Client, items: list[Any]) -> None:
+    def _client_msgs(
+        self, client: Client, items: list[Any], deadline: float = math.inf
+    ) -> list[Any] | None:
+        """Handle a client's messages in order; if ``deadline`` passes, return the ones not
+        handled yet (they are handed back on the next loop turn, still in order)."""
         cid = client.id
-        self._m_client_in.inc(len(items))
         published = 0
+        handled = 0
+        rest: list[Any] | None = None
         for item in items:
+            if handled & 15 == 15 and time.perf_counter() >= deadline:
+                rest = items[handled:]
+                break
+            handled += 1
             if type(item) is not list or not item:
                 raise FrameError(f"a client message must be a non-empty array, got {item!r}")
             code = item[0]
@@ -654,12 +666,14 @@ class Broker:
                 break  # whatever follows in this frame has no client any more
             else:
                 raise FrameError(f"unknown client message {item!r}", "unknown-type")
+        self._m_client_in.inc(handled)
         if published:
             self._m_published.inc(published)
             if not client.publisher:
                 client.publisher = True
-                if self._publishers_paused and client.conn.transport is not None:
-                    client.conn.transport.pause_reading()
+                if self._publishers_paused:
+                    client.conn.pause("pressure")
+        return rest
 
     def _to_client(self, client: Client, msg: bytes) -> None:
         client.pending.append(msg)
@@ -746,9 +760,7 @@ class Broker:
     # ------------------------------------------------------------------ links: frames
 
     def _link_frame(self, link: Link, conn: Conn, ftype: object, frame: list[Any]) -> None:
-        if ftype == F_DATA and len(frame) == 3:
-            self._link_data(link, frame[1], frame[2])
-        elif ftype == F_ACK and len(frame) == 2 and type(frame[1]) is int:
+        if ftype == F_ACK and len(frame) == 2 and type(frame[1]) is int:
             self._acked(link, frame[1])
         elif ftype == F_PING and len(frame) == 3 and type(frame[2]) is int:
             self._acked(link, frame[2])
@@ -783,7 +795,12 @@ class Broker:
         else:
             raise FrameError(f"unexpected link frame {frame[:2]!r}", "unknown-type")
 
-    def _link_data(self, link: Link, first: object, items: object) -> None:
+    def _link_data(
+        self, link: Link, first: object, items: object, deadline: float = math.inf
+    ) -> list[Any] | None:
+        """Hand a data frame's messages to the core in order; if ``deadline`` passes, return
+        the rest as a data frame that starts where this one stopped (acknowledged only once
+        handled)."""
         if type(first) is not int or type(items) is not list:
             raise FrameError("data frame must be [1, first_seq, [messages]]")
         skip = link.rx_seq + 1 - first
@@ -799,6 +816,7 @@ class Broker:
         peer = link.peer
         handle = self.core.handle
         n = 0
+        rest: list[Any] | None = None
         try:
             if link.kind == "peer":
                 for item in items:
@@ -806,6 +824,9 @@ class Broker:
                     n += 1
             else:
                 for item in items:
+                    if n & 15 == 15 and time.perf_counter() >= deadline:
+                        rest = [F_DATA, link.rx_seq + n + 1, items[n:]]
+                        break
                     msg = decode_link_message(item)
                     if type(msg) is Publish:
                         self._route_event(FromLink(peer, msg), msg.event, "link", peer)
@@ -819,6 +840,7 @@ class Broker:
                 link.m_msgs_in.inc(n)
             if not link.dirty:
                 self.mark_dirty(link)  # to acknowledge
+        return rest
 
     # ------------------------------------------------------------------ links: lifecycle
 
