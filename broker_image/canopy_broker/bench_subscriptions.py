@@ -3,8 +3,9 @@
 Brokers are real processes on 127.0.0.1 (covering routing), linked as a binary tree of
 ``--brokers`` brokers. Measured, each for N in ``--counts``:
 
-* **install**: one client on the deepest leaf sends N subscriptions ``k = i`` (distinct values,
-  so none covers another and every broker must hold all N) in batches of ``--batch``; the
+* **install**: ``--clients`` clients on the deepest leaf send N subscriptions ``k = i``
+  (distinct values, so none covers another and every broker must hold all N), ``--batch`` in
+  flight at a time; the
   figure is the time until every broker's routing table holds them (polled through the admin
   API), and the time per 1,000 for the first and the last 1,000 acknowledgements (flat when
   insertion cost does not grow with the table);
@@ -77,17 +78,21 @@ async def _table_sizes(overlay: Overlay) -> dict[str, int]:
 
 
 async def install(
-    overlay: Overlay, client: Client, n: int, batch: int, offset: int
+    overlay: Overlay, clients: Sequence[Client], n: int, batch: int, offset: int
 ) -> dict[str, Any]:
-    """Subscriptions ``offset .. offset + n`` from ``client``; they stay (the next N adds to
-    them, so the table keeps growing across runs)."""
+    """Subscriptions ``offset .. offset + n``, spread over ``clients``; they stay (the next N
+    adds to them, so the table keeps growing across runs). Several clients, because one client
+    library connection carries one subscription request at a time (each waits for its
+    acknowledgement), which would measure round trips rather than the overlay."""
     base = {name: size for name, size in (await _table_sizes(overlay)).items()}
     acked: list[float] = []
     async with StallProbe(overlay) as probe:
         t0 = time.perf_counter()
         for start in range(0, n, batch):
             ids = range(offset + start, offset + min(n, start + batch))
-            await asyncio.gather(*(client.subscribe(f"k = {i}", f"s{i}") for i in ids))
+            await asyncio.gather(
+                *(clients[i % len(clients)].subscribe(f"k = {i}", f"s{i}") for i in ids)
+            )
             acked.append(time.perf_counter())
             if len(acked) % max(1, 10_000 // batch) == 0:
                 progress(f"N={n:,}: {start + batch:,} acknowledged")
@@ -182,7 +187,13 @@ async def churn(
 
 
 async def run(
-    brokers: int, counts: Sequence[int], batch: int, rate: float, churn_seconds: float
+    brokers: int,
+    counts: Sequence[int],
+    batch: int,
+    rate: float,
+    churn_seconds: float,
+    *,
+    n_clients: int = 20,
 ) -> dict[str, Any]:
     names, edges = tree(brokers)
     leaf = names[-1]
@@ -190,18 +201,28 @@ async def run(
     async with Overlay(names, edges, routing="covering") as overlay:
         results = []
         offset = 0
-        client = await connect(overlay[leaf].listen, client_id="bench-subs")
+        clients = [
+            await connect(overlay[leaf].listen, client_id=f"bench-subs-{i}")
+            for i in range(n_clients)
+        ]
         for n in counts:
-            results.append(await install(overlay, client, n, batch, offset))
+            results.append(await install(overlay, clients, n, batch, offset))
             offset += n
         churned = await churn(overlay, names[0], names[-2], rate, churn_seconds)
-    return {"brokers": brokers, "routing": "covering", "install": results, "churn": churned}
+    return {
+        "brokers": brokers,
+        "clients": n_clients,
+        "routing": "covering",
+        "install": results,
+        "churn": churned,
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--brokers", type=int, default=10)
     parser.add_argument("--counts", default="10000,100000", help="comma-separated N values")
-    parser.add_argument("--batch", type=int, default=500, help="subscriptions in flight")
+    parser.add_argument("--batch", type=int, default=2000, help="subscriptions in flight")
+    parser.add_argument("--clients", type=int, default=20, help="subscribing connections")
     parser.add_argument("--rate", type=float, default=1000.0, help="events/s during churn")
     parser.add_argument("--churn-seconds", type=float, default=10.0)
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
@@ -216,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_args(args: argparse.Namespace) -> int:
     """Run with arguments parsed by :func:`add_arguments` (``canopy bench subscriptions``)."""
     counts = [int(c) for c in str(args.counts).split(",") if c.strip()]
-    result = asyncio.run(run(args.brokers, counts, args.batch, args.rate, args.churn_seconds))
+    result = asyncio.run(
+        run(args.brokers, counts, args.batch, args.rate, args.churn_seconds, n_clients=args.clients)
+    )
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0

@@ -220,6 +220,8 @@ def test_bench_subscriptions_measures_and_loses_nothing_under_churn() -> None:
         "300,600",
         "--batch",
         "100",
+        "--clients",
+        "4",
         "--rate",
         "200",
         "--churn-seconds",
@@ -230,7 +232,7 @@ def test_bench_subscriptions_measures_and_loses_nothing_under_churn() -> None:
     data = last_json(result.stdout)
     installs = data["install"]
     assert isinstance(installs, list)
-    assert [r["subscriptions"] for r in installs] == [300, 600]
+    assert [r["subscriptions"] for r in installs] == [300, 600] and data["clients"] == 4
     for r in installs:
         assert 0 < r["acknowledged_s"] <= r["installed_everywhere_s"]
         assert r["longest_healthz_s"] > 0

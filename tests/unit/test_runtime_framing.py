@@ -230,3 +230,58 @@ def test_generic_form_refuses_deep_nesting_and_foreign_types() -> None:
         from_wire(deep)
     with pytest.raises(TypeError):
         to_wire(object())
+
+
+@pytest.mark.parametrize(
+    ("wire", "problem"),
+    [
+        ({"$": "Granted", "xid": 5}, "field 'xid' is int '5', not str"),
+        ({"$": "Lock", "xid": "x", "path": "abc", "k": 1}, "field 'path' is str"),
+        ({"$": "Lock", "xid": "x", "path": ["a", 1], "k": 1}, "not tuple[str, ...]"),
+        ({"$": "Separator", "xid": "x", "side": True}, "field 'side' is bool"),
+        ({"$": "Done", "xid": "x", "keys": [1]}, "field 'keys' is tuple"),
+        ({"$": "Relay", "xid": "x", "message": {"$": "Granted", "xid": "y"}}, "Subscribe"),
+        ({"$": "Lock", "xid": "x", "path": ["a", "b"], "k": 0, "lease": "long"}, "'lease'"),
+    ],
+)
+def test_generic_messages_are_checked_against_their_declared_types(
+    wire: dict[str, object], problem: str
+) -> None:
+    """The core never sees a message whose fields are of another type than declared."""
+    with pytest.raises(FrameError, match=problem.replace("[", r"\[").replace("(", r"\(")):
+        decode_link_message([3, wire])
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.sampled_from(["$", "$e", "$f", "$ev", "xid", "path", "k", "v"]), inner)
+    ),
+    max_leaves=12,
+)
+message_names = st.sampled_from(sorted(n for n in vars(core_messages) if n[:1].isupper()))
+
+
+@given(
+    st.one_of(
+        json_values,
+        st.tuples(st.integers(0, 4), json_values).map(list),
+        st.builds(
+            lambda name, fields: [3, {"$": name, **fields}],
+            message_names,
+            st.dictionaries(st.sampled_from(["xid", "path", "k", "keys", "side"]), json_values),
+        ),
+    )
+)
+def test_decoding_arbitrary_input_raises_only_frame_errors(item: object) -> None:
+    """Fuzz: whatever a peer sends, decoding either yields a message or a FrameError."""
+    for decode, kind in (
+        (decode_link_message, core_messages.LinkMessage),
+        (decode_peer_message, core_messages.PeerMessage),
+    ):
+        try:
+            msg = decode(item)  # type: ignore[operator]
+        except FrameError:
+            continue
+        assert isinstance(msg, kind)

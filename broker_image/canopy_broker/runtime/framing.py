@@ -25,6 +25,8 @@ import dataclasses
 import logging
 import math
 import time
+import types
+import typing
 from collections import deque
 from collections.abc import Mapping
 from enum import Enum
@@ -281,6 +283,45 @@ _WIRE_TYPES: dict[str, type] = {
     and (dataclasses.is_dataclass(obj) or issubclass(obj, Enum))
 }
 _MAX_DEPTH = 32
+# Every field's declared type, resolved once: decoding checks each value against it, so a peer
+# cannot hand the core a message whose fields are of the wrong type (an int for a broker name,
+# a string for a path).
+_FIELD_TYPES: dict[str, dict[str, Any]] = {
+    name: typing.get_type_hints(cls)
+    for name, cls in _WIRE_TYPES.items()
+    if dataclasses.is_dataclass(cls)
+}
+
+
+def conforms(value: object, hint: Any) -> bool:
+    """Whether ``value`` (as decoded from the wire) is of the declared type ``hint``."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(conforms(value, h) for h in typing.get_args(hint))
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if type(value) is not tuple:
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(conforms(v, args[0]) for v in value)
+        return len(value) == len(args) and all(map(conforms, value, args))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return type(value) in (int, float)
+    if hint in (str, int, bool):
+        return type(value) is hint
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return False
+
+
+def _hint_name(hint: Any) -> str:
+    if typing.get_origin(hint) is None and hasattr(hint, "__name__"):
+        return str(hint.__name__)
+    return str(hint).replace("canopy_broker.core.messages.", "").replace("canopy_broker.core.", "")
 
 
 def to_wire(obj: object) -> Any:
@@ -318,6 +359,14 @@ def from_wire(obj: object, depth: int = 0) -> Any:
             if cls is None or not dataclasses.is_dataclass(cls):
                 raise FrameError(f"unknown message type {obj['$']!r}", "unknown-type")
             fields = {k: from_wire(v, depth + 1) for k, v in obj.items() if k != "$"}
+            hints = _FIELD_TYPES[cls.__name__]
+            for key, value in fields.items():
+                hint = hints.get(key)
+                if hint is not None and not conforms(value, hint):
+                    raise FrameError(
+                        f"bad {cls.__name__}: field {key!r} is {type(value).__name__} "
+                        f"{str(value)[:40]!r}, not {_hint_name(hint)}"
+                    )
             try:
                 return cls(**fields)
             except (TypeError, ValueError) as exc:
