@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from canopy_operator import demo, localcmd, minecmd, plancmd, simcmd
+    from canopy_operator.commands import demo, local, mine, plan, sim
 
     parser = argparse.ArgumentParser(
         prog="canopy",
@@ -20,10 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_arguments(sub)
-    plancmd.add_arguments(sub)
-    localcmd.add_arguments(sub)
-    simcmd.add_arguments(sub)
-    minecmd.add_arguments(sub)
+    plan.add_arguments(sub)
+    local.add_arguments(sub)
+    sim.add_arguments(sub)
+    mine.add_arguments(sub)
     _add_operator_command(sub)
     _add_proposal_commands(sub)
     _add_broker_commands(sub)
@@ -32,9 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_proposal_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`canopy proposal export | list`: TopologyProposals for GitOps and people."""
-    from canopy_operator import proposalcmd
+    from canopy_operator.commands import proposal
 
-    proposalcmd.add_arguments(sub)
+    proposal.add_arguments(sub)
 
 
 def _add_operator_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -63,7 +63,7 @@ def _run_operator(args: argparse.Namespace) -> int:
 
     from prometheus_client import start_http_server
 
-    from canopy_operator import k8s
+    from canopy_operator.backends import k8s
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = k8s.OperatorConfig(
@@ -83,7 +83,7 @@ def _run_operator(args: argparse.Namespace) -> int:
 def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Client and benchmark commands that live with the broker package."""
     from canopy_broker import bench, bench_subscriptions, clients_cli
-    from canopy_operator import minecmd
+    from canopy_operator.commands import mine
 
     clients_cli.add_pubsub_arguments(sub)
     p = sub.add_parser("bench", help="benchmarks that print measured figures")
@@ -101,7 +101,7 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     bench_subscriptions.add_arguments(subscriptions)
     subscriptions.set_defaults(func=bench_subscriptions.run_args)
-    minecmd.add_bench_arguments(bench_sub)
+    mine.add_bench_arguments(bench_sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
-from canopy_operator.topology import Edge, adjacency
+from canopy_operator.model.topology import Edge, adjacency
 
 
 def layout(names: Iterable[str], edges: Iterable[Edge]) -> dict[str, tuple[float, float]]:

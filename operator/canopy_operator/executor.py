@@ -1,6 +1,6 @@
 """The executor: the one place that acts on a plan. Both faces (Kubernetes, local) use it.
 
-It runs a :class:`~canopy_operator.planner.Plan` batch by batch — steps of one batch touch
+It runs a :class:`~canopy_operator.model.planner.Plan` batch by batch — steps of one batch touch
 disjoint brokers and run concurrently — through a small :class:`Backend` (create/delete a broker,
 wait until it is ready, its addresses, its admin client) and the brokers' admin API.
 
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from canopy_broker.admin_client import AdminClient, AdminError
-from canopy_operator.planner import Plan, Step
+from canopy_operator.model.planner import Plan, Step
 
 
 class Backend(Protocol):

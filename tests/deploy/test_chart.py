@@ -20,9 +20,9 @@ import yaml
 from prometheus_client.metrics_core import Metric
 
 from canopy_broker.runtime.metrics import BrokerMetrics, Gauges
-from canopy_operator import k8s
+from canopy_operator.backends import k8s
 from canopy_operator.cli import build_parser
-from canopy_operator.topology import parse_overlay
+from canopy_operator.model.topology import parse_overlay
 from tests.tools import (
     CHART,
     helm,

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from canopy_broker.cli import build_parser as broker_parser
-from canopy_operator import k8s
+from canopy_operator.backends import k8s
 from canopy_operator.cli import build_parser as canopy_parser
 from tests.tools import CHART, ROOT, run_tool
 

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import yaml
 
-from canopy_operator.topology import parse_overlay, validate
+from canopy_operator.model.topology import parse_overlay, validate
 from tests.tools import kubernetes_validate, yaml_docs
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from canopy_operator.mining.synth import parents_towards, route
-from canopy_operator.topology import Edge
+from canopy_operator.model.topology import Edge
 
 SCHEMA = "canopy.telemetry/v1"
 

@@ -13,11 +13,11 @@ import pytest
 from pyspark.sql import SparkSession
 
 from canopy_broker.client import Client, connect
-from canopy_operator import minecmd
+from canopy_operator.backends.k8s import pod_name
 from canopy_operator.cli import build_parser
-from canopy_operator.k8s import pod_name
-from canopy_operator.proposals import LABEL_OVERLAY
-from canopy_operator.selforg import TELEMETRY_ARGS
+from canopy_operator.commands import mine as minecmd
+from canopy_operator.commands.selforg import TELEMETRY_ARGS
+from canopy_operator.model.proposals import LABEL_OVERLAY
 from tests.operator import test_k8s_operator
 from tests.operator.k8s_harness import (
     CanopyEmulator,

@@ -20,7 +20,7 @@ from pyspark.sql import SparkSession
 
 from canopy_operator.mining import metrics
 from canopy_operator.mining.source import read_telemetry
-from canopy_operator.topology import parse_overlay
+from canopy_operator.model.topology import parse_overlay
 from tests.mining.telemetry import event_records, rtt, write
 
 LINKS = [("a", "b"), ("a", "c"), ("b", "d"), ("c", "e")]

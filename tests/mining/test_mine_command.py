@@ -11,7 +11,7 @@ import yaml
 from pyspark.sql import SparkSession
 
 from canopy_operator.cli import main
-from canopy_operator.minecmd import since_time
+from canopy_operator.commands.mine import since_time
 from tests.mining.telemetry import write
 from tests.mining.test_metrics import fixture_records, overlay_manifest
 

@@ -8,11 +8,11 @@ import pytest
 from pyspark.sql import SparkSession
 
 from canopy_broker.sim.topology import random_tree
-from canopy_operator import proposals
 from canopy_operator.mining import metrics, propose
 from canopy_operator.mining.job import MiningResult, Settings, mine
 from canopy_operator.mining.source import read_telemetry
-from canopy_operator.topology import parse_overlay
+from canopy_operator.model import proposals
+from canopy_operator.model.topology import parse_overlay
 from tests.mining.telemetry import event_records, write
 from tests.mining.test_metrics import LINKS, SPEC, fixture_records, overlay_manifest
 

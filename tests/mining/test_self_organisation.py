@@ -17,10 +17,10 @@ from pyspark.sql import SparkSession
 from canopy_broker.client import Client, connect
 from canopy_broker.core.filters import Filter
 from canopy_broker.sim.checker import DeliveryRecord, PubRecord, SubRecord, check_deliveries
-from canopy_operator.local import LocalBackend
-from canopy_operator.localcmd import apply
-from canopy_operator.selforg import TELEMETRY_ARGS, apply_proposal, mine_overlay
-from canopy_operator.topology import parse_overlay
+from canopy_operator.backends.local import LocalBackend
+from canopy_operator.commands.local import apply
+from canopy_operator.commands.selforg import TELEMETRY_ARGS, apply_proposal, mine_overlay
+from canopy_operator.model.topology import parse_overlay
 
 CHAIN = [f"b{i}" for i in range(6)]
 FILTERS = {

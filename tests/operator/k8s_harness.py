@@ -5,8 +5,9 @@ a thread of its own, and a test "kubelet" that runs a real broker process for ev
   ``resourceVersion``, ``creationTimestamp`` and ``generation`` on create, a new
   ``resourceVersion`` on every change and a new ``generation`` when ``spec`` changes, and list
   responses that ``kubectl`` accepts (``kind: <Kind>List``, JSON watch streams).
-* :class:`OperatorThread` runs :func:`canopy_operator.k8s.run_operator` in its own thread and
-  event loop (kopf cancels every task of its loop when it stops, so it cannot share the test's).
+* :class:`OperatorThread` runs :func:`canopy_operator.backends.k8s.run_operator` in its own
+  thread and event loop (kopf cancels every task of its loop when it stops, so it cannot share
+  the test's).
   Stopping it mid-plan is, for the brokers, an operator that died.
 * :class:`Kubelet` plays the kubelet: a Pod object appears -> a real ``canopy-broker`` process
   with the overlay's token from the Secret, the Pod marked Ready; the resolver maps the pod to
@@ -34,7 +35,7 @@ from kmock._internal import rendering
 
 from canopy_broker.procs import BrokerProc, spawn_broker
 from canopy_broker.sim.checker import DeliveryReport, check_deliveries
-from canopy_operator.k8s import (
+from canopy_operator.backends.k8s import (
     LABEL_BROKER,
     LABEL_OVERLAY,
     Endpoints,

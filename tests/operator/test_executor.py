@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from canopy_operator.executor import Executor, StepError
-from canopy_operator.planner import Plan, Step
+from canopy_operator.model.planner import Plan, Step
 
 
 class Store:

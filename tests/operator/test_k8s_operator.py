@@ -15,8 +15,8 @@ import yaml
 from prometheus_client import REGISTRY
 
 from canopy_broker.sim.checker import check_deliveries
-from canopy_operator.k8s import KubeApi, overlay_path
-from canopy_operator.topology import norm
+from canopy_operator.backends.k8s import KubeApi, overlay_path
+from canopy_operator.model.topology import norm
 from tests.integration.test_reconfiguration import Run, converged
 from tests.operator.k8s_harness import (
     NS,

@@ -13,10 +13,16 @@ import kmock
 import pytest
 import yaml
 
+from canopy_operator.backends.k8s import overlay_path, proposal_path
 from canopy_operator.cli import main
-from canopy_operator.k8s import overlay_path, proposal_path
-from canopy_operator.proposals import Change, Proposal, apply_changes, exported_overlay, to_manifest
-from canopy_operator.topology import Edge, adjacency, norm, tree_path
+from canopy_operator.model.proposals import (
+    Change,
+    Proposal,
+    apply_changes,
+    exported_overlay,
+    to_manifest,
+)
+from canopy_operator.model.topology import Edge, adjacency, norm, tree_path
 from tests.operator import test_k8s_operator
 from tests.operator.k8s_harness import (
     NS,

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canopy_broker.sim.topology import random_tree
-from canopy_operator.planner import Cause, LiveOverlay, Plan, decide, plan
-from canopy_operator.topology import Broker, OverlaySpec, adjacency, norm, tree_path, validate
+from canopy_operator.model.planner import Cause, LiveOverlay, Plan, decide, plan
+from canopy_operator.model.topology import Broker, OverlaySpec, adjacency, norm, tree_path, validate
 
 
 def spec(

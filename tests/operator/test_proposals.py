@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from canopy_operator.cli import main
-from canopy_operator.proposals import (
+from canopy_operator.model.proposals import (
     EVIDENCE_KEYS,
     Decision,
     Proposal,
@@ -27,7 +27,7 @@ from canopy_operator.proposals import (
     to_manifest,
     to_prune,
 )
-from canopy_operator.topology import norm, parse_overlay, validate
+from canopy_operator.model.topology import norm, parse_overlay, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 # hub ─ east ─ south, hub ─ west ─ edge-1, hub ─ north  (manifests/examples/overlay-explicit.yaml)

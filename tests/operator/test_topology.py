@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from canopy_broker.cli import build_parser as broker_parser
-from canopy_operator.topology import SpecError, find_cycle, parse_overlay, validate
+from canopy_operator.model.topology import SpecError, find_cycle, parse_overlay, validate
 
 
 def manifest(

@@ -69,7 +69,7 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
-{{/* The broker pods the operator creates (labels set by canopy_operator.k8s.pod_manifest). */}}
+{{/* The broker pods the operator creates (labels set by canopy_operator.backends.k8s.pod_manifest). */}}
 {{- define "canopy.broker.selector" -}}
 matchLabels:
   app.kubernetes.io/name: canopy-broker

@@ -19,7 +19,7 @@ import yaml
 from canopy_operator.mining import synth
 from canopy_operator.mining.job import Settings, describe, mine
 from canopy_operator.mining.session import spark_session
-from canopy_operator.topology import parse_overlay
+from canopy_operator.model.topology import parse_overlay
 
 
 def run(args: argparse.Namespace) -> int:

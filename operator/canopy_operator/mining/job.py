@@ -2,7 +2,7 @@
 
 ``mine`` is the whole job for one overlay and returns a :class:`MiningResult` (plain data, easy
 to print, serialise and test); ``write_outputs`` puts its tables and proposals in a directory.
-The command-line and cluster shells live in ``minecmd``.
+The command-line and cluster shells live in ``canopy_operator.commands.mine``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from canopy_operator.draw import draw
 from canopy_operator.mining import metrics, propose
 from canopy_operator.mining.errors import MiningInputError
 from canopy_operator.mining.source import Telemetry, read_telemetry
-from canopy_operator.proposals import Proposal, apply_changes, to_manifest
-from canopy_operator.topology import Edge, OverlaySpec, norm, validate_tree
+from canopy_operator.model.proposals import Proposal, apply_changes, to_manifest
+from canopy_operator.model.topology import Edge, OverlaySpec, norm, validate_tree
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pyspark.sql import functions as F
 
-from canopy_operator.topology import Edge, norm
+from canopy_operator.model.topology import Edge, norm
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

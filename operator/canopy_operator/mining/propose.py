@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pyspark.sql import Window
 from pyspark.sql import functions as F
 
-from canopy_operator.topology import Edge, adjacency, norm, tree_path
+from canopy_operator.model.topology import Edge, adjacency, norm, tree_path
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

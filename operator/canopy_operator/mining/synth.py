@@ -25,7 +25,7 @@ from pyspark.sql import functions as F
 
 from canopy_broker.sim.topology import adjacency, random_tree
 from canopy_operator.mining.source import SCHEMA_V1
-from canopy_operator.topology import Edge
+from canopy_operator.model.topology import Edge
 
 ZONES = ("zone-a", "zone-b", "zone-c", "zone-d")
 

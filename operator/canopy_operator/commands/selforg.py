@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from canopy_operator.backends.local import LocalBackend
+from canopy_operator.commands.local import apply
 from canopy_operator.executor import Executor
-from canopy_operator.local import LocalBackend
-from canopy_operator.localcmd import apply
-from canopy_operator.planner import Plan
-from canopy_operator.proposals import Proposal, apply_changes
-from canopy_operator.topology import parse_overlay
+from canopy_operator.model.planner import Plan
+from canopy_operator.model.proposals import Proposal, apply_changes
+from canopy_operator.model.topology import parse_overlay
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

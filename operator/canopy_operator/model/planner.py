@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
 
-from canopy_operator.topology import Edge, OverlaySpec, adjacency, norm, tree_path
+from canopy_operator.model.topology import Edge, OverlaySpec, adjacency, norm, tree_path
 
 StepKind = Literal["add-leaf", "exchange", "remove-leaf"]
 

@@ -6,7 +6,8 @@ it, with the evidence that made the miner propose it. This module turns proposal
 tree), exports the ``BrokerOverlay`` manifest with a proposal applied (for a GitOps pull
 request), finds open duplicates and old proposals to prune, and decides — :func:`lifecycle` —
 what the operator does with a proposal next. The operator's Kubernetes face
-(:mod:`canopy_operator.k8s`) is the thin effectful shell around that decision; docs/proposals.md
+(:mod:`canopy_operator.backends.k8s`) is the thin effectful shell around that decision;
+docs/proposals.md
 describes the lifecycle.
 """
 
@@ -20,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from canopy_operator.topology import Edge, adjacency, norm, tree_path
+from canopy_operator.model.topology import Edge, adjacency, norm, tree_path
 
 __all__ = [
     "ANNOTATION_APPROVE",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from canopy_operator.planner import LiveOverlay, plan
-from canopy_operator.topology import OverlaySpec, SpecError, parse_overlay, validate
+from canopy_operator.model.planner import LiveOverlay, plan
+from canopy_operator.model.topology import OverlaySpec, SpecError, parse_overlay, validate
 
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
-from canopy_operator.plancmd import load_overlay
-from canopy_operator.topology import Edge, OverlaySpec, SpecError, norm
+from canopy_operator.commands.plan import load_overlay
+from canopy_operator.model.topology import Edge, OverlaySpec, SpecError, norm
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -197,7 +197,7 @@ async def _pull_local(
 ) -> tuple[list[Edge], float | None]:
     """Pull telemetry from a local overlay; return its live links and where mining starts
     (``since``, or later where a broker's history was cut short)."""
-    from canopy_operator.local import LocalBackend
+    from canopy_operator.backends.local import LocalBackend
     from canopy_operator.mining.source import local_admins, pull_telemetry
 
     admins, token = local_admins(state_dir, overlay)
@@ -247,7 +247,7 @@ def _mine_one(
 
 
 def _kube(args: argparse.Namespace) -> Any:
-    from canopy_operator.k8s import KubeApi
+    from canopy_operator.backends.k8s import KubeApi
 
     if args.server:
         return KubeApi(
@@ -274,7 +274,7 @@ async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:
     and counted; the others are still mined; the exit code is 1 if any failed.
     ``resolver`` maps (namespace, service, pod) to a broker's endpoints: the cluster DNS by
     default, local processes in tests (as for the operator)."""
-    from canopy_operator import k8s
+    from canopy_operator.backends import k8s
 
     api = _kube(args)
     failures = 0
@@ -300,8 +300,8 @@ async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:
 async def _mine_overlay(
     args: argparse.Namespace, api: Any, obj: dict[str, Any], resolve: Any
 ) -> None:
-    from canopy_operator import k8s
-    from canopy_operator.topology import parse_overlay, validate_tree
+    from canopy_operator.backends import k8s
+    from canopy_operator.model.topology import parse_overlay, validate_tree
 
     meta, status = obj.get("metadata") or {}, obj.get("status") or {}
     ns, name = str(meta.get("namespace") or "default"), str(meta.get("name"))
@@ -355,12 +355,12 @@ async def _mine_and_file(
     token: str,
     ns: str,
 ) -> None:
-    from canopy_operator import proposals
-    from canopy_operator.k8s import GROUP, VERSION
+    from canopy_operator.backends.k8s import GROUP, VERSION
     from canopy_operator.mining.errors import TelemetryError
     from canopy_operator.mining.job import describe, mine
     from canopy_operator.mining.session import spark_session
     from canopy_operator.mining.source import pull_telemetry
+    from canopy_operator.model import proposals
 
     name = spec.name
     base = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/topologyproposals"

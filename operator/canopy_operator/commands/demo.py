@@ -38,12 +38,9 @@ from canopy_broker.sim.checker import (
     check_deliveries,
 )
 from canopy_broker.sim.topology import adjacency, path_between, random_tree
-from canopy_operator.draw import draw
-from canopy_operator.local import LocalBackend
-from canopy_operator.localcmd import apply
-from canopy_operator.mining.errors import MiningInputError
-from canopy_operator.planner import LiveOverlay, plan
-from canopy_operator.selforg import (
+from canopy_operator.backends.local import LocalBackend
+from canopy_operator.commands.local import apply
+from canopy_operator.commands.selforg import (
     TELEMETRY_ARGS,
     apply_proposal,
     describe,
@@ -51,7 +48,10 @@ from canopy_operator.selforg import (
     mine_overlay,
     start_spark,
 )
-from canopy_operator.topology import parse_overlay
+from canopy_operator.draw import draw
+from canopy_operator.mining.errors import MiningInputError
+from canopy_operator.model.planner import LiveOverlay, plan
+from canopy_operator.model.topology import parse_overlay
 
 SYMBOLS = ["ACME", "GLOBEX", "INITECH", "UMBRELLA", "HOOLI", "GRINGOTTS", "STARK", "WAYNE"]
 VENUES = ["XNYS", "XNAS", "XLON"]

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from canopy_operator.proposals import ProposalError, exported_overlay, from_manifest
+from canopy_operator.model.proposals import ProposalError, exported_overlay, from_manifest
 
 if TYPE_CHECKING:
-    from canopy_operator.k8s import KubeApi
+    from canopy_operator.backends.k8s import KubeApi
 
 API = "/apis/canopy.dev/v1alpha1"
 
@@ -91,7 +91,7 @@ def _kube_api(args: argparse.Namespace) -> KubeApi:
     # The Kubernetes client pulls in kopf (a second to import): only for cluster commands.
     import kopf  # noqa: PLC0415
 
-    from canopy_operator.k8s import KubeApi  # noqa: PLC0415
+    from canopy_operator.backends.k8s import KubeApi  # noqa: PLC0415
 
     if args.server:
         return KubeApi(
@@ -107,7 +107,7 @@ def _kube_api(args: argparse.Namespace) -> KubeApi:
 
 
 async def _get(api: KubeApi, path: str, what: str) -> dict[str, Any]:
-    from canopy_operator.k8s import KubeError  # noqa: PLC0415
+    from canopy_operator.backends.k8s import KubeError  # noqa: PLC0415
 
     try:
         obj = await api.get(path)

@@ -20,7 +20,7 @@ from canopy_broker.sim.experiments import run_exchanges
 from canopy_broker.sim.overhead import measure
 from canopy_broker.sim.simulator import Simulator
 from canopy_broker.sim.topology import random_tree
-from canopy_operator import report
+from canopy_operator.commands import report
 
 # Paper 002's set-up: 96 one-character patterns, at most 10 per broker.
 PATTERNS = [chr(c) for c in range(ord("!"), ord("!") + 96)]

@@ -18,12 +18,12 @@ from typing import Any, TypeVar
 
 import yaml
 
+from canopy_operator.backends.local import LocalBackend
+from canopy_operator.commands.plan import load_overlay
 from canopy_operator.draw import draw
 from canopy_operator.executor import Executor, StepError
-from canopy_operator.local import LocalBackend
-from canopy_operator.plancmd import load_overlay
-from canopy_operator.planner import LiveOverlay, Plan, plan
-from canopy_operator.topology import OverlaySpec, SpecError
+from canopy_operator.model.planner import LiveOverlay, Plan, plan
+from canopy_operator.model.topology import OverlaySpec, SpecError
 
 DEFAULT_STATE = Path(".canopy")
 T = TypeVar("T")

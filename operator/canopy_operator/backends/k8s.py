@@ -37,7 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from canopy_broker.admin_client import AdminClient
 from canopy_operator.executor import Executor, StepError
-from canopy_operator.planner import (
+from canopy_operator.model.planner import (
     Cause,
     LiveOverlay,
     Plan,
@@ -47,7 +47,7 @@ from canopy_operator.planner import (
     plan_status,
     steps_from_json,
 )
-from canopy_operator.proposals import (
+from canopy_operator.model.proposals import (
     BOOKKEEPING_PREFIX,
     TERMINAL_PHASES,
     Decision,
@@ -55,7 +55,7 @@ from canopy_operator.proposals import (
     from_manifest,
     lifecycle,
 )
-from canopy_operator.topology import OverlaySpec, SpecError, norm, parse_overlay, validate
+from canopy_operator.model.topology import OverlaySpec, SpecError, norm, parse_overlay, validate
 
 GROUP, VERSION, PLURAL, KIND = "canopy.dev", "v1alpha1", "brokeroverlays", "BrokerOverlay"
 PROPOSALS = "topologyproposals"
@@ -859,7 +859,8 @@ def proposal_path(namespace: str, name: str = "") -> str:
 
 
 class ProposalKeeper:
-    """One pass over one TopologyProposal: :func:`canopy_operator.proposals.lifecycle` decides,
+    """One pass over one TopologyProposal: :func:`~canopy_operator.model.proposals.lifecycle`
+    decides,
     this writes the decision into the proposal's status (conditions, an Event per transition)
     and, for an approved proposal of a managed-links overlay, applies it with the planner and
     the shared executor, holding the overlay's lock. Writes only the proposal's status and,
