@@ -163,7 +163,10 @@ async def _collect(sub: Subscriber, stop: asyncio.Event) -> None:
     while True:
         done = stop.is_set()  # read before receiving: one more pass drains what is buffered
         batch = await sub.client.receive(max_items=2000, timeout=0 if done else 0.1)
-        if done and not batch:
+        if not batch and (done or sub.client.closed):
+            # A closed connection answers at once with nothing: without this, the loop would
+            # spin without ever yielding and freeze the whole demo. What it missed is then
+            # reported by the delivery check.
             return
         for n in batch:
             arrival += 1
