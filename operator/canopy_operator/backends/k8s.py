@@ -35,7 +35,7 @@ import aiohttp
 import kopf
 from prometheus_client import Counter, Gauge, Histogram
 
-from canopy_broker.admin_client import AdminClient
+from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_operator.executor import Executor, StepError
 from canopy_operator.model.planner import (
     Cause,
@@ -399,19 +399,28 @@ class KubernetesBackend:
         )
         await self.api.create(core_path(self.namespace, "pods"), body)
 
-    async def delete_broker(self, name: str) -> None:
+    async def _forget_admin(self, name: str) -> None:
         client = self._admins.pop(name, None)
         if client is not None:
             await client.close()
+
+    async def delete_broker(self, name: str) -> None:
+        await self._forget_admin(name)
         await self.api.delete(self._pod_path(name))
 
     async def wait_ready(self, name: str, within: float) -> None:
-        """The pod's Ready condition (the kubelet's readiness probe), then the admin API."""
+        """The pod's Ready condition (the kubelet's readiness probe), then the admin API.
+
+        A broker that does not answer has its admin client dropped, so the next poll resolves
+        its address afresh: a restarted broker may listen somewhere else, and a client kept
+        from before would knock on the old address until the deadline."""
         deadline = time.monotonic() + within
         while True:
             pod = await self.api.get(self._pod_path(name))
-            if pod is not None and pod_ready(pod) and await self.admin(name).readyz():
-                return
+            if pod is not None and pod_ready(pod):
+                if await self.admin(name).readyz():
+                    return
+                await self._forget_admin(name)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"broker {name} not ready after {within}s")
             await asyncio.sleep(self.poll)
@@ -1179,7 +1188,13 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         if lock.locked() or config.stopping:  # a reconcile is running; it converges anyway
             return
         async with lock:
-            await heal(config, api(), namespace, name)
+            try:
+                await heal(config, api(), namespace, name)
+            except (aiohttp.ClientError, OSError, AdminError, KubeError, TimeoutError) as exc:
+                # A broker restarting under the heal (its old address gone, the new one not
+                # up yet) is the normal case here, not a fault: the next tick looks again.
+                # Raising would make kopf back off for a minute, the heal's whole purpose.
+                log.warning("heal of %s/%s deferred to the next tick: %s", namespace, name, exc)
 
     @kopf.on.resume(GROUP, VERSION, PROPOSALS, registry=registry)
     @kopf.on.create(GROUP, VERSION, PROPOSALS, registry=registry)
