@@ -25,8 +25,9 @@ from aiohttp import web
 
 from canopy_broker.core.messages import RoutingMode
 from canopy_broker.runtime.admin import make_admin_app
+from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import parse_address
-from canopy_broker.runtime.server import Broker, BrokerConfig
+from canopy_broker.runtime.server import Broker
 
 READY_PREFIX = "CANOPY_READY "
 TOKEN_ENV = "CANOPY_ADMIN_TOKEN"

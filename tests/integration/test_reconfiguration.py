@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from canopy_broker.client import Client, _Conn, connect
+from canopy_broker.client import Client, connect
+from canopy_broker.client.connection import BrokerConnection
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import RoutingMode
 from canopy_broker.procs import Overlay
@@ -237,7 +238,7 @@ class WideOverlapClient(Client):
     """Holds the migration open until the new connection has buffered notifications that the
     old one also carries, so the two connections certainly overlap."""
 
-    async def _resubscribe(self, new: _Conn) -> None:
+    async def _resubscribe(self, new: BrokerConnection) -> None:
         await super()._resubscribe(new)
         async with asyncio.timeout(20):
             while self._migration is not None and len(self._migration.held) < 50:  # noqa: ASYNC110

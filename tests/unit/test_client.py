@@ -49,14 +49,14 @@ async def test_async_for_over_notifications_ends_when_the_broker_goes(
 async def test_many_publishes_are_batched_into_few_frames(make_broker: MakeBroker) -> None:
     b = await make_broker("b")
     frames: list[int] = []
-    handle = b._client_msgs
+    handle = b.client_sessions.messages
 
     def counting(client: Any, items: list[Any], deadline: float = math.inf) -> list[Any] | None:
         rest = handle(client, items, deadline)  # a long frame may be handled over two turns
         frames.append(len(items) - len(rest or ()))
         return rest
 
-    b._client_msgs = counting  # type: ignore[method-assign]
+    b.client_sessions.messages = counting  # type: ignore[method-assign]
     async with await connect(addr(b)) as sub, await connect(addr(b), "p") as pub:
         await sub.subscribe([("i", ">=", 0)])
         for i in range(2000):

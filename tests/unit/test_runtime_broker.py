@@ -17,8 +17,9 @@ import pytest
 
 from canopy_broker.client import Client, ClientError, Notification, connect
 from canopy_broker.core.events import is_sampled
+from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import control_frame, frame
-from canopy_broker.runtime.server import Broker, BrokerConfig
+from canopy_broker.runtime.server import Broker
 
 MakeBroker = Callable[..., Awaitable[Broker]]
 

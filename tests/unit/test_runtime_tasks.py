@@ -80,14 +80,14 @@ async def test_a_long_frame_is_handled_over_several_loop_turns(make_broker: Make
     callbacks run in between), and every subscription is still taken, in order."""
     b = await make_broker("b")
     slices: list[int] = []
-    handle = b._client_msgs
+    handle = b.client_sessions.messages
 
     def counting(client: Any, items: list[Any], deadline: float = math.inf) -> list[Any] | None:
         rest = handle(client, items, min(deadline, time.perf_counter() + 0.002))
         slices.append(len(items) - len(rest or ()))
         return rest
 
-    b._client_msgs = counting  # type: ignore[method-assign]
+    b.client_sessions.messages = counting  # type: ignore[method-assign]
     ticks = 0
 
     async def ticker() -> None:

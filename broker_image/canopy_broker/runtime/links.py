@@ -1,11 +1,16 @@
-"""Per-connection and per-destination state of the broker process.
+"""The destinations of a broker process: overlay links (and channels) and attached clients.
 
-* :class:`Conn` is one TCP connection (accepted or dialed) speaking frames. Until the hello it has
-  no role; afterwards it belongs to a :class:`Link` or a :class:`Client`.
-* :class:`Link` is one overlay link. It outlives its connections: sequence numbers, the
-  retransmit buffer and the receive position survive a reconnect, which is what makes the link
-  reliable and FIFO across reconnects (nothing lost, nothing duplicated).
+* :class:`Link` is one overlay link or out-of-band channel. It outlives its connections:
+  sequence numbers, the retransmit buffer and the receive position survive a reconnect, which is
+  what makes the link reliable and FIFO across reconnects (nothing lost, nothing duplicated). Its
+  session and closure states change only through the tables of
+  :mod:`canopy_broker.runtime.linkstate`.
 * :class:`Client` is one attached client with its outbound queue.
+
+Both know their connection only as a :class:`~canopy_broker.runtime.framing.FrameProtocol`
+(something frames are written to), so this module sits below the connection class
+(:mod:`canopy_broker.runtime.conn`) and the broker. What to do with frames received is the job
+of :mod:`~canopy_broker.runtime.link_sessions` and :mod:`~canopy_broker.runtime.client_sessions`.
 
 Outbound data is never written message by message. Producers append encoded messages to a
 destination's list and mark it dirty; the broker flushes all dirty destinations once per event-loop
@@ -17,9 +22,8 @@ iteration.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from canopy_broker.core.broker import CoreFailedError, ProtocolError
 from canopy_broker.runtime.framing import (
     F_ACK,
     FrameError,
@@ -29,86 +33,10 @@ from canopy_broker.runtime.framing import (
     data_frame,
     msgs_frame,
 )
+from canopy_broker.runtime.linkstate import LinkEvent, LinkState, LinkStates
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
-
-
-class ConnOwner(Protocol):
-    """What a connection needs from the broker process that owns it.
-
-    Declared here so that connections and sessions sit *below* the broker process
-    (``runtime.server``) and never import it; the broker implements this interface.
-    """
-
-    @property
-    def max_frame(self) -> int: ...
-
-    def conn_made(self, conn: Conn) -> None: ...
-
-    def frame_received(self, conn: Conn, frame: list[Any]) -> list[Any] | None: ...
-
-    def conn_failed(self, conn: Conn, exc: FrameError) -> None: ...
-
-    def conn_lost(self, conn: Conn) -> None: ...
-
-    def mark_dirty(self, dest: Link | Client) -> None: ...
-
-    def fail(self, why: str) -> None: ...
-
-
-class Conn(FrameProtocol):
-    """A framed connection owned by a broker process; routes frames to it by role."""
-
-    def __init__(self, broker: ConnOwner, dial: Link | None = None) -> None:
-        super().__init__(broker.max_frame)
-        self.broker = broker
-        self.role: str | None = None  # "link" | "client" once the hello is done
-        self.link: Link | None = dial
-        self.client: Client | None = None
-        self.dialing = dial is not None
-        self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        self.broker.conn_made(self)
-
-    def data_received(self, data: bytes) -> None:
-        link = self.link
-        if link is not None and self.role == "link":
-            link.bytes_in += len(data)
-            if link.m_bytes_in is not None:
-                link.m_bytes_in.inc(len(data))
-        super().data_received(data)
-
-    work_budget = 0.02  # a broker hands the loop back every 20 ms (heartbeats, other peers)
-
-    def frame_received(self, frame: list[Any]) -> list[Any] | None:
-        try:
-            return self.broker.frame_received(self, frame)
-        except ProtocolError as exc:
-            raise FrameError(str(exc), "protocol") from None
-        except CoreFailedError as exc:
-            self.broker.fail(str(exc))
-            raise FrameError("the broker failed internally; see its log", "internal") from None
-
-    def fail(self, exc: FrameError) -> None:
-        self.broker.conn_failed(self, exc)
-        super().fail(exc)
-        if self.dialing and not self.handshake.done():
-            self.handshake.set_exception(exc)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        if self.dialing and not self.handshake.done():
-            self.handshake.set_exception(ConnectionError("connection closed during the hello"))
-        self.broker.conn_lost(self)
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        dest = self.link if self.role == "link" else self.client
-        if dest is not None:
-            self.broker.mark_dirty(dest)
 
 
 class Link:
@@ -144,12 +72,9 @@ class Link:
         self.kind = kind
         self.opened = opened
         self.established = False  # the core knows this link (AddLink given, or it opened it)
-        self.connected_once = False  # a session exists on both ends: reconnects resume it
-        self.closing = False  # the core closed it: flush, then say goodbye
-        self.peer_closed = False  # the peer's core closed it: never redial
-        self.removed = False
+        self.states = LinkStates()  # session and closure; see linkstate.py
         self.farewell: str | None = None  # the goodbye it was dropped with
-        self.conn: Conn | None = None
+        self.conn: FrameProtocol | None = None
         self.out: list[bytes] = []
         self.base = 1
         self.sent = 1
@@ -170,11 +95,60 @@ class Link:
         self.m_bytes_in: Counter | None = None
         self.m_bytes_out: Counter | None = None
 
+    # -- state (changed only through the transition tables of linkstate.py) ------------------
+
+    def fire(self, event: LinkEvent) -> None:
+        self.states.fire(event, self.peer)
+
     @property
     def state(self) -> str:
-        if self.conn is not None:
-            return "up"
-        return "connecting" if self.dialer else "down"
+        """The admin API's name for the connection state: ``up``, ``connecting`` or ``down``."""
+        return self.states.public_state(self.dialer)
+
+    @property
+    def removed(self) -> bool:
+        return self.states.session is LinkState.REMOVED
+
+    @property
+    def connected_once(self) -> bool:
+        """A session exists on both ends: a reconnect resumes it."""
+        return self.states.session in (LinkState.UP, LinkState.LOST)
+
+    @property
+    def closing(self) -> bool:
+        """The core closed it: flush, then say goodbye."""
+        return self.states.closing
+
+    @property
+    def peer_closed(self) -> bool:
+        """The peer's core closed it: never redial."""
+        return self.states.peer_closed
+
+    def connected(self, conn: FrameProtocol) -> None:
+        """A hello completed on ``conn``: it carries the session from now on."""
+        self.fire(LinkEvent.CONNECTED)
+        self.conn = conn
+        self.up.set()
+
+    def disconnected(self) -> None:
+        """The session's connection is gone; the session stays for a resume."""
+        self.fire(LinkEvent.DISCONNECTED)
+        self.conn = None
+        self.up.clear()
+
+    def remove(self) -> FrameProtocol | None:
+        """Forget the link; returns the connection it had, for the goodbye."""
+        self.fire(LinkEvent.REMOVE)
+        conn, self.conn = self.conn, None
+        self.up.clear()
+        return conn
+
+    def reset_session(self, session: str) -> None:
+        """Start over on ``session``: nothing sent or received on the old one counts."""
+        self.fire(LinkEvent.RESET)
+        self.session = session
+        self.base = self.sent = 1
+        self.rx_seq = self.acked_rx = 0
 
     @property
     def depth(self) -> int:
@@ -255,7 +229,7 @@ class Link:
 class Client:
     """An attached client: its id, connection, publish sequence and outbound queue."""
 
-    def __init__(self, client_id: str, conn: Conn) -> None:
+    def __init__(self, client_id: str, conn: FrameProtocol) -> None:
         self.id = client_id
         self.conn = conn
         self.pending: list[bytes] = []

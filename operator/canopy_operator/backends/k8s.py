@@ -37,6 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_operator.executor import Executor, StepError
+from canopy_operator.model.phases import ConditionType, OverlayPhase, ProposalPhase
 from canopy_operator.model.planner import (
     Cause,
     LiveOverlay,
@@ -510,7 +511,7 @@ def set_condition(
             "lastTransitionTime": since or now(),
         }
     )
-    order = ["Valid", "Ready", "Reconfiguring", "Degraded", "Approved", "Applied"]
+    order = list(ConditionType)
     out.sort(key=lambda c: order.index(c["type"]) if c["type"] in order else 99)
     return out
 
@@ -670,11 +671,11 @@ class Reconciler:
         )
         if decision.cause is Cause.INVALID or spec is None:
             message = "; ".join(decision.problems)
-            self.condition("Valid", False, "InvalidSpec", message)
-            await self.status(observedGeneration=generation, phase="Invalid")
+            self.condition(ConditionType.VALID, False, "InvalidSpec", message)
+            await self.status(observedGeneration=generation, phase=OverlayPhase.INVALID)
             self.event("InvalidSpec", message, warning=True)
             return
-        self.condition("Valid", True, "SpecValid", "the spec describes a valid tree")
+        self.condition(ConditionType.VALID, True, "SpecValid", "the spec describes a valid tree")
         token = await self.ensure_objects(spec)
         backend = self.backend(spec, token)
         try:
@@ -693,7 +694,7 @@ class Reconciler:
         saved = (self.obj.get("status") or {}).get("plan") or {}
         resuming = decision.cause is Cause.RESUME
         if decision.creating:
-            await self.status(phase="Creating", observedGeneration=generation)
+            await self.status(phase=OverlayPhase.CREATING, observedGeneration=generation)
         pods = await backend.pods()
         # Pods for every declared broker up front (they start in parallel); the plan links them.
         await asyncio.gather(*(backend.create_broker(b) for b in declared if b not in pods))
@@ -703,9 +704,9 @@ class Reconciler:
                 *(backend.wait_ready(b, self.config.ready_within) for b in running)
             )
         except TimeoutError as exc:
-            self.condition("Degraded", True, "BrokersNotReady", str(exc))
-            self.condition("Ready", False, "BrokersNotReady", str(exc))
-            await self.status(phase="Degraded")
+            self.condition(ConditionType.DEGRADED, True, "BrokersNotReady", str(exc))
+            self.condition(ConditionType.READY, False, "BrokersNotReady", str(exc))
+            await self.status(phase=OverlayPhase.DEGRADED)
             raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
         neighbours = await backend.neighbours(running)
         live = live_tree(neighbours, declared)
@@ -728,9 +729,9 @@ class Reconciler:
                     "PlanCreated",
                     f"generation {generation}: {total} steps ({len(the_plan.exchanges)} exchanges)",
                 )
-            self.condition("Reconfiguring", True, "PlanRunning", f"{total} steps")
+            self.condition(ConditionType.RECONFIGURING, True, "PlanRunning", f"{total} steps")
             await self.status(
-                phase="Reconfiguring",
+                phase=OverlayPhase.RECONFIGURING,
                 plan=self._plan_status(generation, the_plan, completed),
             )
         started = time.perf_counter()
@@ -748,9 +749,9 @@ class Reconciler:
             )
         except StepError as exc:
             STEPS.labels(exc.step.kind, "failed").inc()
-            self.condition("Degraded", True, "StepFailed", str(exc))
-            self.condition("Ready", False, "StepFailed", str(exc))
-            await self.status(phase="Degraded")
+            self.condition(ConditionType.DEGRADED, True, "StepFailed", str(exc))
+            self.condition(ConditionType.READY, False, "StepFailed", str(exc))
+            await self.status(phase=OverlayPhase.DEGRADED)
             self.event("StepFailed", str(exc), warning=True)
             raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
         # Brokers that are neither declared nor part of the live tree (left-overs) go.
@@ -759,11 +760,13 @@ class Reconciler:
         live_now = await backend.neighbours(declared)
         links = sorted({norm((a, b)) for a, ns in live_now.items() for b in ns})
         ready = sum(1 for b in declared if b in live_now)
-        self.condition("Ready", True, "Converged", f"{ready} brokers, {len(links)} links")
-        self.condition("Reconfiguring", False, "Idle")
-        self.condition("Degraded", False, "AllBrokersReachable")
+        self.condition(
+            ConditionType.READY, True, "Converged", f"{ready} brokers, {len(links)} links"
+        )
+        self.condition(ConditionType.RECONFIGURING, False, "Idle")
+        self.condition(ConditionType.DEGRADED, False, "AllBrokersReachable")
         fields: dict[str, Any] = {
-            "phase": "Ready",
+            "phase": OverlayPhase.READY,
             "observedGeneration": generation,
             "brokersReady": f"{ready}/{len(declared)}",
             "linkCount": len(links),
@@ -797,9 +800,9 @@ class Reconciler:
 
     async def _on_degraded(self, reason: str | None) -> None:
         if reason is None:
-            self.condition("Degraded", False, "AllBrokersReachable")
+            self.condition(ConditionType.DEGRADED, False, "AllBrokersReachable")
         else:
-            self.condition("Degraded", True, "BrokerUnreachable", reason)
+            self.condition(ConditionType.DEGRADED, True, "BrokerUnreachable", reason)
             self.event("BrokerUnreachable", reason, warning=True)
         await self.status()
 
@@ -824,7 +827,10 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
     if not await r.load():
         return
     status = r.obj.get("status") or {}
-    if status.get("phase") != "Ready" or status.get("observedGeneration") != r.generation():
+    if (
+        status.get("phase") != OverlayPhase.READY
+        or status.get("observedGeneration") != r.generation()
+    ):
         return
     spec, problems = r.parse()
     if spec is None or problems:
@@ -920,13 +926,27 @@ class ProposalKeeper:
         ):
             return
         conditions = list(status.get("conditions") or [])
-        was: dict[str, Any] = next((c for c in conditions if c.get("type") == "Approved"), {})
+        was: dict[str, Any] = next(
+            (c for c in conditions if c.get("type") == ConditionType.APPROVED), {}
+        )
         if d.approved is not None and was.get("status") != str(d.approved):
-            why = d.reason if d.approved or d.phase == "Rejected" else "AwaitingApproval"
-            conditions = set_condition(conditions, "Approved", d.approved, why, d.message)
-        applied_reason = d.reason if d.phase in ("Applied", "Stale", "Failed") else d.phase
+            why = (
+                d.reason if d.approved or d.phase == ProposalPhase.REJECTED else "AwaitingApproval"
+            )
+            conditions = set_condition(
+                conditions, ConditionType.APPROVED, d.approved, why, d.message
+            )
+        applied_reason = (
+            d.reason
+            if d.phase in (ProposalPhase.APPLIED, ProposalPhase.STALE, ProposalPhase.FAILED)
+            else d.phase
+        )
         conditions = set_condition(
-            conditions, "Applied", d.phase == "Applied", applied_reason, d.message
+            conditions,
+            ConditionType.APPLIED,
+            d.phase == ProposalPhase.APPLIED,
+            applied_reason,
+            d.message,
         )
         fields: dict[str, Any] = {
             "phase": d.phase,
@@ -939,7 +959,12 @@ class ProposalKeeper:
             fields["patch"] = dict(d.patch)
         await self.status(**fields)
         if d.phase != old:
-            post_event(self.obj, d.phase, d.message, warning=d.phase in ("Stale", "Failed"))
+            post_event(
+                self.obj,
+                d.phase,
+                d.message,
+                warning=d.phase in (ProposalPhase.STALE, ProposalPhase.FAILED),
+            )
 
     async def run(self) -> bool:
         """One pass; True if the overlay's live links changed (other proposals may not fit)."""
@@ -964,7 +989,9 @@ class ProposalKeeper:
         spec, problems = r.parse()
         if spec is None or problems:
             await self.record(
-                Decision("Failed", "InvalidOverlay", f"overlay {self.overlay} is invalid")
+                Decision(
+                    ProposalPhase.FAILED, "InvalidOverlay", f"overlay {self.overlay} is invalid"
+                )
             )
             return False
         status = self.obj.get("status") or {}
@@ -973,7 +1000,7 @@ class ProposalKeeper:
         token = await r.ensure_objects(spec)
         backend = r.backend(spec, token)
         try:
-            if status.get("phase") == "Applying" and saved.get("steps"):
+            if status.get("phase") == ProposalPhase.APPLYING and saved.get("steps"):
                 the_plan = Plan(steps_from_json(saved["steps"]), ())
                 completed = [i for i, s in enumerate(saved["steps"]) if s.get("done")]
                 post_event(
@@ -992,11 +1019,18 @@ class ProposalKeeper:
                 completed = []
                 n = len(the_plan.steps)
                 await self.record(
-                    Decision("Applying", "Applying", f"applying {n} steps to {self.overlay}"),
+                    Decision(
+                        ProposalPhase.APPLYING, "Applying", f"applying {n} steps to {self.overlay}"
+                    ),
                     plan=plan_status(p.generation, the_plan, []),
                 )
-            r.condition("Reconfiguring", True, "ProposalApplying", f"applying proposal {self.name}")
-            await r.status(phase="Reconfiguring")
+            r.condition(
+                ConditionType.RECONFIGURING,
+                True,
+                "ProposalApplying",
+                f"applying proposal {self.name}",
+            )
+            await r.status(phase=OverlayPhase.RECONFIGURING)
             r.event("ProposalApplying", f"applying proposal {self.name}")
             await self._execute(
                 r=r,
@@ -1042,9 +1076,9 @@ class ProposalKeeper:
         live_now = await backend.neighbours(spec.broker_names)
         links = sorted({norm((a, b)) for a, ns in live_now.items() for b in ns})
         seconds = round(time.perf_counter() - started, 3)
-        r.condition("Reconfiguring", False, "Idle")
+        r.condition(ConditionType.RECONFIGURING, False, "Idle")
         fields: dict[str, Any] = {
-            "phase": "Ready",
+            "phase": OverlayPhase.READY,
             "linkCount": len(links),
             "links": [list(e) for e in links],
         }
@@ -1059,12 +1093,12 @@ class ProposalKeeper:
             }
         await r.status(**fields)
         if failure is not None:
-            await self.record(Decision("Failed", "StepFailed", str(failure)))
+            await self.record(Decision(ProposalPhase.FAILED, "StepFailed", str(failure)))
             r.event("ProposalFailed", f"proposal {self.name}: {failure}", warning=True)
             return
         message = f"applied {len(the_plan.exchanges)} exchanges to {self.overlay} in {seconds}s"
         await self.record(
-            Decision("Applied", "Applied", message, approved=True),
+            Decision(ProposalPhase.APPLIED, "Applied", message, approved=True),
             plan=plan_status(generation, the_plan, range(len(the_plan.steps))),
         )
         r.event("ProposalApplied", f"proposal {self.name}: {message}")

@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from canopy_operator.commands.plan import load_overlay
+from canopy_operator.model.phases import OverlayPhase, ProposalPhase
 from canopy_operator.model.topology import Edge, OverlaySpec, SpecError, norm
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -314,7 +315,10 @@ async def _mine_overlay(
     except SpecError as exc:
         _say(f"{ns}/{name}: invalid spec, skipped: {exc}")
         return
-    if status.get("phase") != "Ready" or status.get("observedGeneration") != spec.generation:
+    if (
+        status.get("phase") != OverlayPhase.READY
+        or status.get("observedGeneration") != spec.generation
+    ):
         # Mid-reconfiguration the live links are not the spec's yet: proposals made against
         # them would be stale at birth. The next run will find it converged.
         _say(f"{ns}/{name}: not converged (phase {status.get('phase')}): skipped")
@@ -406,7 +410,7 @@ async def _mine_and_file(
             # finding against the current generation); a Rejected one stays rejected.
             old = await api.get(f"{base}/{p.name}") or {}
             phase = (old.get("status") or {}).get("phase")
-            if phase not in ("Stale", "Failed"):
+            if phase not in (ProposalPhase.STALE, ProposalPhase.FAILED):
                 _say(f"{ns}/{name}: {p.name} was {phase or 'filed'} before: not filed again")
                 continue
             await api.delete(f"{base}/{p.name}")

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
 
+from canopy_operator.model.phases import OverlayPhase
 from canopy_operator.model.topology import Edge, OverlaySpec, adjacency, norm, tree_path
 
 StepKind = Literal["add-leaf", "exchange", "remove-leaf"]
@@ -447,7 +448,9 @@ def decide(problems: Sequence[str], generation: int, status: Mapping[str, Any]) 
     saved = status.get("plan") or {}
     saved_steps = saved.get("steps") or []
     resuming = saved.get("generation") == generation and not all(s.get("done") for s in saved_steps)
-    creating = status.get("phase") in (None, "Pending", "Invalid") and not resuming
+    creating = (
+        status.get("phase") in (None, OverlayPhase.PENDING, OverlayPhase.INVALID) and not resuming
+    )
     if resuming:
         completed = tuple(i for i, s in enumerate(saved_steps) if s.get("done"))
         return Reconcile(Cause.RESUME, steps=steps_from_json(saved_steps), completed=completed)

@@ -21,6 +21,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from canopy_operator.model.phases import (
+    OPEN_PROPOSAL_PHASES,
+    TERMINAL_PROPOSAL_PHASES,
+    OverlayPhase,
+    ProposalPhase,
+)
 from canopy_operator.model.topology import Edge, adjacency, norm, tree_path
 
 __all__ = [
@@ -64,9 +70,9 @@ EVIDENCE_KEYS = (
     "expectedGain",
 )
 
-Phase = Literal["Proposed", "Approved", "Applying", "Applied", "Rejected", "Stale", "Failed"]
-OPEN_PHASES: tuple[Phase, ...] = ("Proposed", "Approved", "Applying")
-TERMINAL_PHASES: tuple[Phase, ...] = ("Applied", "Rejected", "Stale", "Failed")
+Phase = ProposalPhase
+OPEN_PHASES = OPEN_PROPOSAL_PHASES
+TERMINAL_PHASES = TERMINAL_PROPOSAL_PHASES
 
 Change = tuple[Edge, Edge]  # (link to remove, link to add)
 
@@ -427,18 +433,24 @@ def lifecycle(
     try:
         p = from_manifest(proposal)
     except ProposalError as exc:
-        return Decision("Failed", "InvalidProposal", f"malformed proposal: {exc}")
+        return Decision(ProposalPhase.FAILED, "InvalidProposal", f"malformed proposal: {exc}")
     if overlay is None:
-        if phase == "Applying":
-            return Decision("Failed", "OverlayNotFound", f"overlay {p.overlay} was deleted")
-        return Decision("Stale", "OverlayNotFound", f"overlay {p.overlay} does not exist")
-    if phase == "Applying":
-        return Decision("Applying", "Applying", message or "applying", "apply")
+        if phase == ProposalPhase.APPLYING:
+            return Decision(
+                ProposalPhase.FAILED, "OverlayNotFound", f"overlay {p.overlay} was deleted"
+            )
+        return Decision(
+            ProposalPhase.STALE, "OverlayNotFound", f"overlay {p.overlay} does not exist"
+        )
+    if phase == ProposalPhase.APPLYING:
+        return Decision(ProposalPhase.APPLYING, "Applying", message or "applying", "apply")
     annotations = (proposal.get("metadata") or {}).get("annotations") or {}
     approve = _truthy(annotations.get(ANNOTATION_APPROVE))
     if _truthy(annotations.get(ANNOTATION_REJECT)) or approve is False:
         how = f"{ANNOTATION_REJECT}=true" if approve is not False else f"{ANNOTATION_APPROVE}=false"
-        return Decision("Rejected", "Rejected", f"rejected by annotation {how}", approved=False)
+        return Decision(
+            ProposalPhase.REJECTED, "Rejected", f"rejected by annotation {how}", approved=False
+        )
 
     spec = overlay.get("spec") or {}
     meta = overlay.get("metadata") or {}
@@ -448,23 +460,23 @@ def lifecycle(
     try:
         declared = _links_of(spec)
     except ProposalError as exc:
-        return Decision("Stale", "InvalidOverlay", f"overlay {p.overlay}: {exc}")
+        return Decision(ProposalPhase.STALE, "InvalidOverlay", f"overlay {p.overlay}: {exc}")
     patch = status.get("patch")
-    if declared is not None and phase == "Approved" and isinstance(patch, Mapping):
+    if declared is not None and phase == ProposalPhase.APPROVED and isinstance(patch, Mapping):
         try:
             merged = _links_of(patch)
         except ProposalError:
             merged = None
         if merged is not None and {norm(e) for e in merged} == {norm(e) for e in declared}:
             return Decision(
-                "Applied",
+                ProposalPhase.APPLIED,
                 "Merged",
                 f"overlay {p.overlay}'s spec has the proposal's links (generation {generation})",
                 approved=True,
             )
     if generation != p.generation:
         return Decision(
-            "Stale",
+            ProposalPhase.STALE,
             "GenerationChanged",
             f"overlay {p.overlay} is at generation {generation}; the proposal was computed "
             f"against generation {p.generation}",
@@ -478,17 +490,21 @@ def lifecycle(
         links = [_pair(e) for e in raw] if isinstance(raw, list) and raw else None
     if links is None:
         return Decision(
-            phase or "Proposed",
+            ProposalPhase(phase) if phase in set(ProposalPhase) else ProposalPhase.PROPOSED,
             "WaitingForOverlay",
             f"overlay {p.overlay} has no live links yet: checked again once it is Ready",
         )
     try:
         after = apply_changes(links, p.changes)
     except ProposalError as exc:
-        return Decision("Stale", "ChangesInvalid", f"no longer fits the live tree: {exc}")
+        return Decision(
+            ProposalPhase.STALE, "ChangesInvalid", f"no longer fits the live tree: {exc}"
+        )
     problems = _fit(spec, after)
     if problems:
-        return Decision("Stale", "ChangesInvalid", "the result is invalid: " + "; ".join(problems))
+        return Decision(
+            ProposalPhase.STALE, "ChangesInvalid", "the result is invalid: " + "; ".join(problems)
+        )
 
     if approve:
         reason, how = "ApprovedByAnnotation", f"approved by annotation {ANNOTATION_APPROVE}=true"
@@ -501,7 +517,7 @@ def lifecycle(
             else ""
         )
         return Decision(
-            "Proposed",
+            ProposalPhase.PROPOSED,
             "AwaitingApproval",
             f"waiting for approval: annotate {ANNOTATION_APPROVE}=true or "
             f"{ANNOTATION_REJECT}=true{hint}",
@@ -509,7 +525,7 @@ def lifecycle(
         )
     if mode == "off":
         return Decision(
-            "Approved",
+            ProposalPhase.APPROVED,
             "SelfOrganizationOff",
             f"{how}, but not applied: overlay {p.overlay} has selfOrganization.mode off",
             approved=True,
@@ -517,7 +533,7 @@ def lifecycle(
     if declared is not None:
         exported = exported_overlay(overlay, p)
         return Decision(
-            "Approved",
+            ProposalPhase.APPROVED,
             reason,
             f"{how}; the operator never writes an explicit-links overlay's spec: export it "
             f"with `canopy proposal export {p.resource_name}` for a pull request (status.patch "
@@ -525,12 +541,15 @@ def lifecycle(
             patch=exported["spec"],
             approved=True,
         )
-    ready = ostatus.get("phase") == "Ready" and ostatus.get("observedGeneration") == generation
+    ready = (
+        ostatus.get("phase") == OverlayPhase.READY
+        and ostatus.get("observedGeneration") == generation
+    )
     if not ready:
         return Decision(
-            "Approved",
+            ProposalPhase.APPROVED,
             reason,
             f"{how}; waiting for overlay {p.overlay} to be Ready at generation {generation}",
             approved=True,
         )
-    return Decision("Approved", reason, f"{how}; applying", "apply", approved=True)
+    return Decision(ProposalPhase.APPROVED, reason, f"{how}; applying", "apply", approved=True)

@@ -1,0 +1,32 @@
+"""Async client library for Canopy brokers.
+
+    async with await connect("127.0.0.1:7400") as c:
+        sub = await c.subscribe('symbol = "ACME" and price < 10')
+        await c.publish({"symbol": "ACME", "price": 5})
+        async for n in c.notifications():
+            print(n.publisher, n.seq, n.attrs, n.sub_ids)
+
+Publishes are batched: :meth:`Client.publish` appends the encoded message to a buffer that is
+written as one frame at the end of the current event-loop iteration (or at once when it grows
+large), so a tight publish loop costs one ``write()`` per few hundred events while a single
+publish still goes out without a timer delay. :meth:`Client.flush` forces the write and waits for
+the socket to accept it. When the broker applies backpressure (it stops reading from publishers),
+the socket's buffer fills and ``publish`` waits; ``publish_nowait`` never waits.
+
+Filters are parsed here before anything is sent, so a typo raises :class:`FilterError` at the call
+instead of costing the connection (the broker closes connections that send invalid filters).
+
+**Migration** (make-before-break, docs/broker.md): :meth:`Client.migrate` moves the client to a
+neighbouring broker without losing, duplicating or reordering a notification, and a draining
+broker's redirect makes the library do it on its own; see :mod:`.migration`.
+
+The package is split by job: :mod:`.connection` (one connection to one broker), :mod:`.migration`
+(moving between brokers), :mod:`.notification` (what is received) and :mod:`.api` (the client).
+"""
+
+from __future__ import annotations
+
+from canopy_broker.client.api import Client, connect
+from canopy_broker.client.notification import ClientError, Notification
+
+__all__ = ["Client", "ClientError", "Notification", "connect"]

@@ -1,0 +1,326 @@
+"""The client: one client id attached to the overlay, publishing and subscribing.
+
+Connection handling is :mod:`.connection`'s, moving between brokers :mod:`.migration`'s; this
+module holds what the application calls and the routing of received frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from canopy_broker.client.connection import BrokerConnection, subscribe_message
+from canopy_broker.client.migration import Migrating, Migration
+from canopy_broker.client.notification import ClientError, Notification, NotificationStream
+from canopy_broker.core.events import Value
+from canopy_broker.core.filters import Filter
+from canopy_broker.runtime.framing import (
+    B_MARKER,
+    B_MIGRATING,
+    B_NOTIFY,
+    B_REDIRECT,
+    B_SUBSCRIBED,
+    B_UNSUBSCRIBED,
+    C_UNSUBSCRIBE,
+    F_ERROR,
+    F_HELLO,
+    F_MSGS,
+    AsyncClosing,
+    FrameError,
+    check_wire_attributes,
+    decode_filter,
+)
+from canopy_broker.runtime.tasks import TaskSet
+
+
+class Client(Migrating, AsyncClosing):
+    """A client of the overlay under one client id; create it with :func:`connect`.
+
+    It is attached to one broker at a time, except while it migrates (:meth:`migrate`).
+    """
+
+    max_buffered = 100_000
+    """Received notifications held before we stop reading the socket (the broker then sees a
+    slow consumer)."""
+
+    def __init__(self, client_id: str | None, *, follow_redirects: bool = True) -> None:
+        self.client_id = client_id or ""
+        self.follow_redirects = follow_redirects
+        self.subscriptions: dict[str, Filter] = {}
+        self.migrations = 0  # completed moves
+        self.duplicates_dropped = 0  # notifications both connections carried, dropped once
+        self.migration_error: BaseException | None = None  # of the last redirect-driven move
+        self._conn: BrokerConnection | None = None
+        self._migration: Migration | None = None
+        self._migrated = False  # a switch happened: the last-seq filter is in force from now on
+        self._last_seq: dict[str, int] = {}  # per publisher, the last seq delivered
+        self._lock = asyncio.Lock()  # migrations and subscription changes, one at a time
+        self._redirect: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(f"client {client_id or '(unnamed)'}")
+        self._seq = 0
+        self._sub_counter = 0
+        self._inbox: deque[Notification] = deque()
+        self._inbox_waiter: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self._closing = False
+
+    async def _open(self, address: str, connect_timeout: float) -> None:
+        self._conn = await BrokerConnection.open(
+            self, address, self.client_id or None, connect_timeout
+        )
+        self.client_id = self.client_id or self._conn.hello["client_id"] or ""
+        self._maybe_follow()  # a draining broker redirects right after its hello
+
+    @property
+    def broker(self) -> str:
+        """Name of the broker the client is attached to (publishes go there)."""
+        return self._conn.broker if self._conn is not None else ""
+
+    @property
+    def routing(self) -> str:
+        return self._conn.routing if self._conn is not None else ""
+
+    @property
+    def address(self) -> str:
+        return self._conn.address if self._conn is not None else ""
+
+    @property
+    def closed(self) -> bool:
+        """The connection is gone and no migration can replace it."""
+        conn = self._conn
+        return conn is None or (conn.lost.done() and self._migration is None)
+
+    @property
+    def migrating(self) -> bool:
+        return self._migration is not None
+
+    async def close(self) -> None:
+        """Flush what is buffered, close the connection(s) and wait until they are closed."""
+        self._closing = True
+        self._redirect = None
+        await self._tasks.stop()
+        m = self._migration
+        if m is not None:  # a move awaited by the application itself: end it here
+            if not m.switched.done():
+                self._switch(m)
+            await m.old.close_gracefully()
+            await m.new.close_gracefully()
+        if self._conn is not None:
+            await self._conn.close_gracefully()
+
+    def abort(self) -> None:
+        """Drop the connection(s) at once (what a crashing client does)."""
+        m = self._migration
+        for conn in (self._conn, *((m.old, m.new) if m else ())):
+            if conn is not None:
+                conn.abort()
+
+    def _frame(self, conn: BrokerConnection, frame: list[Any]) -> None:
+        ftype = frame[0]
+        if ftype == F_MSGS and len(frame) == 2 and type(frame[1]) is list:
+            m = self._migration
+            if m is None:
+                mode = "deliver" if conn is self._conn else "drop"
+            elif conn is m.old:
+                mode = "drop" if m.switched.done() else "deliver"
+            elif conn is m.new:
+                mode = "deliver" if m.switched.done() else "hold"
+            else:
+                mode = "drop"
+            inbox = self._inbox
+            last = self._last_seq
+            only_newer = self._migrated and self.dedup
+            for item in frame[1]:
+                code = item[0]
+                if code == B_NOTIFY:
+                    if mode == "deliver":
+                        publisher, seq = item[1], item[2]
+                        if only_newer and seq <= last.get(publisher, 0):
+                            self.duplicates_dropped += 1
+                            continue
+                        last[publisher] = seq  # per notification: a move may start any time
+                        inbox.append(Notification(publisher, seq, item[3], item[4], tuple(item[5])))
+                    elif mode == "hold":
+                        assert m is not None
+                        m.held.append(Notification(item[1], item[2], item[3], item[4], (*item[5],)))
+                elif code in (B_SUBSCRIBED, B_UNSUBSCRIBED, B_MIGRATING):
+                    conn.answered(code, item[1])
+                elif code == B_MARKER:
+                    if m is not None and conn is m.old and not m.switched.done():
+                        self._switch(m)
+                        mode = "drop"  # the old connection is only drained from here on
+                elif code == B_REDIRECT:
+                    self._redirected(conn, item[1], item[2])
+                else:
+                    raise FrameError(f"unknown message from the broker: {item!r}", "unknown-type")
+            if inbox:
+                self._wake_inbox()
+                if len(inbox) > self.max_buffered and not self._reading_paused:
+                    self._reading_paused = True
+                    for c in self._conns():
+                        if c.transport is not None and not c.is_closing():
+                            c.transport.pause_reading()
+        elif ftype == F_HELLO and len(frame) == 2 and isinstance(frame[1], dict):
+            if frame[1].get("client_id") and conn.hello["client_id"] is None:
+                conn.hello["client_id"] = str(frame[1]["client_id"])
+            conn.hello_received(frame[1])
+        elif ftype == F_ERROR:
+            code = str(frame[1]) if len(frame) > 1 else "error"
+            text = str(frame[2]) if len(frame) > 2 else ""
+            conn.set_error(ClientError(f"broker closed the connection: {code}: {text}", code))
+        else:
+            raise FrameError(f"unexpected frame from the broker: {frame[:2]!r}", "unknown-type")
+
+    def _conns(self) -> list[BrokerConnection]:
+        m = self._migration
+        conns = [m.old, m.new] if m is not None else []
+        if self._conn is not None and self._conn not in conns:
+            conns.append(self._conn)
+        return conns
+
+    def _wake_inbox(self) -> None:
+        w = self._inbox_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def receive(
+        self,
+        max_items: int = 1000,
+        timeout: float | None = None,  # noqa: ASYNC109 - a poll-style API, like Queue.get
+    ) -> list[Notification]:
+        """Up to ``max_items`` notifications, waiting for at least one; ``[]`` when the
+        connection closed cleanly or ``timeout`` seconds passed. Raises :class:`ClientError` if
+        the broker closed the connection with an error (e.g. slow consumer)."""
+        inbox = self._inbox
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not inbox:
+            if self.closed:
+                err = self._conn.error if self._conn is not None else None
+                if err is not None and err.code != "closed":
+                    raise err
+                return []
+            self._resume_reading()
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return []
+            self._inbox_waiter = loop.create_future()
+            try:
+                await asyncio.wait_for(self._inbox_waiter, remaining)
+            except TimeoutError:
+                return []
+            finally:
+                self._inbox_waiter = None
+        out = [inbox.popleft() for _ in range(min(max_items, len(inbox)))]
+        self._resume_reading()
+        return out
+
+    def _resume_reading(self) -> None:
+        """Read the socket(s) again once the application has drained half the inbox."""
+        if self._reading_paused and len(self._inbox) <= self.max_buffered // 2:
+            self._reading_paused = False
+            for c in self._conns():
+                if c.transport is not None and not c.is_closing():
+                    c.transport.resume_reading()
+
+    def notifications(self) -> NotificationStream:
+        """``async for n in client.notifications()`` until the connection closes."""
+        return NotificationStream(self.receive)
+
+    def _check_open(self) -> BrokerConnection:
+        conn = self._conn
+        if conn is not None and conn.error is not None:
+            raise conn.error
+        if conn is None or conn.is_closing():
+            raise ClientError("the connection is closed", "closed")
+        return conn
+
+    async def flush(self) -> None:
+        """Write everything buffered now and wait until the socket takes it."""
+        conn = self._check_open()
+        conn.write_out()
+        await conn.drain()
+
+    async def subscribe(
+        self, filter: str | Filter | Sequence[Sequence[object]], sub_id: str | None = None
+    ) -> str:
+        """Subscribe; returns the subscription id once the broker has registered it.
+
+        ``filter``: text (``'price < 10 and symbol = "ACME"'``), a :class:`Filter`, or the
+        structured form ``[[attr, op, value], ...]``.
+        """
+        self._check_open()
+        if isinstance(filter, Filter):
+            f = filter
+        else:
+            try:
+                f = decode_filter(filter if isinstance(filter, str) else [list(c) for c in filter])
+            except FrameError as exc:
+                raise ValueError(str(exc)) from None
+        if sub_id is None:
+            self._sub_counter += 1
+            sub_id = f"s{self._sub_counter}"
+            while sub_id in self.subscriptions:
+                self._sub_counter += 1
+                sub_id = f"s{self._sub_counter}"
+        if sub_id in self.subscriptions:
+            raise ValueError(f"subscription id {sub_id!r} is in use")
+        self.subscriptions[sub_id] = f
+        try:
+            async with self._lock:  # a migration re-subscribes from this dict: not meanwhile
+                await self._check_open().request(B_SUBSCRIBED, sub_id, subscribe_message(sub_id, f))
+        except BaseException:
+            self.subscriptions.pop(sub_id, None)
+            raise
+        return sub_id
+
+    async def unsubscribe(self, sub_id: str) -> None:
+        self._check_open()
+        if sub_id not in self.subscriptions:
+            raise ValueError(f"no subscription {sub_id!r}")
+        async with self._lock:
+            msg = orjson.dumps([C_UNSUBSCRIBE, sub_id])
+            await self._check_open().request(B_UNSUBSCRIBED, sub_id, msg)
+            del self.subscriptions[sub_id]
+
+    def publish_nowait(self, attrs: Mapping[str, Value]) -> int:
+        """Queue one event for publishing; returns its sequence number (never waits)."""
+        conn = self._check_open()
+        try:
+            checked = check_wire_attributes(attrs)
+        except FrameError as exc:
+            raise ValueError(str(exc)) from None
+        self._seq += 1
+        conn.send(b"[12,%d," % self._seq + orjson.dumps(checked) + b"]")
+        return self._seq
+
+    async def publish(self, attrs: Mapping[str, Value]) -> int:
+        """Publish one event; waits only while the broker pushes back. Returns its seq."""
+        seq = self.publish_nowait(attrs)
+        conn = self._conn
+        if conn is not None and conn.writing_paused:
+            await conn.drain()
+        return seq
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+
+async def connect(
+    address: str,
+    client_id: str | None = None,
+    *,
+    connect_timeout: float = 10.0,
+    follow_redirects: bool = True,
+) -> Client:
+    """Connect to a broker at ``HOST:PORT`` as ``client_id`` (the broker picks one if None).
+
+    ``follow_redirects``: migrate on its own when the broker drains (the default)."""
+    client = Client(client_id, follow_redirects=follow_redirects)
+    await client._open(address, connect_timeout)
+    return client

@@ -1,0 +1,180 @@
+"""One connection of a client to one broker: the hello, the write buffer, requests and answers.
+
+A :class:`BrokerConnection` knows its client only as a :class:`ConnectionOwner` (where frames and
+the loss of the connection go), so this module sits below the client class and the migration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, Protocol
+
+import orjson
+
+from canopy_broker.client.notification import ClientError
+from canopy_broker.core.filters import Filter
+from canopy_broker.runtime.framing import (
+    C_LEAVE,
+    C_SUBSCRIBE,
+    F_HELLO,
+    PROTOCOL_VERSION,
+    FrameError,
+    FrameProtocol,
+    batches,
+    control_frame,
+    encode_filter,
+    msgs_frame,
+    parse_address,
+)
+
+
+class ConnectionOwner(Protocol):
+    """Where a :class:`BrokerConnection` sends what it receives (implemented by the client)."""
+
+    def _frame(self, conn: BrokerConnection, frame: list[Any]) -> None: ...
+
+    def _lost(self, conn: BrokerConnection) -> None: ...
+
+
+def subscribe_message(sub_id: str, f: Filter) -> bytes:
+    return orjson.dumps([C_SUBSCRIBE, sub_id, encode_filter(f)])
+
+
+class BrokerConnection(FrameProtocol):
+    """One connection of a :class:`Client` to one broker, with its own write buffer and request
+    waiters. A client has one, or two while it migrates; frames go to the owner tagged with the
+    connection they came from, which is how the owner tells old deliveries from new ones."""
+
+    def __init__(self, owner: ConnectionOwner, client_id: str | None) -> None:
+        super().__init__()
+        self.owner = owner
+        self.hello: dict[str, Any] = {
+            "v": PROTOCOL_VERSION,
+            "role": "client",
+            "client_id": client_id,
+        }
+        self.address = ""
+        self.broker = ""
+        self.routing = ""
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters: dict[tuple[int, str], asyncio.Future[None]] = {}
+        self.error: ClientError | None = None
+        self.out: list[bytes] = []
+        self.out_bytes = 0
+        self.flush_handle: asyncio.Handle | None = None
+        self.redirect: tuple[str, str] | None = None  # (target, address) the broker asked for
+
+    @classmethod
+    async def open(
+        cls, owner: ConnectionOwner, address: str, client_id: str | None, within: float
+    ) -> BrokerConnection:
+        """Connect and wait for the broker's hello (or its refusal)."""
+        host, port = parse_address(address)
+        loop = asyncio.get_running_loop()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(lambda: cls(owner, client_id), host, port), within
+        )
+        conn.address = address
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.ready), within)
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    # -- asyncio callbacks -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.write(control_frame(F_HELLO, self.hello))
+
+    def frame_received(self, frame: list[Any]) -> None:
+        self.owner._frame(self, frame)
+
+    def fail(self, exc: FrameError) -> None:
+        self.set_error(ClientError(f"bad data from the broker: {exc}", exc.code))
+        super().fail(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if exc is not None:
+            self.set_error(ClientError(f"connection lost: {exc}", "connection-lost"))
+        err = self.error or ClientError("connection closed", "closed")
+        if not self.ready.done():
+            self.ready.set_exception(err)
+            self.ready.exception()  # retrieved: open() may have given up on it already
+        for fut in self.waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self.waiters.clear()
+        self.owner._lost(self)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def set_error(self, err: ClientError) -> None:
+        if self.error is None:
+            self.error = err
+
+    def hello_received(self, hello: dict[str, Any]) -> None:
+        self.broker = str(hello.get("name", ""))
+        self.routing = str(hello.get("routing", ""))
+        if not self.ready.done():
+            self.ready.set_result(None)
+
+    def answered(self, code: int, key: str) -> None:
+        fut = self.waiters.pop((code, key), None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    # -- outgoing ----------------------------------------------------------------------------
+
+    def send(self, msg: bytes) -> None:
+        self.out.append(msg)
+        self.out_bytes += len(msg)
+        if self.out_bytes > 256 * 1024:
+            self.write_out()
+        elif self.flush_handle is None:
+            self.flush_handle = asyncio.get_running_loop().call_soon(self.write_out)
+
+    def write_out(self) -> None:
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        if not self.out:
+            return
+        msgs, self.out, self.out_bytes = self.out, [], 0
+        self.write(b"".join(msgs_frame(chunk) for chunk in batches(msgs)))
+
+    async def request(self, code: int, key: str, msg: bytes) -> None:
+        """Send ``msg`` and wait for the broker's answer ``[code, key]``."""
+        if self.error is not None:
+            raise self.error
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters[(code, key)] = fut
+        self.send(msg)
+        await fut
+
+    async def close_gracefully(self, within: float = 5.0) -> None:
+        """Flush what is buffered, close, and wait until the connection is gone."""
+        if not self.is_closing():
+            self.write_out()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.drain(), within)
+            self.close()
+        await self.wait_lost(within)
+
+    async def leave(self, within: float = 5.0) -> None:
+        """Ask the broker to detach us and wait until it has closed the connection, so that
+        once this returns the broker no longer counts us (a draining broker waits for that)."""
+        if not self.is_closing():
+            self.send(orjson.dumps([C_LEAVE]))
+            self.write_out()
+        await self.wait_lost(within)
+
+    async def wait_lost(self, within: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.lost), within)
+        if not self.lost.done():
+            self.abort()
+            await self.lost

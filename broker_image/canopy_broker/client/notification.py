@@ -1,0 +1,69 @@
+"""What a client receives: notifications, the stream of them, and the client's error type."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from canopy_broker.core.events import Event, Value
+
+
+class ClientError(Exception):
+    """The broker refused something or the connection ended abnormally."""
+
+    def __init__(self, message: str, code: str = "error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Notification:
+    """One delivered event: envelope, attributes and which of our subscriptions matched."""
+
+    __slots__ = ("attrs", "hops", "publisher", "seq", "sub_ids")
+
+    def __init__(
+        self, publisher: str, seq: int, hops: int, attrs: dict[str, Value], sub_ids: tuple[str, ...]
+    ) -> None:
+        self.publisher = publisher
+        self.seq = seq
+        self.hops = hops
+        self.attrs = attrs
+        self.sub_ids = sub_ids
+
+    @property
+    def id(self) -> str:
+        return f"{self.publisher}:{self.seq}"
+
+    @property
+    def event(self) -> Event:
+        return Event(self.publisher, self.seq, self.attrs, self.hops)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "publisher": self.publisher,
+            "seq": self.seq,
+            "hops": self.hops,
+            "attrs": self.attrs,
+            "sub_ids": list(self.sub_ids),
+        }
+
+    def __repr__(self) -> str:
+        return f"Notification({self.id}, hops={self.hops}, {self.attrs!r}, subs={self.sub_ids})"
+
+
+class NotificationStream:
+    """Async iterator over a client's notifications (a class, not an async generator, so that
+    breaking out of ``async for`` leaves nothing to finalise)."""
+
+    def __init__(self, receive: Callable[[int], Awaitable[list[Notification]]]) -> None:
+        self._receive = receive
+
+    def __aiter__(self) -> NotificationStream:
+        return self
+
+    async def __anext__(self) -> Notification:
+        batch = await self._receive(1)
+        if not batch:
+            raise StopAsyncIteration
+        return batch[0]

@@ -1,0 +1,276 @@
+"""The broker's client sessions: attach, publish, (un)subscribe, migrate, leave, and draining.
+
+:class:`ClientSessions` owns the table of attached :class:`~.links.Client` objects and turns a
+client's messages into core inputs, in order. It reaches the rest of the broker only through
+:class:`ClientHost`, so it never imports :mod:`canopy_broker.runtime.server`.
+
+Draining (before a leaf broker is removed) lives here too: it is about clients. Every attached
+client, and any that attaches while the drain lasts, is told to migrate to a neighbour; the broker
+is drained once no client is attached and its links have had everything acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from canopy_broker.core.broker import BrokerCore
+from canopy_broker.core.events import Event
+from canopy_broker.core.messages import (
+    ClientAttach,
+    ClientDetach,
+    ClientMigrating,
+    ClientMove,
+    ClientPublish,
+    ClientSubscribe,
+    ClientUnsubscribe,
+    Effect,
+    Input,
+)
+from canopy_broker.runtime.conn import Conn
+from canopy_broker.runtime.framing import (
+    B_MIGRATING,
+    B_REDIRECT,
+    B_SUBSCRIBED,
+    B_UNSUBSCRIBED,
+    C_LEAVE,
+    C_MIGRATING,
+    C_MOVE,
+    C_PUBLISH,
+    C_SUBSCRIBE,
+    C_UNSUBSCRIBE,
+    FrameError,
+    check_wire_attributes,
+    decode_filter,
+    dumps,
+    parse_address,
+)
+from canopy_broker.runtime.links import Client
+from canopy_broker.runtime.metrics import BrokerMetrics
+
+log = logging.getLogger("canopy.broker")
+
+
+class ClientHost(Protocol):
+    """What client sessions need from the broker process that owns them."""
+
+    name: str
+    incarnation: str
+    core: BrokerCore
+    peers: dict[str, str]
+    metrics: BrokerMetrics
+
+    @property
+    def publishers_paused(self) -> bool: ...
+
+    def now(self) -> float: ...
+
+    def apply(self, effects: list[Effect]) -> None: ...
+
+    def route_event(self, inp: Input, event: Event, source_kind: str, source: str) -> None: ...
+
+    def answer_hello(self, conn: Conn, **fields: object) -> None: ...
+
+    def mark_dirty(self, dest: Client) -> None: ...
+
+    def unpressure(self, dest: Client) -> None: ...
+
+
+def _name(value: object, what: str) -> str:
+    if type(value) is not str or not value:
+        raise FrameError(f"{what} must be a broker name, got {value!r}")
+    return value
+
+
+class ClientSessions:
+    """Every client attached to one broker, and the handling of their messages."""
+
+    def __init__(self, host: ClientHost, unacknowledged: Callable[[], int]) -> None:
+        self.host = host
+        self.clients: dict[str, Client] = {}
+        self._counter = 0
+        self._unacknowledged = unacknowledged
+        m = host.metrics
+        self._m_published = m.published
+        self._m_client_in = m.client_messages.labels("in")
+        # Draining (before a leaf is removed): the neighbour its clients are sent to.
+        self.drain_target: tuple[str, str] | None = None  # (name, HOST:PORT)
+        self._drained = asyncio.Event()
+
+    # ------------------------------------------------------------------ attach and detach
+
+    def attach(self, conn: Conn, hello: dict[str, Any]) -> None:
+        host = self.host
+        cid = hello.get("client_id")
+        if cid is None:
+            self._counter += 1
+            cid = f"{host.name}-{host.incarnation}-{self._counter}"
+        elif type(cid) is not str or not cid:
+            raise FrameError(f"client_id must be a non-empty string, got {cid!r}", "bad-hello")
+        if cid in self.clients:
+            raise FrameError(f"client id {cid!r} is already attached here", "client-id-in-use")
+        host.apply(host.core.handle(ClientAttach(cid), host.now()))
+        client = Client(cid, conn)
+        self.clients[cid] = client
+        conn.role = "client"
+        conn.client = client
+        host.answer_hello(conn, client_id=cid)
+        if self.drain_target is not None:
+            self._redirect(client, *self.drain_target)
+
+    def detach(self, client: Client) -> None:
+        """The client is gone (left, or its connection broke): withdraw its subscriptions.
+        Only the connection that attached it may detach it: a late loss of an older
+        connection under the same id must not take the newer one's subscriptions with it."""
+        if self.clients.get(client.id) is not client:
+            return
+        host = self.host
+        del self.clients[client.id]
+        client.pending.clear()
+        host.unpressure(client)
+        host.apply(host.core.handle(ClientDetach(client.id), host.now()))
+        if self.drain_target is not None:
+            self.check_drained()
+
+    def _redirect(self, client: Client, target: str, address: str) -> None:
+        self.send(client, dumps([B_REDIRECT, target, address]))
+
+    def send(self, client: Client, msg: bytes) -> None:
+        client.pending.append(msg)
+        self.host.mark_dirty(client)
+
+    # ------------------------------------------------------------------ messages
+
+    def messages(
+        self, client: Client, items: list[Any], deadline: float = math.inf
+    ) -> list[Any] | None:
+        """Handle a client's messages in order; if ``deadline`` passes, return the ones not
+        handled yet (they are handed back on the next loop turn, still in order)."""
+        host = self.host
+        core, now = host.core, host.now
+        cid = client.id
+        published = 0
+        handled = 0
+        rest: list[Any] | None = None
+        for item in items:
+            if handled & 15 == 15 and time.perf_counter() >= deadline:
+                rest = items[handled:]
+                break
+            handled += 1
+            if type(item) is not list or not item:
+                raise FrameError(f"a client message must be a non-empty array, got {item!r}")
+            code = item[0]
+            if code == C_PUBLISH and len(item) == 3:
+                seq = item[1]
+                if (
+                    type(seq) is not int
+                    or seq < 1
+                    or (client.last_seq and seq != client.last_seq + 1)
+                ):
+                    raise FrameError(
+                        f"publish seq {seq!r} after {client.last_seq}: seq must grow by one",
+                        "sequence",
+                    )
+                if client.moved:  # it would overtake what it published at its new broker
+                    raise FrameError(f"{cid} published here after moving away", "protocol")
+                event = Event(cid, seq, check_wire_attributes(item[2]))
+                client.last_seq = seq
+                published += 1
+                host.route_event(ClientPublish(cid, event), event, "client", cid)
+            elif code == C_SUBSCRIBE and len(item) == 3:
+                sub_id = item[1]
+                if type(sub_id) is not str or not sub_id:
+                    raise FrameError(f"sub_id must be a non-empty string, got {sub_id!r}")
+                f = decode_filter(item[2])
+                host.apply(core.handle(ClientSubscribe(cid, sub_id, f), now()))
+                self.send(client, dumps([B_SUBSCRIBED, sub_id]))
+            elif code == C_UNSUBSCRIBE and len(item) == 2:
+                sub_id = item[1]
+                if type(sub_id) is not str:
+                    raise FrameError(f"sub_id must be a string, got {sub_id!r}")
+                host.apply(core.handle(ClientUnsubscribe(cid, sub_id), now()))
+                self.send(client, dumps([B_UNSUBSCRIBED, sub_id]))
+            elif code == C_MIGRATING and len(item) == 2:
+                source = _name(item[1], "source")
+                host.apply(core.handle(ClientMigrating(cid, source), now()))
+                self.send(client, dumps([B_MIGRATING, source]))
+            elif code == C_MOVE and len(item) == 2:
+                target = _name(item[1], "target")
+                host.apply(core.handle(ClientMove(cid, target), now()))
+                client.moved = True
+            elif code == C_LEAVE and len(item) == 1:
+                self.detach(client)
+                client.conn.close()
+                break  # whatever follows in this frame has no client any more
+            else:
+                raise FrameError(f"unknown client message {item!r}", "unknown-type")
+        self._m_client_in.inc(handled)
+        if published:
+            self._m_published.inc(published)
+            if not client.publisher:
+                client.publisher = True
+                if host.publishers_paused:
+                    client.conn.pause("pressure")
+        return rest
+
+    # ------------------------------------------------------------------ draining
+
+    def drain(self, target: str, address: str | None = None) -> dict[str, Any]:
+        """Empty this broker of clients before it is removed: every attached client (and any
+        that attaches from now on) is asked to migrate to neighbour ``target`` at ``address``
+        (default: the address book's). The client library follows on its own; see
+        :meth:`drain_status` for when the broker is empty."""
+        host = self.host
+        if not host.core.is_neighbour(target):
+            raise ValueError(
+                f"{target} is not a neighbour of {host.name}: clients can only move one link"
+            )
+        address = address or host.peers.get(target)
+        if not address:
+            raise ValueError(f"no address known for {target}: pass one")
+        parse_address(address)
+        self.drain_target = (target, address)
+        self._drained.clear()
+        for client in list(self.clients.values()):
+            self._redirect(client, target, address)
+        self.check_drained()
+        return self.drain_status()
+
+    def cancel_drain(self) -> dict[str, Any]:
+        self.drain_target = None
+        self._drained.clear()
+        return self.drain_status()
+
+    def drain_status(self) -> dict[str, Any]:
+        """``drained`` once no client is attached *and* every link has had everything
+        acknowledged: the ``Moved`` of the last publisher that left must reach the
+        neighbour before the link may be removed, or that neighbour holds the publisher's
+        events for ever."""
+        unacked = self._unacknowledged()
+        target = self.drain_target
+        return {
+            "draining": target is not None,
+            "target": target[0] if target else None,
+            "address": target[1] if target else None,
+            "clients": len(self.clients),
+            "unacknowledged": unacked,
+            "drained": target is not None and not self.clients and not unacked,
+        }
+
+    def check_drained(self) -> None:
+        if self.drain_status()["drained"]:
+            self._drained.set()
+
+    async def wait_drained(self, within: float) -> bool:
+        """Wait up to ``within`` seconds for :meth:`drain_status` to say drained."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                while not self.drain_status()["drained"]:
+                    self._drained.clear()
+                    await self._drained.wait()
+        return bool(self.drain_status()["drained"])

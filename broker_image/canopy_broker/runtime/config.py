@@ -1,0 +1,35 @@
+"""What a broker process is started with: one plain dataclass, filled by ``canopy-broker serve``
+(see cli.py) or by tests, and read by every part of the runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from canopy_broker.core.messages import RoutingMode
+from canopy_broker.runtime.framing import MAX_FRAME
+
+
+@dataclass(slots=True)
+class BrokerConfig:
+    """Everything a broker process is started with (see ``canopy-broker serve --help``)."""
+
+    name: str
+    routing: RoutingMode | str = RoutingMode.COVERING
+    host: str = "127.0.0.1"
+    port: int = 0
+    heartbeat_interval: float = 1.0
+    dead_after: int = 3
+    high_water: int = 20_000
+    low_water: int = 5_000
+    client_hard_cap: int = 200_000
+    slow_consumer_grace: float = 10.0
+    max_frame: int = MAX_FRAME
+    telemetry_sample: float = 0.01
+    history: int = 10_000
+    telemetry_dir: str | None = None
+    telemetry_interval: float = 10.0
+    reconnect_min: float = 0.05
+    reconnect_max: float = 2.0
+    handshake_timeout: float = 5.0
+    advertise: str | None = None  # HOST:PORT peers should dial (default: the listen address)
+    probe_interval: float = 10.0  # RTT probes to non-neighbours in the address book (0: off)

@@ -1,0 +1,100 @@
+"""One TCP connection of the broker (accepted or dialed), speaking frames.
+
+Until the hello it has no role; afterwards it belongs to a :class:`~.links.Link` (role ``link``
+or ``peer``) or a :class:`~.links.Client` (role ``client``). It does nothing on its own: every
+event goes to its :class:`ConnOwner` (the broker), which this module knows only through that
+small interface, so connections sit below the broker process and never import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from canopy_broker.core.broker import CoreFailedError, ProtocolError
+from canopy_broker.runtime.framing import FrameError, FrameProtocol
+from canopy_broker.runtime.links import Client, Link
+from canopy_broker.runtime.linkstate import LinkStateError
+
+log = logging.getLogger("canopy.broker")
+
+
+class ConnOwner(Protocol):
+    """What a connection needs from the broker process that owns it.
+
+    Declared here so that connections and sessions sit *below* the broker process
+    (``runtime.server``) and never import it; the broker implements this interface.
+    """
+
+    @property
+    def max_frame(self) -> int: ...
+
+    def conn_made(self, conn: Conn) -> None: ...
+
+    def frame_received(self, conn: Conn, frame: list[Any]) -> list[Any] | None: ...
+
+    def conn_failed(self, conn: Conn, exc: FrameError) -> None: ...
+
+    def conn_lost(self, conn: Conn) -> None: ...
+
+    def mark_dirty(self, dest: Link | Client) -> None: ...
+
+    def fail(self, why: str) -> None: ...
+
+
+class Conn(FrameProtocol):
+    """A framed connection owned by a broker process; routes frames to it by role."""
+
+    def __init__(self, broker: ConnOwner, dial: Link | None = None) -> None:
+        super().__init__(broker.max_frame)
+        self.broker = broker
+        self.role: str | None = None  # "link" | "client" once the hello is done
+        self.link: Link | None = dial
+        self.client: Client | None = None
+        self.dialing = dial is not None
+        self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.broker.conn_made(self)
+
+    def data_received(self, data: bytes) -> None:
+        link = self.link
+        if link is not None and self.role == "link":
+            link.bytes_in += len(data)
+            if link.m_bytes_in is not None:
+                link.m_bytes_in.inc(len(data))
+        super().data_received(data)
+
+    work_budget = 0.02  # a broker hands the loop back every 20 ms (heartbeats, other peers)
+
+    def frame_received(self, frame: list[Any]) -> list[Any] | None:
+        try:
+            return self.broker.frame_received(self, frame)
+        except ProtocolError as exc:
+            raise FrameError(str(exc), "protocol") from None
+        except LinkStateError as exc:  # a runtime bug: it costs this connection, not the broker
+            log.error("link state: %s", exc)
+            raise FrameError(str(exc), "internal") from None
+        except CoreFailedError as exc:
+            self.broker.fail(str(exc))
+            raise FrameError("the broker failed internally; see its log", "internal") from None
+
+    def fail(self, exc: FrameError) -> None:
+        self.broker.conn_failed(self, exc)
+        super().fail(exc)
+        if self.dialing and not self.handshake.done():
+            self.handshake.set_exception(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self.dialing and not self.handshake.done():
+            self.handshake.set_exception(ConnectionError("connection closed during the hello"))
+        self.broker.conn_lost(self)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        dest = self.link if self.role == "link" else self.client
+        if dest is not None:
+            self.broker.mark_dirty(dest)

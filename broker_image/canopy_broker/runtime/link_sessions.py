@@ -1,0 +1,555 @@
+"""The broker's link sessions: overlay links and out-of-band channels, from hello to goodbye.
+
+:class:`LinkSessions` owns the tables of :class:`~.links.Link` objects (overlay links, channels
+dialed and accepted, closing links displaced by a re-opened one) and everything that happens to
+them: the hello of a dialing or dialed broker, resuming a session after a reconnect, data, acks,
+heartbeats, pressure signals and goodbyes, the dial loop with its backoff, and the core's
+``OpenLink``/``CloseLink`` effects. It reaches the rest of the broker only through
+:class:`LinkHost`, so it never imports :mod:`canopy_broker.runtime.server`.
+
+Session rules, in one place:
+
+* A dialer says ``resume`` when a session exists on both ends; the accepting end resumes it if it
+  knows the session id, refuses with ``link-removed`` if the link was removed here, and with
+  ``unknown-session`` otherwise (it restarted): the dialer then starts a fresh session and both
+  cores see the link as new, exchanging their routing state over it.
+* A link the *core* opened (an exchange's added link) is dialed by the end whose name sorts
+  first; what its core queued before the dial is sent once the session is up.
+* A closing link keeps flushing on its own session, even while a re-opened instance of the same
+  link runs beside it (``_retired``), and says goodbye once everything is acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+import uuid
+from typing import Any, Protocol
+
+from canopy_broker.core.broker import BrokerCore
+from canopy_broker.core.events import Event
+from canopy_broker.core.messages import (
+    AddLink,
+    Effect,
+    FromLink,
+    FromPeer,
+    Input,
+    Publish,
+    RemoveLink,
+)
+from canopy_broker.runtime.config import BrokerConfig
+from canopy_broker.runtime.conn import Conn, ConnOwner
+from canopy_broker.runtime.framing import (
+    F_ACK,
+    F_BYE,
+    F_DATA,
+    F_ERROR,
+    F_HELLO,
+    F_PING,
+    F_PONG,
+    F_PRESSURE,
+    PROTOCOL_VERSION,
+    FrameError,
+    control_frame,
+    decode_link_message,
+    decode_peer_message,
+    encode_generic,
+    parse_address,
+)
+from canopy_broker.runtime.links import Link
+from canopy_broker.runtime.linkstate import LinkEvent
+from canopy_broker.runtime.metrics import BrokerMetrics
+from canopy_broker.runtime.tasks import TaskSet
+from canopy_broker.runtime.telemetry import Telemetry
+
+log = logging.getLogger("canopy.broker")
+
+
+class LinkHost(ConnOwner, Protocol):
+    """What link sessions need from the broker process that owns them."""
+
+    name: str
+    advertised: str
+    config: BrokerConfig
+    core: BrokerCore
+    peers: dict[str, str]
+    metrics: BrokerMetrics
+    telemetry: Telemetry
+    tasks: TaskSet
+    stopping: bool
+
+    def now(self) -> float: ...
+
+    def apply(self, effects: list[Effect]) -> None: ...
+
+    def route_event(self, inp: Input, event: Event, source_kind: str, source: str) -> None: ...
+
+    def answer_hello(self, conn: Conn, **fields: object) -> None: ...
+
+    def link_acked(self, link: Link) -> None: ...
+
+    def update_pressure(self) -> None: ...
+
+    def unpressure(self, dest: Link) -> None: ...
+
+
+def str_field(hello: dict[str, Any], key: str) -> str:
+    value = hello.get(key)
+    if type(value) is not str or not value:
+        raise FrameError(f"hello needs a non-empty string {key!r}", "bad-hello")
+    return value
+
+
+class LinkSessions:
+    """Every link and channel of one broker, and the handling of their frames."""
+
+    def __init__(self, host: LinkHost) -> None:
+        self.host = host
+        self.name = host.name
+        self.links: dict[str, Link] = {}
+        self.channels_out: dict[str, Link] = {}  # out-of-band control channels we dialed
+        self.channels_in: dict[str, Link] = {}  # ... and those other brokers dialed
+        self._removed: dict[str, str] = {}  # peer -> session removed here (answers a late resume)
+        self._retired: dict[str, Link] = {}  # closing links displaced by a re-opened one
+
+    # ------------------------------------------------------------------ tables
+
+    def _table(self, kind: str, dialer: bool) -> dict[str, Link]:
+        if kind == "link":
+            return self.links
+        return self.channels_out if dialer else self.channels_in
+
+    def all_links(self) -> list[Link]:
+        return [
+            *self.links.values(),
+            *self._retired.values(),
+            *self.channels_out.values(),
+            *self.channels_in.values(),
+        ]
+
+    def _retire(self, link: Link) -> None:
+        """Move a closing link out of the way of a new instance of the same link: it keeps
+        flushing (and resuming) on its own session until the peer has acknowledged everything,
+        then says goodbye as usual."""
+        old = self._retired.pop(link.peer, None)
+        if old is not None:
+            self.drop(old, bye="closed")
+        del self.links[link.peer]
+        self._retired[link.peer] = link
+
+    def _new_link(self, link: Link) -> Link:
+        """Register a new link or channel (metrics, table) and start dialing if it is ours."""
+        peer, kind, dialer = link.peer, link.kind, link.dialer
+        if kind == "link":
+            m = self.host.metrics
+            link.m_msgs_in = m.link_messages.labels(peer, "in")
+            link.m_msgs_out = m.link_messages.labels(peer, "out")
+            link.m_bytes_in = m.link_bytes.labels(peer, "in")
+            link.m_bytes_out = m.link_bytes.labels(peer, "out")
+            self._removed.pop(peer, None)
+        self._table(kind, dialer)[peer] = link
+        if dialer:
+            link.dial_task = self.host.tasks.spawn(self._dial_loop(link), f"dial {peer} ({kind})")
+        return link
+
+    # ------------------------------------------------------------------ declared links
+
+    def add(self, peer: str, address: str) -> Link:
+        """Declare a link this broker dials (idempotent: an existing link is returned as is)."""
+        if peer == self.name:
+            raise ValueError("a broker cannot link to itself")
+        parse_address(address)
+        self.host.peers[peer] = address
+        link = self.links.get(peer)
+        if link is not None:
+            if link.dialer and link.address != address:
+                link.address = address  # a moved peer: the next dial uses the new address
+            return link
+        return self._new_link(Link(peer, uuid.uuid4().hex, dialer=True, address=address))
+
+    def remove(self, peer: str) -> bool:
+        """Uncoordinated removal: RemoveLink here, BYE to the peer (which does the same)."""
+        link = self.links.get(peer)
+        if link is None:
+            return False
+        self.drop(link, bye="removed")
+        return True
+
+    def drop(self, link: Link, *, bye: str | None) -> None:
+        """Forget a link or channel; tell the core (RemoveLink) if it is a link the core has and
+        did not close itself."""
+        host = self.host
+        # The core first: if it refuses (the link is on an exchange's cycle) nothing has changed.
+        effects = host.core.handle(RemoveLink(link.peer), host.now()) if link.established else []
+        link.established = False
+        table = self._table(link.kind, link.dialer)
+        if table.get(link.peer) is link:
+            del table[link.peer]
+        if link.kind == "link" and self._retired.get(link.peer) is link:
+            del self._retired[link.peer]
+        conn = link.remove()
+        link.farewell = bye
+        if link.kind == "link" and bye == "removed":
+            self._removed[link.peer] = link.session
+        if link.dial_task is not None and link.dial_task is not asyncio.current_task():
+            link.dial_task.cancel()
+        host.unpressure(link)
+        host.apply(effects)
+        if conn is not None:
+            if bye:
+                conn.write(control_frame(F_BYE, bye))
+            conn.close()
+        link.out.clear()
+        host.update_pressure()
+        log.info("%s: %s to %s removed", self.name, link.kind, link.peer)
+
+    def send_to_peer(self, peer: str, msg: object) -> None:
+        """Queue an out-of-band message on the channel to ``peer`` (dialed on first use)."""
+        ch = self.channels_out.get(peer)
+        if ch is None:
+            ch = self._new_link(
+                Link(peer, uuid.uuid4().hex, dialer=True, address=None, kind="peer")
+            )
+        ch.out.append(encode_generic(msg))
+        self.host.mark_dirty(ch)
+
+    # ------------------------------------------------------------------ the core's links
+
+    def open(self, peer: str) -> None:
+        """The core added a link (an exchange's new link, frozen): connect it. The end whose
+        name sorts first dials; the other waits for it (or finds it already connected)."""
+        link = self.links.get(peer)
+        if link is not None:
+            if link.established:
+                log.error("%s: the core opened a link to %s, which exists", self.name, peer)
+                return
+            if link.opened and not (link.dialer or link.closing or link.peer_closed):
+                link.established = True  # the peer dialed before our core opened the link
+                self.host.mark_dirty(link)
+                return
+            # What is left of an earlier instance of this link: still flushing what that
+            # instance's core queued (closing), or abandoned by the peer. It must not carry the
+            # new instance's messages, nor take them down with it when it goes.
+            if link.closing and not link.peer_closed:
+                self._retire(link)
+            else:
+                self.drop(link, bye=None)
+        dialer = self.name < peer
+        session = uuid.uuid4().hex if dialer else ""
+        link = self._new_link(Link(peer, session, dialer=dialer, address=None, opened=True))
+        link.established = True
+
+    def close(self, peer: str) -> None:
+        """The core dropped a link (an exchange's removed link, or an added link whose lock was
+        refused). Everything already queued on it still goes out; then goodbye."""
+        link = self.links.get(peer)
+        if link is None:
+            return
+        link.established = False
+        if not link.closing:
+            link.fire(LinkEvent.CORE_CLOSED)
+        self.maybe_finish_close(link)
+
+    def maybe_finish_close(self, link: Link) -> None:
+        if link.closing and (not link.out or link.peer_closed):
+            if link.out:
+                log.warning(
+                    "%s: %d message(s) to %s were never acknowledged",
+                    self.name,
+                    len(link.out),
+                    link.peer,
+                )
+            self.drop(link, bye="closed")
+
+    # ------------------------------------------------------------------ frames
+
+    def frame(self, link: Link, conn: Conn, ftype: object, frame: list[Any]) -> None:
+        """A control frame on an established link or channel."""
+        host = self.host
+        if ftype == F_ACK and len(frame) == 2 and type(frame[1]) is int:
+            self._acked(link, frame[1])
+        elif ftype == F_PING and len(frame) == 3 and type(frame[2]) is int:
+            self._acked(link, frame[2])
+            conn.write(control_frame(F_PONG, frame[1], link.rx_seq))
+            link.acked_rx = link.rx_seq
+        elif ftype == F_PONG and len(frame) == 3 and type(frame[2]) is int:
+            self._acked(link, frame[2])
+            if isinstance(frame[1], int | float):
+                link.rtt_ms = (host.now() - frame[1]) * 1000.0
+                if link.kind == "link":
+                    host.telemetry.rtt(link.peer, link.rtt_ms)
+        elif ftype == F_PRESSURE and len(frame) == 2 and type(frame[1]) is bool:
+            if link.remote_pressure != frame[1]:
+                link.remote_pressure = frame[1]
+                host.update_pressure()
+        elif ftype == F_BYE:
+            reason = frame[1] if len(frame) > 1 else "?"
+            log.info("%s: %s said goodbye (%s)", self.name, link.peer, reason)
+            if reason == "removed":
+                self.drop(link, bye=None)
+            elif reason == "closed":  # the peer's core closed it (a link exchange)
+                if not link.peer_closed:
+                    link.fire(LinkEvent.PEER_CLOSED)
+                if link.closing or not link.established:
+                    self.drop(link, bye=None)
+                else:
+                    conn.close()  # our core closes its end in its own time
+            else:
+                conn.close()
+        elif ftype == F_ERROR:
+            log.warning("%s: %s reported an error: %s", self.name, link.peer, frame[1:])
+            conn.close()
+        else:
+            raise FrameError(f"unexpected link frame {frame[:2]!r}", "unknown-type")
+
+    def _acked(self, link: Link, upto: int) -> None:
+        link.ack(upto)
+        self.host.link_acked(link)  # queues shrank: pressure, a drain waiting for acks
+        if link.closing:
+            self.maybe_finish_close(link)
+
+    def data(
+        self, link: Link, first: object, items: object, deadline: float = math.inf
+    ) -> list[Any] | None:
+        """Hand a data frame's messages to the core in order; if ``deadline`` passes, return
+        the rest as a data frame that starts where this one stopped (acknowledged only once
+        handled)."""
+        if type(first) is not int or type(items) is not list:
+            raise FrameError("data frame must be [1, first_seq, [messages]]")
+        skip = link.rx_seq + 1 - first
+        if skip < 0:
+            raise FrameError(f"sequence gap: expected {link.rx_seq + 1}, got {first}", "sequence")
+        if skip:
+            items = items[skip:]
+        if link.kind == "link" and not link.established and items:
+            # An added link the peer's core opened before ours did. The protocol sends nothing
+            # over it before this core has it; if something comes anyway, refuse without
+            # acknowledging, so the peer resends it after reconnecting.
+            raise FrameError(f"data on the link to {link.peer} before it was opened", "not-open")
+        host = self.host
+        peer = link.peer
+        handle = host.core.handle
+        n = 0
+        rest: list[Any] | None = None
+        try:
+            if link.kind == "peer":
+                for item in items:
+                    host.apply(handle(FromPeer(peer, decode_peer_message(item)), host.now()))
+                    n += 1
+            else:
+                for item in items:
+                    if n & 15 == 15 and time.perf_counter() >= deadline:
+                        rest = [F_DATA, link.rx_seq + n + 1, items[n:]]
+                        break
+                    msg = decode_link_message(item)
+                    if type(msg) is Publish:
+                        host.route_event(FromLink(peer, msg), msg.event, "link", peer)
+                    else:
+                        host.apply(handle(FromLink(peer, msg), host.now()))
+                    n += 1
+        finally:
+            link.rx_seq += n
+            link.msgs_in += n
+            if link.m_msgs_in is not None:
+                link.m_msgs_in.inc(n)
+            if not link.dirty:
+                host.mark_dirty(link)  # to acknowledge
+        return rest
+
+    # ------------------------------------------------------------------ hellos
+
+    def hello_frame(self, link: Link) -> bytes:
+        """The hello a dialing end sends first."""
+        return control_frame(
+            F_HELLO,
+            {
+                "v": PROTOCOL_VERSION,
+                "role": link.kind,
+                "name": self.name,
+                "session": link.session,
+                "resume": link.connected_once,
+                "last_rx": link.rx_seq,
+                "opened": link.opened,
+                "address": self.host.advertised,
+            },
+        )
+
+    def _up(self, link: Link, conn: Conn, peer_last_rx: object) -> None:
+        if type(peer_last_rx) is not int:
+            raise FrameError("hello needs an integer last_rx", "bad-hello")
+        host = self.host
+        link.rewind(peer_last_rx)
+        old = link.conn
+        if old is not None and old is not conn:
+            if isinstance(old, Conn):
+                old.role = None  # its late connection_lost must not touch the link
+            old.abort()
+        link.connected(conn)
+        conn.link = link
+        conn.role = link.kind
+        link.last_heard = host.now()
+        link.connects += 1
+        if link.kind == "link":
+            host.metrics.link_reconnects.labels(link.peer).inc()
+            if not link.established and not link.opened:
+                link.established = True
+                host.apply(host.core.handle(AddLink(link.peer), host.now()))
+            link.remote_pressure = link.sent_pressure = False
+            host.update_pressure()
+        host.mark_dirty(link)
+        log.info(
+            "%s: %s to %s is up (session %s, resend from %d)",
+            self.name,
+            link.kind,
+            link.peer,
+            link.session[:8],
+            link.sent,
+        )
+
+    def lost(self, link: Link, conn: Conn) -> None:
+        """The connection ``conn`` of ``link`` is gone; the session stays for a resume."""
+        if link.conn is not conn:
+            return
+        link.disconnected()
+        link.remote_pressure = link.sent_pressure = False
+        if link.over:
+            self.host.unpressure(link)  # a down link's backlog must not stop the overlay
+        else:
+            self.host.update_pressure()
+        log.info("%s: %s to %s is down", self.name, link.kind, link.peer)
+
+    def accept(self, conn: Conn, hello: dict[str, Any], kind: str) -> None:
+        """A peer broker dialed us, for an overlay link or an out-of-band channel."""
+        host = self.host
+        peer = str_field(hello, "name")
+        session = str_field(hello, "session")
+        if peer == self.name:
+            raise FrameError("a broker cannot link to itself", "bad-hello")
+        address = hello.get("address")
+        if isinstance(address, str) and address:
+            host.peers.setdefault(peer, address)
+        table = self._table(kind, dialer=False)
+        link = table.get(peer)
+        retired = self._retired.get(peer) if kind == "link" else None
+        if retired is not None and retired.session == session:
+            link = retired  # the earlier instance of a re-opened link resumes its flushing
+        if link is not None and link.session == session:
+            host.answer_hello(conn, last_rx=link.rx_seq)
+            self._up(link, conn, hello.get("last_rx"))
+            return
+        if hello.get("resume"):
+            removed = kind == "link" and self._removed.get(peer) == session
+            code = "link-removed" if removed else "unknown-session"
+            raise FrameError(f"no {kind} session {session[:8]} with {peer}", code)
+        if (
+            link is not None
+            and link.opened
+            and not link.dialer
+            and not link.closing
+            and (not link.connected_once or (link.established and hello.get("opened")))
+        ):
+            # The dial our OpenLink was waiting for. Or a new one: the dialer abandoned an
+            # earlier session of this link (its lock was refused, and it retried) after our core
+            # had opened the link on that session; the core's link is the same, so its queue
+            # goes out on the new session from the start.
+            link.reset_session(session)
+            if link.peer_closed:
+                link.fire(LinkEvent.REOPENED)
+        else:
+            if link is not None:  # the peer started a new session (restarted, or re-added it)
+                log.info("%s: %s opened a new %s session; resetting", self.name, peer, kind)
+                self.drop(link, bye=None)
+            opened = kind == "link" and bool(hello.get("opened"))
+            link = self._new_link(
+                Link(peer, session, dialer=False, address=None, kind=kind, opened=opened)
+            )
+            if opened:
+                link.established = host.core.is_neighbour(peer)
+        host.answer_hello(conn, last_rx=0)
+        self._up(link, conn, hello.get("last_rx"))
+
+    def answered(self, conn: Conn, hello: dict[str, Any]) -> None:
+        """The broker we dialed answered our hello."""
+        link = conn.link
+        assert link is not None
+        if link.removed:
+            # Dropped while the hello was on its way: the peer has just set up its end, so it
+            # must hear the goodbye it would have heard on an established connection.
+            if link.farewell:
+                conn.write(control_frame(F_BYE, link.farewell))
+            conn.close()
+            return
+        if hello.get("name") != link.peer:
+            raise FrameError(f"dialed {link.peer} but {hello.get('name')!r} answered", "wrong-peer")
+        self._up(link, conn, hello.get("last_rx"))
+        if not conn.handshake.done():
+            conn.handshake.set_result(None)
+
+    def refused(self, conn: Conn, frame: list[Any]) -> None:
+        """The broker we dialed refused our hello."""
+        host = self.host
+        link = conn.link
+        assert link is not None
+        code = frame[1] if len(frame) > 1 else "?"
+        log.warning("%s: %s refused the %s: %s", self.name, link.peer, link.kind, frame[1:])
+        if code == "link-removed":
+            self.drop(link, bye=None)
+        elif code == "unknown-session" and not link.removed:  # the peer lost our session
+            if link.established and not link.opened:
+                link.established = False
+                host.apply(host.core.handle(RemoveLink(link.peer), host.now()))
+            link.reset_session(uuid.uuid4().hex)
+            link.out.clear()
+        conn.close()
+        if not conn.handshake.done():
+            conn.handshake.set_exception(ConnectionRefusedError(f"{link.peer} refused: {code}"))
+
+    async def _dial_loop(self, link: Link) -> None:
+        """Keep the connection up: dial, hello, wait for loss, back off, repeat."""
+        host = self.host
+        cfg = host.config
+        loop = asyncio.get_running_loop()
+        delay = cfg.reconnect_min
+        while not (link.removed or link.peer_closed or host.stopping):
+            address = link.address or host.peers.get(link.peer)
+            conn: Conn | None = None
+            try:
+                if address is None:
+                    raise OSError(f"no address known for {link.peer} (POST /peers)")
+                h, port = parse_address(address)
+                _, dialed = await asyncio.wait_for(
+                    loop.create_connection(lambda: Conn(host, link), h, port),
+                    cfg.handshake_timeout,
+                )
+                conn = dialed
+                await asyncio.wait_for(asyncio.shield(dialed.handshake), cfg.handshake_timeout)
+                delay = cfg.reconnect_min
+                await dialed.lost
+            except (OSError, TimeoutError, FrameError, ValueError) as exc:
+                log.debug("%s: dialing %s failed: %s", self.name, link.peer, exc)
+                if conn is not None:
+                    conn.abort()
+            if link.removed or link.peer_closed or host.stopping:
+                break
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, cfg.reconnect_max)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def heartbeat(self, now: float) -> None:
+        """Ping every connected link and channel; drop a connection that has been silent for
+        ``dead_after`` heartbeats (the session stays, and the dialer reconnects)."""
+        cfg = self.host.config
+        for link in self.all_links():
+            conn = link.conn
+            if conn is None:
+                continue
+            if now - link.last_heard > cfg.heartbeat_interval * cfg.dead_after:
+                log.warning("%s: link to %s missed heartbeats; dropping it", self.name, link.peer)
+                conn.abort()
+                continue
+            conn.write(control_frame(F_PING, now, link.rx_seq))
+            link.acked_rx = link.rx_seq

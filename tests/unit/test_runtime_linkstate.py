@@ -1,0 +1,92 @@
+"""The link session's transition tables: legal events move as the table says, every other event
+is refused with a clear error before anything changes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from canopy_broker.runtime.links import Link
+from canopy_broker.runtime.linkstate import (
+    CLOSURE_TRANSITIONS,
+    SESSION_EVENTS,
+    SESSION_TRANSITIONS,
+    Closure,
+    LinkEvent,
+    LinkState,
+    LinkStateError,
+    LinkStates,
+)
+
+CLOSURE_EVENTS = [e for e in LinkEvent if e not in SESSION_EVENTS]
+
+
+def states_in(session: LinkState = LinkState.NEW, closure: Closure = Closure.OPEN) -> LinkStates:
+    st = LinkStates()
+    st.session, st.closure = session, closure
+    return st
+
+
+def test_every_state_has_a_row() -> None:
+    assert set(SESSION_TRANSITIONS) == set(LinkState)
+    assert set(CLOSURE_TRANSITIONS) == set(Closure)
+
+
+@pytest.mark.parametrize(("state", "event"), list(itertools.product(LinkState, SESSION_EVENTS)))
+def test_session_events(state: LinkState, event: LinkEvent) -> None:
+    st = states_in(session=state)
+    expected = SESSION_TRANSITIONS[state].get(event)
+    if expected is None:
+        with pytest.raises(LinkStateError, match=f"{event.value!r}.*{state.value!r}"):
+            st.fire(event, "b")
+        assert st.session is state  # refused before anything changed
+    else:
+        st.fire(event, "b")
+        assert st.session is expected
+    assert st.closure is Closure.OPEN
+
+
+@pytest.mark.parametrize(("closure", "event"), list(itertools.product(Closure, CLOSURE_EVENTS)))
+def test_closure_events(closure: Closure, event: LinkEvent) -> None:
+    st = states_in(closure=closure)
+    expected = CLOSURE_TRANSITIONS[closure].get(event)
+    if expected is None:
+        with pytest.raises(LinkStateError, match="link to b"):
+            st.fire(event, "b")
+        assert st.closure is closure
+    else:
+        st.fire(event, "b")
+        assert st.closure is expected
+    assert st.session is LinkState.NEW
+
+
+def test_the_illegal_transitions_that_matter() -> None:
+    """A removed link never comes back; a link cannot lose a connection it does not have; a
+    closing link is never reopened."""
+    for event in (LinkEvent.CONNECTED, LinkEvent.DISCONNECTED, LinkEvent.RESET):
+        with pytest.raises(LinkStateError):
+            states_in(session=LinkState.REMOVED).fire(event)
+    for state in (LinkState.NEW, LinkState.LOST):
+        with pytest.raises(LinkStateError):
+            states_in(session=state).fire(LinkEvent.DISCONNECTED)
+    for closure in (Closure.CLOSING, Closure.BOTH_CLOSED):
+        with pytest.raises(LinkStateError):
+            states_in(closure=closure).fire(LinkEvent.REOPENED)
+
+
+async def test_a_link_keeps_its_connection_consistent_with_its_state() -> None:
+    link = Link("b", "s1", dialer=True, address=None)
+    assert (link.state, link.connected_once, link.removed) == ("connecting", False, False)
+    link.connected(object())  # type: ignore[arg-type]
+    assert (link.state, link.connected_once, link.up.is_set()) == ("up", True, True)
+    link.disconnected()
+    assert (link.state, link.conn, link.connected_once) == ("connecting", None, True)
+    link.fire(LinkEvent.CORE_CLOSED)
+    assert link.closing and not link.peer_closed and link.status()["closing"]
+    assert link.remove() is None and link.removed
+    with pytest.raises(LinkStateError, match="link to b: event 'connected'"):
+        link.connected(object())  # type: ignore[arg-type]
+    assert link.conn is None and not link.up.is_set()  # nothing changed
+    accepting = Link("a", "s2", dialer=False, address=None)
+    assert accepting.state == "down"
