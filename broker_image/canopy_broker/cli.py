@@ -65,6 +65,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--history", type=int, default=10_000, help="telemetry ring-buffer records")
     s.add_argument("--heartbeat", type=float, default=1.0, help="link heartbeat interval, s")
     s.add_argument(
+        "--dead-after",
+        type=int,
+        default=3,
+        help="heartbeats a link may miss before its connection is dropped (then redialled); "
+        "a neighbour whose link stays unconnected as long again is declared dead",
+    )
+    s.add_argument(
+        "--retention",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="custody for crash repair: notifications forwarded on each link are kept this long "
+        "(at most --retention-limit per link) and replayed after a neighbour dies (0: off)",
+    )
+    s.add_argument("--retention-limit", type=int, default=100_000, help="see --retention")
+    s.add_argument(
+        "--no-repair",
+        dest="repair",
+        action="store_false",
+        help="never declare a neighbour dead nor repair the tree around it (paper 001)",
+    )
+    s.add_argument(
         "--probe-interval",
         type=float,
         default=10.0,
@@ -99,6 +121,10 @@ async def serve(args: argparse.Namespace) -> int:
         host=host,
         port=port,
         heartbeat_interval=args.heartbeat,
+        dead_after=args.dead_after,
+        repair=args.repair,
+        retention_seconds=args.retention,
+        retention_limit=args.retention_limit,
         telemetry_sample=args.telemetry_sample,
         history=args.history,
         telemetry_dir=args.telemetry_dir,

@@ -105,6 +105,8 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from canopy_operator.backends.local import BrokerDownError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -112,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokerDownError as exc:  # a local overlay with a dead or hanging broker
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return int(result or 0)
 
 

@@ -138,6 +138,22 @@ def test_local_up_apply_status_graph_down(tmp_path: Path) -> None:
         assert status.returncode == 0 and "south" not in last_json(status.stdout)["brokers"]
         graph = canopy("graph", "--state-dir", str(state), "-o", str(tmp_path / "g.png"))
         assert graph.returncode == 0 and (tmp_path / "g.png").stat().st_size > 0
+
+        # An inner broker dies: status names it and exits "degraded", apply refuses clearly.
+        brokers = json.loads((state / "trading" / "state.json").read_text())["brokers"]
+        os.kill(brokers["north"]["pid"], signal.SIGKILL)
+        degraded = canopy("status", "--state-dir", str(state), "--json")
+        assert degraded.returncode == 3, degraded.stdout + degraded.stderr
+        assert "Traceback" not in degraded.stderr, degraded.stderr
+        report = last_json(degraded.stdout)
+        assert report["healthy"] is False
+        states = {n: b["state"] for n, b in report["brokers"].items()}  # type: ignore[attr-defined]
+        assert states.pop("north") == "dead" and set(states.values()) == {"up"}, states
+        assert ["north", "west"] in report["links_down"], report  # type: ignore[operator]
+        assert "north is dead" in degraded.stdout
+        refused = canopy("apply", str(desired), "--state-dir", str(state))
+        assert refused.returncode == 1 and "broker north is dead" in refused.stderr, refused
+        assert "Traceback" not in refused.stderr
     finally:
         down = canopy("down", "--state-dir", str(state))
     assert down.returncode == 0

@@ -8,16 +8,18 @@ from typing import Any
 
 import pytest
 
-from canopy_broker.client import ClientError, Notification, connect
+from canopy_broker.client import ClientError, ConnectionLost, Notification, connect
 from canopy_broker.core.filters import Filter
 from tests.unit.test_runtime_broker import MakeBroker, addr, collect, make_broker
 
 __all__ = ["make_broker"]
 
 
-async def test_async_for_over_notifications_ends_when_the_broker_goes(
+async def test_async_for_over_notifications_raises_connection_lost_when_the_broker_goes(
     make_broker: MakeBroker,
 ) -> None:
+    """A stream the broker ended is not a stream that is over: the loop ends with
+    ConnectionLost naming the broker (a client that closes itself ends it quietly)."""
     b = await make_broker("b")
     sub = await connect(addr(b))
     await sub.subscribe(Filter.parse("n < 3"))
@@ -26,10 +28,11 @@ async def test_async_for_over_notifications_ends_when_the_broker_goes(
             pub.publish_nowait({"n": n})
         assert pub.last_seq == 5
     seen: list[Notification] = []
-    async for note in sub.notifications():
-        seen.append(note)
-        if len(seen) == 3:
-            await b.stop()
+    with pytest.raises(ConnectionLost, match="broker b at"):
+        async for note in sub.notifications():
+            seen.append(note)
+            if len(seen) == 3:
+                await b.stop()
     assert [n.id for n in seen] == ["p:1", "p:2", "p:3"]
     assert seen[0].to_json() == {
         "id": "p:1",

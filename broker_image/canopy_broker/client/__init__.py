@@ -27,6 +27,18 @@ The package is split by job: :mod:`.connection` (one connection to one broker), 
 from __future__ import annotations
 
 from canopy_broker.client.api import Client, connect
-from canopy_broker.client.notification import ClientError, Notification
+from canopy_broker.client.notification import (
+    ClientError,
+    ConnectionLost,
+    ConnectionLostError,
+    Notification,
+)
 
-__all__ = ["Client", "ClientError", "Notification", "connect"]
+__all__ = [
+    "Client",
+    "ClientError",
+    "ConnectionLost",
+    "ConnectionLostError",
+    "Notification",
+    "connect",
+]

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from canopy_broker.client.notification import ClientError
+from canopy_broker.client.notification import ClientError, ConnectionLostError
 from canopy_broker.core.filters import Filter
 from canopy_broker.runtime.framing import (
     C_LEAVE,
@@ -60,6 +60,7 @@ class BrokerConnection(FrameProtocol):
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.waiters: dict[tuple[int, str], asyncio.Future[None]] = {}
         self.error: ClientError | None = None
+        self.ending = False  # this side is closing it: its end is not a lost connection
         self.out: list[bytes] = []
         self.out_bytes = 0
         self.flush_handle: asyncio.Handle | None = None
@@ -99,7 +100,11 @@ class BrokerConnection(FrameProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         if exc is not None:
-            self.set_error(ClientError(f"connection lost: {exc}", "connection-lost"))
+            self.set_error(ConnectionLostError(f"connection to {self.who} lost: {exc}"))
+        elif not self.ending:
+            self.set_error(
+                ConnectionLostError(f"{self.who} closed the connection (it stopped or died)")
+            )
         err = self.error or ClientError("connection closed", "closed")
         if not self.ready.done():
             self.ready.set_exception(err)
@@ -111,6 +116,14 @@ class BrokerConnection(FrameProtocol):
         self.owner._lost(self)
 
     # -- state -------------------------------------------------------------------------------
+
+    @property
+    def who(self) -> str:
+        return f"broker {self.broker} at {self.address}" if self.broker else self.address
+
+    def abort(self) -> None:
+        self.ending = True
+        super().abort()
 
     def set_error(self, err: ClientError) -> None:
         if self.error is None:
@@ -157,6 +170,7 @@ class BrokerConnection(FrameProtocol):
 
     async def close_gracefully(self, within: float = 5.0) -> None:
         """Flush what is buffered, close, and wait until the connection is gone."""
+        self.ending = True
         if not self.is_closing():
             self.write_out()
             with contextlib.suppress(TimeoutError):
@@ -167,6 +181,7 @@ class BrokerConnection(FrameProtocol):
     async def leave(self, within: float = 5.0) -> None:
         """Ask the broker to detach us and wait until it has closed the connection, so that
         once this returns the broker no longer counts us (a draining broker waits for that)."""
+        self.ending = True
         if not self.is_closing():
             self.send(orjson.dumps([C_LEAVE]))
             self.write_out()

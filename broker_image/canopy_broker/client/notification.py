@@ -16,6 +16,18 @@ class ClientError(Exception):
         self.code = code
 
 
+class ConnectionLostError(ClientError):
+    """The connection to the broker ended without the application closing it: the broker died,
+    was stopped, or dropped us. Raised by :meth:`Client.receive` (and so ends
+    ``notifications()``) instead of an end of stream that would look like a normal one."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "connection-lost")
+
+
+ConnectionLost = ConnectionLostError  # the short name the docs use
+
+
 class Notification:
     """One delivered event: envelope, attributes and which of our subscriptions matched."""
 

@@ -52,11 +52,16 @@ from canopy_broker.core.messages import (
     LockRefused,
     Marker,
     Moved,
+    Neighbours,
+    OpenLink,
+    PeerFailed,
     PeerMessage,
     Publish,
     RecMsg,
     Relay,
     RemoveLink,
+    Repaired,
+    RepairSweep,
     RouteKey,
     RoutingMode,
     SendToLink,
@@ -70,6 +75,9 @@ from canopy_broker.core.messages import (
     Unsubscribe,
 )
 from canopy_broker.core.path import Role
+from canopy_broker.core.repair import NeighbourLists, RepairRun, Retention
+from canopy_broker.core.repair import Phase as RepairPhase
+from canopy_broker.core.repair import Step as RepairStep
 from canopy_broker.core.routing import (
     RoutingState,
     RoutingTable,
@@ -98,6 +106,12 @@ _EXCHANGE_STEPS: dict[type, Step] = {
 }
 
 
+def _data_plane(inp: Input) -> bool:
+    """A publication: it never changes the set of neighbours (checked without allocating)."""
+    t = type(inp)
+    return t is ClientPublish or (t is FromLink and type(inp.message) is Publish)  # type: ignore[union-attr]
+
+
 class BrokerCore:
     """State of one broker; see the module docstring for who owns what."""
 
@@ -107,12 +121,33 @@ class BrokerCore:
         mode: RoutingMode = RoutingMode.COVERING,
         *,
         routing: RoutingState | None = None,
+        announce_neighbours: bool = False,
+        retention_window: float = 0.0,
+        retention_limit: int = 100_000,
+        repair_timeout: float = 10.0,
     ) -> None:
         self.name = name
         self.routing = routing if routing is not None else RoutingState(mode)
         self.mode = self.routing.mode
         self.now = 0.0
         self.failed: str | None = None
+        # Crash repair: neighbours' neighbour lists. Announcing our own is off by default so
+        # the papers' overhead figures count only their protocols' messages; the runtime and
+        # the fault simulator turn it on.
+        self.neighbour_lists = NeighbourLists(name)
+        self.announce_neighbours = announce_neighbours
+        # Custody for crash repair: what was forwarded on each link lately (0: off), the
+        # repairs under way or recently finished, the new links whose traffic waits for one,
+        # and each publisher's last sequence number seen here (to drop replayed duplicates).
+        self.retention = Retention(retention_window, retention_limit)
+        self.repair_timeout = repair_timeout
+        self.repairs: dict[str, RepairRun] = {}
+        self._holding: dict[str, RepairRun] = {}
+        # Dead neighbours whose routes stay until their repair has the new routes: withdrawing
+        # them at once would cut this broker's side off from the far side meanwhile.
+        self._ghosts: set[str] = set()
+        self._last_seen: dict[str, int] = {}
+        self.replay_duplicates = 0
         # Coordinated exchange: this broker takes part in at most one at a time (the lock).
         self.ex: Exchange | None = None
         self.attempts: dict[str, tuple[StartExchange, int]] = {}  # initiator's requests
@@ -136,7 +171,7 @@ class BrokerCore:
         return self.routing.neighbours
 
     def is_neighbour(self, peer: str) -> bool:
-        return self.routing.has_link(peer)
+        return self.routing.has_link(peer) and peer not in self._ghosts
 
     @property
     def exchange(self) -> Exchange | None:
@@ -172,6 +207,9 @@ class BrokerCore:
         self.now = now
         try:
             self._dispatch(inp, out)
+            if self.announce_neighbours and not _data_plane(inp):
+                live = [n for n in self.routing.neighbours if n not in self._ghosts]
+                self.neighbour_lists.announce(live, out, self.routing.is_frozen)
         except ProtocolError:
             raise
         except Exception as exc:
@@ -209,7 +247,7 @@ class BrokerCore:
             self._migrating(inp, out)
         elif isinstance(inp, ClientMove):
             routing.check_client(inp.client)
-            if not routing.has_link(inp.target):
+            if not self.is_neighbour(inp.target):
                 raise ProtocolError(
                     f"{self.name}: {inp.client!r} moves to {inp.target!r}, which is not a neighbour"
                 )
@@ -220,6 +258,9 @@ class BrokerCore:
             routing.add_link(inp.peer, out)
         elif isinstance(inp, RemoveLink):
             self._remove_link(inp.peer, out)
+            self.neighbour_lists.forget(inp.peer)
+        elif isinstance(inp, PeerFailed):
+            self._peer_failed(inp.peer, out)
         elif isinstance(inp, FromPeer):
             self.to_peer(inp.peer, inp.message, out, incoming=True)
         elif isinstance(inp, StartExchange):
@@ -228,7 +269,11 @@ class BrokerCore:
             else:
                 coordinated.start(self, inp, out)
         elif isinstance(inp, TimerFired):
-            coordinated.timer(self, inp.key, out)
+            kind, _, name = inp.key.partition(":")
+            if kind == "repair":
+                self.repair_timer(name, out)
+            else:
+                coordinated.timer(self, inp.key, out)
         else:  # pragma: no cover - the type checker proves this unreachable
             raise ProtocolError(f"unknown input {inp!r}")
 
@@ -244,7 +289,7 @@ class BrokerCore:
             ex.queued_total += 1
             return
         if isinstance(msg, Publish):
-            self._route(msg.event, inp.peer, out, msg.tag)
+            self._route(msg.event, inp.peer, out, msg.tag, replay=msg.replay)
         elif isinstance(msg, Subscribe | Unsubscribe):
             self._route_update(inp.peer, msg, out)
         else:
@@ -272,8 +317,27 @@ class BrokerCore:
     # ------------------------------------------------------------------ events
 
     def _route(
-        self, event: Event, source: str | None, out: list[Effect], tag: Tag | None = None
+        self,
+        event: Event,
+        source: str | None,
+        out: list[Effect],
+        tag: Tag | None = None,
+        *,
+        replay: bool = False,
     ) -> None:
+        deliver = True
+        if self.announce_neighbours:  # crash repair is on: remember what was seen
+            last = self._last_seen.get(event.publisher, 0)
+            if event.seq > last:
+                self._last_seen[event.publisher] = event.seq
+            elif replay:  # had it already: pass it on (others may not), deliver it not again
+                deliver = False
+                self.replay_duplicates += 1
+            if self._holding and source not in self._holding:
+                # A repair is waiting for its routes: whatever the new links will need of this
+                # is sent with the replay, once the routes are known (they are partial now).
+                for run in dict.fromkeys(self._holding.values()):
+                    run.retained.append(event.forwarded())
         dests = self.routing.match(event.attrs)
         if not dests:
             return
@@ -287,14 +351,22 @@ class BrokerCore:
                 local.setdefault(d[0], []).append(d[1])
         if peers:
             ex = self.ex
-            copy = Publish(event.forwarded())
+            copy = Publish(event.forwarded(), replay=replay)
             if ex is None:
+                keep = self.retention.keep if self.retention.enabled else None
+                holding = self._holding
+                ghosts = self._ghosts
                 for peer in sorted(peers):
+                    if (holding and peer in holding) or (ghosts and peer in ghosts):
+                        continue  # a repair's new link, or a dead one: sent with the replay
                     out.append(SendToLink(peer, copy))
+                    if keep is not None:
+                        keep(peer, self.now, copy.event)
             else:
                 coordinated.route_on_cycle(ex, copy, sorted(peers), out, source=source, tag=tag)
-        for client in sorted(local):
-            out.append(Deliver(client, event, tuple(sorted(local[client]))))
+        if deliver:
+            for client in sorted(local):
+                out.append(Deliver(client, event, tuple(sorted(local[client]))))
 
     # ------------------------------------------------------------------ links
 
@@ -309,6 +381,79 @@ class BrokerCore:
         # A migrating publisher's old broker is gone: nothing can overtake its held events now.
         for client in [c for c, (source, _) in self._held.items() if source == peer]:
             self._release_held(client, out)
+
+    def _peer_failed(self, peer: str, out: list[Effect]) -> None:
+        """Paper 001's repair: drop the dead link (its routes are withdrawn), then link to this
+        broker's neighbours in the chain through the dead broker's former neighbours; each new
+        link advertises what this end holds, as an added link does."""
+        if not self.routing.has_link(peer) or peer in self._ghosts:
+            raise ProtocolError(f"{self.name}: no link to {peer!r}")
+        if self.ex is not None and peer in self.ex.cycle_peers():
+            raise ProtocolError(
+                f"{self.name}: link to {peer!r} is on the cycle of exchange {self.ex.xid}"
+            )
+        # The dead link stays in the tables, frozen (nothing is sent to it), until the new
+        # routes are in: its routes keep this side's traffic coming here, and the repair
+        # collects it for the replay.
+        self.routing.freeze(peer)
+        self._ghosts.add(peer)
+        chain, targets = self.neighbour_lists.chain_for(peer)
+        opened: list[str] = []
+        for t in targets:
+            if t != self.name and not self.routing.has_link(t):
+                out.append(OpenLink(t))  # first: what follows is queued on the new link
+                self.routing.add_link(t, out)
+                opened.append(t)
+        out.append(Repaired(peer, chain, tuple(opened)))
+        me = chain.index(self.name) if self.name in chain else -1
+        run = RepairRun(
+            peer,
+            previous=chain[me - 1] if me > 0 else None,
+            next=chain[me + 1] if 0 <= me < len(chain) - 1 else None,
+            retained=self.retention.take(peer, self.now),
+        )
+        self._forget_repairs()
+        self.repairs[peer] = run
+        for end in (run.previous, run.next):
+            if end is not None:
+                self._holding[end] = run
+        out.extend(run.sweeps_to_start())  # behind this end's routes on the new link
+        if run.complete:
+            self._finish_repair(run, out)
+        else:
+            out.append(StartTimer(f"repair:{peer}", self.repair_timeout))
+
+    def _forget_repairs(self) -> None:
+        """Finished repairs are kept a while (late sweeps are passed on); not for ever."""
+        done = [d for d, r in self.repairs.items() if r.phase is RepairPhase.DONE]
+        for dead in done[: max(0, len(done) - 16)]:
+            del self.repairs[dead]
+
+    def _finish_repair(self, run: RepairRun, out: list[Effect], *, timed_out: bool = False) -> None:
+        for peer in [p for p, r in self._holding.items() if r is run]:
+            del self._holding[peer]
+        if run.dead in self._ghosts:  # now its routes may go: the new links have theirs
+            self._ghosts.discard(run.dead)
+            self._remove_link(run.dead, out)
+
+        def route(event: Event) -> list[str]:
+            return [d for d in self.routing.match(event.attrs) if isinstance(d, str)]
+
+        run.finish(route, out, timed_out=timed_out)
+
+    def _repair_msg(self, peer: str, msg: RepairSweep, out: list[Effect]) -> None:
+        run = self.repairs.get(msg.dead)
+        if run is None:
+            raise ProtocolError(f"{self.name}: repair sweep for {msg.dead}, which it is not in")
+        run.on_sweep(peer, msg, out)
+        if run.complete:
+            self._finish_repair(run, out)
+
+    def repair_timer(self, dead: str, out: list[Effect]) -> None:
+        run = self.repairs.get(dead)
+        if run is not None and run.phase is RepairPhase.WAITING:
+            run.step(RepairStep.TIMEOUT, "the timer")
+            self._finish_repair(run, out, timed_out=True)
 
     # ------------------------------------------------------------------ protocol messages
 
@@ -336,6 +481,10 @@ class BrokerCore:
             path_algorithm.on_flush(self, peer, msg, out)
         elif isinstance(msg, LinkReady):
             path_algorithm.on_link_ready(self, peer, msg, out)
+        elif isinstance(msg, Neighbours):
+            self.neighbour_lists.heard(peer, msg)
+        elif isinstance(msg, RepairSweep):
+            self._repair_msg(peer, msg, out)
         elif isinstance(msg, Marker):
             if self.routing.has_client(msg.client):  # else it has left: nothing to say
                 out.append(DeliverMarker(msg.client))

@@ -81,10 +81,13 @@ class Tag:
 
 @dataclass(frozen=True, slots=True)
 class Publish:
-    """A notification travelling over a link (``event.hops`` already counts this link)."""
+    """A notification travelling over a link (``event.hops`` already counts this link).
+    ``replay``: sent again after a crash repair; a broker that has already seen it (by the
+    publisher's sequence number) does not deliver it again."""
 
     event: Event
     tag: Tag | None = None
+    replay: bool = False
 
 
 class Algorithm(Enum):
@@ -222,9 +225,32 @@ class Moved:
     client: str
 
 
+# Crash repair (paper 001).
+
+
+@dataclass(frozen=True, slots=True)
+class Neighbours:
+    """Broker → each neighbour, whenever its set of neighbours changes: the ordered list the
+    neighbours need to repair the overlay around this broker if it dies (paper 001's NL_j)."""
+
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RepairSweep:
+    """Travels the repair chain of ``dead`` end to end, once in each direction (``forward``:
+    from its first broker to its last). Behind it on each link are the routes of every broker
+    it passed, so a broker that has seen both sweeps routes to the whole chain exactly."""
+
+    dead: str
+    forward: bool
+
+
 LinkMessage = (
     Marker
     | Moved
+    | Neighbours
+    | RepairSweep
     | Subscribe
     | Unsubscribe
     | Publish
@@ -284,6 +310,14 @@ class AddLink:
 @dataclass(frozen=True, slots=True)
 class RemoveLink:
     """The overlay link to ``peer`` is gone; routes through it are withdrawn (uncoordinated)."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerFailed:
+    """The failure detector: neighbour ``peer`` has been unreachable for the detection timeout.
+    The core drops the link and repairs the tree around the dead broker."""
 
     peer: str
 
@@ -385,6 +419,7 @@ class ClientMove:
 Input = (
     AddLink
     | RemoveLink
+    | PeerFailed
     | FromLink
     | FromPeer
     | StartExchange
@@ -465,6 +500,28 @@ class ExchangeFinished:
     attempts: int = 1
 
 
+@dataclass(frozen=True, slots=True)
+class Repaired:
+    """This broker removed its link to the dead broker ``dead`` and opened ``links`` (its part
+    of the chain through the dead broker's neighbours ``chain``); for logs and metrics."""
+
+    dead: str
+    chain: tuple[str, ...]
+    links: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RepairFinished:
+    """The repair around ``dead`` is complete here: of ``retained`` notifications (sent to the
+    dead broker lately, or routed here while the repair waited for its routes), ``replayed``
+    copies went over the new links (``timed_out``: a sweep never came; finished without it)."""
+
+    dead: str
+    replayed: int
+    retained: int
+    timed_out: bool = False
+
+
 Effect = (
     SendToLink
     | Deliver
@@ -474,4 +531,6 @@ Effect = (
     | OpenLink
     | CloseLink
     | ExchangeFinished
+    | Repaired
+    | RepairFinished
 )

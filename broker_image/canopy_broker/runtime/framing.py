@@ -63,6 +63,7 @@ F_BYE: Final = 5  # [5, reason]                            link only: "removed" 
 F_MSGS: Final = 6  # [6, [client messages]]                 client connections, both directions
 F_ERROR: Final = 7  # [7, code, text]                        then the sender closes
 F_PRESSURE: Final = 8  # [8, true|false]                     link only: congestion on / off
+F_PEERS: Final = 9  # [9, {name: "HOST:PORT"}]               link only: addresses of my neighbours
 
 # Link messages (inside F_DATA).
 L_PUBLISH: Final = 0  # [0, publisher, seq, hops, attrs]
@@ -246,7 +247,7 @@ def encode_event_body(event: Event) -> bytes:
 
 def encode_link_message(msg: LinkMessage) -> bytes:
     """Compact arrays for the data plane; the tagged generic form for everything else."""
-    if isinstance(msg, Publish) and getattr(msg, "tag", None) is None:
+    if isinstance(msg, Publish) and msg.tag is None and not msg.replay:
         return b"[0," + encode_event_body(msg.event) + b"]"
     if isinstance(msg, Subscribe | Unsubscribe):
         code = L_SUBSCRIBE if isinstance(msg, Subscribe) else L_UNSUBSCRIBE

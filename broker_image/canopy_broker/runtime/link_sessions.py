@@ -29,7 +29,7 @@ import time
 import uuid
 from typing import Any, Protocol
 
-from canopy_broker.core.broker import BrokerCore
+from canopy_broker.core.broker import BrokerCore, ProtocolError
 from canopy_broker.core.events import Event
 from canopy_broker.core.messages import (
     AddLink,
@@ -37,8 +37,10 @@ from canopy_broker.core.messages import (
     FromLink,
     FromPeer,
     Input,
+    PeerFailed,
     Publish,
     RemoveLink,
+    RepairFinished,
 )
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.conn import Conn, ConnOwner
@@ -48,6 +50,7 @@ from canopy_broker.runtime.framing import (
     F_DATA,
     F_ERROR,
     F_HELLO,
+    F_PEERS,
     F_PING,
     F_PONG,
     F_PRESSURE,
@@ -72,6 +75,7 @@ class LinkHost(ConnOwner, Protocol):
     """What link sessions need from the broker process that owns them."""
 
     name: str
+    incarnation: str
     advertised: str
     config: BrokerConfig
     core: BrokerCore
@@ -114,6 +118,11 @@ class LinkSessions:
         self.channels_in: dict[str, Link] = {}  # ... and those other brokers dialed
         self._removed: dict[str, str] = {}  # peer -> session removed here (answers a late resume)
         self._retired: dict[str, Link] = {}  # closing links displaced by a re-opened one
+        # Neighbours declared dead, by the incarnation (process) that died: that process is
+        # refused if it comes back (paused, partitioned); a restarted one is a new member.
+        self.fenced: dict[str, str] = {}
+        self._learned: dict[str, str] = {}  # addresses told by neighbours (F_PEERS)
+        self.repairs: list[dict[str, Any]] = []  # the last few, for the admin API
 
     # ------------------------------------------------------------------ tables
 
@@ -285,6 +294,8 @@ class LinkSessions:
             if link.remote_pressure != frame[1]:
                 link.remote_pressure = frame[1]
                 host.update_pressure()
+        elif ftype == F_PEERS and len(frame) == 2 and isinstance(frame[1], dict):
+            self._heard_peers(frame[1])
         elif ftype == F_BYE:
             reason = frame[1] if len(frame) > 1 else "?"
             log.info("%s: %s said goodbye (%s)", self.name, link.peer, reason)
@@ -374,13 +385,18 @@ class LinkSessions:
                 "last_rx": link.rx_seq,
                 "opened": link.opened,
                 "address": self.host.advertised,
+                "incarnation": self.host.incarnation,
             },
         )
 
-    def _up(self, link: Link, conn: Conn, peer_last_rx: object) -> None:
+    def _up(self, link: Link, conn: Conn, hello: dict[str, Any]) -> None:
+        peer_last_rx = hello.get("last_rx")
         if type(peer_last_rx) is not int:
             raise FrameError("hello needs an integer last_rx", "bad-hello")
         host = self.host
+        incarnation = hello.get("incarnation")
+        if isinstance(incarnation, str):
+            link.incarnation = incarnation
         link.rewind(peer_last_rx)
         old = link.conn
         if old is not None and old is not conn:
@@ -391,6 +407,7 @@ class LinkSessions:
         conn.link = link
         conn.role = link.kind
         link.last_heard = host.now()
+        link.down_since = None
         link.connects += 1
         if link.kind == "link":
             host.metrics.link_reconnects.labels(link.peer).inc()
@@ -399,6 +416,7 @@ class LinkSessions:
                 host.apply(host.core.handle(AddLink(link.peer), host.now()))
             link.remote_pressure = link.sent_pressure = False
             host.update_pressure()
+            self._tell_peers()
         host.mark_dirty(link)
         log.info(
             "%s: %s to %s is up (session %s, resend from %d)",
@@ -414,6 +432,7 @@ class LinkSessions:
         if link.conn is not conn:
             return
         link.disconnected()
+        link.down_since = self.host.now()
         link.remote_pressure = link.sent_pressure = False
         if link.over:
             self.host.unpressure(link)  # a down link's backlog must not stop the overlay
@@ -428,6 +447,13 @@ class LinkSessions:
         session = str_field(hello, "session")
         if peer == self.name:
             raise FrameError("a broker cannot link to itself", "bad-hello")
+        fenced = self.fenced.get(peer)
+        if fenced is not None and hello.get("incarnation") == fenced:
+            raise FrameError(
+                f"{self.name} declared {peer} (incarnation {fenced}) dead and repaired the "
+                "overlay without it; restart it to rejoin as a new member",
+                "fenced",
+            )
         address = hello.get("address")
         if isinstance(address, str) and address:
             host.peers.setdefault(peer, address)
@@ -438,7 +464,7 @@ class LinkSessions:
             link = retired  # the earlier instance of a re-opened link resumes its flushing
         if link is not None and link.session == session:
             host.answer_hello(conn, last_rx=link.rx_seq)
-            self._up(link, conn, hello.get("last_rx"))
+            self._up(link, conn, hello)
             return
         if hello.get("resume"):
             removed = kind == "link" and self._removed.get(peer) == session
@@ -469,7 +495,7 @@ class LinkSessions:
             if opened:
                 link.established = host.core.is_neighbour(peer)
         host.answer_hello(conn, last_rx=0)
-        self._up(link, conn, hello.get("last_rx"))
+        self._up(link, conn, hello)
 
     def answered(self, conn: Conn, hello: dict[str, Any]) -> None:
         """The broker we dialed answered our hello."""
@@ -484,7 +510,7 @@ class LinkSessions:
             return
         if hello.get("name") != link.peer:
             raise FrameError(f"dialed {link.peer} but {hello.get('name')!r} answered", "wrong-peer")
-        self._up(link, conn, hello.get("last_rx"))
+        self._up(link, conn, hello)
         if not conn.handshake.done():
             conn.handshake.set_result(None)
 
@@ -495,7 +521,14 @@ class LinkSessions:
         assert link is not None
         code = frame[1] if len(frame) > 1 else "?"
         log.warning("%s: %s refused the %s: %s", self.name, link.peer, link.kind, frame[1:])
-        if code == "link-removed":
+        if code in ("link-removed", "fenced"):
+            if code == "fenced":
+                log.error(
+                    "%s: %s declared this broker dead and repaired the overlay without it; "
+                    "the link is dropped (restart this broker to rejoin as a new member)",
+                    self.name,
+                    link.peer,
+                )
             self.drop(link, bye=None)
         elif code == "unknown-session" and not link.removed:  # the peer lost our session
             if link.established and not link.opened:
@@ -537,12 +570,103 @@ class LinkSessions:
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(delay * 2, cfg.reconnect_max)
 
+    # ------------------------------------------------------------------ failures
+
+    def _declare_dead(self, link: Link, silent: float) -> None:
+        """The failure detector's verdict: the core repairs the tree around ``link.peer``, and
+        the peer's process is fenced (refused if it ever resumes)."""
+        host = self.host
+        peer = link.peer
+        if not link.established or link.closing:
+            return  # not a link of the core's tree (yet, or any more): nothing to repair
+        try:
+            effects = host.core.handle(PeerFailed(peer), host.now())
+        except ProtocolError as exc:  # on a running exchange's cycle: its lease ends it first
+            log.info("%s: %s looks dead, repair deferred: %s", self.name, peer, exc)
+            return
+        link.established = False  # the core has dropped it already
+        if link.incarnation:
+            self.fenced[peer] = link.incarnation
+        self.drop(link, bye=None)
+        host.metrics.peer_failures.inc()
+        log.warning(
+            "%s: declared %s dead (no connection for %.1fs); repairing the tree without it",
+            self.name,
+            peer,
+            silent,
+        )
+        host.apply(effects)
+
+    def repaired(self, dead: str, chain: tuple[str, ...], links: tuple[str, ...]) -> None:
+        """The core's account of a repair (its :class:`Repaired` effect)."""
+        self.host.metrics.repairs.inc(len(links))
+        log.warning(
+            "%s: repair around %s: its neighbours %s form a chain; linking to %s",
+            self.name,
+            dead,
+            list(chain),
+            list(links) or "nobody new",
+        )
+        self.repairs = [
+            *self.repairs[-9:],
+            {"dead": dead, "chain": list(chain), "linked": list(links), "at": time.time()},
+        ]
+
+    def repair_finished(self, eff: RepairFinished) -> None:
+        self.host.metrics.replayed.inc(eff.replayed)
+        log.warning(
+            "%s: repair around %s complete%s: %d notification(s) sent again over the new links "
+            "(of %d kept)",
+            self.name,
+            eff.dead,
+            " (a sweep never came: finished by timeout)" if eff.timed_out else "",
+            eff.replayed,
+            eff.retained,
+        )
+        for rec in reversed(self.repairs):
+            if rec["dead"] == eff.dead and "replayed" not in rec:
+                rec.update(replayed=eff.replayed, complete_at=time.time())
+                break
+
+    def _tell_peers(self) -> None:
+        """Tell every neighbour the addresses of all the others: a repair links brokers that
+        never talked, and each must be able to dial the other."""
+        host = self.host
+        book = {host.name: host.advertised}
+        for peer, link in self.links.items():
+            address = link.address or host.peers.get(peer)
+            if address:
+                book[peer] = address
+        frame = control_frame(F_PEERS, book)
+        for link in self.links.values():
+            if link.conn is not None:
+                link.conn.write(frame)
+
+    def _heard_peers(self, book: dict[str, object]) -> None:
+        peers = self.host.peers
+        for name, address in book.items():
+            if name == self.name or not isinstance(address, str):
+                continue
+            try:
+                parse_address(address)
+            except ValueError:
+                continue
+            # An address the operator gave wins; one learnt from a neighbour may be updated.
+            if name not in peers or peers[name] == self._learned.get(name):
+                peers[name] = self._learned[name] = address
+
     # ------------------------------------------------------------------ heartbeats
 
     def heartbeat(self, now: float) -> None:
         """Ping every connected link and channel; drop a connection that has been silent for
-        ``dead_after`` heartbeats (the session stays, and the dialer reconnects)."""
+        ``dead_after`` heartbeats (the session stays, and the dialer reconnects); declare a
+        neighbour dead whose link has had no connection for as long again."""
         cfg = self.host.config
+        timeout = cfg.heartbeat_interval * cfg.dead_after
+        for link in list(self.links.values()) if cfg.repair else ():
+            since = link.down_since
+            if since is not None and link.conn is None and now - since > timeout:
+                self._declare_dead(link, now - since)
         for link in self.all_links():
             conn = link.conn
             if conn is None:

@@ -81,6 +81,8 @@ class Link:
         self.rx_seq = 0
         self.acked_rx = 0
         self.last_heard = 0.0
+        self.down_since: float | None = None  # when its session lost its connection
+        self.incarnation = ""  # the peer's process, from its hello (what a fence names)
         self.rtt_ms: float | None = None
         self.connects = 0
         self.dirty = False

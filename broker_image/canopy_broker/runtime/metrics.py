@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -30,6 +30,8 @@ class Gauges:
     link_up: dict[str, bool]
     client_queue_depth_max: int
     client_queue_depth_total: int
+    retention_depth: int = 0
+    replay_duplicates: int = 0
 
 
 class _StateCollector(Collector):
@@ -71,6 +73,16 @@ class _StateCollector(Collector):
             "canopy_client_queue_depth_total",
             "Sum of client outbound queues",
             value=g.client_queue_depth_total,
+        )
+        yield GaugeMetricFamily(
+            "canopy_retention_depth",
+            "Notifications kept for crash repair (forwarded on a link within the window)",
+            value=g.retention_depth,
+        )
+        yield CounterMetricFamily(
+            "canopy_replay_duplicates",
+            "Replayed notifications this broker already had (passed on, not delivered again)",
+            value=g.replay_duplicates,
         )
 
 
@@ -122,6 +134,21 @@ class BrokerMetrics:
             "canopy_malformed_frames",
             "Connections closed for malformed or illegal input, by role and error code",
             ["role", "code"],
+            registry=r,
+        )
+        self.peer_failures = Counter(
+            "canopy_peer_failures",
+            "Neighbours declared dead by the failure detector (their link dropped and fenced)",
+            registry=r,
+        )
+        self.replayed = Counter(
+            "canopy_replayed_notifications",
+            "Notifications sent again over new links after a crash repair",
+            registry=r,
+        )
+        self.repairs = Counter(
+            "canopy_repair_links",
+            "Links opened to repair the tree around a dead neighbour (paper 001's chain)",
             registry=r,
         )
         self.backpressure = Counter(

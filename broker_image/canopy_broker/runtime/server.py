@@ -36,6 +36,8 @@ from canopy_broker.core.messages import (
     OpenLink,
     Ordering,
     Publish,
+    Repaired,
+    RepairFinished,
     RoutingMode,
     SendToLink,
     SendToPeer,
@@ -121,7 +123,15 @@ class Broker:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         self.name = config.name
-        self.core = BrokerCore(config.name, RoutingMode(config.routing))
+        detection = config.heartbeat_interval * config.dead_after
+        self.core = BrokerCore(
+            config.name,
+            RoutingMode(config.routing),
+            announce_neighbours=config.repair,
+            retention_window=config.retention_seconds if config.repair else 0.0,
+            retention_limit=config.retention_limit,
+            repair_timeout=max(10.0, 5 * detection),
+        )
         self.tasks = TaskSet(config.name, on_failure=self._task_failed)
         # Why this broker can no longer be trusted (a background task died, or its core hit an
         # internal error); /healthz reports it so a supervisor restarts the process.
@@ -452,6 +462,7 @@ class Broker:
                     "v": PROTOCOL_VERSION,
                     "role": "broker",
                     "name": self.name,
+                    "incarnation": self.incarnation,
                     "routing": self.core.mode.value,
                     **fields,
                 },
@@ -491,7 +502,12 @@ class Broker:
                     last_msg = msg
                     if type(msg) is not Publish:
                         self._count_reconfiguration_message(msg)
-                link = self.links[eff.peer]
+                link = self.links.get(eff.peer)
+                if link is None:  # a core bug, not the sender's fault: say so once, carry on
+                    if f"link:{eff.peer}" not in self._warned:
+                        self._warned.add(f"link:{eff.peer}")
+                        log.error("%s: the core sent to %s, which has no link", self.name, eff.peer)
+                    continue
                 link.out.append(last_bytes)
                 if not link.dirty:
                     self.mark_dirty(link)
@@ -522,6 +538,10 @@ class Broker:
                 self.sessions.close(eff.peer)
             elif isinstance(eff, ExchangeFinished):
                 self._exchange_finished(eff)
+            elif isinstance(eff, Repaired):
+                self.sessions.repaired(eff.dead, eff.chain, eff.links)
+            elif isinstance(eff, RepairFinished):
+                self.sessions.repair_finished(eff)
             else:
                 self._unsupported(eff)
         if delivered:
@@ -745,6 +765,8 @@ class Broker:
             "pending_exchanges": self.core.pending_exchanges,
             "ordering_delay": self.ordering_delay_status(),
             "drain": self.drain_status(),
+            "repairs": list(self.sessions.repairs),
+            "fenced": dict(self.sessions.fenced),
         }
 
     def _gauges(self) -> Gauges:
@@ -758,6 +780,8 @@ class Broker:
             link_up={p: lk.conn is not None for p, lk in self.links.items()},
             client_queue_depth_max=max(depths, default=0),
             client_queue_depth_total=sum(depths),
+            retention_depth=self.core.retention.depth(),
+            replay_duplicates=self.core.replay_duplicates,
         )
 
     def drop_link_connection(self, peer: str) -> bool:

@@ -46,6 +46,7 @@ from canopy_broker.core.messages import (
     Input,
     OpenLink,
     Ordering,
+    PeerFailed,
     Publish,
     Relay,
     RemoveLink,
@@ -422,6 +423,8 @@ class Simulator:
             self._copy_done(inp.event)
         elif isinstance(inp, FromPeer) and isinstance(inp.message, _CONTROL):
             self._control_in_flight -= 1
+        elif isinstance(inp, PeerFailed):
+            self._edges.discard(frozenset((broker, inp.peer)))
         elif isinstance(inp, TimerFired):
             if self._timers.get((broker, inp.key)) != self._heap_key:
                 return  # superseded by a later StartTimer with the same key
@@ -484,6 +487,14 @@ class Simulator:
     def crash(self, broker: str, at: float | None = None) -> None:
         """The broker's process dies at ``at``: it handles nothing from then on."""
         self._client_action("\0sim", at, _Crash(broker))
+
+    def detect_failure(self, dead: str, at: float) -> None:
+        """The failure detector fires at ``at`` at every neighbour of ``dead`` (the same moment
+        everywhere: the runtime refuses data on a repair link until both ends opened it, which
+        the simulator does not model, so both ends must open it before either sends)."""
+        for a, b in self.edges:
+            if dead in (a, b):
+                self._schedule(at, b if a == dead else a, PeerFailed(dead))
 
     def remove_leaf(self, leaf: str, at: float | None = None) -> None:
         """Remove-leaf: migrate the leaf's clients to its neighbour, then drop the link."""

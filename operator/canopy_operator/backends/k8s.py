@@ -820,6 +820,24 @@ class _StatusStore:
         )
 
 
+class _Components:
+    """Union-find over broker names: which brokers the live links connect."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.parent = {n: n for n in names}
+
+    def find(self, x: str) -> str:
+        parent = self.parent
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(self, a: str, b: str) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
 async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) -> None:
     """Compare the live brokers with the declared ones: re-create a missing pod and re-link a
     broker that came back without its links (it gets its routing state back from the link)."""
@@ -848,10 +866,22 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
         )
         neighbours = await backend.neighbours(spec.broker_names)
         want = [(str(e[0]), str(e[1])) for e in status.get("links") or []]
+        joined = _Components(spec.broker_names)
+        for a, ns in neighbours.items():
+            for b in ns:
+                if a in neighbours.get(b, set()):
+                    joined.union(a, b)
         for a, b in want:
             has_a, has_b = b in neighbours.get(a, set()), a in neighbours.get(b, set())
             if has_a and has_b:
                 continue
+            if not (has_a or has_b) and joined.find(a) == joined.find(b):
+                # The brokers repaired the tree around a dead broker (paper 001): a and b are
+                # connected another way, and this link would close a cycle. Restoring the
+                # declared shape takes exchanges, not a re-added link.
+                r.event("RelinkSkipped", f"{a}-{b}: already connected after a repair")
+                continue
+            joined.union(a, b)
             # One end restarted and knows nothing of the link; the other may still hold the
             # old session. Drop that (its routing entries go with it), then the restarted end
             # dials afresh and both ends exchange their routing state over the new link.

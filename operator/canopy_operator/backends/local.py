@@ -20,9 +20,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from canopy_broker.admin_client import AdminClient
+import aiohttp
+
+from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_broker.cli import READY_PREFIX
 from canopy_broker.procs import broker_env, serve_command
+
+
+class BrokerDownError(Exception):
+    """A broker of the local overlay does not answer (its process died, or it hangs)."""
+
+
+BROKER_STATES = ("up", "failed", "unreachable", "dead")
+"""What ``canopy status`` says of a broker: ``up`` (answers, healthy), ``failed`` (answers but
+reports itself failed: /healthz 500), ``unreachable`` (its process lives but the admin API does
+not answer in time: paused, overloaded or partitioned), ``dead`` (its process is gone)."""
 
 
 class LocalBackend:
@@ -147,16 +159,51 @@ class LocalBackend:
     # -- queries ----------------------------------------------------------------------------
 
     async def live_links(self) -> list[tuple[str, str]]:
-        """The links the brokers report (each link once), the live tree."""
+        """The links the brokers report (each link once), the live tree. Raises
+        :class:`BrokerDownError` naming the first broker that does not answer: planning from a
+        partial view would undo links that only look missing."""
         links: set[tuple[str, str]] = set()
         for name in list(self.brokers):
-            status = await self.admin(name).status()
+            status = await self._status_or_down(name)
             for n in status.get("neighbours", []):
                 if n.get("closing"):
                     continue
                 a, b = sorted((name, str(n["peer"])))
                 links.add((a, b))
         return sorted(links)
+
+    async def _status_or_down(self, name: str, within: float = 5.0) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(within):
+                return await self.admin(name).status()
+        except (aiohttp.ClientError, OSError, AdminError, TimeoutError) as exc:
+            raise BrokerDownError(self._why_down(name, exc)) from None
+
+    def _why_down(self, name: str, exc: BaseException) -> str:
+        info = self.brokers[name]
+        if not _alive(int(info["pid"])):
+            return f"broker {name} is dead (process {info['pid']} is gone; log: {info.get('log')})"
+        return f"broker {name} does not answer at {info['admin']}: {exc or type(exc).__name__}"
+
+    async def health(self, within: float = 2.0) -> dict[str, dict[str, Any]]:
+        """Every broker's state (one of :data:`BROKER_STATES`), with its status when it answers
+        and the reason when it does not; never raises for a broker that is down."""
+
+        async def one(name: str) -> dict[str, Any]:
+            info = self.brokers[name]
+            if not _alive(int(info["pid"])):
+                return {"state": "dead", "why": self._why_down(name, ProcessLookupError())}
+            try:
+                status = await self._status_or_down(name, within)
+            except BrokerDownError as exc:
+                return {"state": "unreachable", "why": str(exc)}
+            if not await self.admin(name).healthz():
+                return {"state": "failed", "status": status, "why": f"broker {name} failed"}
+            return {"state": "up", "status": status}
+
+        names = sorted(self.brokers)
+        results = await asyncio.gather(*(one(n) for n in names))
+        return dict(zip(names, results, strict=True))
 
     async def close(self) -> None:
         for client in self._admins.values():
@@ -175,10 +222,15 @@ class LocalBackend:
 
 
 def _alive(pid: int) -> bool:
+    """The process runs (a zombie, killed but not yet reaped by its new parent, does not)."""
     try:
         os.kill(pid, 0)
     except OSError:
         return False
+    with contextlib.suppress(OSError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
     return True
 
 

@@ -161,37 +161,60 @@ def with_backend(args: argparse.Namespace, query: Callable[[LocalBackend], Await
     return asyncio.run(go())
 
 
+DEGRADED = 3
+"""``canopy status`` exits with this when a broker is not up or a link is not connected."""
+
+
 def run_status(args: argparse.Namespace) -> int:
+    """Every broker's state and links; exit 0 when all are up and linked, :data:`DEGRADED`
+    otherwise. A dead or hanging broker is named, never a traceback."""
+
     async def query(backend: LocalBackend) -> dict[str, Any]:
-        statuses = {n: await backend.admin(n).status() for n in sorted(backend.brokers)}
-        links = await backend.live_links()
+        health = await backend.health()
+        links: dict[tuple[str, str], set[str]] = {}  # link -> the states its ends report
+        brokers: dict[str, Any] = {}
+        for n, h in health.items():
+            s = h.get("status") or {}
+            neighbours = [x for x in s.get("neighbours", []) if not x.get("closing")]
+            for x in neighbours:
+                a, b = sorted((n, str(x["peer"])))
+                links.setdefault((a, b), set()).add(str(x.get("state")))
+            brokers[n] = {
+                "state": h["state"],
+                "address": backend.address(n),
+                "clients": s.get("clients"),
+                "neighbours": [x["peer"] for x in neighbours],
+                **({"why": h["why"]} if "why" in h else {}),
+            }
+        down_links = sorted(e for e, states in links.items() if states != {"up"})
+        problems = [f"{n}: {b['why']}" for n, b in brokers.items() if b["state"] != "up"]
+        problems += [f"link {a}-{b} is not connected" for a, b in down_links]
         return {
             "overlay": backend.dir.name,
             "generation": backend.state.get("generation", 0),
-            "brokers": {
-                n: {
-                    "address": backend.address(n),
-                    "clients": s.get("clients"),
-                    "neighbours": [x["peer"] for x in s.get("neighbours", [])],
-                }
-                for n, s in statuses.items()
-            },
-            "links": [list(e) for e in links],
+            "healthy": not problems,
+            "problems": problems,
+            "brokers": brokers,
+            "links": [list(e) for e in sorted(links)],
+            "links_down": [list(e) for e in down_links],
         }
 
     data = with_backend(args, query)
     for n, b in data["brokers"].items():
         print(
-            f"{n:<12} {b['address']:<22} clients {b['clients']!s:<4} "
-            f"neighbours {', '.join(b['neighbours'])}"
+            f"{n:<12} {b['state']:<12} {b['address']:<22} clients {b['clients']!s:<4} "
+            f"neighbours {', '.join(b['neighbours']) or '-'}"
         )
+    verdict = "healthy" if data["healthy"] else "DEGRADED"
     print(
         f"{len(data['brokers'])} brokers, {len(data['links'])} links "
-        f"(generation {data['generation']})"
+        f"(generation {data['generation']}): {verdict}"
     )
+    for problem in data["problems"]:
+        print(f"  {problem}")
     if args.json:
         print(json.dumps(data))
-    return 0
+    return 0 if data["healthy"] else DEGRADED
 
 
 def run_graph(args: argparse.Namespace) -> int:

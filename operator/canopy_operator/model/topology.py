@@ -61,6 +61,8 @@ class OverlaySpec:
     generation: int = 0
     telemetry_sample: float = 0.1  # the CRD's default: one event in ten kept for the miner
     telemetry_history: int = 10_000
+    heartbeat_interval: float = 1.0  # spec.failureDetection.heartbeatSeconds
+    dead_after: int = 3  # spec.failureDetection.deadAfter: heartbeats missed before a link drops
 
     @property
     def broker_names(self) -> list[str]:
@@ -74,12 +76,17 @@ class OverlaySpec:
         return {b.name: b.zone for b in self.brokers}
 
     def broker_args(self) -> tuple[str, ...]:
-        """`canopy-broker serve` flags every broker of this overlay runs with (telemetry)."""
+        """`canopy-broker serve` flags every broker of this overlay runs with (telemetry,
+        failure detection)."""
         return (
             "--telemetry-sample",
             repr(self.telemetry_sample),
             "--history",
             str(self.telemetry_history),
+            "--heartbeat",
+            repr(self.heartbeat_interval),
+            "--dead-after",
+            str(self.dead_after),
         )
 
 
@@ -139,6 +146,12 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
     sample = telemetry.get("sample", 0.1)
     if isinstance(sample, bool) or not isinstance(sample, int | float):
         raise SpecError(f"spec.telemetry.sample must be a number, got {sample!r}")
+    detection = _get(spec, "failureDetection", dict, {}, "spec")
+    heartbeat = detection.get("heartbeatSeconds", 1.0)
+    if isinstance(heartbeat, bool) or not isinstance(heartbeat, int | float):
+        raise SpecError(
+            f"spec.failureDetection.heartbeatSeconds must be a number, got {heartbeat!r}"
+        )
     status = manifest.get("metadata", {}) or {}
     return OverlaySpec(
         name=name,
@@ -153,6 +166,8 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         generation=int(status.get("generation", 0) or 0),
         telemetry_sample=float(sample),
         telemetry_history=_get(telemetry, "history", int, 10_000, "spec.telemetry"),
+        heartbeat_interval=float(heartbeat),
+        dead_after=_get(detection, "deadAfter", int, 3, "spec.failureDetection"),
     )
 
 
@@ -196,6 +211,15 @@ def validate(spec: OverlaySpec) -> list[str]:
         problems.append(f"telemetry.sample must be between 0 and 1, got {spec.telemetry_sample}")
     if spec.telemetry_history < 0:
         problems.append(f"telemetry.history must not be negative, got {spec.telemetry_history}")
+    if not 0.05 <= spec.heartbeat_interval <= 60.0:
+        problems.append(
+            "failureDetection.heartbeatSeconds must be between 0.05 and 60, "
+            f"got {spec.heartbeat_interval}"
+        )
+    if not 2 <= spec.dead_after <= 100:
+        problems.append(
+            f"failureDetection.deadAfter must be between 2 and 100, got {spec.dead_after}"
+        )
     if spec.links is not None:
         problems += validate_tree(seen, spec.links, spec.max_fan_out)
     return problems

@@ -1,0 +1,240 @@
+"""Crash repair (paper 001): when a broker dies, its neighbours close the tree again, and
+replay what it may have swallowed.
+
+**Neighbour lists.** Every broker tells its neighbours its own neighbour list
+(:class:`Neighbours`) whenever that list changes.
+
+**The chain.** When a neighbour is declared dead (the runtime's failure detector,
+:class:`PeerFailed`), each of the dead broker's neighbours links to its predecessor and successor
+in the dead broker's last list, sorted by name: the survivors form a chain through all of the dead
+broker's former neighbours, so the overlay is one tree again. Every survivor computes the chain
+from the same list, so both ends of each new link open it on their own. Removing the dead link
+withdraws its routes; each new link advertises what its end holds, as an added link does.
+
+**Custody and replay.** Each broker keeps, per neighbour, the notifications it forwarded there in
+the last ``window`` (at most ``limit`` of them): the :class:`Retention`. A dead neighbour may have
+acknowledged some of them without passing them on, and the ones queued for it after it died never
+left. While a repair runs (:class:`RepairRun`), notifications for the new links are *held*; once
+the routes over the whole chain are known, the broker sends the retained ones again, marked
+``replay``, then the held ones, in order. Routes are known when a :class:`RepairSweep` has come
+from each end of the chain: each end sends one along the chain after its own routes, and each
+broker passes it on after the routes it added, so behind a sweep on every link are the routes of
+everything it passed (links are FIFO). A broker that already has a replayed notification (its
+publisher's sequence number is not above the last one it saw) passes it on but does not deliver
+it again: that is what makes the replay free of duplicates, and holding new notifications until
+the replay is out is what keeps each publisher's order.
+
+Transitions are data (:data:`TRANSITIONS`); an input with no entry is a :class:`ProtocolError`.
+The module owns the lists, the chain rule, the retention and the runs; :class:`BrokerCore`
+applies the results to the routing state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Final
+
+from canopy_broker.core.errors import ProtocolError
+from canopy_broker.core.events import Event
+from canopy_broker.core.messages import (
+    Effect,
+    Neighbours,
+    Publish,
+    RepairFinished,
+    RepairSweep,
+    SendToLink,
+)
+
+
+def chain_links(dead_neighbours: Sequence[str], me: str) -> tuple[str, ...]:
+    """The brokers ``me`` links to when the broker whose neighbours were ``dead_neighbours``
+    dies: its predecessor and successor in that list, sorted (a chain through all of them).
+    Empty if ``me`` is not in the list (it learnt a stale one, or none)."""
+    chain = sorted(set(dead_neighbours))
+    if me not in chain:
+        return ()
+    i = chain.index(me)
+    return tuple(chain[j] for j in (i - 1, i + 1) if 0 <= j < len(chain))
+
+
+class NeighbourLists:
+    """What each neighbour last said its neighbours are, and what this broker last said."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.lists: dict[str, tuple[str, ...]] = {}
+        self._announced: tuple[str, ...] | None = None
+        self._told: dict[str, tuple[str, ...]] = {}  # what each neighbour last heard from us
+        self._pending = False  # a neighbour (behind a frozen link) has not heard the list yet
+
+    def heard(self, peer: str, msg: Neighbours) -> None:
+        if self.name not in msg.names or peer in msg.names:
+            raise ProtocolError(
+                f"{self.name}: {peer}'s neighbour list {list(msg.names)} must name this broker "
+                "and not itself"
+            )
+        self.lists[peer] = msg.names
+
+    def announce(
+        self, neighbours: Sequence[str], out: list[Effect], frozen: Callable[[str], bool]
+    ) -> None:
+        """Tell every neighbour the current list if it has not heard it yet. Not over a
+        ``frozen`` link: a reconfiguration's new link carries nothing before both its ends have
+        it (the other end would refuse it), so the list goes once the link is in use."""
+        names = tuple(neighbours)
+        if names == self._announced and not self._pending:
+            return
+        if names != self._announced:
+            self._announced = names
+            self._told = {p: t for p, t in self._told.items() if p in names}
+        msg = Neighbours(names)
+        self._pending = False
+        for n in names:
+            if self._told.get(n) == names:
+                continue
+            if frozen(n):
+                self._pending = True
+                continue
+            self._told[n] = names
+            out.append(SendToLink(n, msg))
+
+    def chain_for(self, dead: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(the dead broker's last known neighbours, the ones this broker links to)."""
+        chain = tuple(sorted(self.lists.pop(dead, ())))
+        return chain, chain_links(chain, self.name)
+
+    def forget(self, peer: str) -> None:
+        self.lists.pop(peer, None)
+
+
+class Retention:
+    """What this broker forwarded on each link lately: custody for a crash repair. Bounded by
+    ``window`` (in the caller's clock) and by ``limit`` notifications per link."""
+
+    def __init__(self, window: float, limit: int) -> None:
+        self.window = window
+        self.limit = limit
+        self.by_peer: dict[str, deque[tuple[float, Event]]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.window > 0 and self.limit > 0
+
+    def keep(self, peer: str, now: float, event: Event) -> None:
+        kept = self.by_peer.get(peer)
+        if kept is None:
+            kept = self.by_peer[peer] = deque(maxlen=self.limit)
+        kept.append((now, event))
+        oldest = now - self.window
+        while kept[0][0] < oldest:
+            kept.popleft()
+
+    def take(self, peer: str, now: float) -> list[Event]:
+        """The notifications kept for ``peer`` within the window, oldest first; forgets them."""
+        kept = self.by_peer.pop(peer, None)
+        if not kept:
+            return []
+        oldest = now - self.window
+        return [e for t, e in kept if t >= oldest]
+
+    def depth(self) -> int:
+        return sum(len(k) for k in self.by_peer.values())
+
+
+class Phase(Enum):
+    WAITING = "waiting"  # for the sweeps: routes over the chain are not all known yet
+    DONE = "done"
+
+
+class Step(Enum):
+    SWEEP_FROM_PREVIOUS = "sweep from the previous broker of the chain"
+    SWEEP_FROM_NEXT = "sweep from the next broker of the chain"
+    TIMEOUT = "no sweep in time"
+
+
+TRANSITIONS: Final[dict[Phase, dict[Step, Phase]]] = {
+    Phase.WAITING: {
+        Step.SWEEP_FROM_PREVIOUS: Phase.WAITING,  # DONE once both sweeps are in (see arrived)
+        Step.SWEEP_FROM_NEXT: Phase.WAITING,
+        Step.TIMEOUT: Phase.DONE,
+    },
+    # A finished run still passes late sweeps on (the others need them) but changes nothing.
+    Phase.DONE: {Step.SWEEP_FROM_PREVIOUS: Phase.DONE, Step.SWEEP_FROM_NEXT: Phase.DONE},
+}
+
+
+@dataclass(eq=False)  # identity: a run is one process, hashed as such
+class RepairRun:
+    """This broker's part in the repair around ``dead``."""
+
+    dead: str
+    previous: str | None  # this broker's neighbours in the chain (None at an end)
+    next: str | None
+    retained: list[Event]  # sent to the dead broker lately, then routed here meanwhile
+    phase: Phase = Phase.WAITING
+    swept: set[Step] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        # An end of the chain needs no sweep from beyond it.
+        if self.previous is None:
+            self.swept.add(Step.SWEEP_FROM_PREVIOUS)
+        if self.next is None:
+            self.swept.add(Step.SWEEP_FROM_NEXT)
+
+    def step(self, step: Step, who: str) -> None:
+        nxt = TRANSITIONS[self.phase].get(step)
+        if nxt is None:
+            raise ProtocolError(f"repair of {self.dead}: {step.value} from {who} in {self.phase}")
+        self.phase = nxt
+        self.swept.add(step)
+
+    @property
+    def complete(self) -> bool:
+        return self.phase is Phase.WAITING and len(self.swept) == 2
+
+    def sweeps_to_start(self) -> list[Effect]:
+        """An end of the chain starts the sweep towards the other end."""
+        out: list[Effect] = []
+        if self.previous is None and self.next is not None:
+            out.append(SendToLink(self.next, RepairSweep(self.dead, forward=True)))
+        if self.next is None and self.previous is not None:
+            out.append(SendToLink(self.previous, RepairSweep(self.dead, forward=False)))
+        return out
+
+    def on_sweep(self, peer: str, sweep: RepairSweep, out: list[Effect]) -> None:
+        """Pass the sweep on along the chain, after everything this broker sent before."""
+        if sweep.forward:
+            if peer != self.previous:
+                raise ProtocolError(f"forward sweep of {self.dead} from {peer}, not the previous")
+            self.step(Step.SWEEP_FROM_PREVIOUS, peer)
+            if self.next is not None:
+                out.append(SendToLink(self.next, sweep))
+        else:
+            if peer != self.next:
+                raise ProtocolError(f"backward sweep of {self.dead} from {peer}, not the next")
+            self.step(Step.SWEEP_FROM_NEXT, peer)
+            if self.previous is not None:
+                out.append(SendToLink(self.previous, sweep))
+
+    def finish(
+        self,
+        route: Callable[[Event], list[str]],
+        out: list[Effect],
+        *,
+        timed_out: bool = False,
+    ) -> None:
+        """Replay the retained notifications, in the order they came, over the new links their
+        routes now lead to; from here on the new links carry traffic as any link does."""
+        self.phase = Phase.DONE
+        chain = {p for p in (self.previous, self.next) if p is not None}
+        replayed = 0
+        for event in self.retained:
+            for peer in sorted(chain.intersection(route(event))):
+                out.append(SendToLink(peer, Publish(event, replay=True)))
+                replayed += 1
+        held = len(self.retained)
+        self.retained = []
+        out.append(RepairFinished(self.dead, replayed, held, timed_out))

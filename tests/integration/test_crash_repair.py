@@ -1,0 +1,286 @@
+"""Crash repair on real processes (paper 001): an inner broker is SIGKILLed under traffic, its
+neighbours link into a chain, routing converges to the canonical tables of the new tree, and
+every event published after the repair reaches every subscriber not attached to the dead broker,
+once and in order. A paused broker that comes back is fenced: it cannot resume its old links.
+
+Nothing is lost for the subscribers not on the dead broker, not even what was published between
+the kill and the repair: each broker keeps what it forwarded lately (custody) and replays it
+over the new links; the negative control turns repair off and must starve the far side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from canopy_broker.client import Client, ConnectionLost, Notification, connect
+from canopy_broker.core.filters import Filter
+from canopy_broker.core.messages import RoutingMode
+from canopy_broker.procs import BrokerProc, spawn_broker, wait_settled
+from canopy_broker.sim.checker import canonical_tables
+
+pytestmark = pytest.mark.integration
+
+# The issue's overlay: b3 is the inner broker whose death cut b4, b5 and b6 off for good.
+NAMES = ["b0", "b1", "b2", "b3", "b4", "b5", "b6"]
+EDGES = [("b0", "b1"), ("b1", "b2"), ("b1", "b3"), ("b3", "b4"), ("b3", "b5"), ("b5", "b6")]
+SUBSCRIBERS = {"s0": "b0", "s2": "b2", "s4": "b4", "s6": "b6"}
+FILTER = "n >= 0"
+HEARTBEAT = ("--heartbeat", "0.2", "--dead-after", "3")  # declared dead 0.6 s after the loss
+
+
+async def start(tmp_path: Path, *extra: str) -> dict[str, BrokerProc]:
+    """The brokers, linked by ``add_link`` only: nobody is given the others' addresses, so the
+    repair links are dialed with addresses the brokers told each other (F_PEERS)."""
+    procs = await asyncio.gather(
+        *(spawn_broker(n, log_dir=tmp_path, extra_args=(*HEARTBEAT, *extra)) for n in NAMES)
+    )
+    brokers = {p.name: p for p in procs}
+    for a, b in EDGES:
+        result = await brokers[a].admin.add_link(b, brokers[b].listen, wait=10)
+        assert result["up"], (a, b)
+    return brokers
+
+
+async def drain(client: Client, into: list[Notification]) -> None:
+    while batch := await client.receive(1000):
+        into.extend(batch)
+
+
+async def subscribe_all(
+    brokers: dict[str, BrokerProc],
+) -> tuple[dict[str, Client], dict[str, list[Notification]], list[asyncio.Task[None]]]:
+    received: dict[str, list[Notification]] = {s: [] for s in SUBSCRIBERS}
+    clients: dict[str, Client] = {}
+    drains = []
+    for sub, b in SUBSCRIBERS.items():
+        clients[sub] = c = await connect(brokers[b].listen, client_id=sub)
+        await c.subscribe(FILTER, sub_id="all")
+        drains.append(asyncio.create_task(drain(c, received[sub])))
+    return clients, received, drains
+
+
+def live_edges(statuses: dict[str, dict[str, object]]) -> set[tuple[str, str]]:
+    edges = set()
+    for name, st in statuses.items():
+        for n in st["neighbours"]:  # type: ignore[attr-defined]
+            edges.add(tuple(sorted((name, n["peer"]))))
+    return edges  # type: ignore[return-value]
+
+
+async def test_an_inner_broker_killed_under_traffic_is_repaired_around(tmp_path: Path) -> None:
+    brokers = await start(tmp_path)
+    try:
+        clients, received, drains = await subscribe_all(brokers)
+        pub = await connect(brokers["b0"].listen, client_id="p")
+        await wait_settled(brokers.values())
+
+        published: list[tuple[int, float]] = []  # (seq, when)
+        stop = asyncio.Event()
+
+        async def publish() -> None:
+            n = 0
+            while not stop.is_set():
+                for _ in range(10):
+                    n += 1
+                    pub.publish_nowait({"n": n})
+                    published.append((n, time.monotonic()))
+                await pub.flush()
+                await asyncio.sleep(0.01)  # ~1,000 events/s
+
+        publisher = asyncio.create_task(publish())
+        await asyncio.sleep(1.0)
+        victim = brokers.pop("b3")
+        killed_at = time.monotonic()
+        victim.kill()
+        await victim.stop()
+
+        # The survivors b1, b4, b5 (b3's neighbours) chain up: b1-b4, b4-b5.
+        async def repaired() -> bool:
+            statuses = {n: await b.admin.status() for n, b in brokers.items()}
+            return live_edges(statuses) == {
+                ("b0", "b1"),
+                ("b1", "b2"),
+                ("b1", "b4"),
+                ("b4", "b5"),
+                ("b5", "b6"),
+            }
+
+        async with asyncio.timeout(15):
+            while not await repaired():  # noqa: ASYNC110 - polling other processes
+                await asyncio.sleep(0.05)
+        repair_s = time.monotonic() - killed_at
+        tables = await wait_settled(brokers.values())
+        settled_at = time.monotonic()
+        await asyncio.sleep(1.0)
+        stop.set()
+        await publisher
+        await pub.flush()
+        last = published[-1][0]
+
+        # Routing is exactly what the new tree needs (checked against the canonical tables).
+        edges = [e for e in EDGES if "b3" not in e] + [("b1", "b4"), ("b4", "b5")]
+        local = {b: [(s, "all", Filter.parse(FILTER))] for s, b in SUBSCRIBERS.items() if b != "b3"}
+        want = canonical_tables(edges, local, RoutingMode.COVERING)
+        for t in tables:
+            have = {peer: sorted(keys) for peer, keys in t["table"]["links"].items()}
+            expect = {peer: sorted(map(str, keys)) for peer, keys in want[t["broker"]].items()}
+            assert have == expect, t["broker"]
+
+        async with asyncio.timeout(20):
+            while any(  # noqa: ASYNC110
+                not r or r[-1].seq < last for r in received.values()
+            ):
+                await asyncio.sleep(0.05)
+        window = [seq for seq, when in published if killed_at <= when <= settled_at]
+        assert len(window) > 100
+        for sub, got in received.items():
+            # Every subscriber not on the dead broker gets everything, once, in order: also what
+            # b3 swallowed and what was published while the tree was torn (custody and replay).
+            seqs = [n.seq for n in got]
+            missed = sorted(set(range(1, last + 1)) - set(seqs))
+            assert not missed, f"{sub} missed {len(missed)}: {missed[:10]}..."
+            assert seqs == list(range(1, last + 1)), f"{sub}: duplicated or reordered"
+        print(
+            f"repaired {repair_s:.2f}s after the kill (detection timeout 0.6 s); "
+            f"{len(window)} events published meanwhile, none lost"
+        )
+
+        metrics = await brokers["b1"].admin.metrics()
+        assert "canopy_peer_failures_total 1.0" in metrics
+        status = await brokers["b4"].admin.status()
+        assert status["repairs"][-1]["dead"] == "b3"
+        assert status["repairs"][-1]["chain"] == ["b1", "b4", "b5"]
+        for c in [pub, *clients.values()]:
+            await c.close()
+        for d in drains:
+            await d
+    finally:
+        await asyncio.gather(*(b.stop() for b in brokers.values()))
+
+
+async def test_without_repair_the_same_kill_cuts_the_far_side_off(tmp_path: Path) -> None:
+    """Negative control: with ``--no-repair`` nothing closes the tree, and the delivery check
+    that passes above must see the subscribers behind b3 starve."""
+    brokers = await start(tmp_path, "--no-repair")
+    try:
+        clients, received, drains = await subscribe_all(brokers)
+        pub = await connect(brokers["b0"].listen, client_id="p")
+        await wait_settled(brokers.values())
+        victim = brokers.pop("b3")
+        victim.kill()
+        await victim.stop()
+        await asyncio.sleep(2.0)  # more than three detection timeouts
+        for n in range(1, 201):
+            pub.publish_nowait({"n": n})
+        await pub.flush()
+        async with asyncio.timeout(10):
+            while len(received["s2"]) < 200:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        assert [n.seq for n in received["s0"]] == list(range(1, 201))
+        assert not received["s4"] and not received["s6"]  # cut off for good
+        statuses = {n: await b.admin.status() for n, b in brokers.items()}
+        assert ("b1", "b4") not in live_edges(statuses)
+        for c in [pub, *clients.values()]:
+            await c.close()
+        for d in drains:
+            await d
+    finally:
+        await asyncio.gather(*(b.stop() for b in brokers.values()))
+
+
+async def test_a_paused_broker_that_comes_back_is_fenced(tmp_path: Path) -> None:
+    """b1 stops (SIGSTOP) long enough to be declared dead; its neighbours repair around it.
+    When it resumes, its old sessions are refused: it drops its links instead of bringing stale
+    routing state back, and says why in its log."""
+    names = ["a", "b1", "c", "d"]
+    procs = await asyncio.gather(
+        *(spawn_broker(n, log_dir=tmp_path, extra_args=HEARTBEAT) for n in names)
+    )
+    brokers = {p.name: p for p in procs}
+    try:
+        for x in ("a", "c", "d"):  # b1 dials all three: it would resume them when it wakes
+            result = await brokers["b1"].admin.add_link(x, brokers[x].listen, wait=10)
+            assert result["up"]
+        await wait_settled(brokers.values())
+        os.kill(brokers["b1"].pid, signal.SIGSTOP)
+        try:
+
+            async def chained() -> bool:
+                live = live_edges({n: await brokers[n].admin.status() for n in ("a", "c", "d")})
+                return live == {("a", "c"), ("c", "d")}
+
+            async with asyncio.timeout(15):
+                while not await chained():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        finally:
+            os.kill(brokers["b1"].pid, signal.SIGCONT)
+
+        async def isolated() -> bool:
+            st = await brokers["b1"].admin.status()
+            return not st["neighbours"]
+
+        async with asyncio.timeout(15):
+            while not await isolated():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        survivors = [brokers[n] for n in ("a", "c", "d")]
+        await wait_settled(survivors)
+        live = live_edges({n: await brokers[n].admin.status() for n in ("a", "c", "d")})
+        assert live == {("a", "c"), ("c", "d")}  # nobody took the stale broker back
+        log = await asyncio.to_thread(Path(str(brokers["b1"].log_path)).read_text)
+        assert "declared this broker dead" in log, log[-2000:]
+        fenced = (await brokers["a"].admin.status())["fenced"]
+        assert set(fenced) == {"b1"}
+    finally:
+        await asyncio.gather(*(b.stop() for b in brokers.values()))
+
+
+async def test_a_subscriber_whose_broker_dies_is_told_so(tmp_path: Path) -> None:
+    """The stream of a subscriber whose broker dies does not end as if it were over: the client
+    raises ConnectionLost naming the broker, and ``canopy sub`` exits 1 saying so. A client
+    that closes itself still ends its stream quietly."""
+    leaf = await spawn_broker("leaf", log_dir=tmp_path)
+    other = await spawn_broker("other", log_dir=tmp_path)
+    sub = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "canopy_operator.cli",
+        "sub",
+        "--broker",
+        leaf.listen,
+        FILTER,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        client = await connect(leaf.listen, client_id="lib")
+        await client.subscribe(FILTER)
+        quiet = await connect(other.listen, client_id="quiet")
+        async with asyncio.timeout(20):
+            while (await leaf.admin.status())["clients"] < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        leaf.kill()
+        await leaf.stop()
+        with pytest.raises(ConnectionLost, match=r"broker leaf at .* closed the connection"):
+            async with asyncio.timeout(10):
+                await client.receive()
+        async with asyncio.timeout(20):
+            _, err = await sub.communicate()
+        assert sub.returncode == 1, err
+        assert b"broker leaf at" in err and b"closed the connection" in err, err
+        await quiet.close()
+        assert await quiet.receive() == []  # closed by the application: a quiet end
+        await client.close()
+    finally:
+        if sub.returncode is None:
+            sub.kill()
+            await sub.wait()
+        await other.stop()
+        await leaf.stop()
