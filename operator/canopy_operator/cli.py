@@ -82,7 +82,7 @@ def _run_operator(args: argparse.Namespace) -> int:
 
 def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Client and benchmark commands that live with the broker package."""
-    from canopy_broker import bench, bench_subscriptions, clients_cli
+    from canopy_broker import bench, bench_faults, bench_subscriptions, clients_cli
     from canopy_operator.commands import mine
 
     clients_cli.add_pubsub_arguments(sub)
@@ -101,6 +101,13 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     bench_subscriptions.add_arguments(subscriptions)
     subscriptions.set_defaults(func=bench_subscriptions.run_args)
+    faults = bench_sub.add_parser(
+        "faults",
+        help="a broker SIGKILLed under traffic: repair time, losses, retention memory, "
+        "custody cost",
+    )
+    bench_faults.add_arguments(faults)
+    faults.set_defaults(func=bench_faults.run_args)
     mine.add_bench_arguments(bench_sub)
 
 

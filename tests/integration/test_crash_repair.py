@@ -66,6 +66,13 @@ async def subscribe_all(
     return clients, received, drains
 
 
+async def close_all(clients: list[Client], drains: list[asyncio.Task[None]]) -> None:
+    for c in clients:
+        await c.close()
+    for d in drains:
+        await d
+
+
 def live_edges(statuses: dict[str, dict[str, object]]) -> set[tuple[str, str]]:
     edges = set()
     for name, st in statuses.items():
@@ -157,10 +164,7 @@ async def test_an_inner_broker_killed_under_traffic_is_repaired_around(tmp_path:
         status = await brokers["b4"].admin.status()
         assert status["repairs"][-1]["dead"] == "b3"
         assert status["repairs"][-1]["chain"] == ["b1", "b4", "b5"]
-        for c in [pub, *clients.values()]:
-            await c.close()
-        for d in drains:
-            await d
+        await close_all([pub, *clients.values()], drains)
     finally:
         await asyncio.gather(*(b.stop() for b in brokers.values()))
 
@@ -188,10 +192,7 @@ async def test_without_repair_the_same_kill_cuts_the_far_side_off(tmp_path: Path
         assert not received["s4"] and not received["s6"]  # cut off for good
         statuses = {n: await b.admin.status() for n, b in brokers.items()}
         assert ("b1", "b4") not in live_edges(statuses)
-        for c in [pub, *clients.values()]:
-            await c.close()
-        for d in drains:
-            await d
+        await close_all([pub, *clients.values()], drains)
     finally:
         await asyncio.gather(*(b.stop() for b in brokers.values()))
 

@@ -327,12 +327,16 @@ class Kubelet:
                     del self.procs[name]
             await asyncio.sleep(0.05)
 
-    async def restart(self, pod: str) -> None:
-        """The broker process of ``pod`` dies and the kubelet starts it again (empty state)."""
+    async def restart(self, pod: str, *, after: float = 0.0) -> None:
+        """The broker process of ``pod`` dies and the kubelet starts it again (empty state),
+        ``after`` seconds later (a crash-looping container's back-off)."""
         proc = self.procs.pop(pod)
         proc.kill()
         await proc.stop()
-        new = await spawn_broker(proc.name, token=proc.token, log_dir=self.log_dir)
+        await asyncio.sleep(after)
+        new = await spawn_broker(
+            proc.name, token=proc.token, log_dir=self.log_dir, extra_args=self.broker_args
+        )
         self.procs[pod] = new
         self.endpoints[pod] = Endpoints(new.listen, new.admin_address)
 

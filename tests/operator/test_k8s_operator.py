@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -443,6 +444,46 @@ async def test_a_restarted_broker_is_relinked_and_gets_its_routing_state_back(
     report = check_deliveries(run.subs, run.pubs, run.deliveries)
     assert report.ok and report.owed > 20, str(report)
     await until(lambda: events(cluster.emulator, "BrokerRelinked"), 10, "BrokerRelinked")
+
+
+async def test_a_broker_back_after_a_repair_is_relinked_without_a_cycle(cluster: Cluster) -> None:
+    """b dies and stays down long enough for a, c and d to repair the tree around it (a chain
+    a-c-d). When its pod's broker comes back, the heal links it to one of them only: re-adding
+    all its declared links would close a cycle."""
+    links = [("a", "b"), ("b", "c"), ("b", "d")]
+    cluster.kubelet.broker_args = ("--heartbeat", "0.2", "--dead-after", "3")
+    cluster.start_operator()
+    await cluster.apply(overlay_manifest("demo", ["a", "b", "c", "d"], links))
+    await cluster.ready("demo")
+    view = BrokerView(cluster.kubelet, "demo", links)
+
+    async def live() -> set[tuple[str, str]]:
+        edges = set()
+        for name in "abcd":
+            with contextlib.suppress(Exception):
+                status = await view[name].admin.status()
+                for n in status["neighbours"]:
+                    x, y = sorted((name, str(n["peer"])))
+                    edges.add((x, y))
+        return edges
+
+    restarted = asyncio.create_task(cluster.kubelet.restart("demo-b", after=3.0))
+
+    async def chained() -> bool:
+        return {("a", "c"), ("c", "d")} <= await live()
+
+    await until(chained, 20, "a, c and d repaired the tree around b")
+    await restarted
+
+    async def relinked() -> set[tuple[str, str]] | None:
+        edges = await live()
+        return edges if any("b" in e for e in edges) else None
+
+    edges = await until(relinked, 20, "b linked again")
+    await asyncio.sleep(1.5)  # more heals: none may add a second link of b
+    edges = await live()
+    assert len(edges) == 3 and sum("b" in e for e in edges) == 1, edges  # a tree of 4
+    await until(lambda: events(cluster.emulator, "RelinkSkipped"), 10, "RelinkSkipped")
 
 
 async def test_deleting_the_overlay_stops_its_brokers(cluster: Cluster) -> None:

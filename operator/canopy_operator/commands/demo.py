@@ -16,8 +16,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -106,6 +108,12 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--self-organize",
         action="store_true",
         help="apply the best mined proposal live and measure hops before and after",
+    )
+    p.add_argument(
+        "--no-crash",
+        dest="crash",
+        action="store_false",
+        help="skip the crash phase (an inner broker without clients SIGKILLed under traffic)",
     )
     p.add_argument("--spark-master", default="local[2]", help="Spark master for the mining")
     p.add_argument("--json", action="store_true", help="one JSON object on the last line")
@@ -287,9 +295,14 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         added = f"b{n}"
         subscribers = []
         far = _far_apart(edges, exclude=victim)
+        # A broker without clients, inner if the tree has one to spare: crashed at the end.
+        degree = Counter(b for e in edges for b in e)
+        spares = [b for b in names[1:] if b != victim and b not in far and degree[b] >= 2]
+        spare = spares[0] if spares else None  # no draw: the seeded workload stays as it was
+        placeable = [b for b in names if b != spare]
         for i in range(args.subscribers):
             chosen = rng.sample(FILTERS, rng.choice([1, 1, 2]))
-            broker = victim if i < 2 else rng.choice(names)
+            broker = victim if i < 2 else rng.choice(placeable)
             if i in (2, 3):  # one interest, two brokers far apart: what self-organisation fixes
                 chosen, broker = [GROUP_FILTER], far[i - 2]
             subscribers.append(
@@ -304,7 +317,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
                 await s.client.subscribe(str(f), sub_id=sub_id)
         progress("subscriptions sent; waiting until routing has settled on every broker")
         entries = await _settle(backend)
-        pub_brokers = [victim] + [rng.choice(names) for _ in range(args.publishers - 1)]
+        pub_brokers = [victim] + [rng.choice(placeable) for _ in range(args.publishers - 1)]
         publishers = []
         for i, b in enumerate(pub_brokers):
             c = await connect(backend.address(b), client_id=f"pub{i}")
@@ -354,6 +367,10 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             except (MiningInputError, RuntimeError) as exc:  # e.g. no Java, nothing sampled
                 print(f"self-organisation skipped: {exc}", file=sys.stderr)
                 selforg = {"skipped": str(exc)}
+        crash = None
+        if args.crash:
+            busy = {s.broker for s in subscribers} | set(pub_brokers)
+            crash = await _crash(backend, busy, prefer=spare)
         stop_pub.set()
         await asyncio.gather(*publishing)
         publish_wall = time.perf_counter() - t0
@@ -399,6 +416,13 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         f"reconfiguration protocol messages (all brokers): {sum(control.values())} "
         + ", ".join(f"{k} {v}" for k, v in sorted(control.items()))
     )
+    if crash is not None:
+        print(
+            f"crashed {crash['broker']} (SIGKILL, no clients on it) under traffic: repaired in "
+            f"{crash['repaired_s']:.2f}s with new links "
+            + ", ".join(f"{a}-{b}" for a, b in crash["new_links"])
+            + "; the delivery check above covers everything published meanwhile"
+        )
     result.update(
         control_messages=sum(control.values()),
         control_messages_by_type=control,
@@ -407,11 +431,57 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         brokers_removed=1,
         reshape_seconds=round(apply_wall, 3),
         self_organization=selforg,
+        crash=crash,
         steps=steps_report,
         final_links=final_links,
     )
     result["ok"] = result["ok"] and shape_ok
     return result
+
+
+async def _crash(
+    backend: LocalBackend, busy: set[str], prefer: str | None
+) -> dict[str, Any] | None:
+    """SIGKILL an inner broker that has no clients, under traffic: its neighbours detect it,
+    repair the tree around it and replay what it swallowed; the delivery check that follows
+    covers every notification published meanwhile."""
+    live = await backend.live_links()
+    degree: Counter[str] = Counter(b for e in live for b in e)
+    free = sorted(degree, key=lambda b: (degree[b] < 2, b != prefer, b))
+    free = [b for b in free if b not in busy]
+    if not free:
+        progress("crash: every broker has clients; skipped")
+        return None
+    victim = free[0]  # inner if one is free of clients (the spare kept for this), else a leaf
+    neighbours = sorted(b for e in live for b in e if victim in e and b != victim)
+    progress(
+        f"crash: SIGKILL {victim} (neighbours {', '.join(neighbours)}) — traffic keeps flowing"
+    )
+    killed = time.monotonic()
+    os.kill(int(backend.brokers[victim]["pid"]), signal.SIGKILL)
+    others = [b for b in backend.brokers if b != victim]
+    repaired_s = None
+    async with asyncio.timeout(60):
+        while repaired_s is None:
+            links: set[tuple[str, str]] = set()
+            for b in others:
+                status = await backend.admin(b).status()
+                for n in status["neighbours"]:
+                    x, y = sorted((b, str(n["peer"])))
+                    links.add((x, y))
+            left = {e for e in live if victim not in e}
+            one_tree = len(links) == len(others) - 1  # over the survivors, without the victim
+            if left <= links and one_tree and not any(victim in e for e in links):
+                repaired_s = time.monotonic() - killed
+                break
+            await asyncio.sleep(0.05)
+    added = sorted(links - {e for e in live})
+    progress(
+        f"crash: repaired {repaired_s:.2f}s after the kill; new links "
+        + ", ".join(f"{a}-{b}" for a, b in added)
+    )
+    await asyncio.sleep(1.0)  # traffic over the repaired tree
+    return {"broker": victim, "repaired_s": round(repaired_s, 3), "new_links": added}
 
 
 def _far_apart(edges: list[tuple[str, str]], exclude: str) -> tuple[str, str]:

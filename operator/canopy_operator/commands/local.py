@@ -186,6 +186,14 @@ def run_status(args: argparse.Namespace) -> int:
                 "neighbours": [x["peer"] for x in neighbours],
                 **({"why": h["why"]} if "why" in h else {}),
             }
+        repairs = sorted(
+            (
+                {"broker": n, **r}
+                for n, h in health.items()
+                for r in (h.get("status") or {}).get("repairs", [])
+            ),
+            key=lambda r: (r.get("at", 0), r["broker"]),
+        )
         down_links = sorted(e for e, states in links.items() if states != {"up"})
         problems = [f"{n}: {b['why']}" for n, b in brokers.items() if b["state"] != "up"]
         problems += [f"link {a}-{b} is not connected" for a, b in down_links]
@@ -197,6 +205,7 @@ def run_status(args: argparse.Namespace) -> int:
             "brokers": brokers,
             "links": [list(e) for e in sorted(links)],
             "links_down": [list(e) for e in down_links],
+            "repairs": repairs,
         }
 
     data = with_backend(args, query)
@@ -212,6 +221,12 @@ def run_status(args: argparse.Namespace) -> int:
     )
     for problem in data["problems"]:
         print(f"  {problem}")
+    for r in data["repairs"]:
+        state = f"replayed {r['replayed']}" if "replayed" in r else "waiting for its routes"
+        print(
+            f"  repair: {r['broker']} dropped dead {r['dead']}, linked to "
+            f"{', '.join(r['linked']) or 'nobody new'} ({state})"
+        )
     if args.json:
         print(json.dumps(data))
     return 0 if data["healthy"] else DEGRADED

@@ -1,0 +1,251 @@
+"""``canopy bench faults``: what a broker crash costs, measured on real processes.
+
+Three scenarios, every figure measured on this run:
+
+* **kill**: the 7-broker overlay of the crash-resilience issue (b0-b1, b1-b2, b1-b3, b3-b4,
+  b3-b5, b5-b6), a publisher on b0 at ``--rate`` events/s, subscribers on b0, b2, b4 and b6;
+  b3 is SIGKILLed. Reported: time from the kill to the repaired tree (the chain links up), and
+  per subscriber what was lost, duplicated or reordered (all must be 0: none is on b3).
+* **retention**: a chain of 3 brokers at 1,000 and 10,000 events/s (paced), custody on with a
+  ``--window`` second window: the notifications kept and the middle broker's RSS, against the
+  same run with custody off.
+* **custody cost**: the chain-of-3 data-plane benchmark (``canopy bench dataplane``'s scenario,
+  flat out) with custody on and off: delivered notifications/s and broker CPU per event.
+
+Progress goes to stderr; with ``--json`` the last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from canopy_broker.bench import progress, run_dataplane
+from canopy_broker.client import Client, ConnectionLostError, Notification, connect
+from canopy_broker.procs import Overlay, wait_settled
+
+NAMES = ["b0", "b1", "b2", "b3", "b4", "b5", "b6"]
+EDGES = [("b0", "b1"), ("b1", "b2"), ("b1", "b3"), ("b3", "b4"), ("b3", "b5"), ("b5", "b6")]
+SUBSCRIBERS = {"s0": "b0", "s2": "b2", "s4": "b4", "s6": "b6"}
+CHAIN = {("b1", "b4"), ("b4", "b5")}
+
+
+def _edges(statuses: dict[str, dict[str, Any]]) -> set[tuple[str, str]]:
+    out: set[tuple[str, str]] = set()
+    for name, st in statuses.items():
+        for n in st["neighbours"]:
+            a, b = sorted((name, str(n["peer"])))
+            out.add((a, b))
+    return out
+
+
+async def _drain(client: Client, into: list[Notification]) -> None:
+    try:
+        while batch := await client.receive(1000):
+            into.extend(batch)
+    except ConnectionLostError:
+        return
+
+
+async def kill_scenario(rate: float, heartbeat: float, dead_after: int) -> dict[str, Any]:
+    args = ["--heartbeat", str(heartbeat), "--dead-after", str(dead_after)]
+    async with Overlay(NAMES, EDGES, extra_args=args) as ov:
+        received: dict[str, list[Notification]] = {s: [] for s in SUBSCRIBERS}
+        clients = []
+        drains = []
+        for sub, b in SUBSCRIBERS.items():
+            c = await connect(ov[b].listen, client_id=sub)
+            await c.subscribe("n >= 0")
+            clients.append(c)
+            drains.append(asyncio.create_task(_drain(c, received[sub])))
+        pub = await connect(ov["b0"].listen, client_id="p")
+        await wait_settled(ov.brokers.values())
+        stop = asyncio.Event()
+
+        async def publish() -> None:
+            n, start = 0, time.monotonic()
+            while not stop.is_set():
+                due = int((time.monotonic() - start) * rate)
+                while n < due:
+                    n += 1
+                    pub.publish_nowait({"n": n})
+                await pub.flush()
+                await asyncio.sleep(0.005)
+
+        publisher = asyncio.create_task(publish())
+        await asyncio.sleep(2.0)
+        kept = await _retained(ov, "b1")
+        victim = ov.brokers.pop("b3")
+        progress(f"kill: SIGKILL b3 at {rate:,.0f} events/s ({kept} notifications kept on b1)")
+        killed = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+        await victim.stop()
+        ov.edges = [e for e in ov.edges if "b3" not in e]
+        repaired_s = None
+        async with asyncio.timeout(60):
+            while repaired_s is None:
+                statuses = {n: await b.admin.status() for n, b in ov.brokers.items()}
+                if _edges(statuses) >= CHAIN:
+                    repaired_s = time.monotonic() - killed
+                else:
+                    await asyncio.sleep(0.02)
+        progress(f"kill: tree repaired {repaired_s:.2f}s after the kill")
+        await asyncio.sleep(2.0)
+        stop.set()
+        await publisher
+        await pub.flush()
+        last = pub.last_seq
+        async with asyncio.timeout(30):
+            while any(not r or r[-1].seq < last for r in received.values()):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        per_sub = {}
+        for sub, got in received.items():
+            seqs = [n.seq for n in got]
+            per_sub[sub] = {
+                "lost": len(set(range(1, last + 1)) - set(seqs)),
+                "duplicated": len(seqs) - len(set(seqs)),
+                "reordered": sum(1 for a, b in itertools.pairwise(seqs) if b < a),
+                "broker": SUBSCRIBERS[sub],
+            }
+        replayed = sum(
+            [await _metric(ov, b, "canopy_replayed_notifications_total") for b in ov.brokers]
+        )
+        for c in [pub, *clients]:
+            await c.close()
+        for d in drains:
+            await d
+    return {
+        "rate": rate,
+        "detection_timeout_s": heartbeat * dead_after,
+        "repaired_s": round(repaired_s, 3),
+        "published": last,
+        "replayed": int(replayed),
+        "subscribers": per_sub,
+    }
+
+
+async def _metric(ov: Overlay, broker: str, name: str) -> float:
+    text = await ov[broker].admin.metrics()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+async def _retained(ov: Overlay, broker: str) -> int:
+    return int(await _metric(ov, broker, "canopy_retention_depth"))
+
+
+async def retention_scenario(rate: float, window: float) -> dict[str, Any]:
+    out: dict[str, Any] = {"rate": rate, "window_s": window}
+    for label, retention in (("on", window), ("off", 0.0)):
+        args = ["--retention", str(retention), "--retention-limit", "10000000"]
+        async with Overlay(["b1", "b2", "b3"], [("b1", "b2"), ("b2", "b3")], extra_args=args) as ov:
+            sub = await connect(ov["b3"].listen)
+            await sub.subscribe("n >= 0")
+            got: list[Notification] = []
+            drain = asyncio.create_task(_drain(sub, got))
+            pub = await connect(ov["b1"].listen)
+            await wait_settled(ov.brokers.values())
+            n, start = 0, time.monotonic()
+            while time.monotonic() - start < window + 1.0:
+                due = int((time.monotonic() - start) * rate)
+                while n < due:
+                    n += 1
+                    pub.publish_nowait({"n": n, "pad": "x" * 64})
+                await pub.flush()
+                await asyncio.sleep(0.005)
+            kept = await _retained(ov, "b2")
+            rss = ov["b2"].rss_mb()
+            progress(f"retention {label} at {rate:,.0f} events/s: {kept} kept, b2 RSS {rss:.1f} MB")
+            out[label] = {"kept": kept, "rss_mb": round(rss, 1), "published": n}
+            await pub.close()
+            await sub.close()
+            await drain
+    out["extra_rss_mb"] = round(out["on"]["rss_mb"] - out["off"]["rss_mb"], 1)
+    return out
+
+
+async def custody_cost(duration: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, args in (("on", []), ("off", ["--retention", "0"])):
+        async with Overlay(
+            ["b1", "b2", "b3"],
+            [("b1", "b2"), ("b2", "b3")],
+            extra_args=["--telemetry-sample", "0.01", *args],
+        ) as ov:
+            out[label] = await run_dataplane(
+                ov, "b1", "b3", duration, f"chain of 3, custody {label}"
+            )
+    out["throughput_ratio"] = round(out["on"]["notif_per_s"] / out["off"]["notif_per_s"], 3)
+    return out
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    kill = await kill_scenario(args.rate, args.heartbeat, args.dead_after)
+    retention = [await retention_scenario(r, args.window) for r in (1_000.0, 10_000.0)]
+    cost = await custody_cost(args.duration)
+    return {"kill": kill, "retention": retention, "custody": cost}
+
+
+def report(r: dict[str, Any]) -> str:
+    k = r["kill"]
+    lines = [
+        f"kill b3 at {k['rate']:,.0f} events/s: repaired in {k['repaired_s']:.2f} s "
+        f"(detection timeout {k['detection_timeout_s']:.1f} s; goal <= 2x), "
+        f"{k['published']} published, {k['replayed']} replayed",
+    ]
+    for sub, s in k["subscribers"].items():
+        lines.append(
+            f"  {sub} on {s['broker']}: lost {s['lost']}, duplicated {s['duplicated']}, "
+            f"reordered {s['reordered']}"
+        )
+    for ret in r["retention"]:
+        lines.append(
+            f"retention at {ret['rate']:,.0f} events/s, {ret['window_s']:.0f} s window: "
+            f"{ret['on']['kept']} kept, +{ret['extra_rss_mb']} MB RSS on the middle broker"
+        )
+    c = r["custody"]
+    lines.append(
+        f"custody on vs off (chain of 3, flat out): {c['on']['notif_per_s']:,.0f} vs "
+        f"{c['off']['notif_per_s']:,.0f} notifications/s = {c['throughput_ratio']:.0%} "
+        f"(goal >= 90%); CPU {c['on']['broker_cpu_us_per_event']:.0f} vs "
+        f"{c['off']['broker_cpu_us_per_event']:.0f} us/event"
+    )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    parser.add_argument("--rate", type=float, default=1000.0, help="events/s in the kill run")
+    parser.add_argument("--heartbeat", type=float, default=1.0, help="broker --heartbeat, s")
+    parser.add_argument("--dead-after", type=int, default=3, help="broker --dead-after")
+    parser.add_argument("--window", type=float, default=5.0, help="retention window measured, s")
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds per flat-out phase")
+
+
+def run_args(args: argparse.Namespace) -> int:
+    result = asyncio.run(run(args))
+    print(report(result))
+    if args.json:
+        print(json.dumps(result))
+    bad = [s for s in result["kill"]["subscribers"].values() if s["lost"] or s["duplicated"]]
+    return 1 if bad else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="canopy bench faults", description=__doc__)
+    add_arguments(parser)
+    return run_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
