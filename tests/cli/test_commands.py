@@ -299,6 +299,8 @@ def test_bench_faults_reports_repair_time_and_no_losses() -> None:
         "1",
         "--duration",
         "1",
+        "--rounds",
+        "1",
         "--json",
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

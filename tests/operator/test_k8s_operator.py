@@ -484,6 +484,10 @@ async def test_a_broker_back_after_a_repair_is_relinked_without_a_cycle(cluster:
     edges = await live()
     assert len(edges) == 3 and sum("b" in e for e in edges) == 1, edges  # a tree of 4
     await until(lambda: events(cluster.emulator, "RelinkSkipped"), 10, "RelinkSkipped")
+    # The repair itself was told as Events: who declared b dead, and when the replay was out.
+    lost = [e["message"] for e in events(cluster.emulator, "BrokerLost")]
+    assert any("declared b dead" in m for m in lost), lost
+    assert events(cluster.emulator, "RepairCompleted")
 
 
 async def test_deleting_the_overlay_stops_its_brokers(cluster: Cluster) -> None:

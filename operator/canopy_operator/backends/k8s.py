@@ -542,6 +542,8 @@ class OperatorConfig:
     api: KubeApi | None = None
     stopping: bool = False
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    # Crash repairs the brokers did on their own, already told as Events (per overlay).
+    reported: dict[tuple[str, str], set[tuple[str, ...]]] = field(default_factory=dict)
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -820,6 +822,40 @@ class _StatusStore:
         )
 
 
+async def _report_repairs(
+    r: Reconciler,
+    backend: KubernetesBackend,
+    brokers: Sequence[str],
+    reported: dict[tuple[str, str], set[tuple[str, ...]]],
+) -> None:
+    """The brokers repair the tree around a dead one on their own (paper 001); tell people, as
+    Events on the overlay: BrokerLost when a neighbour declared one dead, RepairCompleted when
+    its replay is out. Each once (the brokers keep their last ten repairs)."""
+    seen = reported.setdefault((r.namespace, r.name), set())
+
+    async def status(b: str) -> dict[str, Any]:
+        try:
+            async with asyncio.timeout(2.0):
+                return await backend.admin(b).status()
+        except (aiohttp.ClientError, OSError, AdminError, TimeoutError, LookupError):
+            return {}  # down, busy or gone: the rest of the heal deals with it
+
+    statuses = await asyncio.gather(*(status(b) for b in brokers))
+    for b, st in zip(brokers, statuses, strict=True):
+        for rec in st.get("repairs", []):
+            dead, at = str(rec.get("dead")), str(rec.get("at"))
+            linked = ", ".join(rec.get("linked") or []) or "nobody new"
+            if (b, dead, at, "lost") not in seen:
+                seen.add((b, dead, at, "lost"))
+                r.event("BrokerLost", f"{b} declared {dead} dead; linked to {linked}", True)
+            if "replayed" in rec and (b, dead, at, "done") not in seen:
+                seen.add((b, dead, at, "done"))
+                r.event(
+                    "RepairCompleted",
+                    f"{b}: tree repaired around {dead}; {rec['replayed']} notifications replayed",
+                )
+
+
 class _Components:
     """Union-find over broker names: which brokers the live links connect."""
 
@@ -857,6 +893,8 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
     backend = r.backend(spec, token)
     try:
         pods = await backend.pods()
+        with_pods = [b for b in spec.broker_names if b in pods]
+        await _report_repairs(r, backend, with_pods, config.reported)
         missing = [b for b in spec.broker_names if b not in pods]
         for b in missing:
             r.event("BrokerMissing", f"broker {b} has no pod; re-creating it", warning=True)

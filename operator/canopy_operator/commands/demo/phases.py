@@ -1,21 +1,11 @@
-"""`canopy demo`: a local overlay reshaped live under traffic, with a verified delivery report.
-
-The operator's own planner and executor start broker processes on 127.0.0.1 in a random tree
-(fan-out ≤ 3); subscribers with content filters attach to different brokers; once their
-subscriptions have settled everywhere, publishers stream notifications throughout. Midway, the
-overlay is moved to a new tree that takes at least five link exchanges, with one broker added and
-one removed (its subscribers and a publisher migrate to its neighbour). Every delivery is judged by
-the simulator's checker: each subscriber must receive exactly the notifications its filters match
-(computed centrally, not by the brokers), once each, in every publisher's order. Before/after
-pictures are written; the exit code says whether everything held.
-"""
+"""The demo's scenario, phase by phase: start, subscribe and settle, traffic, reshape live,
+self-organisation (mining), a crash, and the verified report."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -24,23 +14,33 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from canopy_broker.admin_client import AdminError
 from canopy_broker.client import Client, connect
-from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Filter
 from canopy_broker.sim.checker import (
-    DeliveryRecord,
-    DeliveryReport,
     PubRecord,
     SubRecord,
     check_deliveries,
 )
-from canopy_broker.sim.topology import adjacency, path_between, random_tree
+from canopy_broker.sim.topology import random_tree
 from canopy_operator.backends.local import LocalBackend
+from canopy_operator.commands.demo.shapes import draw_tree, far_apart, overlay_manifest, reshaped
+from canopy_operator.commands.demo.summary import summarise
+from canopy_operator.commands.demo.traffic import (
+    FILTERS,
+    GROUP_FILTER,
+    Subscriber,
+    collect,
+    drain,
+    hops_of,
+    mean_hops_between,
+    progress,
+    publish_until,
+    report_progress,
+)
 from canopy_operator.commands.local import apply
 from canopy_operator.commands.selforg import (
     TELEMETRY_ARGS,
@@ -52,182 +52,10 @@ from canopy_operator.commands.selforg import (
 )
 from canopy_operator.draw import draw
 from canopy_operator.mining.errors import MiningInputError
-from canopy_operator.model.planner import LiveOverlay, plan
 from canopy_operator.model.topology import parse_overlay
 
-SYMBOLS = ["ACME", "GLOBEX", "INITECH", "UMBRELLA", "HOOLI", "GRINGOTTS", "STARK", "WAYNE"]
-VENUES = ["XNYS", "XNAS", "XLON"]
-FILTERS = [
-    'symbol = "ACME"',
-    'symbol = "ACME" and price < 50',
-    "price >= 90",
-    'symbol prefix "G" and volume > 500',
-    'venue = "XLON" and price < 20',
-    'symbol = "HOOLI"',
-    "volume > 950",
-    'symbol contains "ST" and price > 10',
-    'symbol = "WAYNE"',
-    'venue != "XNYS" and volume <= 100',
-    "urgent = true",
-    "price < 5",
-]
-# One interest shared by two subscribers placed far apart in the tree: the case paper 001's
-# self-organisation is for (the miner should propose bringing their brokers together).
-GROUP_FILTER = 'symbol = "GLOBEX"'
 
-
-def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "demo", help="local brokers, live traffic, verified delivery report (no cluster needed)"
-    )
-    p.add_argument("--brokers", type=int, default=10, help="broker processes (default 10)")
-    p.add_argument("--subscribers", type=int, default=12)
-    p.add_argument("--publishers", type=int, default=3)
-    p.add_argument(
-        "--duration",
-        type=float,
-        default=4.0,
-        help="seconds of traffic around the reshaping (half before, half after)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path("canopy-demo"),
-        help="directory for the before/after pictures",
-    )
-    p.add_argument("--rate", type=int, default=3000, help="notifications/s, all publishers")
-    p.add_argument("--routing", choices=["simple", "identity", "covering"], default="covering")
-    p.add_argument("--seed", type=int, default=None, help="topology and workload seed")
-    p.add_argument(
-        "--no-mining",
-        dest="mining",
-        action="store_false",
-        help="skip the self-organisation phase (Spark mining of the demo's telemetry)",
-    )
-    p.add_argument(
-        "--self-organize",
-        action="store_true",
-        help="apply the best mined proposal live and measure hops before and after",
-    )
-    p.add_argument(
-        "--no-crash",
-        dest="crash",
-        action="store_false",
-        help="skip the crash phase (an inner broker without clients SIGKILLed under traffic)",
-    )
-    p.add_argument("--spark-master", default="local[2]", help="Spark master for the mining")
-    p.add_argument("--json", action="store_true", help="one JSON object on the last line")
-    p.set_defaults(func=run)
-
-
-def progress(msg: str) -> None:
-    print(f"[demo] {msg}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class Subscriber:
-    name: str
-    broker: str
-    filters: dict[str, Filter]
-    client: Client | None = None
-    received: list[DeliveryRecord] = field(default_factory=list)
-    hops: Counter[int] = field(default_factory=Counter)
-
-
-def draw_tree(names: list[str], edges: list[tuple[str, str]]) -> str:
-    """An indented drawing of the tree rooted at the first broker."""
-    adj: dict[str, list[str]] = {n: [] for n in names}
-    for a, b in edges:
-        adj[a].append(b)
-        adj[b].append(a)
-    lines: list[str] = []
-
-    def walk(node: str, parent: str | None, prefix: str, last: bool, root: bool) -> None:
-        lines.append(node if root else f"{prefix}{'└── ' if last else '├── '}{node}")
-        children = sorted(c for c in adj[node] if c != parent)
-        for i, child in enumerate(children):
-            ext = "" if root else ("    " if last else "│   ")
-            walk(child, node, prefix + ext, i == len(children) - 1, False)
-
-    walk(names[0], None, "", True, True)
-    return "\n".join(lines)
-
-
-def make_event(rng: random.Random) -> dict[str, Value]:
-    event: dict[str, Value] = {
-        "symbol": rng.choice(SYMBOLS),
-        "price": round(rng.uniform(1, 100), 2),
-        "volume": rng.randint(1, 1000),
-        "venue": rng.choice(VENUES),
-    }
-    if rng.random() < 0.05:
-        event["urgent"] = True
-    return event
-
-
-async def _collect(sub: Subscriber, stop: asyncio.Event) -> None:
-    assert sub.client is not None
-    arrival = 0
-    while True:
-        done = stop.is_set()  # read before receiving: one more pass drains what is buffered
-        batch = await sub.client.receive(max_items=2000, timeout=0 if done else 0.1)
-        if not batch and (done or sub.client.closed):
-            # A closed connection answers at once with nothing: without this, the loop would
-            # spin without ever yielding and freeze the whole demo. What it missed is then
-            # reported by the delivery check.
-            return
-        for n in batch:
-            arrival += 1
-            sub.received.append(DeliveryRecord(sub.name, n.publisher, n.seq, float(arrival)))
-            sub.hops[n.hops] += 1
-
-
-def overlay_manifest(
-    name: str, brokers: list[str], links: list[tuple[str, str]], routing: str
-) -> dict[str, Any]:
-    return {
-        "apiVersion": "canopy.dev/v1alpha1",
-        "kind": "BrokerOverlay",
-        "metadata": {"name": name},
-        "spec": {
-            "maxFanOut": 3,
-            "routing": routing,
-            "reconfiguration": {"algorithm": "coordinated", "ordering": "fifo", "maxConcurrent": 2},
-            "brokers": [{"name": b} for b in brokers],
-            "links": [list(e) for e in links],
-        },
-    }
-
-
-def reshaped(
-    names: list[str],
-    removed: str,
-    added: str,
-    live: list[tuple[str, str]],
-    *,
-    rng: random.Random,
-    routing: str,
-    apart: tuple[str, str] | None = None,
-) -> tuple[dict[str, Any], int]:
-    """A new tree over the brokers (one removed, one added) that takes at least 5 exchanges
-    (and keeps the brokers ``apart`` at least three links apart)."""
-    new_names = [b for b in names if b != removed] + [added]
-    for _ in range(200):
-        order = new_names[:]
-        rng.shuffle(order)
-        relabel = dict(zip([f"b{i}" for i in range(len(order))], order, strict=True))
-        tree = [(relabel[a], relabel[b]) for a, b in random_tree(len(order), rng, max_fanout=3)]
-        manifest = overlay_manifest("demo", new_names, tree, routing)
-        spec = parse_overlay(manifest)
-        p = plan(LiveOverlay(tuple(names), tuple(live)), spec)
-        if apart and len(path_between(adjacency(tree), *apart)) < 4:
-            continue
-        if len(p.exchanges) >= 5:
-            return manifest, len(p.exchanges)
-    raise RuntimeError("no reshaped tree with 5 exchanges found")
-
-
-async def _settle(backend: LocalBackend, within: float = 30.0) -> int:
+async def settle(backend: LocalBackend, within: float = 30.0) -> int:
     """Wait until every link is up and idle and routing tables stop changing."""
     previous: list[Any] | None = None
     deadline = time.monotonic() + within
@@ -245,23 +73,7 @@ async def _settle(backend: LocalBackend, within: float = 30.0) -> int:
     raise TimeoutError("routing did not settle")
 
 
-async def _publish_until(
-    client: Client, rng: random.Random, rate: float, stop: asyncio.Event, log: list[PubRecord]
-) -> None:
-    start = time.perf_counter()
-    sent = 0
-    while not stop.is_set():
-        due = int(rate * (time.perf_counter() - start)) - sent
-        for _ in range(max(due, 0)):
-            attrs = make_event(rng)
-            seq = client.publish_nowait(attrs)
-            log.append(PubRecord(client.client_id, seq, attrs, published_at=1.0, ended_at=1.0))
-        sent += max(due, 0)
-        await client.flush()
-        await asyncio.sleep(0.01)
-
-
-async def _protocol_messages(backend: LocalBackend, xids: list[Any]) -> dict[str, int]:
+async def protocol_messages(backend: LocalBackend, xids: list[Any]) -> dict[str, int]:
     """Reconfiguration protocol messages every live broker sent for these exchanges."""
     total: Counter[str] = Counter()
     for name in sorted(backend.brokers):
@@ -294,7 +106,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         victim = rng.choice(names[1:])  # leaves the overlay later, with its clients
         added = f"b{n}"
         subscribers = []
-        far = _far_apart(edges, exclude=victim)
+        far = far_apart(edges, exclude=victim)
         # A broker without clients, inner if the tree has one to spare: crashed at the end.
         degree = Counter(b for e in edges for b in e)
         spares = [b for b in names[1:] if b != victim and b not in far and degree[b] >= 2]
@@ -316,7 +128,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             for sub_id, f in s.filters.items():
                 await s.client.subscribe(str(f), sub_id=sub_id)
         progress("subscriptions sent; waiting until routing has settled on every broker")
-        entries = await _settle(backend)
+        entries = await settle(backend)
         pub_brokers = [victim] + [rng.choice(placeable) for _ in range(args.publishers - 1)]
         publishers = []
         for i, b in enumerate(pub_brokers):
@@ -325,13 +137,13 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             publishers.append(c)
         pubs: list[PubRecord] = []
         stop, stop_pub = asyncio.Event(), asyncio.Event()
-        collectors = [asyncio.create_task(_collect(s, stop)) for s in subscribers]
+        collectors = [asyncio.create_task(collect(s, stop)) for s in subscribers]
         t0 = time.perf_counter()
-        ticker = asyncio.create_task(_ticker(subscribers, pubs, t0))
+        ticker = asyncio.create_task(report_progress(subscribers, pubs, t0))
         per_pub = args.rate / max(1, len(publishers))
         publishing = [
             asyncio.create_task(
-                _publish_until(c, random.Random(seed + i + 1), per_pub, stop_pub, pubs)
+                publish_until(c, random.Random(seed + i + 1), per_pub, stop_pub, pubs)
             )
             for i, c in enumerate(publishers)
         ]
@@ -352,7 +164,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         after = await backend.live_links()
         reshaped_at = time.time()
         draw(sorted(backend.brokers), after, out_dir / "after.png", title="after")
-        control = await _protocol_messages(backend, [r.detail.get("xid") for r in executor.results])
+        control = await protocol_messages(backend, [r.detail.get("xid") for r in executor.results])
         steps_report = [
             {"step": r.index + 1, "kind": r.kind, "seconds": round(r.seconds, 3), **r.detail}
             for r in sorted(executor.results, key=lambda r: r.index)
@@ -361,7 +173,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         selforg = None
         if args.mining:
             try:
-                selforg = await _self_organise(
+                selforg = await self_organise(
                     args, backend, manifest2, subscribers, since=reshaped_at
                 )
             except (MiningInputError, RuntimeError) as exc:  # e.g. no Java, nothing sampled
@@ -370,7 +182,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         crash = None
         if args.crash:
             busy = {s.broker for s in subscribers} | set(pub_brokers)
-            crash = await _crash(backend, busy, prefer=spare)
+            crash = await crash_phase(backend, busy, prefer=spare)
         stop_pub.set()
         await asyncio.gather(*publishing)
         publish_wall = time.perf_counter() - t0
@@ -379,7 +191,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             for s in subscribers
             for sid, f in s.filters.items()
         ]
-        await _drain(subscribers, subs_records, pubs)
+        await drain(subscribers, subs_records, pubs)
         ticker.cancel()
         stop.set()
         await asyncio.gather(*collectors, ticker, return_exceptions=True)
@@ -392,7 +204,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         await backend.down()
         shutil.rmtree(state, ignore_errors=True)
     report = check_deliveries(subs_records, pubs, [d for s in subscribers for d in s.received])
-    result = _summarise(
+    result = summarise(
         args,
         seed=seed,
         subscribers=subscribers,
@@ -439,7 +251,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-async def _crash(
+async def crash_phase(
     backend: LocalBackend, busy: set[str], prefer: str | None
 ) -> dict[str, Any] | None:
     """SIGKILL an inner broker that has no clients, under traffic: its neighbours detect it,
@@ -484,27 +296,7 @@ async def _crash(
     return {"broker": victim, "repaired_s": round(repaired_s, 3), "new_links": added}
 
 
-def _far_apart(edges: list[tuple[str, str]], exclude: str) -> tuple[str, str]:
-    """Two brokers (not ``exclude``) at the ends of the longest path of the tree without it."""
-    adj = adjacency(edges)
-    names = sorted(b for b in adj if b != exclude)
-    return max(
-        ((a, b) for a in names for b in names if a < b),
-        key=lambda ab: (len(path_between(adj, *ab)), ab),
-    )
-
-
-def _hops(subscribers: list[Subscriber]) -> Counter[int]:
-    return sum((s.hops for s in subscribers), Counter())
-
-
-def _mean_hops_between(early: Counter[int], late: Counter[int]) -> float:
-    window = late - early
-    n = sum(window.values())
-    return sum(h * c for h, c in window.items()) / n if n else 0.0
-
-
-async def _self_organise(
+async def self_organise(
     args: argparse.Namespace,
     backend: LocalBackend,
     manifest: dict[str, Any],
@@ -516,9 +308,9 @@ async def _self_organise(
     ``--self-organize`` apply the best one live and measure the hops again."""
     progress("self-organisation: mining the brokers' telemetry on Spark (local mode) ...")
     spark = await asyncio.to_thread(start_spark, args.spark_master)
-    window_start = _hops(subscribers)
+    window_start = hops_of(subscribers)
     result = await mine_overlay(backend, manifest, spark, since_ts=since, progress=progress)
-    clients_before = _mean_hops_between(window_start, _hops(subscribers))
+    clients_before = mean_hops_between(window_start, hops_of(subscribers))
     proposals = result.proposals()
     print()
     print("Self-organisation (paper 001): the miner's view of the live overlay")
@@ -542,9 +334,9 @@ async def _self_organise(
     best = proposals[0]
     progress(f"applying proposal {best.name} live — traffic keeps flowing")
     target, the_plan, _, wall = await apply_proposal(backend, manifest, best, progress=progress)
-    applied_at, window_start = time.time(), _hops(subscribers)
+    applied_at, window_start = time.time(), hops_of(subscribers)
     await asyncio.sleep(max(2.0, args.duration / 2))
-    clients_after = _mean_hops_between(window_start, _hops(subscribers))
+    clients_after = mean_hops_between(window_start, hops_of(subscribers))
     after = await measure_overlay(backend, target, spark, since_ts=applied_at)
     links = await backend.live_links()
     draw(
@@ -573,95 +365,3 @@ async def _self_organise(
         "links": [list(e) for e in links],
     }
     return report
-
-
-async def _ticker(subscribers: list[Subscriber], pubs: list[PubRecord], t0: float) -> None:
-    while True:
-        await asyncio.sleep(1.0)
-        got = sum(len(s.received) for s in subscribers)
-        progress(f"t={time.perf_counter() - t0:4.1f}s published {len(pubs)}, delivered {got}")
-
-
-async def _drain(
-    subscribers: list[Subscriber],
-    subs: list[SubRecord],
-    pubs: list[PubRecord],
-    quiet: float = 1.5,
-    give_up_after: float = 30.0,
-) -> None:
-    """Wait until every owed notification arrived, or nothing arrived for ``quiet`` seconds."""
-    owed = sum(
-        1 for p in pubs for s in subscribers if any(f.matches(p.attrs) for f in s.filters.values())
-    )
-    deadline = time.perf_counter() + give_up_after
-    last, last_change = -1, time.perf_counter()
-    while time.perf_counter() < deadline:
-        got = sum(len(s.received) for s in subscribers)
-        if got >= owed:
-            return
-        if got != last:
-            last, last_change = got, time.perf_counter()
-        elif time.perf_counter() - last_change > quiet:
-            return
-        await asyncio.sleep(0.05)
-
-
-def _summarise(
-    args: argparse.Namespace,
-    *,
-    seed: int,
-    subscribers: list[Subscriber],
-    pubs: list[PubRecord],
-    report: DeliveryReport,
-    publish_wall: float,
-    entries: int,
-    subs: list[SubRecord],
-) -> dict[str, Any]:
-    owed_by: Counter[str] = Counter(c for c, _, _ in report.lost)
-    print()
-    print(
-        f"{'subscriber':<10} {'broker':<6} {'owed':>6} {'got':>6} {'lost':>5} {'dup':>4} "
-        f"{'reord':>5}  filter"
-    )
-    for s in subscribers:
-        owed = sum(1 for p in pubs if any(f.matches(p.attrs) for f in s.filters.values()))
-        dup = sum(1 for c, _, _ in report.duplicated if c == s.name)
-        reord = sum(1 for c, _, _ in report.reordered if c == s.name)
-        print(
-            f"{s.name:<10} {s.broker:<6} {owed:>6} {len(s.received):>6} "
-            f"{owed_by[s.name]:>5} {dup:>4} {reord:>5}  "
-            + " | ".join(str(f) for f in s.filters.values())
-        )
-    hops: Counter[int] = sum((s.hops for s in subscribers), Counter())
-    delivered = sum(hops.values())
-    mean_hops = sum(h * c for h, c in hops.items()) / delivered if delivered else 0.0
-    print()
-    print(
-        f"published {len(pubs)} notifications in {publish_wall:.1f}s "
-        f"({len(pubs) / publish_wall:.0f}/s); delivered {delivered}; "
-        f"mean overlay hops per delivery {mean_hops:.2f}; {entries} routing entries"
-    )
-    print(f"verified: {report}")
-    return {
-        "ok": report.ok and report.owed > 0,
-        "seed": seed,
-        "brokers": args.brokers,
-        "routing": args.routing,
-        "published": len(pubs),
-        "publish_rate": round(len(pubs) / publish_wall, 1),
-        "mean_hops": round(mean_hops, 3),
-        "routing_entries": entries,
-        "subscriptions": len(subs),
-        **report.summary(),
-    }
-
-
-def run(args: argparse.Namespace) -> int:
-    args.out.mkdir(parents=True, exist_ok=True)
-    result = asyncio.run(demo(args))
-    if args.json:
-        print(json.dumps(result))
-    if not result["ok"]:
-        print("DEMO FAILED: deliveries did not match what the filters owe", file=sys.stderr)
-        return 1
-    return 0
