@@ -4,6 +4,12 @@
     canopy pub --broker 127.0.0.1:7400 --count 100 --rate 50 'symbol=ACME price=5 urgent=true'
     canopy pub --broker 127.0.0.1:7400 '{"symbol": "ACME", "price": 5}'
     producer | canopy pub --broker 127.0.0.1:7400        # one event per stdin line
+    canopy sub --broker 127.0.0.1:7400,127.0.0.1:7401 'n > 0'   # fail over to the second
+    canopy sub --overlay .canopy 'n > 0'                 # any broker of `canopy up`'s overlay
+
+When the broker a client is attached to is lost, the client fails over (to the dead broker's
+neighbours first, then the other addresses given) and carries on; what could not be recovered
+is reported on stderr as a gap. Each command exits 1 when no broker took over in time.
 
 ``add_pubsub_arguments`` registers both on the ``canopy`` command's subparsers (the operator
 package owns that command; the implementations live here, next to the client library).
@@ -17,9 +23,10 @@ import json
 import re
 import sys
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, TextIO
 
-from canopy_broker.client import ClientError, connect
+from canopy_broker.client import ClientError, Gap, connect
 from canopy_broker.core.events import Value
 
 _INT = re.compile(r"[-+]?\d+")
@@ -64,8 +71,12 @@ def _split_pairs(word: str) -> Iterator[str]:
     yield from (m.group(0) for m in re.finditer(r'(?:[^\s"\']|"[^"]*"|\'[^\']*\')+', word))
 
 
+def _report_gap(gap: Gap) -> None:
+    print(f"canopy: gap: {gap}", file=sys.stderr, flush=True)
+
+
 async def run_pub(
-    broker: str,
+    broker: str | list[str],
     events: list[dict[str, Value]] | None,
     *,
     count: int = 1,
@@ -73,10 +84,14 @@ async def run_pub(
     client_id: str | None = None,
     stdin: TextIO | None = None,
     out: TextIO = sys.stderr,
+    failover_within: float = 5.0,
+    ack_timeout: float = 10.0,
 ) -> int:
     """Publish ``events`` ``count`` times each (or one event per line of ``stdin``), at ``rate``
-    events per second if given. Returns how many were published."""
-    async with await connect(broker, client_id=client_id) as client:
+    events per second if given, then wait until the overlay acknowledged all of them (so a
+    broker lost right after the last publish loses nothing). Returns how many were published."""
+    client = await connect(broker, client_id=client_id, failover_within=failover_within)
+    async with client:
         loop = asyncio.get_running_loop()
         start = loop.time()
         sent = 0
@@ -88,8 +103,13 @@ async def run_pub(
                     await asyncio.sleep(delay)
             await client.publish(attrs)
             sent += 1
-        await client.flush()
-        print(f"published {sent} event(s) to {client.broker} as {client.client_id}", file=out)
+        acked = await client.wait_acknowledged(ack_timeout)
+        moved = f" (after {client.failovers} failover(s))" if client.failovers else ""
+        print(
+            f"published {sent} event(s) to {client.broker} as {client.client_id}{moved}"
+            + ("" if acked else f"; {client.unacknowledged} not acknowledged yet"),
+            file=out,
+        )
         return sent
 
 
@@ -106,22 +126,31 @@ def _event_source(
 
 
 async def run_sub(
-    broker: str,
+    broker: str | list[str],
     filters: list[str],
     *,
     count: int | None = None,
     as_json: bool = False,
     client_id: str | None = None,
     out: TextIO = sys.stdout,
+    failover_within: float = 5.0,
 ) -> int:
-    """Subscribe to ``filters`` and print notifications until ``count`` arrived (or forever)."""
-    async with await connect(broker, client_id=client_id) as client:
+    """Subscribe to ``filters`` and print notifications until ``count`` arrived (or forever).
+    Failovers and gaps are told on stderr."""
+    client = await connect(
+        broker, client_id=client_id, failover_within=failover_within, on_gap=_report_gap
+    )
+    async with client:
         for f in filters:
             await client.subscribe(f)
         print(f"subscribed on {client.broker} as {client.client_id}", file=sys.stderr, flush=True)
         seen = 0
+        failovers = 0
         while count is None or seen < count:
             batch = await client.receive(1000 if count is None else count - seen)
+            if client.failovers != failovers:
+                failovers = client.failovers
+                print(f"canopy: failed over to {client.broker}", file=sys.stderr, flush=True)
             if not batch:
                 break
             for n in batch:
@@ -147,7 +176,7 @@ def _run(coro: Any) -> int:
 def add_pubsub_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``pub`` and ``sub`` on a subparsers object; each sets ``func(args) -> int``."""
     p = sub.add_parser("pub", help="publish events to a broker")
-    p.add_argument("--broker", default="127.0.0.1:7400", help="HOST:PORT of any broker")
+    _add_broker_arguments(p)
     p.add_argument("--client-id", help="publisher id (default: the broker assigns one)")
     p.add_argument("--count", type=int, default=1, help="publish each event this many times")
     p.add_argument("--rate", type=float, help="events per second (default: as fast as possible)")
@@ -158,8 +187,14 @@ def add_pubsub_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     p.set_defaults(func=_pub_command)
 
+    p.add_argument(
+        "--ack-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait at the end for the overlay to acknowledge everything (default 10)",
+    )
     s = sub.add_parser("sub", help="subscribe and print matching notifications")
-    s.add_argument("--broker", default="127.0.0.1:7400", help="HOST:PORT of any broker")
+    _add_broker_arguments(s)
     s.add_argument("--client-id", help="subscriber id (default: the broker assigns one)")
     s.add_argument("--count", type=int, help="exit after this many notifications")
     s.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -167,20 +202,72 @@ def add_pubsub_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser
     s.set_defaults(func=_sub_command)
 
 
+def _add_broker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--broker",
+        action="append",
+        help="HOST:PORT of a broker; several (repeated, or comma-separated) are where to fail "
+        "over to (default 127.0.0.1:7400)",
+    )
+    p.add_argument(
+        "--overlay",
+        metavar="STATE_DIR",
+        help="use every broker of the overlay `canopy up` started with this state directory",
+    )
+    p.add_argument(
+        "--failover-within",
+        type=float,
+        default=5.0,
+        help="seconds to look for another broker when ours is lost (0: never; default 5)",
+    )
+
+
+def brokers_of(args: argparse.Namespace) -> list[str]:
+    """The addresses from ``--broker`` and ``--overlay`` (``canopy up``'s state file)."""
+    addresses = [a for b in args.broker or () for a in b.split(",") if a.strip()]
+    if args.overlay:
+        state = Path(args.overlay) / "state.json"
+        try:
+            brokers = json.loads(state.read_text())["brokers"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"cannot read the overlay's brokers from {state}: {exc}") from None
+        addresses += [str(b["listen"]) for b in brokers.values()]
+    return addresses or ["127.0.0.1:7400"]
+
+
 def _pub_command(args: argparse.Namespace) -> int:
     try:
         events = [parse_event(args.event)] if args.event else None
+        brokers = brokers_of(args)
     except ValueError as exc:
         print(f"canopy pub: {exc}", file=sys.stderr)
         return 2
     return _run(
-        run_pub(args.broker, events, count=args.count, rate=args.rate, client_id=args.client_id)
+        run_pub(
+            brokers,
+            events,
+            count=args.count,
+            rate=args.rate,
+            client_id=args.client_id,
+            failover_within=args.failover_within,
+            ack_timeout=args.ack_timeout,
+        )
     )
 
 
 def _sub_command(args: argparse.Namespace) -> int:
+    try:
+        brokers = brokers_of(args)
+    except ValueError as exc:
+        print(f"canopy sub: {exc}", file=sys.stderr)
+        return 2
     return _run(
         run_sub(
-            args.broker, args.filter, count=args.count, as_json=args.json, client_id=args.client_id
+            brokers,
+            args.filter,
+            count=args.count,
+            as_json=args.json,
+            client_id=args.client_id,
+            failover_within=args.failover_within,
         )
     )

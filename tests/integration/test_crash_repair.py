@@ -19,66 +19,23 @@ from pathlib import Path
 
 import pytest
 
-from canopy_broker.client import Client, ConnectionLost, Notification, connect
+from canopy_broker.client import ConnectionLost, connect
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import RoutingMode
-from canopy_broker.procs import BrokerProc, spawn_broker, wait_settled
+from canopy_broker.procs import spawn_broker, wait_settled
 from canopy_broker.sim.checker import canonical_tables
+from tests.integration.crash_overlay import (
+    EDGES,
+    FILTER,
+    HEARTBEAT,
+    SUBSCRIBERS,
+    close_all,
+    live_edges,
+    start,
+    subscribe_all,
+)
 
 pytestmark = pytest.mark.integration
-
-# The issue's overlay: b3 is the inner broker whose death cut b4, b5 and b6 off for good.
-NAMES = ["b0", "b1", "b2", "b3", "b4", "b5", "b6"]
-EDGES = [("b0", "b1"), ("b1", "b2"), ("b1", "b3"), ("b3", "b4"), ("b3", "b5"), ("b5", "b6")]
-SUBSCRIBERS = {"s0": "b0", "s2": "b2", "s4": "b4", "s6": "b6"}
-FILTER = "n >= 0"
-HEARTBEAT = ("--heartbeat", "0.2", "--dead-after", "3")  # declared dead 0.6 s after the loss
-
-
-async def start(tmp_path: Path, *extra: str) -> dict[str, BrokerProc]:
-    """The brokers, linked by ``add_link`` only: nobody is given the others' addresses, so the
-    repair links are dialed with addresses the brokers told each other (F_PEERS)."""
-    procs = await asyncio.gather(
-        *(spawn_broker(n, log_dir=tmp_path, extra_args=(*HEARTBEAT, *extra)) for n in NAMES)
-    )
-    brokers = {p.name: p for p in procs}
-    for a, b in EDGES:
-        result = await brokers[a].admin.add_link(b, brokers[b].listen, wait=10)
-        assert result["up"], (a, b)
-    return brokers
-
-
-async def drain(client: Client, into: list[Notification]) -> None:
-    while batch := await client.receive(1000):
-        into.extend(batch)
-
-
-async def subscribe_all(
-    brokers: dict[str, BrokerProc],
-) -> tuple[dict[str, Client], dict[str, list[Notification]], list[asyncio.Task[None]]]:
-    received: dict[str, list[Notification]] = {s: [] for s in SUBSCRIBERS}
-    clients: dict[str, Client] = {}
-    drains = []
-    for sub, b in SUBSCRIBERS.items():
-        clients[sub] = c = await connect(brokers[b].listen, client_id=sub)
-        await c.subscribe(FILTER, sub_id="all")
-        drains.append(asyncio.create_task(drain(c, received[sub])))
-    return clients, received, drains
-
-
-async def close_all(clients: list[Client], drains: list[asyncio.Task[None]]) -> None:
-    for c in clients:
-        await c.close()
-    for d in drains:
-        await d
-
-
-def live_edges(statuses: dict[str, dict[str, object]]) -> set[tuple[str, str]]:
-    edges = set()
-    for name, st in statuses.items():
-        for n in st["neighbours"]:  # type: ignore[attr-defined]
-            edges.add(tuple(sorted((name, n["peer"]))))
-    return edges  # type: ignore[return-value]
 
 
 async def test_an_inner_broker_killed_under_traffic_is_repaired_around(tmp_path: Path) -> None:
@@ -244,9 +201,10 @@ async def test_a_paused_broker_that_comes_back_is_fenced(tmp_path: Path) -> None
 
 
 async def test_a_subscriber_whose_broker_dies_is_told_so(tmp_path: Path) -> None:
-    """The stream of a subscriber whose broker dies does not end as if it were over: the client
-    raises ConnectionLost naming the broker, and ``canopy sub`` exits 1 saying so. A client
-    that closes itself still ends its stream quietly."""
+    """The stream of a subscriber whose broker dies, with no other broker to fail over to,
+    does not end as if it were over: once the failover gives up the client raises
+    ConnectionLost naming the broker, and ``canopy sub`` exits 1 saying so. A client that
+    closes itself still ends its stream quietly."""
     leaf = await spawn_broker("leaf", log_dir=tmp_path)
     other = await spawn_broker("other", log_dir=tmp_path)
     sub = await asyncio.create_subprocess_exec(
@@ -256,12 +214,14 @@ async def test_a_subscriber_whose_broker_dies_is_told_so(tmp_path: Path) -> None
         "sub",
         "--broker",
         leaf.listen,
+        "--failover-within",
+        "1",
         FILTER,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        client = await connect(leaf.listen, client_id="lib")
+        client = await connect(leaf.listen, client_id="lib", failover_within=1.0)
         await client.subscribe(FILTER)
         quiet = await connect(other.listen, client_id="quiet")
         async with asyncio.timeout(20):
@@ -276,6 +236,7 @@ async def test_a_subscriber_whose_broker_dies_is_told_so(tmp_path: Path) -> None
             _, err = await sub.communicate()
         assert sub.returncode == 1, err
         assert b"broker leaf at" in err and b"closed the connection" in err, err
+        assert b"no broker took over within 1 s" in err, err
         await quiet.close()
         assert await quiet.receive() == []  # closed by the application: a quiet end
         await client.close()

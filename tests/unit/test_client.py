@@ -10,7 +10,14 @@ import pytest
 
 from canopy_broker.client import ClientError, ConnectionLost, Notification, connect
 from canopy_broker.core.filters import Filter
-from tests.unit.test_runtime_broker import MakeBroker, addr, collect, make_broker
+from tests.unit.test_runtime_broker import (
+    MakeBroker,
+    addr,
+    collect,
+    eventually,
+    link,
+    make_broker,
+)
 
 __all__ = ["make_broker"]
 
@@ -18,17 +25,18 @@ __all__ = ["make_broker"]
 async def test_async_for_over_notifications_raises_connection_lost_when_the_broker_goes(
     make_broker: MakeBroker,
 ) -> None:
-    """A stream the broker ended is not a stream that is over: the loop ends with
-    ConnectionLost naming the broker (a client that closes itself ends it quietly)."""
+    """A stream the broker ended is not a stream that is over: once the failover gives up
+    (nothing else answers), the loop ends with ConnectionLost naming the broker (a client that
+    closes itself ends it quietly)."""
     b = await make_broker("b")
-    sub = await connect(addr(b))
+    sub = await connect(addr(b), failover_within=0.3)
     await sub.subscribe(Filter.parse("n < 3"))
     async with await connect(addr(b), "p") as pub:
         for n in range(5):
             pub.publish_nowait({"n": n})
         assert pub.last_seq == 5
     seen: list[Notification] = []
-    with pytest.raises(ConnectionLost, match="broker b at"):
+    with pytest.raises(ConnectionLost, match=r"broker b at .* no broker took over within 0.3 s"):
         async for note in sub.notifications():
             seen.append(note)
             if len(seen) == 3:
@@ -85,3 +93,29 @@ async def test_receive_timeout_returns_empty(make_broker: MakeBroker) -> None:
         t0 = asyncio.get_running_loop().time()
         assert await c.receive(10, timeout=0.1) == []
         assert asyncio.get_running_loop().time() - t0 >= 0.09
+
+
+async def test_publications_are_kept_until_the_next_hop_has_them(make_broker: MakeBroker) -> None:
+    """A broker acknowledges a publication once every link it may have gone to acknowledged it
+    (so it survives this broker's death): not while a neighbour is unreachable."""
+    a = await make_broker("a", heartbeat_interval=1.0)  # z is declared dead after 3 s, not 0.6
+    z = await make_broker("z", heartbeat_interval=1.0)
+    await link(a, z)
+    async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
+        await far.subscribe("n >= 0")
+        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
+        for n in range(100):
+            pub.publish_nowait({"n": n})
+        assert pub.unacknowledged == 100
+        assert await pub.wait_acknowledged(5.0)
+        assert pub.unacknowledged == 0
+
+        a.drop_link_connection("z")  # z is cut off (its link redials: make it wait)
+        a.links["z"].address = "127.0.0.1:9"
+        for n in range(10):
+            pub.publish_nowait({"n": n})
+        assert not await pub.wait_acknowledged(0.5)
+        assert pub.unacknowledged == 10  # queued for z, not in its custody yet
+        a.links["z"].address = addr(z)
+        assert await pub.wait_acknowledged(10.0)
+        assert [x.seq for x in await collect(far, 110)] == list(range(1, 111))

@@ -6,10 +6,17 @@ import argparse
 import asyncio
 import io
 import json
+from pathlib import Path
 
 import pytest
 
-from canopy_broker.clients_cli import add_pubsub_arguments, parse_event, run_pub, run_sub
+from canopy_broker.clients_cli import (
+    add_pubsub_arguments,
+    brokers_of,
+    parse_event,
+    run_pub,
+    run_sub,
+)
 from tests.unit.test_runtime_broker import MakeBroker, addr, eventually, make_broker
 
 __all__ = ["make_broker"]
@@ -30,13 +37,22 @@ def test_parse_event_forms() -> None:
             parse_event(bad)
 
 
-def test_commands_register_on_a_subparser() -> None:
+def test_commands_register_on_a_subparser(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_pubsub_arguments(parser.add_subparsers(dest="cmd"))
     args = parser.parse_args(["pub", "--broker", "h:1", "--rate", "5", "a=1"])
-    assert (args.broker, args.rate, args.event, args.count) == ("h:1", 5.0, ["a=1"], 1)
+    assert (brokers_of(args), args.rate, args.event, args.count) == (["h:1"], 5.0, ["a=1"], 1)
     args = parser.parse_args(["sub", "x > 1", "--count", "3", "--json"])
     assert (args.filter, args.count, args.json) == (["x > 1"], 3, True)
+    assert (brokers_of(args), args.failover_within) == (["127.0.0.1:7400"], 5.0)
+
+    # Several brokers to fail over to: repeated, comma-separated, or `canopy up`'s overlay.
+    state = {"brokers": {"b0": {"listen": "h:7"}, "b1": {"listen": "h:8"}}}
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    argv = ["sub", "--broker", "h:1", "--broker", "h:2,h:3", "--overlay", str(tmp_path), "true"]
+    assert brokers_of(parser.parse_args(argv)) == ["h:1", "h:2", "h:3", "h:7", "h:8"]
+    with pytest.raises(ValueError, match=r"cannot read the overlay's brokers from .*state.json"):
+        brokers_of(parser.parse_args(["sub", "--overlay", str(tmp_path / "none"), "true"]))
 
 
 async def test_pub_and_sub_end_to_end(make_broker: MakeBroker) -> None:

@@ -170,6 +170,12 @@ async def test_garbage_closes_only_that_connection(make_broker: MakeBroker, garb
         ([[12, 1, {"x": None}]], "invalid-event"),
         ([[11, "never-subscribed"]], "protocol"),  # the core's ProtocolError
         ([[99]], "unknown-type"),
+        ([[16, 1, {"y": 1}], [12, 3, {"y": 1}]], "sequence"),  # a resend counts as a publish
+        ([[17, ["not", "an object"]]], "malformed"),
+        ([[17, {"previous": "x", "lost_for": -1}]], "malformed"),
+        ([[17, {"previous": "x", "last": {"p": "7"}}]], "malformed"),
+        ([[17, {"previous": "x", "subs": [["s", "price <"]]}]], "invalid-filter"),
+        ([[17, {"previous": 5}]], "malformed"),
     ],
 )
 async def test_illegal_client_messages_close_that_client(
@@ -445,7 +451,7 @@ async def test_stop_says_goodbye_and_closes_everything(make_broker: MakeBroker) 
     a = await make_broker("a")
     z = await make_broker("z")
     await link(a, z)
-    c = await connect(addr(a))
+    c = await connect(addr(a), failover_within=0)  # no failover: the loss is raised at once
     await z.stop()
     await eventually(lambda: a.links["z"].conn is None)
     await a.stop()

@@ -20,13 +20,20 @@ instead of costing the connection (the broker closes connections that send inval
 neighbouring broker without losing, duplicating or reordering a notification, and a draining
 broker's redirect makes the library do it on its own; see :mod:`.migration`.
 
+**Failover**: when its broker is lost the client carries on at another one (the dead broker's
+neighbours first), re-subscribes, is served what it missed from that broker's retention, sends
+again what no broker acknowledged, and is told of any interval that cannot be vouched for
+(:class:`Gap`); see :mod:`.failover`. ``connect`` takes several addresses for that.
+
 The package is split by job: :mod:`.connection` (one connection to one broker), :mod:`.migration`
-(moving between brokers), :mod:`.notification` (what is received) and :mod:`.api` (the client).
+(moving between brokers), :mod:`.failover` (carrying on when a broker is lost),
+:mod:`.notification` (what is received) and :mod:`.api` (the client).
 """
 
 from __future__ import annotations
 
-from canopy_broker.client.api import Client, connect
+from canopy_broker.client.api import Client, connect, parse_addresses
+from canopy_broker.client.failover import Gap
 from canopy_broker.client.notification import (
     ClientError,
     ConnectionLost,
@@ -39,6 +46,8 @@ __all__ = [
     "ClientError",
     "ConnectionLost",
     "ConnectionLostError",
+    "Gap",
     "Notification",
     "connect",
+    "parse_addresses",
 ]

@@ -8,21 +8,29 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
 
 from canopy_broker.client.connection import BrokerConnection, subscribe_message
+from canopy_broker.client.failover import FailingOver, Gap
 from canopy_broker.client.migration import Migrating, Migration
-from canopy_broker.client.notification import ClientError, Notification, NotificationStream
+from canopy_broker.client.notification import (
+    ClientError,
+    ConnectionLostError,
+    Notification,
+    NotificationStream,
+)
 from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Filter
 from canopy_broker.runtime.framing import (
     B_MARKER,
     B_MIGRATING,
     B_NOTIFY,
+    B_PUBACK,
     B_REDIRECT,
+    B_RESUMED,
     B_SUBSCRIBED,
     B_UNSUBSCRIBED,
     C_UNSUBSCRIBE,
@@ -37,19 +45,41 @@ from canopy_broker.runtime.framing import (
 from canopy_broker.runtime.tasks import TaskSet
 
 
-class Client(Migrating, AsyncClosing):
+class Client(FailingOver, Migrating, AsyncClosing):
     """A client of the overlay under one client id; create it with :func:`connect`.
 
-    It is attached to one broker at a time, except while it migrates (:meth:`migrate`).
+    It is attached to one broker at a time, except while it migrates (:meth:`migrate`); if
+    that broker is lost it fails over to another (:mod:`.failover`).
     """
 
     max_buffered = 100_000
     """Received notifications held before we stop reading the socket (the broker then sees a
     slow consumer)."""
 
-    def __init__(self, client_id: str | None, *, follow_redirects: bool = True) -> None:
+    max_unacked = 100_000
+    """Publications kept until a broker acknowledges them (they are sent again after a
+    failover); :meth:`publish` waits while this many are outstanding."""
+
+    def __init__(
+        self,
+        client_id: str | None,
+        *,
+        follow_redirects: bool = True,
+        addresses: Sequence[str] = (),
+        failover_within: float = 5.0,
+        on_gap: Callable[[Gap], None] | None = None,
+    ) -> None:
         self.client_id = client_id or ""
         self.follow_redirects = follow_redirects
+        self.addresses = list(addresses)
+        self.failover_within = failover_within
+        self.on_gap = on_gap
+        self.gaps: list[Gap] = []
+        self.failovers = 0
+        self._failover: asyncio.Task[None] | None = None
+        self._failover_error: ClientError | None = None
+        self._unacked: deque[tuple[int, bytes]] = deque()  # (seq, attributes as JSON)
+        self._acks_waiter: asyncio.Future[None] | None = None
         self.subscriptions: dict[str, Filter] = {}
         self.migrations = 0  # completed moves
         self.duplicates_dropped = 0  # notifications both connections carried, dropped once
@@ -90,9 +120,15 @@ class Client(Migrating, AsyncClosing):
 
     @property
     def closed(self) -> bool:
-        """The connection is gone and no migration can replace it."""
+        """The connection is gone and no migration or failover can replace it."""
         conn = self._conn
-        return conn is None or (conn.lost.done() and self._migration is None)
+        return conn is None or (
+            conn.lost.done() and self._migration is None and not self.failing_over
+        )
+
+    def _lost(self, conn: BrokerConnection) -> None:
+        Migrating._lost(self, conn)
+        self._maybe_fail_over(conn)
 
     @property
     def migrating(self) -> bool:
@@ -153,6 +189,10 @@ class Client(Migrating, AsyncClosing):
                     if m is not None and conn is m.old and not m.switched.done():
                         self._switch(m)
                         mode = "drop"  # the old connection is only drained from here on
+                elif code == B_PUBACK:
+                    self._acknowledged(item[1])
+                elif code == B_RESUMED:
+                    self._resumed(conn, item[1], item[2])
                 elif code == B_REDIRECT:
                     self._redirected(conn, item[1], item[2])
                 else:
@@ -200,7 +240,7 @@ class Client(Migrating, AsyncClosing):
         deadline = None if timeout is None else loop.time() + timeout
         while not inbox:
             if self.closed:
-                err = self._conn.error if self._conn is not None else None
+                err = self._failover_error or (self._conn.error if self._conn else None)
                 if err is not None and err.code != "closed":
                     raise err
                 return []
@@ -232,6 +272,8 @@ class Client(Migrating, AsyncClosing):
         return NotificationStream(self.receive)
 
     def _check_open(self) -> BrokerConnection:
+        if self._failover_error is not None:
+            raise self._failover_error
         conn = self._conn
         if conn is not None and conn.error is not None:
             raise conn.error
@@ -239,11 +281,59 @@ class Client(Migrating, AsyncClosing):
             raise ClientError("the connection is closed", "closed")
         return conn
 
+    async def _open_now(self) -> BrokerConnection:
+        """The connection, once a failover under way has found one."""
+        if self.failing_over:
+            assert self._failover is not None
+            await asyncio.shield(self._failover)
+        return self._check_open()
+
     async def flush(self) -> None:
         """Write everything buffered now and wait until the socket takes it."""
-        conn = self._check_open()
+        conn = await self._open_now()
         conn.write_out()
         await conn.drain()
+
+    # -- acknowledgements of what we published ----------------------------------------------
+
+    def _acknowledged(self, seq: object) -> None:
+        if type(seq) is not int:
+            raise FrameError(f"publish ack must be a sequence number, got {seq!r}", "malformed")
+        unacked = self._unacked
+        while unacked and unacked[0][0] <= seq:
+            unacked.popleft()
+        self._wake_publishers()
+
+    def _wake_publishers(self) -> None:
+        w = self._acks_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    @property
+    def unacknowledged(self) -> int:
+        """Publications no broker has acknowledged yet (kept, to send again on a failover)."""
+        return len(self._unacked)
+
+    async def _acks_progress(self) -> None:
+        """Until the next acknowledgement, or the end of a failover."""
+        self._acks_waiter = w = asyncio.get_running_loop().create_future()
+        try:
+            await w
+        finally:
+            self._acks_waiter = None
+
+    async def wait_acknowledged(self, timeout: float = 10.0) -> bool:  # noqa: ASYNC109
+        """Wait until every publication is acknowledged (it survives the loss of our broker);
+        False if ``timeout`` seconds passed first."""
+        await self.flush()
+        try:
+            async with asyncio.timeout(timeout):
+                while self._unacked:
+                    self._check_open()
+                    await self._acks_progress()
+        except TimeoutError:
+            return False
+        return True
 
     async def subscribe(
         self, filter: str | Filter | Sequence[Sequence[object]], sub_id: str | None = None
@@ -253,7 +343,7 @@ class Client(Migrating, AsyncClosing):
         ``filter``: text (``'price < 10 and symbol = "ACME"'``), a :class:`Filter`, or the
         structured form ``[[attr, op, value], ...]``.
         """
-        self._check_open()
+        await self._open_now()
         if isinstance(filter, Filter):
             f = filter
         else:
@@ -279,7 +369,7 @@ class Client(Migrating, AsyncClosing):
         return sub_id
 
     async def unsubscribe(self, sub_id: str) -> None:
-        self._check_open()
+        await self._open_now()
         if sub_id not in self.subscriptions:
             raise ValueError(f"no subscription {sub_id!r}")
         async with self._lock:
@@ -288,19 +378,29 @@ class Client(Migrating, AsyncClosing):
             del self.subscriptions[sub_id]
 
     def publish_nowait(self, attrs: Mapping[str, Value]) -> int:
-        """Queue one event for publishing; returns its sequence number (never waits)."""
-        conn = self._check_open()
+        """Queue one event for publishing; returns its sequence number (never waits). While
+        the client fails over it is only kept, and sent once another broker took over."""
+        failing_over = self.failing_over
+        conn = None if failing_over else self._check_open()
         try:
             checked = check_wire_attributes(attrs)
         except FrameError as exc:
             raise ValueError(str(exc)) from None
         self._seq += 1
-        conn.send(b"[12,%d," % self._seq + orjson.dumps(checked) + b"]")
+        body = orjson.dumps(checked)
+        if failing_over or self._conn is None or self._conn.answer.get("acks"):
+            self._unacked.append((self._seq, body))
+        if conn is not None:
+            conn.send(b"[12,%d," % self._seq + body + b"]")
         return self._seq
 
     async def publish(self, attrs: Mapping[str, Value]) -> int:
-        """Publish one event; waits only while the broker pushes back. Returns its seq."""
+        """Publish one event; waits while the broker pushes back, and while ``max_unacked``
+        publications wait for an acknowledgement. Returns its seq."""
         seq = self.publish_nowait(attrs)
+        while len(self._unacked) >= self.max_unacked:
+            await self._acks_progress()
+            self._check_open()
         conn = self._conn
         if conn is not None and conn.writing_paused:
             await conn.drain()
@@ -312,15 +412,48 @@ class Client(Migrating, AsyncClosing):
 
 
 async def connect(
-    address: str,
+    address: str | Sequence[str],
     client_id: str | None = None,
     *,
     connect_timeout: float = 10.0,
     follow_redirects: bool = True,
+    failover_within: float = 5.0,
+    on_gap: Callable[[Gap], None] | None = None,
 ) -> Client:
     """Connect to a broker at ``HOST:PORT`` as ``client_id`` (the broker picks one if None).
 
+    ``address`` may be several (a list, or one string with commas): the first that answers
+    is used, the others are where to fail over to. ``failover_within``: how long to look for
+    another broker when ours is lost before raising :class:`ConnectionLost` (0: never fail
+    over); ``on_gap`` is called with each :class:`Gap` a failover could not fill.
     ``follow_redirects``: migrate on its own when the broker drains (the default)."""
-    client = Client(client_id, follow_redirects=follow_redirects)
-    await client._open(address, connect_timeout)
-    return client
+    addresses = parse_addresses(address)
+    client = Client(
+        client_id,
+        follow_redirects=follow_redirects,
+        addresses=addresses,
+        failover_within=failover_within,
+        on_gap=on_gap,
+    )
+    errors: list[str] = []
+    for i, addr in enumerate(addresses):
+        try:
+            await client._open(addr, connect_timeout)
+        except (OSError, TimeoutError) as exc:
+            errors.append(f"{addr}: {exc or type(exc).__name__}")
+            if i == len(addresses) - 1:
+                if len(addresses) == 1:
+                    raise
+                raise ConnectionLostError(f"no broker answered ({'; '.join(errors)})") from exc
+            continue
+        return client
+    raise ValueError("no broker address given")
+
+
+def parse_addresses(address: str | Sequence[str]) -> list[str]:
+    """``"a:1,b:2"`` or ``["a:1", "b:2,c:3"]`` -> ``["a:1", "b:2", "c:3"]`` (order kept)."""
+    items = [address] if isinstance(address, str) else list(address)
+    out = [a.strip() for item in items for a in item.split(",") if a.strip()]
+    if not out:
+        raise ValueError("no broker address given")
+    return list(dict.fromkeys(out))

@@ -65,6 +65,8 @@ class BrokerConnection(FrameProtocol):
         self.out_bytes = 0
         self.flush_handle: asyncio.Handle | None = None
         self.redirect: tuple[str, str] | None = None  # (target, address) the broker asked for
+        self.answer: dict[str, Any] = {}  # the broker's hello
+        self.resuming_from = ""  # a failover's connection: the broker it replaces
 
     @classmethod
     async def open(
@@ -130,6 +132,7 @@ class BrokerConnection(FrameProtocol):
             self.error = err
 
     def hello_received(self, hello: dict[str, Any]) -> None:
+        self.answer = hello
         self.broker = str(hello.get("name", ""))
         self.routing = str(hello.get("routing", ""))
         if not self.ready.done():
@@ -161,12 +164,18 @@ class BrokerConnection(FrameProtocol):
 
     async def request(self, code: int, key: str, msg: bytes) -> None:
         """Send ``msg`` and wait for the broker's answer ``[code, key]``."""
-        if self.error is not None:
-            raise self.error
-        fut = asyncio.get_running_loop().create_future()
-        self.waiters[(code, key)] = fut
+        fut = self.expect(code, key)
         self.send(msg)
         await fut
+
+    def expect(self, code: int, key: str) -> asyncio.Future[None]:
+        """A future that the broker's answer ``[code, key]`` completes (or the loss of the
+        connection fails); register it before sending what it answers."""
+        if self.error is not None:
+            raise self.error
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters[(code, key)] = fut
+        return fut
 
     async def close_gracefully(self, within: float = 5.0) -> None:
         """Flush what is buffered, close, and wait until the connection is gone."""

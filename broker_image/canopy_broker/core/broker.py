@@ -33,6 +33,7 @@ from canopy_broker.core.messages import (
     ClientMigrating,
     ClientMove,
     ClientPublish,
+    ClientResume,
     ClientSubscribe,
     ClientUnsubscribe,
     CtrlMsg,
@@ -45,6 +46,7 @@ from canopy_broker.core.messages import (
     FlushMsg,
     FromLink,
     FromPeer,
+    Gap,
     Granted,
     Input,
     LinkReady,
@@ -62,6 +64,7 @@ from canopy_broker.core.messages import (
     RemoveLink,
     Repaired,
     RepairSweep,
+    Resumed,
     RouteKey,
     RoutingMode,
     SendToLink,
@@ -125,6 +128,7 @@ class BrokerCore:
         retention_window: float = 0.0,
         retention_limit: int = 100_000,
         repair_timeout: float = 10.0,
+        started: float = 0.0,
     ) -> None:
         self.name = name
         self.routing = routing if routing is not None else RoutingState(mode)
@@ -138,8 +142,9 @@ class BrokerCore:
         self.announce_neighbours = announce_neighbours
         # Custody for crash repair: what was forwarded on each link lately (0: off), the
         # repairs under way or recently finished, the new links whose traffic waits for one,
-        # and each publisher's last sequence number seen here (to drop replayed duplicates).
-        self.retention = Retention(retention_window, retention_limit)
+        # and each publisher's last sequence number seen here (to drop replayed duplicates,
+        # kept even with repair off: a client that fails over replays too).
+        self.retention = Retention(retention_window, retention_limit, origin=started)
         self.repair_timeout = repair_timeout
         self.repairs: dict[str, RepairRun] = {}
         self._holding: dict[str, RepairRun] = {}
@@ -148,6 +153,10 @@ class BrokerCore:
         self._ghosts: set[str] = set()
         self._last_seen: dict[str, int] = {}
         self.replay_duplicates = 0
+        # Clients that failed over to this broker lately (until when): a replayed notification
+        # this broker already had is still delivered to them, since they may not have had it
+        # (the client library drops what it did have, by publisher sequence).
+        self.resuming: dict[str, float] = {}
         # Coordinated exchange: this broker takes part in at most one at a time (the lock).
         self.ex: Exchange | None = None
         self.attempts: dict[str, tuple[StartExchange, int]] = {}  # initiator's requests
@@ -232,7 +241,9 @@ class BrokerCore:
             if held is not None:
                 held[1].append(inp.event)
             else:
-                self._route(inp.event, None, out)
+                self._route(inp.event, None, out, replay=inp.replay)
+        elif isinstance(inp, ClientResume):
+            self._resume(inp, out)
         elif isinstance(inp, ClientSubscribe):
             routing.subscribe(inp.client, inp.sub_id, inp.filter, out)
         elif isinstance(inp, ClientUnsubscribe):
@@ -241,6 +252,7 @@ class BrokerCore:
             routing.attach(inp.client)
         elif isinstance(inp, ClientDetach):
             routing.detach(inp.client, out)
+            self.resuming.pop(inp.client, None)
             if inp.client in self._held:  # left before the move finished: release its events
                 self._release_held(inp.client, out)
         elif isinstance(inp, ClientMigrating):
@@ -325,19 +337,20 @@ class BrokerCore:
         *,
         replay: bool = False,
     ) -> None:
-        deliver = True
-        if self.announce_neighbours:  # crash repair is on: remember what was seen
-            last = self._last_seen.get(event.publisher, 0)
-            if event.seq > last:
-                self._last_seen[event.publisher] = event.seq
-            elif replay:  # had it already: pass it on (others may not), deliver it not again
-                deliver = False
-                self.replay_duplicates += 1
-            if self._holding and source not in self._holding:
-                # A repair is waiting for its routes: whatever the new links will need of this
-                # is sent with the replay, once the routes are known (they are partial now).
-                for run in dict.fromkeys(self._holding.values()):
-                    run.retained.append(event.forwarded())
+        deliver: bool | None = True  # None: only to clients that are resuming here
+        # Each publisher's last sequence number seen here: a replay (a repair's, or a client's
+        # after a failover) of what this broker already had is passed on, not delivered again.
+        last = self._last_seen.get(event.publisher, 0)
+        if event.seq > last:
+            self._last_seen[event.publisher] = event.seq
+        elif replay:  # had it already: pass it on (others may not), deliver it not again
+            deliver = None if self.resuming else False
+            self.replay_duplicates += 1
+        if self._holding and source not in self._holding:
+            # A repair is waiting for its routes: whatever the new links will need of this
+            # is sent with the replay, once the routes are known (they are partial now).
+            for run in dict.fromkeys(self._holding.values()):
+                run.retained.append(event.forwarded())
         dests = self.routing.match(event.attrs)
         if not dests:
             return
@@ -367,6 +380,79 @@ class BrokerCore:
         if deliver:
             for client in sorted(local):
                 out.append(Deliver(client, event, tuple(sorted(local[client]))))
+        elif deliver is None:
+            now = self.now
+            for client in sorted(local):
+                if self.resuming.get(client, -1.0) >= now:
+                    out.append(Deliver(client, event, tuple(sorted(local[client]))))
+
+    # ------------------------------------------------------------------ failover
+
+    def custody_settled(self, client: str) -> bool:
+        """Everything ``client`` published here has left the core: none of it waits in an
+        exchange's queues, a repair's hold or a migration's hold. Only then may the runtime
+        take the links' positions as covering it (a publish acknowledgement)."""
+        return self.ex is None and not self._holding and client not in self._held
+
+    def _resume(self, inp: ClientResume, out: list[Effect]) -> None:
+        """A client of a broker that died (or dropped it) is back, here: serve what this broker
+        still holds that it missed, and name every interval it cannot vouch for.
+
+        Served: what this broker forwarded since the client lost its broker (its retention)
+        that matches the client's subscriptions and is newer than what it got from that
+        publisher. If this broker is a neighbour of the lost one, that is everything from this
+        side of it; what came from the other sides is replayed by the repair and reaches the
+        client here as well (it is in :attr:`resuming` for a window)."""
+        routing = self.routing
+        routing.check_client(inp.client)
+        subs = routing.subscriptions(inp.client) or {}
+        last = dict(inp.last)
+        now = self.now
+        served = 0
+        if subs:
+            for event in self.retention.since(inp.since - inp.margin, now):
+                if event.seq <= last.get(event.publisher, 0):
+                    continue
+                matched = tuple(sorted(s for s, f in subs.items() if f.matches(event.attrs)))
+                if matched:
+                    out.append(Deliver(inp.client, event, matched))
+                    served += 1
+        window = self.retention.window
+        self.resuming = {c: t for c, t in self.resuming.items() if t >= now}
+        self.resuming[inp.client] = now + max(window, self.repair_timeout)
+        out.append(Resumed(inp.client, served, tuple(self._resume_gaps(inp))))
+
+    def _resume_gaps(self, inp: ClientResume) -> list[Gap]:
+        now, prev, since = self.now, inp.previous, inp.since
+        gaps: list[Gap] = []
+        if not self.retention.enabled:
+            gaps.append(Gap(since, now, f"{self.name} keeps no retention (repair is off)"))
+            return gaps
+        if not self.retention.covers(since, now):
+            start = max(now - self.retention.window, self.retention.origin)
+            gaps.append(Gap(since, start, f"{self.name}'s retention does not reach back that far"))
+        if prev == self.name:
+            return gaps
+        run = self.repairs.get(prev)
+        if run is not None and run.finished_at is not None and run.finished_at >= since:
+            gaps.append(
+                Gap(
+                    since,
+                    run.finished_at,
+                    f"the repair around {prev} replayed its notifications before the client "
+                    f"was back; what came from beyond {self.name}'s side may be missing",
+                )
+            )
+        elif run is None and not self.routing.has_link(prev):
+            gaps.append(
+                Gap(
+                    since,
+                    now,
+                    f"{self.name} is not a neighbour of {prev}: notifications that were on their "
+                    f"way to {prev} from other sides may be missing",
+                )
+            )
+        return gaps
 
     # ------------------------------------------------------------------ links
 
@@ -439,7 +525,7 @@ class BrokerCore:
         def route(event: Event) -> list[str]:
             return [d for d in self.routing.match(event.attrs) if isinstance(d, str)]
 
-        run.finish(route, out, timed_out=timed_out)
+        run.finish(route, out, now=self.now, timed_out=timed_out)
 
     def _repair_msg(self, peer: str, msg: RepairSweep, out: list[Effect]) -> None:
         run = self.repairs.get(msg.dead)

@@ -395,8 +395,28 @@ class ClientUnsubscribe:
 
 @dataclass(frozen=True, slots=True)
 class ClientPublish:
+    """``replay``: the client sends it again after failing over from a broker that died before
+    acknowledging it; brokers that already have it (by publisher sequence) do not deliver it
+    again, as with a repair's replay."""
+
     client: str
     event: Event
+    replay: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ClientResume:
+    """A client that lost its broker ``previous`` (``since``: when, on this broker's clock) is
+    attached and subscribed here again; ``last`` is the last sequence number it got from each
+    publisher. The broker serves what it still holds that the client missed, from ``margin``
+    seconds before the loss (what the dead broker had not passed on yet), and says what it
+    cannot vouch for (:class:`Resumed`)."""
+
+    client: str
+    previous: str
+    since: float
+    last: tuple[tuple[str, int], ...] = ()
+    margin: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,6 +449,7 @@ Input = (
     | ClientSubscribe
     | ClientUnsubscribe
     | ClientPublish
+    | ClientResume
     | ClientMigrating
     | ClientMove
 )
@@ -522,6 +543,26 @@ class RepairFinished:
     timed_out: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Notifications published between ``since`` and ``until`` (the broker's clock) may be
+    missing for a resumed client, and why: the application is told, never left to guess."""
+
+    since: float
+    until: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """Answer to :class:`ClientResume`: ``served`` notifications came from retention; ``gaps``
+    are the intervals this broker cannot vouch for (none: nothing was lost)."""
+
+    client: str
+    served: int
+    gaps: tuple[Gap, ...] = ()
+
+
 Effect = (
     SendToLink
     | Deliver
@@ -533,4 +574,5 @@ Effect = (
     | ExchangeFinished
     | Repaired
     | RepairFinished
+    | Resumed
 )

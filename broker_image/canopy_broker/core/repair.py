@@ -111,13 +111,20 @@ class NeighbourLists:
 
 
 class Retention:
-    """What this broker forwarded on each link lately: custody for a crash repair. Bounded by
-    ``window`` (in the caller's clock) and by ``limit`` notifications per link."""
+    """What this broker forwarded on each link lately: custody for a crash repair, and what a
+    client that fails over to this broker is served from. Bounded by ``window`` (in the
+    caller's clock) and by ``limit`` notifications per link.
 
-    def __init__(self, window: float, limit: int) -> None:
+    A dead neighbour's notifications are handed to its repair (:meth:`take`) but stay readable
+    (:meth:`since`) until they age out: a client of the dead broker that comes back here after
+    the repair started still needs them."""
+
+    def __init__(self, window: float, limit: int, origin: float = 0.0) -> None:
         self.window = window
         self.limit = limit
         self.by_peer: dict[str, deque[tuple[float, Event]]] = {}
+        self._taken: dict[str, deque[tuple[float, Event]]] = {}
+        self.origin = origin  # when this broker started keeping: it holds nothing from before
 
     @property
     def enabled(self) -> bool:
@@ -131,14 +138,46 @@ class Retention:
         oldest = now - self.window
         while kept[0][0] < oldest:
             kept.popleft()
+        if self._taken:
+            for dead in [p for p, k in self._taken.items() if k[-1][0] < oldest]:
+                del self._taken[dead]
 
     def take(self, peer: str, now: float) -> list[Event]:
-        """The notifications kept for ``peer`` within the window, oldest first; forgets them."""
+        """The notifications kept for ``peer`` within the window, oldest first, for its repair;
+        no longer kept for the link (it is gone), still readable by :meth:`since`."""
         kept = self.by_peer.pop(peer, None)
         if not kept:
             return []
+        self._taken[peer] = kept
         oldest = now - self.window
         return [e for t, e in kept if t >= oldest]
+
+    def since(self, t: float, now: float) -> list[Event]:
+        """Every notification kept since ``t`` (and within the window), once each, oldest
+        first: the same notification forwarded on several links is one."""
+        start = max(t, now - self.window)
+        seen: set[tuple[str, int]] = set()
+        found: list[tuple[float, Event]] = []
+        for kept in (*self.by_peer.values(), *self._taken.values()):
+            for when, event in reversed(kept):
+                if when < start:
+                    break
+                key = (event.publisher, event.seq)
+                if key not in seen:
+                    seen.add(key)
+                    found.append((when, event))
+        found.sort(key=lambda te: te[0])  # stable: a publisher's order is kept
+        return [e for _, e in found]
+
+    def covers(self, t: float, now: float) -> bool:
+        """Everything forwarded since ``t`` is still kept (the window reaches back that far
+        and this broker was already keeping then)."""
+        return (
+            self.enabled
+            and t >= now - self.window
+            and t >= self.origin
+            and all(len(k) < self.limit for k in self.by_peer.values())
+        )
 
     def depth(self) -> int:
         return sum(len(k) for k in self.by_peer.values())
@@ -176,6 +215,7 @@ class RepairRun:
     retained: list[Event]  # sent to the dead broker lately, then routed here meanwhile
     phase: Phase = Phase.WAITING
     swept: set[Step] = field(default_factory=set)
+    finished_at: float | None = None
 
     def __post_init__(self) -> None:
         # An end of the chain needs no sweep from beyond it.
@@ -224,11 +264,13 @@ class RepairRun:
         route: Callable[[Event], list[str]],
         out: list[Effect],
         *,
+        now: float,
         timed_out: bool = False,
     ) -> None:
         """Replay the retained notifications, in the order they came, over the new links their
         routes now lead to; from here on the new links carry traffic as any link does."""
         self.phase = Phase.DONE
+        self.finished_at = now
         chain = {p for p in (self.previous, self.next) if p is not None}
         replayed = 0
         for event in self.retained:

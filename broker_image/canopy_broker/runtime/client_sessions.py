@@ -27,21 +27,27 @@ from canopy_broker.core.messages import (
     ClientMigrating,
     ClientMove,
     ClientPublish,
+    ClientResume,
     ClientSubscribe,
     ClientUnsubscribe,
     Effect,
     Input,
+    Resumed,
 )
 from canopy_broker.runtime.conn import Conn
 from canopy_broker.runtime.framing import (
     B_MIGRATING,
+    B_PUBACK,
     B_REDIRECT,
+    B_RESUMED,
     B_SUBSCRIBED,
     B_UNSUBSCRIBED,
     C_LEAVE,
     C_MIGRATING,
     C_MOVE,
     C_PUBLISH,
+    C_REPUBLISH,
+    C_RESUME,
     C_SUBSCRIBE,
     C_UNSUBSCRIBE,
     FrameError,
@@ -50,10 +56,11 @@ from canopy_broker.runtime.framing import (
     dumps,
     parse_address,
 )
-from canopy_broker.runtime.links import Client
+from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.metrics import BrokerMetrics
 
 log = logging.getLogger("canopy.broker")
+_PUBLISH = frozenset((C_PUBLISH, C_REPUBLISH))
 
 
 class ClientHost(Protocol):
@@ -63,7 +70,11 @@ class ClientHost(Protocol):
     incarnation: str
     core: BrokerCore
     peers: dict[str, str]
+    links: dict[str, Link]
     metrics: BrokerMetrics
+    resume_slack: float
+    """Seconds added to a resuming client's outage: what its broker may have swallowed before
+    the client noticed it was gone."""
 
     @property
     def publishers_paused(self) -> bool: ...
@@ -79,6 +90,12 @@ class ClientHost(Protocol):
     def mark_dirty(self, dest: Client) -> None: ...
 
     def unpressure(self, dest: Client) -> None: ...
+
+
+def _covered(link: Link, session: str, position: int) -> bool:
+    """The link has acknowledged ``position`` of ``session``, or that custody moved on: the link
+    is gone or restarted (a repair replays what it held)."""
+    return link.base > position or link.removed or link.session != session
 
 
 def _name(value: object, what: str) -> str:
@@ -119,7 +136,11 @@ class ClientSessions:
         self.clients[cid] = client
         conn.role = "client"
         conn.client = client
-        host.answer_hello(conn, client_id=cid)
+        core = host.core
+        neighbours = {n: a for n, a in host.peers.items() if core.is_neighbour(n)}
+        # ``acks``: this broker acknowledges publications (the client keeps what is not acked
+        # and sends it again after a failover); ``neighbours``: where to fail over to first.
+        host.answer_hello(conn, client_id=cid, acks=True, neighbours=neighbours)
         if self.drain_target is not None:
             self._redirect(client, *self.drain_target)
 
@@ -165,7 +186,7 @@ class ClientSessions:
             if type(item) is not list or not item:
                 raise FrameError(f"a client message must be a non-empty array, got {item!r}")
             code = item[0]
-            if code == C_PUBLISH and len(item) == 3:
+            if code in _PUBLISH and len(item) == 3:
                 seq = item[1]
                 if (
                     type(seq) is not int
@@ -181,7 +202,9 @@ class ClientSessions:
                 event = Event(cid, seq, check_wire_attributes(item[2]))
                 client.last_seq = seq
                 published += 1
-                host.route_event(ClientPublish(cid, event), event, "client", cid)
+                host.route_event(
+                    ClientPublish(cid, event, code == C_REPUBLISH), event, "client", cid
+                )
             elif code == C_SUBSCRIBE and len(item) == 3:
                 sub_id = item[1]
                 if type(sub_id) is not str or not sub_id:
@@ -195,6 +218,8 @@ class ClientSessions:
                     raise FrameError(f"sub_id must be a string, got {sub_id!r}")
                 host.apply(core.handle(ClientUnsubscribe(cid, sub_id), now()))
                 self.send(client, dumps([B_UNSUBSCRIBED, sub_id]))
+            elif code == C_RESUME and len(item) == 2:
+                self._resume(client, item[1])
             elif code == C_MIGRATING and len(item) == 2:
                 source = _name(item[1], "source")
                 host.apply(core.handle(ClientMigrating(cid, source), now()))
@@ -217,6 +242,86 @@ class ClientSessions:
                 if host.publishers_paused:
                     client.conn.pause("pressure")
         return rest
+
+    # ------------------------------------------------------------------ failover
+
+    def _resume(self, client: Client, req: object) -> None:
+        """A client that lost its broker: its subscriptions again, then what it missed from
+        this broker's retention, then the answer (with the gaps) behind them."""
+        if type(req) is not dict:
+            raise FrameError(f"a resume request must be an object, got {req!r}")
+        subs, last, lost_for = req.get("subs", []), req.get("last", {}), req.get("lost_for", 0)
+        previous = _name(req.get("previous"), "previous")
+        if type(subs) is not list or type(last) is not dict:
+            raise FrameError("resume: subs must be an array and last an object")
+        if type(lost_for) not in (int, float) or not 0 <= lost_for < 1e9:
+            raise FrameError(f"resume: lost_for must be seconds, got {lost_for!r}")
+        marks: list[tuple[str, int]] = []
+        for publisher, seq in last.items():
+            if type(seq) is not int or seq < 0:
+                raise FrameError(f"resume: last seq of {publisher!r} must be an int, got {seq!r}")
+            marks.append((publisher, seq))
+        host = self.host
+        core, now = host.core, host.now()
+        known = core.routing.subscriptions(client.id) or {}
+        for entry in subs:
+            if type(entry) is not list or len(entry) != 2 or type(entry[0]) is not str:
+                raise FrameError(f"resume: a subscription is [sub_id, filter], got {entry!r}")
+            if entry[0] not in known:
+                f = decode_filter(entry[1])
+                host.apply(core.handle(ClientSubscribe(client.id, entry[0], f), now))
+        resume = ClientResume(client.id, previous, now - lost_for, tuple(marks), host.resume_slack)
+        host.apply(core.handle(resume, now))
+
+    def resumed(self, eff: Resumed) -> None:
+        client = self.clients.get(eff.client)
+        if client is None:
+            return
+        now = self.host.now()
+        gaps = [[now - g.since, now - g.until, g.reason] for g in eff.gaps]
+        self.send(client, dumps([B_RESUMED, eff.served, gaps]))
+        log.info(
+            "%s: %s resumed here (%d notifications from retention, %d gap(s))",
+            self.host.name,
+            eff.client,
+            eff.served,
+            len(gaps),
+        )
+
+    def acknowledge_publishers(self) -> None:
+        """Tell each publisher how far its publications are safe: everything up to the seq
+        acknowledged has reached the next hops (their link acknowledgements cover it), so it
+        survives this broker's death; the client re-sends the rest after a failover.
+
+        A mark is taken per publisher (its last seq, and every link's last queued position) at
+        most once per call, and only while nothing it published is held back inside the core;
+        the mark's seq is acknowledged once every link has acknowledged its position (or is
+        gone, or started a new session: its custody then passed to a repair)."""
+        core = self.host.core
+        links: list[Link] | None = None
+        for client in self.clients.values():
+            if not client.publisher:
+                continue
+            if client.last_seq > client.marked_seq and core.custody_settled(client.id):
+                if links is None:
+                    links = [lk for lk in self.host.links.values() if lk.kind == "link"]
+                client.ack_marks.append(
+                    (
+                        client.last_seq,
+                        [(lk, lk.session, lk.base + len(lk.out) - 1) for lk in links if lk.out],
+                    )
+                )
+                client.marked_seq = client.last_seq
+            acked = client.acked_seq
+            marks = client.ack_marks
+            while marks and all(
+                lk.base > tx or lk.removed or lk.session != session
+                for lk, session, tx in marks[0][1]
+            ):
+                acked = marks.popleft()[0]
+            if acked > client.acked_seq:
+                client.acked_seq = acked
+                self.send(client, dumps([B_PUBACK, acked]))
 
     # ------------------------------------------------------------------ draining
 

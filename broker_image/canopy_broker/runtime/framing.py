@@ -78,6 +78,9 @@ C_PUBLISH: Final = 12  # [12, seq, attrs]
 C_MIGRATING: Final = 13  # [13, source]   I am moving here from neighbour `source` (answered by 24)
 C_MOVE: Final = 14  # [14, target]   I publish nothing more here; I move to neighbour `target`
 C_LEAVE: Final = 15  # [15]           detach me now; the broker closes the connection
+C_REPUBLISH: Final = 16  # [16, seq, attrs]   sent again after a failover (answered by acks)
+C_RESUME: Final = 17  # [17, {"subs": [[sub_id, filter]], "last": {publisher: seq},
+#                            "lost_for": seconds, "previous": broker}]   (answered by 27)
 # Broker -> client messages (inside F_MSGS).
 B_NOTIFY: Final = 20  # [20, publisher, seq, hops, attrs, [sub_ids]]
 B_SUBSCRIBED: Final = 21  # [21, sub_id]
@@ -85,6 +88,8 @@ B_UNSUBSCRIBED: Final = 22  # [22, sub_id]
 B_MARKER: Final = 23  # [23]           migration marker on the old connection: switch now
 B_MIGRATING: Final = 24  # [24, source]   the migration from `source` is registered here
 B_REDIRECT: Final = 25  # [25, target, address]   please migrate to neighbour `target` (drain)
+B_PUBACK: Final = 26  # [26, seq]   everything you published up to seq is in the next hops' custody
+B_RESUMED: Final = 27  # [27, served, [[since_ago, until_ago, reason]]]   gaps in seconds ago
 
 _HEADER = 4
 log = logging.getLogger("canopy.framing")

@@ -22,6 +22,7 @@ iteration.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from canopy_broker.runtime.framing import (
@@ -242,6 +243,11 @@ class Client:
         self.over = False
         self.over_since: float | None = None
         self.delivered = 0
+        # Publish acknowledgements (see ClientSessions.acknowledge_publishers): marks of
+        # (seq, [(link, session, last queued position)]) not yet covered, oldest first.
+        self.ack_marks: deque[tuple[int, list[tuple[Link, str, int]]]] = deque()
+        self.marked_seq = 0
+        self.acked_seq = 0
 
     @property
     def depth(self) -> int:

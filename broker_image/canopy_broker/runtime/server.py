@@ -38,6 +38,7 @@ from canopy_broker.core.messages import (
     Publish,
     Repaired,
     RepairFinished,
+    Resumed,
     RoutingMode,
     SendToLink,
     SendToPeer,
@@ -79,6 +80,8 @@ FLUSH_EVERY = 64
 """Flush after this many routed events even within one TCP read. A read can hold thousands of
 events; routing all of them before writing anything would hold the first notification back for
 the whole read (tens of ms), while 64 events still make batches of hundreds of messages."""
+ACK_INTERVAL = 0.05
+"""Seconds between publish acknowledgements (see ClientSessions.acknowledge_publishers)."""
 
 
 @dataclass(slots=True)
@@ -131,12 +134,14 @@ class Broker:
             retention_window=config.retention_seconds if config.repair else 0.0,
             retention_limit=config.retention_limit,
             repair_timeout=max(10.0, 5 * detection),
+            started=asyncio.get_running_loop().time(),
         )
         self.tasks = TaskSet(config.name, on_failure=self._task_failed)
         # Why this broker can no longer be trusted (a background task died, or its core hit an
         # internal error); /healthz reports it so a supervisor restarts the process.
         self.failed: str | None = None
         self.incarnation = uuid.uuid4().hex[:8]
+        self.resume_slack = max(2.0, detection)
         self.peers: dict[str, str] = {}  # address book: broker name -> HOST:PORT
         self.exchanges: dict[str, ExchangeRecord] = {}
         self.reconfiguration_messages: dict[str, dict[str, int]] = {}
@@ -185,6 +190,7 @@ class Broker:
         self.address = (sock[0], sock[1])
         self.advertised = self.config.advertise or f"{sock[0]}:{sock[1]}"
         self._ticker = self.tasks.spawn(self._tick(), "ticker", forever=True)
+        self.tasks.spawn(self._acknowledge(), "publish acks", forever=True)
         log.info("broker %s listening on %s:%d", self.name, *self.address)
 
     @property
@@ -285,6 +291,14 @@ class Broker:
                     )
             self._take_ordering_delays()
             await self.telemetry.flush()
+
+    async def _acknowledge(self) -> None:
+        """Publish acknowledgements, a few times per link round trip: often enough that a
+        publisher holds little for a failover, rarely enough to cost nothing per event."""
+        while True:
+            await asyncio.sleep(ACK_INTERVAL)
+            if self.clients:
+                self.client_sessions.acknowledge_publishers()
 
     # ------------------------------------------------------------------ connections
 
@@ -542,6 +556,8 @@ class Broker:
                 self.sessions.repaired(eff.dead, eff.chain, eff.links)
             elif isinstance(eff, RepairFinished):
                 self.sessions.repair_finished(eff)
+            elif isinstance(eff, Resumed):
+                self.client_sessions.resumed(eff)
             else:
                 self._unsupported(eff)
         if delivered:

@@ -1,0 +1,220 @@
+"""Failover: a client whose broker dies carries on at another one.
+
+When the connection to its broker ends without the application closing it (the broker was
+killed, stopped, or the network dropped it), the client tries, in order: the dead broker's
+neighbours (each broker names them in its hello), the addresses the application gave
+:func:`~canopy_broker.client.connect`, and the lost broker's own address (it may come back, or
+be a Kubernetes Service in front of several). At the first broker that answers it
+
+1. attaches under the same client id and sends one *resume* request: its subscriptions (same
+   ids and filters), the last sequence number it got from each publisher, and how long it has
+   been gone. The broker registers the subscriptions, then serves from its retention what the
+   client missed, then answers with the *gaps*: intervals it cannot vouch for (its retention
+   does not reach back that far, it is not a neighbour of the dead broker, the repair replayed
+   before the client came back). Gaps are reported to the application (:attr:`gaps`, and the
+   ``on_gap`` callback), never left silent;
+2. sends again everything it published that no broker acknowledged (same publisher and
+   sequence numbers, marked as a replay: brokers that already had them do not deliver them
+   again), then carries on.
+
+From the resume on, a notification passes only if it is newer than the last one delivered from
+its publisher: the retention and the repair's replay may bring what the client already had.
+If no broker takes the client within ``failover_within`` seconds, :class:`ConnectionLost` is
+raised to the application, naming the broker that was lost and where it tried.
+
+:class:`FailingOver` is the part of :class:`~canopy_broker.client.Client` that does this; it
+declares the client state it works on, like :class:`~canopy_broker.client.migration.Migrating`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from canopy_broker.client.connection import BrokerConnection
+from canopy_broker.client.notification import ClientError, ConnectionLostError
+from canopy_broker.core.filters import Filter
+from canopy_broker.runtime.framing import B_RESUMED, C_REPUBLISH, C_RESUME, encode_filter
+from canopy_broker.runtime.tasks import TaskSet
+
+log = logging.getLogger("canopy.client")
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Notifications published between ``since`` and ``until`` (this process's
+    ``loop.time()``) may be missing: ``broker`` could not vouch for them after the client
+    failed over from ``previous``, for ``reason``."""
+
+    broker: str
+    previous: str
+    since: float
+    until: float
+    reason: str
+
+    def __str__(self) -> str:
+        return (
+            f"after failing over from {self.previous} to {self.broker}, notifications of "
+            f"{max(0.0, self.until - self.since):.1f} s may be missing: {self.reason}"
+        )
+
+
+class FailingOver:
+    """The failover half of a client (see the module's docstring)."""
+
+    resend = True
+    """Send again, after a failover, what no broker acknowledged. Only a negative control turns
+    this off: without it what the lost broker held when it died is lost for everybody."""
+
+    client_id: str
+    subscriptions: dict[str, Filter]
+    addresses: list[str]
+    failover_within: float
+    on_gap: Callable[[Gap], None] | None
+    gaps: list[Gap]
+    failovers: int
+    _conn: BrokerConnection | None
+    _migrated: bool
+    _last_seq: dict[str, int]
+    _unacked: deque[tuple[int, bytes]]
+    _tasks: TaskSet
+    _closing: bool
+    _failover: asyncio.Task[None] | None
+    _failover_error: ClientError | None
+
+    def _wake_inbox(self) -> None:
+        raise NotImplementedError
+
+    def _wake_publishers(self) -> None:
+        raise NotImplementedError
+
+    def _frame(self, conn: BrokerConnection, frame: list[Any]) -> None:
+        raise NotImplementedError
+
+    def _lost(self, conn: BrokerConnection) -> None:
+        raise NotImplementedError
+
+    @property
+    def failing_over(self) -> bool:
+        """The connection was lost and the client is looking for another broker."""
+        return self._failover is not None and not self._failover.done()
+
+    def _maybe_fail_over(self, conn: BrokerConnection) -> None:
+        """``conn``, the client's connection, ended: fail over if it was lost (not closed by
+        the application, not refused by the broker with an error of its own)."""
+        if (
+            conn is not self._conn
+            or self._closing
+            or self.failing_over
+            or self.failover_within <= 0
+            or not isinstance(conn.error, ConnectionLostError)
+        ):
+            return
+        self._failover = self._tasks.spawn(self._fail_over(conn), "failover")
+
+    def _candidates(self, lost: BrokerConnection) -> list[str]:
+        """Where to go, best first: the lost broker's neighbours (one hop from everything it
+        had; the repair's replay reaches a client there), then the application's list, then
+        the lost address itself (it may come back)."""
+        neighbours = lost.answer.get("neighbours")
+        ordered = [a for a in (neighbours or {}).values() if isinstance(a, str)]
+        ordered += self.addresses
+        return [*dict.fromkeys(a for a in ordered if a != lost.address), lost.address]
+
+    async def _fail_over(self, lost: BrokerConnection) -> None:
+        loop = asyncio.get_running_loop()
+        lost_at = loop.time()
+        deadline = lost_at + self.failover_within
+        tried: list[str] = []
+        log.warning("%s: %s; failing over", self.client_id, lost.error)
+        while True:
+            for address in self._candidates(lost):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    await self._resume_at(address, lost, lost_at, min(2.0, remaining))
+                except (OSError, TimeoutError, ClientError) as exc:
+                    tried.append(f"{address} ({exc or type(exc).__name__})")
+                    continue
+                self.failovers += 1
+                log.warning(
+                    "%s: failed over from %s to %s", self.client_id, lost.broker, self.broker
+                )
+                self._wake_inbox()
+                self._wake_publishers()
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            await asyncio.sleep(min(0.25, remaining))
+        self._failover_error = ConnectionLostError(
+            f"{lost.error}; no broker took over within {self.failover_within:g} s"
+            + (f" (tried {', '.join(dict.fromkeys(tried))})" if tried else "")
+        )
+        self._wake_inbox()
+        self._wake_publishers()
+
+    @property
+    def broker(self) -> str:
+        raise NotImplementedError
+
+    async def _resume_at(
+        self, address: str, lost: BrokerConnection, lost_at: float, within: float
+    ) -> None:
+        """Attach at ``address``, resume (subscriptions, what was missed, the gaps) and send
+        again what no broker acknowledged. The new connection is the client's from the start,
+        so what the broker serves is delivered; if anything fails it is dropped again."""
+        new = await BrokerConnection.open(self, address, self.client_id, within)
+        self._conn = new
+        self._migrated = True  # from now on only what is newer than the last delivery passes
+        new.resuming_from = lost.broker
+        try:
+            request = {
+                "subs": [[sid, encode_filter(f)] for sid, f in self.subscriptions.items()],
+                "last": self._last_seq,
+                "lost_for": asyncio.get_running_loop().time() - lost_at,
+                "previous": lost.broker,
+            }
+            answer = new.expect(B_RESUMED, "")
+            new.send(orjson.dumps([C_RESUME, request]))
+            sent = self._send_again(new, 0)  # behind the resume: after the subscriptions
+            async with asyncio.timeout(within):
+                await answer
+            # What was published while we waited; from the return on, publish sends itself
+            # (nothing runs between the last line and the end of the failover).
+            self._send_again(new, sent)
+        except BaseException:
+            self._conn = lost
+            new.abort()
+            raise
+
+    def _send_again(self, conn: BrokerConnection, after: int) -> int:
+        """Send what no broker acknowledged, from sequence number ``after`` on, marked as sent
+        again; returns the last sequence number sent (held during a failover count too)."""
+        last = after
+        for seq, body in self._unacked:
+            if seq > after:
+                if self.resend:
+                    conn.send(b"[%d,%d," % (C_REPUBLISH, seq) + body + b"]")
+                last = seq
+        return last
+
+    def _resumed(self, conn: BrokerConnection, served: object, gaps: object) -> None:
+        """The broker's answer to the resume request: record the gaps it names."""
+        now = asyncio.get_running_loop().time()
+        for g in gaps if isinstance(gaps, list) else []:
+            if isinstance(g, list) and len(g) == 3:
+                gap = Gap(conn.broker, conn.resuming_from, now - g[0], now - g[1], str(g[2]))
+                self.gaps.append(gap)
+                log.warning("%s: %s", self.client_id, gap)
+                if self.on_gap is not None:
+                    self.on_gap(gap)
+        log.info("%s: resumed on %s (%s from retention)", self.client_id, conn.broker, served)
+        conn.answered(B_RESUMED, "")

@@ -1,0 +1,164 @@
+"""The core's side of a client failover: a resumed client is served what it missed from the
+broker's retention (and only that), replays reach it even where the broker had them already,
+and every interval the broker cannot vouch for is named as a gap."""
+
+from __future__ import annotations
+
+import pytest
+
+from canopy_broker.core.broker import BrokerCore, ProtocolError
+from canopy_broker.core.events import Event
+from canopy_broker.core.filters import Filter
+from canopy_broker.core.messages import (
+    AddLink,
+    ClientAttach,
+    ClientPublish,
+    ClientResume,
+    ClientSubscribe,
+    Deliver,
+    Effect,
+    FromLink,
+    Neighbours,
+    PeerFailed,
+    Publish,
+    Resumed,
+    RouteKey,
+    Subscribe,
+    TimerFired,
+)
+
+
+def broker(*, window: float = 10.0, started: float = 0.0) -> BrokerCore:
+    """``y`` with neighbours ``x`` (which will die) and ``w``; ``x`` wants everything."""
+    core = BrokerCore("y", announce_neighbours=True, retention_window=window, started=started)
+    for peer in ("x", "w"):
+        core.handle(AddLink(peer), started)
+        core.handle(FromLink(peer, Neighbours(("y", "q"))), started)
+    core.handle(FromLink("x", Subscribe(RouteKey(Filter.parse("n >= 0"), ""))), started)
+    return core
+
+
+def delivered(out: list[Effect], client: str = "c") -> list[str]:
+    return [
+        f"{e.event.publisher}:{e.event.seq}"
+        for e in out
+        if isinstance(e, Deliver) and e.client == client
+    ]
+
+
+def resumed(out: list[Effect]) -> Resumed:
+    (answer,) = [e for e in out if isinstance(e, Resumed)]
+    return answer
+
+
+def attach(core: BrokerCore, client: str, f: str, now: float) -> None:
+    core.handle(ClientAttach(client), now)
+    core.handle(ClientSubscribe(client, "s", Filter.parse(f)), now)
+
+
+def test_a_resumed_client_is_served_what_it_missed_and_nothing_else() -> None:
+    core = broker()
+    core.handle(ClientAttach("p"), 1.0)
+    for seq in range(1, 7):  # forwarded to x, kept in the retention for x
+        core.handle(ClientPublish("p", Event("p", seq, {"n": seq})), 1.0 + seq / 10)
+    attach(core, "c", "n >= 3", 2.0)
+    out = core.handle(ClientResume("c", "x", since=1.2, last=(("p", 4),)), 2.0)
+    # Not 1-4 (it had them, or 1-2 do not match), 5 and 6 it missed: in publisher order.
+    assert delivered(out) == ["p:5", "p:6"]
+    assert resumed(out) == Resumed("c", 2, ())
+    # The broker's own clients are served nothing twice: only the resumed client got them.
+    assert all(e.client == "c" for e in out if isinstance(e, Deliver))
+
+
+def test_a_publisher_the_client_never_heard_of_is_served_from_the_loss_on() -> None:
+    core = broker()
+    core.handle(ClientAttach("p"), 0.0)
+    core.handle(ClientPublish("p", Event("p", 1, {"n": 1})), 1.0)  # before the loss
+    core.handle(ClientPublish("p", Event("p", 2, {"n": 2})), 3.0)  # after it
+    attach(core, "c", "n >= 0", 4.0)
+    assert delivered(core.handle(ClientResume("c", "x", since=2.0), 4.0)) == ["p:2"]
+    attach(core, "d", "n >= 0", 4.0)  # with a margin, what x may have swallowed too
+    assert delivered(core.handle(ClientResume("d", "x", since=2.0, margin=1.5), 4.0), "d") == [
+        "p:1",
+        "p:2",
+    ]
+
+
+def test_replays_the_broker_had_reach_only_the_resumed_client() -> None:
+    core = broker()
+    core.handle(FromLink("w", Publish(Event("p", 5, {"n": 5}))), 1.0)
+    attach(core, "old", "n >= 0", 1.0)
+    attach(core, "c", "n >= 0", 1.0)
+    core.handle(ClientResume("c", "x", since=0.5, last=(("p", 3),)), 1.5)
+    # The repair replays p:4 and p:5: both older than what this broker saw (its own clients
+    # are done with them) but the resumed client needs p:4 (it drops p:5 itself, by seq).
+    out = core.handle(FromLink("w", Publish(Event("p", 4, {"n": 4}), replay=True)), 2.0)
+    assert delivered(out, "c") == ["p:4"] and delivered(out, "old") == []
+    out = core.handle(FromLink("w", Publish(Event("p", 5, {"n": 5}), replay=True)), 2.0)
+    assert delivered(out, "c") == ["p:5"] and delivered(out, "old") == []
+    # The window of a resume ends: a late replay is no longer delivered to anybody.
+    out = core.handle(FromLink("w", Publish(Event("p", 5, {"n": 5}), replay=True)), 100.0)
+    assert delivered(out, "c") == []
+
+
+def test_a_resent_publication_is_not_delivered_twice() -> None:
+    core = broker()
+    attach(core, "s", "n >= 0", 0.0)
+    core.handle(ClientAttach("p"), 0.0)
+    for seq in (1, 2):
+        core.handle(FromLink("w", Publish(Event("p", seq, {"n": seq}))), 1.0)
+    # p failed over to here and sends 2 and 3 again (2 reached us through w before)
+    out = [*core.handle(ClientPublish("p", Event("p", 2, {"n": 2}), replay=True), 2.0)]
+    out += core.handle(ClientPublish("p", Event("p", 3, {"n": 3}), replay=True), 2.0)
+    assert delivered(out, "s") == ["p:3"]
+    # ...and passes both on: the others may not have them
+    assert sum(isinstance(e, Deliver) for e in out) == 1
+
+
+def gaps_of(core: BrokerCore, client: str, **resume: object) -> list[str]:
+    attach(core, client, "n >= 0", core.now)
+    out = core.handle(ClientResume(client, **resume), core.now)  # type: ignore[arg-type]
+    return [g.reason for g in resumed(out).gaps]
+
+
+def test_what_the_broker_cannot_vouch_for_is_named() -> None:
+    core = broker(window=5.0, started=10.0)
+    core.now = 12.0
+    assert gaps_of(core, "a", previous="x", since=11.0) == []  # a neighbour, within the window
+    assert gaps_of(core, "b", previous="y", since=11.0) == []  # back at the same broker
+    [why] = gaps_of(core, "c", previous="x", since=9.0)  # lost before this broker started
+    assert "retention does not reach back" in why
+    [why] = gaps_of(core, "d", previous="far", since=11.0)
+    assert "not a neighbour of far" in why
+    core.now = 30.0
+    [why] = gaps_of(core, "e", previous="x", since=20.0)  # longer ago than the window
+    assert "retention does not reach back" in why
+
+    off = broker(window=0.0)
+    [why] = gaps_of(off, "c", previous="x", since=0.0)
+    assert "keeps no retention" in why
+
+
+def test_a_resume_after_the_repair_replayed_is_a_gap() -> None:
+    core = broker()
+    core.handle(PeerFailed("x"), 1.0)
+    core.handle(TimerFired("repair:x"), 2.0)  # the repair finished (by timeout: no sweeps)
+    core.now = 3.0
+    [why] = gaps_of(core, "c", previous="x", since=0.5)
+    assert "replayed its notifications before the client was back" in why
+
+
+def test_a_resume_needs_an_attached_client() -> None:
+    core = broker()
+    with pytest.raises(ProtocolError):
+        core.handle(ClientResume("ghost", "x", since=0.0), 1.0)
+
+
+def test_custody_is_settled_unless_something_is_held() -> None:
+    core = broker()
+    core.handle(ClientAttach("p"), 0.0)
+    assert core.custody_settled("p")
+    core.handle(PeerFailed("x"), 1.0)  # a repair holds traffic for its new links
+    assert not core.custody_settled("p")
+    core.handle(TimerFired("repair:x"), 2.0)
+    assert core.custody_settled("p")
