@@ -365,18 +365,25 @@ class BrokerCore:
         if peers:
             ex = self.ex
             copy = Publish(event.forwarded(), replay=replay)
+            keep = self.retention.keep if self.retention.enabled else None
+            holding = self._holding
+            ghosts = self._ghosts
+            if holding or ghosts:
+                # A repair's new link, or a dead one: sent with the replay (during an exchange
+                # too: the repair is not the exchange's business).
+                peers = [p for p in peers if p not in holding and p not in ghosts]
             if ex is None:
-                keep = self.retention.keep if self.retention.enabled else None
-                holding = self._holding
-                ghosts = self._ghosts
                 for peer in sorted(peers):
-                    if (holding and peer in holding) or (ghosts and peer in ghosts):
-                        continue  # a repair's new link, or a dead one: sent with the replay
                     out.append(SendToLink(peer, copy))
                     if keep is not None:
                         keep(peer, self.now, copy.event)
             else:
+                sent = len(out)
                 coordinated.route_on_cycle(ex, copy, sorted(peers), out, source=source, tag=tag)
+                if keep is not None:  # custody holds during an exchange as well
+                    for eff in out[sent:]:
+                        assert isinstance(eff, SendToLink)
+                        keep(eff.peer, self.now, copy.event)
         if deliver:
             for client in sorted(local):
                 out.append(Deliver(client, event, tuple(sorted(local[client]))))

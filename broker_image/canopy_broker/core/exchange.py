@@ -320,7 +320,7 @@ def route_on_cycle(
         gray = ex.has(Mark.END) and source == ex.down
     else:
         gray = ex.gray
-    tagged = Publish(copy.event, Tag(ex.xid, gray))
+    tagged = Publish(copy.event, Tag(ex.xid, gray), replay=copy.replay)
     for peer in peers:
         if peer == ex.r_peer:
             if not gray:

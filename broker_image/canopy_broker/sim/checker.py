@@ -12,6 +12,12 @@ that matches it had been issued and was still in force at its broker when it was
 **Duplicates** are the same notification delivered to a client more than once. **Reordered**
 deliveries break a publisher's sequence order at a subscriber.
 
+**Under faults** (DESIGN.md §7) the guarantee is for the clients *not* attached to a broker that
+died: :func:`check_faults` splits the clients into survivors, held to it, and victims, whose
+figures are reported beside them. A victim publisher's notifications may be lost (they may have
+died with its broker), so none is owed; what of them is delivered still counts for duplicates,
+order and spuriousness.
+
 Canonical routing tables follow the forwarding rule of the core (see ``core.broker``): what X
 advertises to Y is the maximal set of the keys X holds from every source other than Y.
 """
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cache
 
@@ -79,6 +85,9 @@ class DeliveryRecord:
     at: float
 
 
+_PROBLEMS = ("lost", "duplicated", "reordered", "spurious")
+
+
 @dataclass
 class DeliveryReport:
     owed: int = 0
@@ -99,6 +108,16 @@ class DeliveryReport:
     @property
     def causal_ok(self) -> bool:
         return self.ok and not self.causal
+
+    def by_subscriber(self) -> dict[str, dict[str, int]]:
+        """Per client: how many of its notifications were lost, duplicated, reordered, spurious
+        (only clients with at least one problem appear)."""
+        out: dict[str, dict[str, int]] = {}
+        for name in ("lost", "duplicated", "reordered", "spurious"):
+            for client, _, _ in getattr(self, name):
+                counts = out.setdefault(client, dict.fromkeys(_PROBLEMS, 0))
+                counts[name] += 1
+        return out
 
     def summary(self) -> dict[str, int]:
         return {
@@ -124,8 +143,13 @@ def check_deliveries(
     subs: Iterable[SubRecord],
     pubs: Iterable[PubRecord],
     deliveries: Iterable[DeliveryRecord],
+    *,
+    owed_from: Collection[str] | None = None,
 ) -> DeliveryReport:
-    """Compare deliveries with what each subscription was owed (see the module docstring)."""
+    """Compare deliveries with what each subscription was owed (see the module docstring).
+
+    ``owed_from``: only these publishers' notifications are owed (default: all); the others'
+    deliveries are still checked for duplicates, order and spuriousness."""
     report = DeliveryReport()
     subs_by_client: dict[str, list[SubRecord]] = defaultdict(list)
     for s in subs:
@@ -162,6 +186,8 @@ def check_deliveries(
             report.spurious.append(key)
 
     for pub in pub_index.values():
+        if owed_from is not None and pub.publisher not in owed_from:
+            continue
         for client, client_subs in subs_by_client.items():
             if any(
                 s.settled_at <= pub.published_at
@@ -173,6 +199,51 @@ def check_deliveries(
                 if (client, pub.publisher, pub.seq) not in seen:
                     report.lost.append((client, pub.publisher, pub.seq))
     return report
+
+
+@dataclass
+class FaultReport:
+    """Deliveries under faults: the survivors' report (the guarantee) and the victims'."""
+
+    survivors: DeliveryReport
+    victims: DeliveryReport
+    victim_clients: frozenset[str]
+
+    @property
+    def ok(self) -> bool:
+        return self.survivors.ok
+
+    def by_subscriber(self) -> dict[str, dict[str, int]]:
+        """Per subscriber with a problem, survivors and victims alike (victims are marked)."""
+        out = self.survivors.by_subscriber()
+        for client, counts in self.victims.by_subscriber().items():
+            out[client] = {**counts, "victim": 1}
+        return out
+
+    def __str__(self) -> str:
+        return f"survivors {self.survivors}; victims {sorted(self.victim_clients)}: {self.victims}"
+
+
+def check_faults(
+    subs: Iterable[SubRecord],
+    pubs: Iterable[PubRecord],
+    deliveries: Iterable[DeliveryRecord],
+    victims: Collection[str],
+) -> FaultReport:
+    """:func:`check_deliveries` for survivors and victims apart (see the module docstring):
+    ``victims`` are the clients of brokers that died."""
+    subs, pubs, deliveries = list(subs), list(pubs), list(deliveries)
+    survivors = {p.publisher for p in pubs} - set(victims)
+
+    def report(victim: bool) -> DeliveryReport:
+        return check_deliveries(
+            [s for s in subs if (s.client in victims) is victim],
+            pubs,
+            [d for d in deliveries if (d.client in victims) is victim],
+            owed_from=survivors,
+        )
+
+    return FaultReport(report(False), report(True), frozenset(victims))
 
 
 # --------------------------------------------------------------------------- routing tables

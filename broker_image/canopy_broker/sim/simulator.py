@@ -21,6 +21,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.events import Event, Value
@@ -50,6 +51,7 @@ from canopy_broker.core.messages import (
     Publish,
     Relay,
     RemoveLink,
+    RepairFinished,
     RoutingMode,
     SendToLink,
     SendToPeer,
@@ -104,11 +106,37 @@ class _RemoveLeaf:
 
 
 @dataclass(frozen=True)
-class _Crash:
+class _BrokerFault:
+    """Something that happens to one broker: it dies (``crash``), its neighbours declare it
+    dead (``detect``), a pause ends (``resume``) or outlasts detection (``fence``)."""
+
+    what: Literal["crash", "detect", "resume", "fence"]
     broker: str
 
 
-_Orchestration = _Migrate | _RemoveLeaf | _Crash
+@dataclass(frozen=True)
+class _Cut:
+    """Connections are down for ``duration``: one overlay link (``link``; the two brokers' other
+    connections stay up) or, without it, every connection between ``side`` and the rest."""
+
+    side: frozenset[str]
+    duration: float
+    link: frozenset[str] | None = None
+
+    def crosses(self, sender: str, receiver: str, oob: bool) -> bool:
+        if self.link is not None:
+            return not oob and self.link == {sender, receiver}
+        return (sender in self.side) != (receiver in self.side)
+
+
+@dataclass(frozen=True)
+class _Pause:
+    broker: str
+    duration: float
+
+
+_Fault = _BrokerFault | _Cut | _Pause
+_Orchestration = _Migrate | _RemoveLeaf | _Fault
 
 
 @dataclass
@@ -162,8 +190,11 @@ class Simulator:
         core_factory: CoreFactory = BrokerCore,
         timer_scale: float = 100.0,
         record_traffic: bool = False,
+        detection_time: float = 60.0,
     ) -> None:
         self.mode = mode
+        # How long a silent neighbour takes to be declared dead (see :meth:`pause`).
+        self.detection_time = detection_time
         # Timers are given in seconds by the core; the simulator's clock unit is a link delay
         # of 1-10 (think milliseconds), so a 0.05 s backoff becomes 5 units.
         self.timer_scale = timer_scale
@@ -193,6 +224,15 @@ class Simulator:
         self._on_the_wire: dict[tuple[str, str], int] = {}  # link messages sent, not yet handled
         self.removed: set[str] = set()
         self.crashed: set[str] = set()
+        # Faults: connections down until some time, paused brokers with the inputs held for
+        # them, the clients of brokers that died, and the repairs not yet complete (by dead
+        # broker: the neighbours still repairing; a subscription issued meanwhile is established
+        # only once the repair is done, as with an exchange).
+        self._cuts: list[tuple[_Cut, float]] = []
+        self._paused: dict[str, list[tuple[int, Input]]] = {}
+        self.victims: set[str] = set()
+        self._repairing: dict[str, set[str]] = {}
+        self.repaired: dict[str, float] = {}  # dead broker -> when its repair was complete
         self._core_factory = core_factory
         self._active_exchanges: set[str] = set()
         self.exchanges: dict[str, ExchangeRecord] = {}
@@ -262,8 +302,8 @@ class Simulator:
         if isinstance(inp, _RemoveLeaf):
             self._start_leaf_removal(inp.leaf)
             return
-        if isinstance(inp, _Crash):
-            self.crashed.add(inp.broker)
+        if isinstance(inp, _Fault):
+            self._fault(inp)
             return
         if isinstance(inp, ClientPublish):
             vc = self._vc.setdefault(inp.client, {})
@@ -273,7 +313,7 @@ class Simulator:
         if isinstance(inp, ClientSubscribe | ClientUnsubscribe | ClientDetach):
             self._control_in_flight += 1
         if record >= 0:
-            self._unsettled.append((record, set(self._active_exchanges)))
+            self._unsettled.append((record, self._ongoing()))
         assert isinstance(
             inp,
             ClientAttach
@@ -349,6 +389,10 @@ class Simulator:
         heapq.heappush(self._heap, (t, next(self._counter), _CLIENT, req))
         return xid
 
+    def _ongoing(self) -> set[str]:
+        """Exchanges and repairs running now (a subscription issued meanwhile waits for them)."""
+        return self._active_exchanges | {f"repair:{dead}" for dead in self._repairing}
+
     def _request_exchange(self, req: StartExchange) -> None:
         self._active_exchanges.add(req.xid)
         for _, overlapped in self._unsettled:
@@ -374,6 +418,25 @@ class Simulator:
         """No exchange is still locking or running."""
         return not self._active_exchanges
 
+    @property
+    def repairing(self) -> set[str]:
+        """Dead brokers whose repair is not complete (or not yet detected)."""
+        return set(self._repairing)
+
+    @property
+    def paused(self) -> set[str]:
+        return set(self._paused)
+
+    @property
+    def leaving(self) -> set[str]:
+        """Leaves being removed (their clients migrating away), with the neighbour they leave."""
+        return set(self._leaving) | set(self._leaving.values())
+
+    @property
+    def migrating(self) -> set[str]:
+        """Clients whose migration has not switched yet (the old broker's marker is due)."""
+        return {c for c, m in self._migrations.items() if not m.marker}
+
     # ------------------------------------------------------------------ the engine
 
     def _fifo_time(self, channel: tuple[str, ...], t: float) -> float:
@@ -396,8 +459,11 @@ class Simulator:
                     self._request_exchange(inp)
                 else:
                     self._issue(key, inp)
+            elif broker in self._paused:
+                assert not isinstance(inp, _Orchestration)
+                self._paused[broker].append((key, inp))  # in its socket buffers, unread
             else:
-                assert not isinstance(inp, _Migrate | _RemoveLeaf | _Crash)
+                assert not isinstance(inp, _Orchestration)
                 self._apply(broker, inp)
             steps += 1
             if steps > max_steps:
@@ -448,8 +514,9 @@ class Simulator:
             self._maybe_remove_leaf(inp.peer)
         if self._control_in_flight == 0 and self._unsettled:
             waiting = []
+            ongoing = self._ongoing()
             for index, overlapped in self._unsettled:
-                if overlapped & self._active_exchanges:
+                if overlapped & ongoing:
                     waiting.append((index, overlapped))
                 else:
                     self.subs[index] = self.subs[index].settled(self.now)
@@ -486,15 +553,144 @@ class Simulator:
 
     def crash(self, broker: str, at: float | None = None) -> None:
         """The broker's process dies at ``at``: it handles nothing from then on."""
-        self._client_action("\0sim", at, _Crash(broker))
+        self._client_action("\0sim", at, _BrokerFault("crash", broker))
 
     def detect_failure(self, dead: str, at: float) -> None:
         """The failure detector fires at ``at`` at every neighbour of ``dead`` (the same moment
         everywhere: the runtime refuses data on a repair link until both ends opened it, which
-        the simulator does not model, so both ends must open it before either sends)."""
-        for a, b in self.edges:
-            if dead in (a, b):
-                self._schedule(at, b if a == dead else a, PeerFailed(dead))
+        the simulator does not model, so both ends must open it before either sends). The
+        neighbours are those whose core has a live link to ``dead`` at that moment."""
+        self._client_action("\0sim", at, _BrokerFault("detect", dead))
+
+    def drop_link(self, a: str, b: str, duration: float, at: float | None = None) -> None:
+        """Link (a, b)'s connection breaks at ``at`` and is re-established ``duration`` later.
+
+        In the runtime a link's session outlives its connection: each end keeps what it sent
+        until acknowledged and resends it on reconnect, and the receiver drops what it had
+        already taken. So nothing is lost and the order holds; what the drop does is *delay*
+        the link's traffic, both ways: messages in flight and those sent meanwhile arrive after
+        the reconnect, in order. Out-of-band channels between the two are other connections
+        and stay up. (A drop longer than the detection time makes each end declare the other
+        dead: a link failure with both ends alive, which the crash repair does not handle.)"""
+        self._client_action("\0sim", at, _Cut(frozenset((a,)), duration, frozenset((a, b))))
+
+    def partition(self, side: Iterable[str], duration: float, at: float | None = None) -> None:
+        """Every connection between the brokers of ``side`` and the others (overlay links, links
+        opened meanwhile, out-of-band channels) breaks at ``at`` for ``duration``: a link drop
+        of all of them at once (see :meth:`drop_link`); clients keep their brokers."""
+        self._client_action("\0sim", at, _Cut(frozenset(side), duration))
+
+    def pause(self, broker: str, duration: float, at: float | None = None) -> None:
+        """The broker's process stops at ``at`` for ``duration`` (SIGSTOP, a long GC, a VM
+        migration): it reads nothing and its timers do not run, but what is sent to it waits
+        in its buffers and is handled, in order, when it resumes; it sends nothing meanwhile.
+
+        A pause longer than :attr:`detection_time` is a death to the overlay: the neighbours
+        declare it dead at ``at + detection_time``, repair around it and fence its process
+        (the runtime refuses a fenced incarnation when it comes back). So from that moment the
+        simulator treats it as crashed: what it holds and would do on waking reaches nobody
+        on the overlay, and its clients are victims, like a crashed broker's."""
+        self._client_action("\0sim", at, _Pause(broker, duration))
+
+    def _fault(self, fault: _Fault) -> None:
+        """A fault happens now (see the public methods for what each models and why)."""
+        if isinstance(fault, _Cut):
+            self._cut_now(fault)
+        elif isinstance(fault, _Pause):
+            self._paused.setdefault(fault.broker, [])
+            fenced = fault.duration > self.detection_time
+            end = self.detection_time if fenced else fault.duration
+            then = _BrokerFault("fence" if fenced else "resume", fault.broker)
+            self._client_action("\0sim", self.now + end, then)
+        elif fault.what == "crash":
+            self._dies(fault.broker)
+        elif fault.what == "detect":
+            self._detect_now(fault.broker)
+        elif fault.what == "fence":
+            self._dies(fault.broker)
+            self._detect_now(fault.broker)
+            self._wake(fault.broker)  # what it held is dropped: it is dead to the overlay
+        else:
+            self._wake(fault.broker)
+
+    def _dies(self, broker: str) -> None:
+        """The broker is dead to the overlay from now on; its clients (attached, or migrating
+        to or from it) become victims, and a repair is owed until its neighbours finish it."""
+        self.crashed.add(broker)
+        for client, b in self.client_broker.items():
+            m = self._migrations.get(client)
+            if b == broker or (m is not None and not m.marker and broker in (m.old, m.new)):
+                self.victims.add(client)
+        self._repairing[broker] = set()
+        token = f"repair:{broker}"
+        for _, overlapped in self._unsettled:
+            overlapped.add(token)
+
+    def _detect_now(self, dead: str) -> None:
+        neighbours = sorted(
+            b for b, core in self.cores.items() if b not in self.crashed and core.is_neighbour(dead)
+        )
+        waiting = self._repairing.setdefault(dead, set())
+        waiting.update(neighbours)
+        for b in neighbours:
+            self._schedule(self.now, b, PeerFailed(dead))
+        if not waiting:  # nobody to repair (it had no links left)
+            self._repair_complete(dead)
+
+    def _repair_complete(self, dead: str) -> None:
+        del self._repairing[dead]
+        self.repaired[dead] = self.now
+
+    def _wake(self, broker: str) -> None:
+        """Hand a paused broker what it was sent meanwhile, in the order it arrived."""
+        for key, inp in self._paused.pop(broker, []):
+            new_key = next(self._counter)
+            if isinstance(inp, TimerFired) and self._timers.get((broker, inp.key)) == key:
+                self._timers[(broker, inp.key)] = new_key
+            heapq.heappush(self._heap, (self.now, new_key, broker, inp))
+
+    def _cut_now(self, cut: _Cut) -> None:
+        """The connections go down: what is in flight on them arrives after they are back."""
+        until = self.now + cut.duration
+        self._cuts = [(c, u) for c, u in self._cuts if u > self.now]
+        self._cuts.append((cut, until))
+        moved: list[tuple[float, int, str, FromLink | FromPeer]] = []
+        kept: list[tuple[float, int, str, Input | _Orchestration]] = []
+        for entry in self._heap:
+            t, key, broker, inp = entry
+            oob = isinstance(inp, FromPeer)
+            if (
+                isinstance(inp, FromLink | FromPeer)
+                and t >= self.now
+                and cut.crosses(inp.peer, broker, oob)
+            ):
+                moved.append((t, key, broker, inp))
+            else:
+                kept.append(entry)
+        if not moved:
+            return
+        heapq.heapify(kept)
+        self._heap = kept
+        for _t, _key, broker, inp in sorted(moved, key=lambda m: m[:2]):  # arrival order
+            oob = isinstance(inp, FromPeer)
+            channel = ("oob", inp.peer, broker) if oob else (inp.peer, broker)
+            t = self._fifo_time(channel, until + self.rng.uniform(*self.link_delay))
+            self._schedule(t, broker, inp)
+
+    def _send_time(self, sender: str, receiver: str, *, oob: bool) -> float:
+        """When a message sent now arrives: a link delay after now, or after the connection
+        is back if it is down (FIFO per channel either way)."""
+        start = self.now
+        for cut, until in self._cuts:
+            if until > start and cut.crosses(sender, receiver, oob):
+                start = until
+        channel = ("oob", sender, receiver) if oob else (sender, receiver)
+        return self._fifo_time(channel, start + self.rng.uniform(*self.link_delay))
+
+    def victim_clients(self) -> set[str]:
+        """Clients of brokers that died (crashed, or fenced after a long pause): the delivery
+        guarantee does not cover them; the checker reports them apart."""
+        return self.victims | {c for c, b in self.client_broker.items() if b in self.crashed}
 
     def remove_leaf(self, leaf: str, at: float | None = None) -> None:
         """Remove-leaf: migrate the leaf's clients to its neighbour, then drop the link."""
@@ -590,9 +786,7 @@ class Simulator:
                 self.stats.messages[type(msg).__name__] += 1
                 if isinstance(msg, _CONTROL):
                     self._control_in_flight += 1
-                t = self._fifo_time(
-                    (broker, eff.peer), self.now + self.rng.uniform(*self.link_delay)
-                )
+                t = self._send_time(broker, eff.peer, oob=False)
                 self._on_the_wire[(broker, eff.peer)] = (
                     self._on_the_wire.get((broker, eff.peer), 0) + 1
                 )
@@ -609,9 +803,7 @@ class Simulator:
                 self.stats.messages[type(msg2).__name__] += 1
                 if isinstance(msg2, _CONTROL):
                     self._control_in_flight += 1
-                t = self._fifo_time(
-                    ("oob", broker, eff.peer), self.now + self.rng.uniform(*self.link_delay)
-                )
+                t = self._send_time(broker, eff.peer, oob=True)
                 self._schedule(t, eff.peer, FromPeer(broker, msg2))
             elif isinstance(eff, StartTimer):
                 key = next(self._counter)
@@ -631,6 +823,12 @@ class Simulator:
                 rec.finished_at, rec.ok, rec.reason = self.now, eff.ok, eff.reason
                 rec.attempts = eff.attempts
                 self._active_exchanges.discard(eff.xid)
+            elif isinstance(eff, RepairFinished):
+                waiting = self._repairing.get(eff.dead)
+                if waiting is not None:
+                    waiting.discard(broker)
+                    if not waiting:
+                        self._repair_complete(eff.dead)
 
     # ------------------------------------------------------------------ results
 

@@ -1,0 +1,290 @@
+"""Fault injection in the simulator (issue 12, item 7): crashes, link drops, pauses and
+partitions at random moments, also while exchanges, leaf changes and client migrations run.
+
+The guarantee: every client not attached to a broker that died gets every notification owed to it
+exactly once, in publisher order; the dead brokers' clients are reported apart. Each fault kind
+is first shown to do what it models on a small overlay; then seeded schedules, a property over
+random trees and schedules, and the negative control (no custody) that the checker must catch.
+The last tests pin the core bugs the schedules found."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from canopy_broker.core.broker import BrokerCore
+from canopy_broker.core.events import Event
+from canopy_broker.core.filters import Filter
+from canopy_broker.core.messages import (
+    AddLink,
+    ClientAttach,
+    ClientPublish,
+    FromLink,
+    Lock,
+    Neighbours,
+    PeerFailed,
+    Publish,
+    RouteKey,
+    SendToLink,
+    Subscribe,
+)
+from canopy_broker.sim.checker import (
+    DeliveryRecord,
+    PubRecord,
+    SubRecord,
+    check_faults,
+)
+from canopy_broker.sim.faults import (
+    DEATHS,
+    Activity,
+    FaultKind,
+    FaultPlanner,
+    FaultRun,
+    custody_core,
+    judge_deliveries,
+    judge_overlay,
+    no_custody_core,
+    run_with_faults,
+)
+from canopy_broker.sim.simulator import Simulator
+
+X = Filter.parse("x exists")
+
+
+def chain(n: int, **kwargs: object) -> Simulator:
+    """b0 - b1 - ... with a subscriber to everything and a publisher on every broker."""
+    names = [f"b{i}" for i in range(n)]
+    sim = Simulator(
+        names,
+        list(itertools.pairwise(names)),
+        seed=1,
+        core_factory=custody_core,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    for b in names:
+        sim.attach(f"s{b}", b, at=0)
+        sim.subscribe(f"s{b}", "all", X, at=1)
+        sim.attach(f"p{b}", b, at=0)
+    return sim
+
+
+def publish_steadily(sim: Simulator, publisher: str, start: float, end: float) -> None:
+    t = start
+    while t < end:
+        sim.publish(publisher, {"x": 1}, at=t)
+        t += 1.0
+
+
+def gap(sim: Simulator, client: str, publisher: str, after: float) -> float:
+    """The longest time without a delivery from ``publisher`` to ``client`` after ``after``."""
+    times = sorted(d.at for d in sim.deliveries if d.client == client and d.publisher == publisher)
+    times = [t for t in times if t >= after]
+    return max(b - a for a, b in itertools.pairwise(times))
+
+
+# --------------------------------------------------------------------------- each fault kind
+
+
+def test_a_link_drop_delays_the_link_in_order_and_loses_nothing() -> None:
+    sim = chain(3)
+    publish_steadily(sim, "pb0", 200, 400)
+    sim.drop_link("b0", "b1", 50, at=300)
+    sim.run()
+    report = judge_deliveries(sim)
+    assert report.ok and report.survivors.owed == 3 * 200, str(report)
+    # Nothing crossed b0-b1 for the drop (what was in flight waited for the reconnect), and
+    # b1-b2 was not cut: it carried what b1 had already taken.
+    assert gap(sim, "sb2", "pb0", 250) >= 40
+    assert gap(sim, "sb0", "pb0", 250) < 5  # b0's own subscriber saw no drop
+    assert judge_overlay(sim) == []
+
+
+def test_a_partition_cuts_links_and_out_of_band_channels_until_it_heals() -> None:
+    """An exchange whose far A end is cut off waits for the partition to heal (its transfer
+    goes out of band to that end), then finishes; nothing is lost."""
+    sim = chain(4)
+    publish_steadily(sim, "pb0", 200, 500)
+    sim.partition({"b3"}, 55, at=250)
+    xid = sim.exchange(("b0", "b1", "b2", "b3"), ("b1", "b2"), at=250)
+    sim.run()
+    rec = sim.exchanges[xid]
+    assert rec.ok and rec.finished_at is not None and rec.finished_at > 305, rec
+    assert gap(sim, "sb3", "pb0", 240) >= 45
+    report = judge_deliveries(sim)
+    assert report.ok and report.survivors.owed == 4 * 300, str(report)
+    assert judge_overlay(sim) == []
+
+
+def test_a_short_pause_holds_the_inputs_and_handles_them_in_order() -> None:
+    sim = chain(3)
+    publish_steadily(sim, "pb0", 200, 400)
+    sim.pause("b1", 45, at=300)
+    sim.run()
+    assert gap(sim, "sb1", "pb0", 250) >= 40 and gap(sim, "sb2", "pb0", 250) >= 40
+    report = judge_deliveries(sim)
+    assert report.ok and report.survivors.owed == 3 * 200, str(report)
+    assert not sim.crashed and not sim.victim_clients() and not sim.repaired
+
+
+def test_a_pause_past_detection_is_a_death_and_the_broker_is_fenced() -> None:
+    sim = chain(3, detection_time=60.0)
+    for p in ("pb0", "pb2"):
+        publish_steadily(sim, p, 200, 500)
+    sim.pause("b1", 200, at=300)
+    sim.run()
+    assert sim.crashed == {"b1"} and sim.victim_clients() == {"sb1", "pb1"}
+    assert sim.edges == [("b0", "b2")] and 360 <= sim.repaired["b1"] < 420
+    report = judge_deliveries(sim)
+    assert report.ok and report.survivors.owed == 2 * 2 * 300, str(report)
+    assert report.victims.lost  # b1's subscriber missed what came after the pause
+    assert not any(d.client == "sb1" and d.at > 300 for d in sim.deliveries)
+    assert judge_overlay(sim) == []
+
+
+def test_the_planner_spares_what_the_core_does_not_support() -> None:
+    """No death on a running exchange's path, none while a repair runs; drops stay shorter
+    than detection (see the module docstring of canopy_broker.sim.faults)."""
+    sim = chain(6)
+    sim.run(until=100)
+    sim.exchange(("b1", "b2", "b3", "b4"), ("b2", "b3"))
+    sim.run(until=110)
+    planner = FaultPlanner(random.Random(0), list(FaultKind))
+    for kind in DEATHS:
+        assert sorted(v[0] for v in planner.victims(sim, kind)) == ["b0", "b5"]
+    sim.crash("b0")
+    sim.run(until=120)
+    assert planner.victims(sim, FaultKind.CRASH) == []  # b0's repair is not done
+    assert planner.victims(sim, FaultKind.PAUSE) == []
+    assert all(planner.duration(sim, FaultKind.LINK_DROP) < 60 for _ in range(50))
+
+
+def test_the_checker_separates_the_victims() -> None:
+    """A victim's loss is reported, not held against the run; a survivor's is; a victim
+    publisher's notifications are not owed, but a duplicate of one still counts."""
+    subs = [SubRecord(c, "s", X, issued_at=0, settled_at=0) for c in ("live", "dead")]
+    pubs = [PubRecord(p, 1, {"x": 1}, 1, 2) for p in ("alive", "gone")]
+    deliveries = [DeliveryRecord("live", "alive", 1, 3)]
+    report = check_faults(subs, pubs, deliveries, victims={"dead", "gone"})
+    assert report.ok and report.survivors.owed == 1
+    assert report.victims.lost == [("dead", "alive", 1)]
+    assert report.by_subscriber() == {
+        "dead": {"lost": 1, "duplicated": 0, "reordered": 0, "spurious": 0, "victim": 1}
+    }
+    twice = [*deliveries, *(DeliveryRecord("live", "gone", 1, t) for t in (3, 4))]
+    assert check_faults(subs, pubs, twice, victims={"dead", "gone"}).survivors.duplicated
+    assert not check_faults(subs, pubs, [], victims={"dead", "gone"}).ok
+
+
+# --------------------------------------------------------------------------- random schedules
+
+
+@functools.cache
+def seeded(seed: int) -> FaultRun:
+    return run_with_faults(seed)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_seeded_fault_schedules(seed: int) -> None:
+    run = seeded(seed)
+    assert run.faults and run.report.survivors.owed > 200
+    assert run.ok, str(run)
+
+
+def test_the_seeded_schedules_hit_every_fault_kind_and_activity() -> None:
+    runs = [seeded(seed) for seed in range(12)]
+    kinds = {f.kind for r in runs for f in r.faults}
+    during = {d.split()[0] for r in runs for f in r.faults for d in f.during}
+    assert kinds == set(FaultKind)
+    assert {"exchange", "migration", "leaf", "repair"} <= during, during
+    assert any(r.report.victims.lost for r in runs)  # the victims are reported apart
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_deaths_during_exchanges(seed: int) -> None:
+    """Crashes and fenced pauses aimed at exchanges: a broker next to the cycle (never on it)
+    dies, its neighbours on the cycle repair while locked."""
+    run = run_with_faults(
+        seed, kinds=DEATHS, activities=[Activity.EXCHANGE, Activity.MIGRATION], rounds=5
+    )
+    assert any(d.startswith("exchange") for f in run.faults for d in f.during)
+    assert run.ok, str(run)
+
+
+@settings(max_examples=15)  # ~0.3 s each; the profile gives no deadline
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    brokers=st.integers(4, 14),
+    kinds=st.sets(st.sampled_from(list(FaultKind)), min_size=1),
+    activities=st.sets(st.sampled_from(list(Activity)), min_size=1),
+)
+def test_property_random_trees_and_fault_schedules(
+    seed: int, brokers: int, kinds: set[FaultKind], activities: set[Activity]
+) -> None:
+    run = run_with_faults(
+        seed,
+        brokers=brokers,
+        rounds=4,
+        kinds=sorted(kinds, key=lambda k: k.value),
+        activities=sorted(activities, key=lambda a: a.value),
+    )
+    assert run.ok, str(run)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_negative_control_without_custody_the_checker_reports_loss(seed: int) -> None:
+    """The same schedules with replay impossible (nothing retained): crashes must show up as
+    survivors' losses, or the checker proves nothing."""
+    run = run_with_faults(seed, kinds=[FaultKind.CRASH], core_factory=no_custody_core)
+    assert any(f.kind is FaultKind.CRASH for f in run.faults)
+    assert run.report.survivors.lost and not run.ok, str(run)
+
+
+# --------------------------------------------------------------------------- core bugs found
+
+
+def in_exchange() -> BrokerCore:
+    """Broker b, locked as R1 of an exchange over the cycle y - b - z (removing b-z), with a
+    link to q off the cycle and one to x, whose neighbours are b and w."""
+    core = BrokerCore("b", announce_neighbours=True, retention_window=100.0)
+    for peer in ("q", "x", "y", "z"):
+        core.handle(AddLink(peer))
+    core.handle(FromLink("x", Neighbours(("b", "w"))))
+    for peer in ("q", "x", "y"):
+        core.handle(FromLink(peer, Subscribe(RouteKey(X, ""))))
+    core.handle(FromLink("y", Lock("e1", ("y", "b", "z"), 1)))
+    core.handle(ClientAttach("c"))
+    assert core.exchange is not None
+    return core
+
+
+def test_custody_is_kept_while_the_broker_is_in_an_exchange() -> None:
+    """Found by the schedules (a crash next to an exchange lost notifications): what a broker
+    forwarded while locked for an exchange was not retained, so a neighbour that crashed right
+    after took it with it."""
+    core = in_exchange()
+    out = core.handle(ClientPublish("c", Event("c", 1, {"x": 1})), 1.0)
+    assert {e.peer for e in out if isinstance(e, SendToLink)} == {"q", "x", "y"}
+    assert {p for p, kept in core.retention.by_peer.items() if kept} == {"q", "x", "y"}
+
+
+def test_a_replay_stays_a_replay_across_an_exchange_cycle() -> None:
+    """Found by the schedules (duplicates when a repair's replay crossed a running exchange):
+    the colour tag replaced the replay mark, so brokers past the cycle delivered again."""
+    core = in_exchange()
+    out = core.handle(FromLink("q", Publish(Event("p", 1, {"x": 1}), replay=True)), 1.0)
+    sent = [e.message for e in out if isinstance(e, SendToLink) and e.peer == "y"]
+    assert sent and all(isinstance(m, Publish) and m.replay for m in sent)
+
+
+def test_a_repair_holds_its_links_while_the_broker_is_in_an_exchange() -> None:
+    """A broker in an exchange that repairs around a dead neighbour off the cycle sends nothing
+    to the dead one nor over the new chain link before the replay (as it does outside one)."""
+    core = in_exchange()
+    core.handle(PeerFailed("x"), 2.0)
+    out = core.handle(ClientPublish("c", Event("c", 1, {"x": 1})), 3.0)
+    assert {e.peer for e in out if isinstance(e, SendToLink)} == {"q", "y"}
