@@ -29,6 +29,7 @@ from canopy_broker.core.messages import (
     Neighbours,
     PeerFailed,
     Publish,
+    RepairSweep,
     RouteKey,
     SendToLink,
     Subscribe,
@@ -288,3 +289,20 @@ def test_a_repair_holds_its_links_while_the_broker_is_in_an_exchange() -> None:
     core.handle(PeerFailed("x"), 2.0)
     out = core.handle(ClientPublish("c", Event("c", 1, {"x": 1})), 3.0)
     assert {e.peer for e in out if isinstance(e, SendToLink)} == {"q", "y"}
+
+
+def test_a_replay_is_kept_in_custody() -> None:
+    """Found by the schedules (a crash right after a repair lost what the repair had just
+    replayed): the replayed copies were sent without being retained, so when the broker they
+    went to died in turn, nobody could send them again."""
+    core = BrokerCore("b", announce_neighbours=True, retention_window=100.0)
+    core.handle(ClientAttach("c"))
+    core.handle(AddLink("x"))
+    core.handle(FromLink("x", Neighbours(("b", "w"))))
+    core.handle(FromLink("x", Subscribe(RouteKey(X, ""))))
+    core.handle(ClientPublish("c", Event("c", 1, {"x": 1})), 1.0)  # forwarded to x, kept
+    core.handle(PeerFailed("x"), 2.0)  # b links to w, the rest of x's chain
+    core.handle(FromLink("w", Subscribe(RouteKey(X, ""))), 3.0)
+    out = core.handle(FromLink("w", RepairSweep("x", forward=False)), 4.0)
+    assert any(isinstance(e, SendToLink) and e.peer == "w" for e in out)  # the replay
+    assert [e.seq for _, e in core.retention.by_peer["w"]] == [1]

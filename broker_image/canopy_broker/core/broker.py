@@ -532,7 +532,12 @@ class BrokerCore:
         def route(event: Event) -> list[str]:
             return [d for d in self.routing.match(event.attrs) if isinstance(d, str)]
 
+        sent = len(out)
         run.finish(route, out, now=self.now, timed_out=timed_out)
+        if self.retention.enabled:  # the replay is in custody too: the next hop may die next
+            for eff in out[sent:]:
+                if isinstance(eff, SendToLink) and isinstance(eff.message, Publish):
+                    self.retention.keep(eff.peer, self.now, eff.message.event)
 
     def _repair_msg(self, peer: str, msg: RepairSweep, out: list[Effect]) -> None:
         run = self.repairs.get(msg.dead)
