@@ -22,6 +22,7 @@ from canopy_broker.core.events import Event
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
     AddLink,
+    Algorithm,
     ClientAttach,
     ClientPublish,
     FromLink,
@@ -31,6 +32,7 @@ from canopy_broker.core.messages import (
     Publish,
     RepairSweep,
     RouteKey,
+    RoutingMode,
     SendToLink,
     Subscribe,
 )
@@ -216,7 +218,7 @@ def test_deaths_during_exchanges(seed: int) -> None:
     assert run.ok, str(run)
 
 
-@settings(max_examples=15)  # ~0.3 s each; the profile gives no deadline
+@settings(max_examples=40)  # ~0.15 s each; the profile gives no deadline
 @given(
     seed=st.integers(0, 2**32 - 1),
     brokers=st.integers(4, 14),
@@ -306,3 +308,20 @@ def test_a_replay_is_kept_in_custody() -> None:
     out = core.handle(FromLink("w", RepairSweep("x", forward=False)), 4.0)
     assert any(isinstance(e, SendToLink) and e.peer == "w" for e in out)  # the replay
     assert [e.seq for _, e in core.retention.by_peer["w"]] == [1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reconfiguration_path_exchanges_under_link_faults(seed: int) -> None:
+    """Paper 002's algorithm guarantees no delivery of its own, so under drops, pauses and
+    partitions it is held to what it does promise: it finishes and leaves canonical tables."""
+    run = run_with_faults(
+        seed,
+        kinds=[FaultKind.LINK_DROP, FaultKind.PAUSE, FaultKind.PARTITION],
+        activities=[Activity.EXCHANGE],
+        mode=RoutingMode.IDENTITY,
+        algorithm=Algorithm.PATH,
+        rounds=5,
+    )
+    assert any(d.startswith("exchange") for f in run.faults for d in f.during)
+    assert len(run.sim.exchanges) >= 3
+    assert run.problems == [] and not run.report.survivors.spurious, str(run)

@@ -33,6 +33,10 @@ test that lifted a rule would fail for the reason given):
   the chain late, and the simulator does not model the runtime's refusal of data on a repair link
   until both ends opened it (it drops such data). So no pause while a repair runs and no death
   while a broker is paused.
+* *Deaths during a reconfiguration-path exchange (paper 002).* That algorithm has no lease to
+  end it if a broker on its path dies, and no delivery guarantee of its own (DESIGN.md §4):
+  under faults its runs are held to canonical routing tables, finished exchanges and no
+  spurious delivery only, with link drops, pauses and partitions.
 * *A link drop or partition that outlasts the detection time.* Both ends are alive and each
   would declare the other dead: a link failure, repaired by paper 004's exchange onto a standby
   link (issue 12 item 6), not by the crash repair. Drops and partitions stay shorter.
@@ -47,7 +51,7 @@ from enum import Enum
 
 from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.filters import Filter
-from canopy_broker.core.messages import RoutingMode
+from canopy_broker.core.messages import Algorithm, RoutingMode
 from canopy_broker.core.repair import Phase as RepairPhase
 from canopy_broker.sim.checker import FaultReport, check_faults, check_routing
 from canopy_broker.sim.simulator import CoreFactory, Simulator
@@ -198,7 +202,11 @@ class FaultRun:
 
 
 def start_activity(
-    sim: Simulator, rng: random.Random, activity: Activity, index: int
+    sim: Simulator,
+    rng: random.Random,
+    activity: Activity,
+    index: int,
+    algorithm: Algorithm = Algorithm.COORDINATED,
 ) -> str | None:
     """Start ``activity`` now if the overlay allows it; returns what was started."""
     live = live_brokers(sim)
@@ -207,7 +215,7 @@ def start_activity(
     if activity is Activity.EXCHANGE and not structural:
         spec = random_exchange(sim.edges, rng, max_fanout=5)
         if spec is not None:
-            xid = sim.exchange(spec.path, spec.remove)
+            xid = sim.exchange(spec.path, spec.remove, algorithm=algorithm)
             return f"{xid} {spec.remove} -> {spec.add}"
     elif activity is Activity.ADD_LEAF and not structural:
         leaf, parent = f"n{index}", rng.choice(live)
@@ -247,6 +255,8 @@ def run_with_faults(
     kinds: Sequence[FaultKind] = tuple(FaultKind),
     activities: Sequence[Activity] = tuple(Activity),
     core_factory: CoreFactory = custody_core,
+    mode: RoutingMode = RoutingMode.COVERING,
+    algorithm: Algorithm = Algorithm.COORDINATED,
     round_length: float = 300.0,
     publish_interval: float = 2.0,
     fault_chance: float = 0.9,
@@ -254,7 +264,8 @@ def run_with_faults(
     """One seeded run (see the module docstring)."""
     rng = random.Random(seed)
     names = [f"b{i}" for i in range(brokers)]
-    sim = Simulator(names, random_tree(brokers, rng), seed=seed, core_factory=core_factory)
+    tree = random_tree(brokers, rng)
+    sim = Simulator(names, tree, mode=mode, seed=seed, core_factory=core_factory)
     for b in names:
         sim.attach(f"s{b}", b, at=0)
         sim.subscribe(f"s{b}", "x", Filter.parse(f"x = {rng.randrange(4)}"), at=1)
@@ -275,7 +286,7 @@ def run_with_faults(
         base = start + r * round_length
         sim.run(until=base)
         activity = rng.choice(list(activities))
-        what = start_activity(sim, rng, activity, r)
+        what = start_activity(sim, rng, activity, r, algorithm)
         if what is not None:
             done.append((sim.now, activity, what))
         if rng.random() < fault_chance:
