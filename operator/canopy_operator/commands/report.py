@@ -6,7 +6,10 @@ Three experiments, each drawn as a PNG and tabulated in ``report.md`` (and ``rep
    vs path vs strawman (paper 000, Fig. 4);
 2. ordering delay against cycle length, FIFO vs causal (paper 000, Fig. 5);
 3. overhead improvement over the strawman against the number of brokers, sparse and dense
-   subscribers (paper 002, Fig. 5).
+   subscribers (paper 002, Fig. 5);
+4. notifications delivered against simultaneous broker failures, with and without standby
+   links (paper 003, Fig. 5; :mod:`canopy_operator.commands.standby`, also run on its own by
+   ``canopy sim standby``).
 
 Exchanges run one at a time here, so every control message sent between one exchange's request and
 the next one's belongs to it. All runs also go through the delivery checker; the table reports
@@ -27,6 +30,7 @@ from typing import Any
 from canopy_broker.core.messages import Ordering, Publish, RoutingMode
 from canopy_broker.sim.experiments import ExchangeRun, run_exchanges
 from canopy_broker.sim.overhead import measure
+from canopy_operator.commands import standby
 
 ALGORITHMS = ("coordinated", "path", "strawman")
 
@@ -292,10 +296,13 @@ def run(args: argparse.Namespace) -> int:
         "ordering": experiment_ordering(sizes_cycle, seeds, exchanges),
         "scaling": experiment_scaling(sizes_scale, seeds, exchanges),
     }
+    fig5 = standby.experiment(standby.parameters(args.quick, None, None), progress)
     data["wall_s"] = round(time.perf_counter() - wall, 1)
     args.out.mkdir(parents=True, exist_ok=True)
-    files = plot(data, args.out)
+    files = [*plot(data, args.out), standby.plot(fig5, args.out)]
     (args.out / "report.md").write_text(markdown(data))
+    standby.write_section(args.out / "report.md", standby.section(fig5))
+    (args.out / standby.DATA).write_text(json.dumps(fig5, indent=1))
     (args.out / "report.json").write_text(json.dumps(data, indent=1, default=str))
     print(markdown(data))
     print("written: " + ", ".join(str(f) for f in [*files, args.out / "report.md"]))

@@ -20,7 +20,7 @@ from canopy_broker.sim.experiments import run_exchanges
 from canopy_broker.sim.overhead import measure
 from canopy_broker.sim.simulator import Simulator
 from canopy_broker.sim.topology import random_tree
-from canopy_operator.commands import report
+from canopy_operator.commands import report, standby
 
 # Paper 002's set-up: 96 one-character patterns, at most 10 per broker.
 PATTERNS = [chr(c) for c in range(ord("!"), ord("!") + 96)]
@@ -67,6 +67,7 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     x.set_defaults(func=run_exchange_cmd)
 
     report.add_arguments(sim_sub)
+    standby.add_arguments(sim_sub)
 
     k = sim_sub.add_parser(
         "soak", help="many seeded runs of concurrent exchanges under traffic; totals verified"
