@@ -472,7 +472,14 @@ async def test_a_broker_back_after_a_repair_is_relinked_without_a_cycle(cluster:
     async def chained() -> bool:
         return {("a", "c"), ("c", "d")} <= await live()
 
+    async def degraded_by(*reasons: str) -> bool:
+        obj = await cluster.api.get(overlay_path(NS, "demo"))
+        conds = ((obj or {}).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Degraded" and c["reason"] in reasons for c in conds)
+
     await until(chained, 20, "a, c and d repaired the tree around b")
+    # The condition tells it too: lost (or already repaired), later recovered.
+    await until(lambda: degraded_by("BrokerLost", "TreeRepaired"), 10, "a repair condition")
     await restarted
 
     async def relinked() -> set[tuple[str, str]] | None:
@@ -488,6 +495,7 @@ async def test_a_broker_back_after_a_repair_is_relinked_without_a_cycle(cluster:
     lost = [e["message"] for e in events(cluster.emulator, "BrokerLost")]
     assert any("declared b dead" in m for m in lost), lost
     assert events(cluster.emulator, "RepairCompleted")
+    await until(lambda: degraded_by("Recovered"), 10, "Degraded=False, Recovered")
 
 
 async def test_deleting_the_overlay_stops_its_brokers(cluster: Cluster) -> None:

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from canopy_broker.core.broker import BrokerCore, ProtocolError
+from canopy_broker.core.events import Event
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
     AddLink,
@@ -25,7 +26,7 @@ from canopy_broker.core.messages import (
     Subscribe,
     TimerFired,
 )
-from canopy_broker.core.repair import chain_links
+from canopy_broker.core.repair import Retention, chain_links
 from canopy_broker.sim.checker import check_deliveries, check_routing
 from canopy_broker.sim.simulator import Simulator
 from canopy_broker.sim.topology import random_tree
@@ -191,3 +192,14 @@ def test_illegal_repair_inputs_change_nothing() -> None:
     with pytest.raises(ProtocolError, match="not itself"):
         core.handle(FromLink("x", Neighbours(("b", "x"))))
     assert core.neighbours == ["x"] and core.neighbour_lists.lists == {}
+
+
+def test_retention_at_its_limit_drops_only_what_is_past_the_horizon() -> None:
+    r = Retention(window=10.0, limit=3, horizon=2.0)
+    for i in range(5):  # all young: kept beyond the limit, and the link is pressing
+        r.keep("x", 1.0 + i * 0.25, Event("p", i + 1, {}))
+    assert r.depth() == 5 and r.dropped == 0 and r.pressing(1.5)
+    assert not r.pressing(3.5)  # the oldest is past the horizon now: it may go
+    r.keep("x", 3.5, Event("p", 6, {}))
+    assert r.dropped == 2 and r.depth() == 4  # the two past the horizon, not the young ones
+    assert not r.pressing(20.0) and r.depth() == 0  # past the window: all aged out

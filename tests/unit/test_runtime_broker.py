@@ -482,3 +482,28 @@ async def test_rtt_probes_reach_non_neighbours(make_broker: MakeBroker) -> None:
             for r in a.telemetry.since(0)["records"]
         )
     )
+
+
+async def test_a_full_retention_slows_publishers_instead_of_dropping_custody(
+    make_broker: MakeBroker,
+) -> None:
+    """At --retention-limit, entries younger than the failure detection time are not dropped
+    (the neighbour could still die holding them): publishers wait until they age out."""
+    a = await make_broker("a", retention_limit=50)  # detection 0.6 s: horizon 0.8 s
+    z = await make_broker("z")
+    await link(a, z)
+    async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
+        await far.subscribe("n >= 0")
+        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
+        for n in range(200):
+            pub.publish_nowait({"n": n})
+        await pub.flush()
+        await eventually(lambda: a.custody_full and a.publishers_paused, 5.0)
+        assert a.core.retention.depth() >= 50 and a.core.retention.dropped == 0
+        assert "canopy_retention_full 1.0" in a.metrics.render().decode()
+        await eventually(lambda: not a.custody_full and not a.publishers_paused, 5.0)
+        for n in range(200, 260):  # entries now older than the horizon make room
+            pub.publish_nowait({"n": n})
+        assert [x.seq for x in await collect(far, 260)] == list(range(1, 261))
+        await eventually(lambda: a.core.retention.dropped > 0)
+        assert a.core.retention.depth() <= 60

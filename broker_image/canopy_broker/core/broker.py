@@ -129,6 +129,7 @@ class BrokerCore:
         retention_limit: int = 100_000,
         repair_timeout: float = 10.0,
         started: float = 0.0,
+        custody_horizon: float | None = None,
     ) -> None:
         self.name = name
         self.routing = routing if routing is not None else RoutingState(mode)
@@ -144,7 +145,9 @@ class BrokerCore:
         # repairs under way or recently finished, the new links whose traffic waits for one,
         # and each publisher's last sequence number seen here (to drop replayed duplicates,
         # kept even with repair off: a client that fails over replays too).
-        self.retention = Retention(retention_window, retention_limit, origin=started)
+        self.retention = Retention(
+            retention_window, retention_limit, origin=started, horizon=custody_horizon
+        )
         self.repair_timeout = repair_timeout
         self.repairs: dict[str, RepairRun] = {}
         self._holding: dict[str, RepairRun] = {}

@@ -115,16 +115,26 @@ class Retention:
     client that fails over to this broker is served from. Bounded by ``window`` (in the
     caller's clock) and by ``limit`` notifications per link.
 
+    At the limit, the oldest entry goes only if it is older than ``horizon`` (the failure
+    detection time: a neighbour that has had a notification that long and is not declared dead
+    has passed it on); otherwise nothing is dropped and :meth:`pressing` says so, and the
+    runtime slows the publishers until entries age out. Custody is never given up silently:
+    :attr:`dropped` counts what went early.
+
     A dead neighbour's notifications are handed to its repair (:meth:`take`) but stay readable
     (:meth:`since`) until they age out: a client of the dead broker that comes back here after
     the repair started still needs them."""
 
-    def __init__(self, window: float, limit: int, origin: float = 0.0) -> None:
+    def __init__(
+        self, window: float, limit: int, origin: float = 0.0, horizon: float | None = None
+    ) -> None:
         self.window = window
         self.limit = limit
+        self.horizon = window if horizon is None else min(horizon, window)
         self.by_peer: dict[str, deque[tuple[float, Event]]] = {}
         self._taken: dict[str, deque[tuple[float, Event]]] = {}
         self.origin = origin  # when this broker started keeping: it holds nothing from before
+        self.dropped = 0  # entries dropped at the limit before the window ended (still safe)
 
     @property
     def enabled(self) -> bool:
@@ -133,14 +143,30 @@ class Retention:
     def keep(self, peer: str, now: float, event: Event) -> None:
         kept = self.by_peer.get(peer)
         if kept is None:
-            kept = self.by_peer[peer] = deque(maxlen=self.limit)
+            kept = self.by_peer[peer] = deque()
         kept.append((now, event))
         oldest = now - self.window
         while kept[0][0] < oldest:
             kept.popleft()
+        young = now - self.horizon
+        while len(kept) > self.limit and kept[0][0] < young:
+            kept.popleft()
+            self.dropped += 1
         if self._taken:
             for dead in [p for p, k in self._taken.items() if k[-1][0] < oldest]:
                 del self._taken[dead]
+
+    def pressing(self, now: float) -> bool:
+        """Some link holds ``limit`` notifications all younger than the horizon: dropping any
+        could lose one for good if that neighbour died now. Ages out the rest on the way."""
+        full = False
+        oldest = now - self.window
+        for kept in self.by_peer.values():
+            while kept and kept[0][0] < oldest:
+                kept.popleft()
+            if len(kept) >= self.limit and kept[0][0] >= now - self.horizon:
+                full = True
+        return full
 
     def take(self, peer: str, now: float) -> list[Event]:
         """The notifications kept for ``peer`` within the window, oldest first, for its repair;
@@ -172,12 +198,7 @@ class Retention:
     def covers(self, t: float, now: float) -> bool:
         """Everything forwarded since ``t`` is still kept (the window reaches back that far
         and this broker was already keeping then)."""
-        return (
-            self.enabled
-            and t >= now - self.window
-            and t >= self.origin
-            and all(len(k) < self.limit for k in self.by_peer.values())
-        )
+        return self.enabled and t >= now - self.window and t >= self.origin and self.dropped == 0
 
     def depth(self) -> int:
         return sum(len(k) for k in self.by_peer.values())

@@ -31,6 +31,8 @@ class Gauges:
     client_queue_depth_max: int
     client_queue_depth_total: int
     retention_depth: int = 0
+    retention_full: bool = False
+    retention_dropped: int = 0
     replay_duplicates: int = 0
 
 
@@ -78,6 +80,18 @@ class _StateCollector(Collector):
             "canopy_retention_depth",
             "Notifications kept for crash repair (forwarded on a link within the window)",
             value=g.retention_depth,
+        )
+        yield GaugeMetricFamily(
+            "canopy_retention_full",
+            "1 while a link's retention is at --retention-limit with entries younger than the "
+            "failure detection time (publishers are slowed until they age out)",
+            value=int(g.retention_full),
+        )
+        yield CounterMetricFamily(
+            "canopy_retention_dropped",
+            "Retained notifications dropped at --retention-limit, all older than the failure "
+            "detection time (custody no longer needed for them)",
+            value=g.retention_dropped,
         )
         yield CounterMetricFamily(
             "canopy_replay_duplicates",

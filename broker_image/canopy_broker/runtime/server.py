@@ -135,6 +135,7 @@ class Broker:
             retention_limit=config.retention_limit,
             repair_timeout=max(10.0, 5 * detection),
             started=asyncio.get_running_loop().time(),
+            custody_horizon=detection + config.heartbeat_interval,
         )
         self.tasks = TaskSet(config.name, on_failure=self._task_failed)
         # Why this broker can no longer be trusted (a background task died, or its core hit an
@@ -167,6 +168,7 @@ class Broker:
         self._unflushed = 0  # events routed since the last flush
         self._over: set[Link | Client] = set()
         self.publishers_paused = False
+        self.custody_full = False  # a link's retention is at its limit: publishers wait
         self._warned: set[str] = set()
         self._events = 0
         self._ticker: asyncio.Task[None] | None = None
@@ -299,6 +301,20 @@ class Broker:
             await asyncio.sleep(ACK_INTERVAL)
             if self.clients:
                 self.client_sessions.acknowledge_publishers()
+            retention = self.core.retention
+            if retention.enabled and (retention.by_peer or self.custody_full):
+                full = retention.pressing(self._loop.time())
+                if full != self.custody_full:
+                    self.custody_full = full
+                    if full:
+                        log.warning(
+                            "%s: a link's retention holds %d notifications younger than %.1fs:"
+                            " publishers wait (raise --retention-limit for more throughput)",
+                            self.name,
+                            retention.limit,
+                            retention.horizon,
+                        )
+                    self.update_pressure()
 
     # ------------------------------------------------------------------ connections
 
@@ -380,7 +396,7 @@ class Broker:
         while any broker is congested, carried by control frames that bypass the data queues;
         links keep being read throughout, so there is no deadlock.
         """
-        local = bool(self._over)
+        local = bool(self._over) or self.custody_full
         remote = [lk for lk in self.links.values() if lk.remote_pressure]
         for link in self.links.values():
             want = local or any(r is not link for r in remote)
@@ -797,6 +813,8 @@ class Broker:
             client_queue_depth_max=max(depths, default=0),
             client_queue_depth_total=sum(depths),
             retention_depth=self.core.retention.depth(),
+            retention_full=self.custody_full,
+            retention_dropped=self.core.retention.dropped,
             replay_duplicates=self.core.replay_duplicates,
         )
 

@@ -822,15 +822,21 @@ class _StatusStore:
         )
 
 
+REPAIR_REASONS = ("BrokerLost", "TreeRepaired")
+"""Reasons of a ``Degraded`` condition the brokers' own repair set (the heal clears them)."""
+
+
 async def _report_repairs(
     r: Reconciler,
     backend: KubernetesBackend,
     brokers: Sequence[str],
     reported: dict[tuple[str, str], set[tuple[str, ...]]],
-) -> None:
+) -> bool:
     """The brokers repair the tree around a dead one on their own (paper 001); tell people, as
-    Events on the overlay: BrokerLost when a neighbour declared one dead, RepairCompleted when
-    its replay is out. Each once (the brokers keep their last ten repairs)."""
+    Events on the overlay (BrokerLost when a neighbour declared one dead, RepairCompleted when
+    its replay is out; each once: the brokers keep their last ten repairs) and as the overlay's
+    ``Degraded`` condition (reason BrokerLost, then TreeRepaired). Returns whether a repair is
+    still under way."""
     seen = reported.setdefault((r.namespace, r.name), set())
 
     async def status(b: str) -> dict[str, Any]:
@@ -841,19 +847,44 @@ async def _report_repairs(
             return {}  # down, busy or gone: the rest of the heal deals with it
 
     statuses = await asyncio.gather(*(status(b) for b in brokers))
+    lost: list[str] = []
+    repaired: list[str] = []
     for b, st in zip(brokers, statuses, strict=True):
         for rec in st.get("repairs", []):
             dead, at = str(rec.get("dead")), str(rec.get("at"))
             linked = ", ".join(rec.get("linked") or []) or "nobody new"
             if (b, dead, at, "lost") not in seen:
                 seen.add((b, dead, at, "lost"))
-                r.event("BrokerLost", f"{b} declared {dead} dead; linked to {linked}", True)
+                lost.append(f"{b} declared {dead} dead; linked to {linked}")
+                r.event("BrokerLost", lost[-1], True)
             if "replayed" in rec and (b, dead, at, "done") not in seen:
                 seen.add((b, dead, at, "done"))
+                repaired.append(f"{b}: tree repaired around {dead}")
                 r.event(
-                    "RepairCompleted",
-                    f"{b}: tree repaired around {dead}; {rec['replayed']} notifications replayed",
+                    "RepairCompleted", f"{repaired[-1]}; {rec['replayed']} notifications replayed"
                 )
+    pending = any(k[3] == "lost" and (*k[:3], "done") not in seen for k in seen)
+    if lost or repaired:
+        if pending:
+            r.condition(ConditionType.DEGRADED, True, "BrokerLost", "; ".join(lost or repaired))
+        else:
+            r.condition(
+                ConditionType.DEGRADED,
+                True,
+                "TreeRepaired",
+                "; ".join(repaired) + "; the lost broker is restored next",
+            )
+        await r.status()
+    return pending
+
+
+def _repair_condition(r: Reconciler) -> bool:
+    return any(
+        c.get("type") == ConditionType.DEGRADED
+        and c.get("status") == "True"
+        and c.get("reason") in REPAIR_REASONS
+        for c in r.conditions
+    )
 
 
 class _Components:
@@ -894,7 +925,7 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
     try:
         pods = await backend.pods()
         with_pods = [b for b in spec.broker_names if b in pods]
-        await _report_repairs(r, backend, with_pods, config.reported)
+        repairing = await _report_repairs(r, backend, with_pods, config.reported)
         missing = [b for b in spec.broker_names if b not in pods]
         for b in missing:
             r.event("BrokerMissing", f"broker {b} has no pod; re-creating it", warning=True)
@@ -929,6 +960,14 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
             await backend.admin(side).set_peers({other: backend.address(other)})
             await backend.admin(side).add_link(other, backend.address(other))
             r.event("BrokerRelinked", f"re-linked {side} to {other}")
+        if not repairing and _repair_condition(r):
+            r.condition(
+                ConditionType.DEGRADED,
+                False,
+                "Recovered",
+                "every declared broker is back and linked to the repaired tree",
+            )
+            await r.status()
     finally:
         await backend.close()
 
