@@ -87,6 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="never declare a neighbour dead nor repair the tree around it (paper 001)",
     )
     s.add_argument(
+        "--slow-consumer",
+        choices=["disconnect", "backpressure"],
+        default="disconnect",
+        help="a client that does not keep up: cut it off alone (default) or slow the publishers",
+    )
+    s.add_argument(
+        "--client-queue-limit",
+        type=int,
+        default=200_000,
+        help="notifications queued for one client before it is cut off as a slow consumer",
+    )
+    s.add_argument("--max-subscriptions", type=int, default=10_000, help="subscriptions per client")
+    s.add_argument(
+        "--max-connections-per-source",
+        type=int,
+        default=256,
+        help="accepted connections per remote address (more are refused)",
+    )
+    s.add_argument(
         "--probe-interval",
         type=float,
         default=10.0,
@@ -130,6 +149,10 @@ async def serve(args: argparse.Namespace) -> int:
         telemetry_dir=args.telemetry_dir,
         advertise=args.advertise,
         probe_interval=args.probe_interval,
+        slow_consumer_policy=args.slow_consumer,
+        client_hard_cap=args.client_queue_limit,
+        max_subscriptions=args.max_subscriptions,
+        max_connections_per_source=args.max_connections_per_source,
     )
     broker = Broker(config)
     await broker.start()

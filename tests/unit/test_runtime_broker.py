@@ -176,6 +176,9 @@ async def test_garbage_closes_only_that_connection(make_broker: MakeBroker, garb
         ([[17, {"previous": "x", "last": {"p": "7"}}]], "malformed"),
         ([[17, {"previous": "x", "subs": [["s", "price <"]]}]], "invalid-filter"),
         ([[17, {"previous": 5}]], "malformed"),
+        ([[10, "s", [["a", "=", n] for n in range(65)]]], "invalid-filter"),  # too many
+        ([[10, "s", " and ".join(f"a{n} = {n}" for n in range(65))]], "invalid-filter"),
+        ([[10, "s", "a = " + '"' + "x" * 9000 + '"']], "invalid-filter"),  # too long
     ],
 )
 async def test_illegal_client_messages_close_that_client(
@@ -364,8 +367,16 @@ async def test_heartbeats_measure_rtt_and_detect_a_dead_peer(make_broker: MakeBr
 
 
 async def test_backpressure_pauses_publishers_across_brokers(make_broker: MakeBroker) -> None:
+    """With the backpressure policy, a lagging subscriber slows the publishers overlay-wide
+    (flow control), as a congested link does."""
     a = await make_broker("a", high_water=20, low_water=5)
-    z = await make_broker("z", high_water=20, low_water=5, slow_consumer_grace=60)
+    z = await make_broker(
+        "z",
+        high_water=20,
+        low_water=5,
+        slow_consumer_grace=60,
+        slow_consumer_policy="backpressure",
+    )
     await link(a, z)
     async with await connect(addr(z)) as healthy, await connect(addr(a), "pub") as pub:
         await healthy.subscribe("true")
@@ -507,3 +518,66 @@ async def test_a_full_retention_slows_publishers_instead_of_dropping_custody(
         assert [x.seq for x in await collect(far, 260)] == list(range(1, 261))
         await eventually(lambda: a.core.retention.dropped > 0)
         assert a.core.retention.depth() <= 60
+
+
+# --------------------------------------------------------------------------- hostile input
+
+
+async def test_a_slow_consumer_never_stalls_another_subscriber(make_broker: MakeBroker) -> None:
+    """The issue's case: one subscriber never reads while 20,000 events of 1 KB flow to it;
+    another subscriber on the same broker gets all of them at once, the publisher is never
+    paused, and the stuck one alone is cut off when its queue passes its limit."""
+    b = await make_broker("b", high_water=500, low_water=100, client_hard_cap=5_000)
+    async with await connect(addr(b)) as healthy, await connect(addr(b), "pub") as pub:
+        await healthy.subscribe("true")
+        _reader, writer = await raw_connection(b)
+        writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "stuck"}))
+        writer.write(control_frame(6, [[10, "s", "true"]]))
+        await eventually(lambda: "stuck" in b.core.routing_table().clients)
+        for n in range(20_000):
+            pub.publish_nowait({"n": n, "pad": "x" * 1000})
+            if n % 500 == 0:
+                await pub.flush()
+        await pub.flush()
+        got = await collect(healthy, 20_000, within=30)
+        assert [x.seq for x in got] == list(range(1, 20_001))
+        assert b.metrics.backpressure._value.get() == 0  # the publisher was never paused
+        await eventually(lambda: "stuck" not in b.clients)
+        assert b.metrics.slow_consumers._value.get() == 1
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_silent_and_stalled_connections_are_closed(make_broker: MakeBroker) -> None:
+    b = await make_broker("b", handshake_timeout=0.3, frame_timeout=0.3)
+    async with await connect(addr(b)) as honest:
+        await honest.subscribe("true")
+        reader, writer = await raw_connection(b)  # connects, says nothing
+        assert b'[7,"hello-timeout"' in await closed_by_peer(reader, writer)
+        reader, writer = await raw_connection(b)  # a hello, then two bytes of a header
+        writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "x"}))
+        writer.write(b"\x00\x00")
+        assert b'[7,"stalled"' in await closed_by_peer(reader, writer)
+        async with await connect(addr(b), "p") as pub:  # everyone else is unaffected
+            await pub.publish({"ok": 1})
+            assert [n.id for n in await collect(honest, 1)] == ["p:1"]
+    text = b.metrics.render().decode()
+    assert 'code="hello-timeout"' in text and 'code="stalled"' in text
+
+
+async def test_connections_per_source_and_subscriptions_per_client_are_bounded(
+    make_broker: MakeBroker,
+) -> None:
+    b = await make_broker("b", max_connections_per_source=3, max_subscriptions=5)
+    async with await connect(addr(b)) as c1, await connect(addr(b)) as c2:
+        for i in range(5):
+            await c1.subscribe(f"n = {i}")
+        reader, writer = await raw_connection(b)  # the third is fine, the fourth is not
+        extra = await raw_connection(b)
+        assert b'[7,"too-many-connections"' in await closed_by_peer(*extra)
+        with pytest.raises(ClientError, match="limit"):
+            await c1.subscribe("n = 5")
+        await c2.subscribe("n = 1")  # the others are unaffected
+        writer.close()
+        await writer.wait_closed()
+        del reader

@@ -441,7 +441,16 @@ class BrokerCore:
         if not self.retention.covers(since, now):
             start = max(now - self.retention.window, self.retention.origin)
             gaps.append(Gap(since, start, f"{self.name}'s retention does not reach back that far"))
-        if prev == self.name:
+        if prev == self.name:  # back at the same broker (a blip, a slow consumer cut off)
+            gaps.append(
+                Gap(
+                    since,
+                    now,
+                    f"{self.name} keeps what it forwarded to other brokers, not what it "
+                    "delivered to its own clients: notifications from publishers attached "
+                    f"to {self.name} may be missing",
+                )
+            )
             return gaps
         run = self.repairs.get(prev)
         if run is not None and run.finished_at is not None and run.finished_at >= since:

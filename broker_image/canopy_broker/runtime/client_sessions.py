@@ -73,6 +73,7 @@ class ClientHost(Protocol):
     links: dict[str, Link]
     metrics: BrokerMetrics
     resume_slack: float
+    max_subscriptions: int
     """Seconds added to a resuming client's outage: what its broker may have swallowed before
     the client noticed it was gone."""
 
@@ -210,6 +211,7 @@ class ClientSessions:
                 if type(sub_id) is not str or not sub_id:
                     raise FrameError(f"sub_id must be a non-empty string, got {sub_id!r}")
                 f = decode_filter(item[2])
+                self._check_room(cid, sub_id)
                 host.apply(core.handle(ClientSubscribe(cid, sub_id, f), now()))
                 self.send(client, dumps([B_SUBSCRIBED, sub_id]))
             elif code == C_UNSUBSCRIBE and len(item) == 2:
@@ -243,6 +245,12 @@ class ClientSessions:
                     client.conn.pause("pressure")
         return rest
 
+    def _check_room(self, cid: str, sub_id: str) -> None:
+        subs = self.host.core.routing.subscriptions(cid) or {}
+        limit = self.host.max_subscriptions
+        if sub_id not in subs and len(subs) >= limit:
+            raise FrameError(f"{cid} has {len(subs)} subscriptions (limit {limit})", "limit")
+
     # ------------------------------------------------------------------ failover
 
     def _resume(self, client: Client, req: object) -> None:
@@ -269,6 +277,7 @@ class ClientSessions:
                 raise FrameError(f"resume: a subscription is [sub_id, filter], got {entry!r}")
             if entry[0] not in known:
                 f = decode_filter(entry[1])
+                self._check_room(client.id, entry[0])
                 host.apply(core.handle(ClientSubscribe(client.id, entry[0], f), now))
         resume = ClientResume(client.id, previous, now - lost_for, tuple(marks), host.resume_slack)
         host.apply(core.handle(resume, now))

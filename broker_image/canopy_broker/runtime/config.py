@@ -23,6 +23,10 @@ class BrokerConfig:
     low_water: int = 5_000
     client_hard_cap: int = 200_000
     slow_consumer_grace: float = 10.0
+    slow_consumer_policy: str = "disconnect"  # or "backpressure" (see runtime/server.py)
+    max_subscriptions: int = 10_000  # per client
+    max_connections_per_source: int = 256  # accepted connections per remote IP address
+    frame_timeout: float = 30.0  # a frame begun and not finished within this closes its connection
     max_frame: int = MAX_FRAME
     telemetry_sample: float = 0.01
     history: int = 10_000

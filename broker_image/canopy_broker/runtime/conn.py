@@ -53,6 +53,8 @@ class Conn(FrameProtocol):
         self.link: Link | None = dial
         self.client: Client | None = None
         self.dialing = dial is not None
+        self.opened_at = 0.0  # accepted: when (the loop's clock), for the hello timeout
+        self.source = ""  # accepted: the remote address, for the per-source limit
         self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

@@ -134,6 +134,11 @@ class FrameSplitter:
         self._buf = bytearray()
         self.max_frame = max_frame
 
+    @property
+    def partial(self) -> bool:
+        """Bytes of a frame not complete yet are buffered."""
+        return bool(self._buf)
+
     def feed(self, data: bytes) -> list[bytes]:
         buf = self._buf
         if buf:
@@ -222,13 +227,35 @@ def encode_filter(f: Filter) -> list[list[object]]:
     ]
 
 
+MAX_FILTER_TEXT: Final = 8192
+MAX_CONSTRAINTS: Final = 64
+"""A filter's size limits: matching and covering cost grows with them, and a hostile client
+must not be able to make one subscription cost a broker (and every broker it propagates to)
+more than any honest one does."""
+
+
 def decode_filter(obj: object) -> Filter:
     """Accept the structured form or (from clients) the text syntax of ``Filter.parse``."""
     try:
         if isinstance(obj, str):
-            return Filter.parse(obj)
+            if len(obj) > MAX_FILTER_TEXT:
+                raise FrameError(
+                    f"filter text of {len(obj)} characters (limit {MAX_FILTER_TEXT})",
+                    "invalid-filter",
+                )
+            f = Filter.parse(obj)
+            if len(f.constraints) > MAX_CONSTRAINTS:
+                raise FrameError(
+                    f"filter of {len(f.constraints)} constraints (limit {MAX_CONSTRAINTS})",
+                    "invalid-filter",
+                )
+            return f
         if not isinstance(obj, list):
             raise FrameError(f"a filter must be text or a list of constraints, got {obj!r}")
+        if len(obj) > MAX_CONSTRAINTS:
+            raise FrameError(
+                f"filter of {len(obj)} constraints (limit {MAX_CONSTRAINTS})", "invalid-filter"
+            )
         constraints: list[Constraint] = []
         for item in obj:
             if not isinstance(item, list) or len(item) not in (2, 3):
@@ -503,6 +530,7 @@ class FrameProtocol(asyncio.Protocol):
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self.transport: asyncio.Transport | None = None
         self.splitter = FrameSplitter(max_frame)
+        self.partial_since: float | None = None  # a frame has begun and is not complete yet
         self.writing_paused = False
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._drained: asyncio.Future[None] | None = None
@@ -525,6 +553,11 @@ class FrameProtocol(asyncio.Protocol):
         except FrameError as exc:
             self.fail(exc)
             return
+        if self.splitter.partial:  # the owner closes a connection that stalls mid-frame
+            if self.partial_since is None:
+                self.partial_since = time.monotonic()
+        elif self.partial_since is not None:
+            self.partial_since = None
         if not self._continuing:
             self._work()
 

@@ -7,11 +7,16 @@ frames is decoded and routed without a task switch, and its effects are appended
 queues that are flushed once per loop iteration (see :mod:`canopy_broker.runtime.links`).
 
 Backpressure. Links are *never* paused for reading: two brokers that both stop reading until the
-other drains would deadlock. Instead, while any outbound queue (a link's unacknowledged messages
-or a client's unsent notifications) is above ``high_water``, the broker pauses reading from the
-clients that publish, and resumes them once every queue is below ``low_water``. A client whose
-queue passes ``client_hard_cap``, or stays above high water for ``slow_consumer_grace`` seconds,
-is disconnected as a slow consumer so it cannot hold the overlay hostage.
+other drains would deadlock. Instead, while any link's queue of unacknowledged messages is above
+``high_water``, the broker pauses reading from the clients that publish, and resumes them once
+every queue is below ``low_water``.
+
+Slow consumers (``slow_consumer_policy``). By default (``disconnect``) a client that does not read
+fast enough never slows anybody else: its queue of unsent notifications is its own, and once it
+passes ``client_hard_cap``, or stays above high water for ``slow_consumer_grace`` seconds, that
+client alone is cut off with a ``slow-consumer`` error (it may resume elsewhere, from retention).
+With ``backpressure`` a lagging client's queue pauses the publishers too, overlay-wide, as a
+link's does (flow control instead of loss for that client), until the same limits cut it off.
 """
 
 from __future__ import annotations
@@ -143,6 +148,7 @@ class Broker:
         self.failed: str | None = None
         self.incarnation = uuid.uuid4().hex[:8]
         self.resume_slack = max(2.0, detection)
+        self.max_subscriptions = config.max_subscriptions
         self.peers: dict[str, str] = {}  # address book: broker name -> HOST:PORT
         self.exchanges: dict[str, ExchangeRecord] = {}
         self.reconfiguration_messages: dict[str, dict[str, int]] = {}
@@ -167,6 +173,8 @@ class Broker:
         self._flush_scheduled = False
         self._unflushed = 0  # events routed since the last flush
         self._over: set[Link | Client] = set()
+        self._lagging: set[Client] = set()  # slow consumers under the disconnect policy
+        self._per_source: dict[str, int] = {}  # accepted connections per remote address
         self.publishers_paused = False
         self.custody_full = False  # a link's retention is at its limit: publishers wait
         self._warned: set[str] = set()
@@ -266,7 +274,8 @@ class Broker:
                 next_probe = now + cfg.probe_interval
                 self._probing = self.tasks.spawn(self._probe_peers(), "rtt probes")
             self.sessions.heartbeat(now)
-            for client in list(self._over):
+            self._check_conns(now)
+            for client in [*self._over, *self._lagging]:
                 if (
                     isinstance(client, Client)
                     and client.over_since is not None
@@ -323,6 +332,41 @@ class Broker:
         if conn.dialing:
             assert conn.link is not None
             conn.write(self.sessions.hello_frame(conn.link))
+            return
+        conn.opened_at = self._loop.time()
+        transport = conn.transport
+        peer = transport.get_extra_info("peername") if transport is not None else None
+        conn.source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        n = self._per_source.get(conn.source, 0) + 1
+        self._per_source[conn.source] = n
+        if n > self.config.max_connections_per_source:
+            conn.fail(
+                FrameError(
+                    f"{n} connections from {conn.source} "
+                    f"(limit {self.config.max_connections_per_source})",
+                    "too-many-connections",
+                )
+            )
+
+    def _check_conns(self, now: float) -> None:
+        """Close accepted connections that hold resources without using them: no hello within
+        the handshake timeout, or a frame begun and not finished within the frame timeout
+        (two bytes of a header, then nothing)."""
+        cfg = self.config
+        stalled_before = time.monotonic() - cfg.frame_timeout
+        for conn in list(self._conns):
+            if conn.dialing or conn.is_closing():
+                continue
+            if conn.role is None and now - conn.opened_at > cfg.handshake_timeout:
+                conn.fail(
+                    FrameError(f"no hello within {cfg.handshake_timeout:g}s", "hello-timeout")
+                )
+            elif conn.partial_since is not None and conn.partial_since < stalled_before:
+                conn.fail(
+                    FrameError(
+                        f"a frame begun {cfg.frame_timeout:g}s ago is still incomplete", "stalled"
+                    )
+                )
 
     def conn_failed(self, conn: Conn, exc: FrameError) -> None:
         role = conn.role or "unknown"
@@ -332,6 +376,12 @@ class Broker:
 
     def conn_lost(self, conn: Conn) -> None:
         self._conns.discard(conn)
+        if conn.source:
+            n = self._per_source.get(conn.source, 1) - 1
+            if n > 0:
+                self._per_source[conn.source] = n
+            else:
+                self._per_source.pop(conn.source, None)
         if conn.role == "client":
             assert conn.client is not None
             self.client_sessions.detach(conn.client)
@@ -353,20 +403,30 @@ class Broker:
         dirty, self._dirty = self._dirty, []
         high = self.config.high_water
         low = self.config.low_water
+        lagging = self._lagging
         for dest in dirty:
             dest.dirty = False
             dest.flush()
             if dest.over:
                 if dest.depth < low:
                     self.unpressure(dest)
-            elif dest.depth > high and (
-                isinstance(dest, Client) or (dest.kind == "link" and dest.conn is not None)
-            ):
-                self._pressure(dest)
-        if self._over:
+            elif dest.depth > high:
+                if not isinstance(dest, Client):
+                    if dest.kind == "link" and dest.conn is not None:
+                        self._pressure(dest)
+                elif self.config.slow_consumer_policy == "backpressure":
+                    self._pressure(dest)
+                elif dest not in lagging:  # its own problem: timed and capped, not pressed
+                    dest.over_since = self._loop.time()
+                    lagging.add(dest)
+            elif lagging and isinstance(dest, Client) and dest in lagging and dest.depth < low:
+                lagging.discard(dest)
+                dest.over_since = None
+        if self._over or lagging:
+            cap = self.config.client_hard_cap
             for dest in dirty:
-                if isinstance(dest, Client) and dest.depth > self.config.client_hard_cap:
-                    self._slow_consumer(dest, f"queue above {self.config.client_hard_cap}")
+                if isinstance(dest, Client) and dest.depth > cap:
+                    self._slow_consumer(dest, f"queue above {cap}")
 
     # ------------------------------------------------------------------ backpressure
 
@@ -378,6 +438,9 @@ class Broker:
         self.update_pressure()
 
     def unpressure(self, dest: Link | Client) -> None:
+        if isinstance(dest, Client) and dest in self._lagging:
+            self._lagging.discard(dest)
+            dest.over_since = None
         if not dest.over:
             return
         dest.over = False
