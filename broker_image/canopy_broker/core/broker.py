@@ -22,6 +22,7 @@ from collections import deque
 
 from canopy_broker.core import exchange as coordinated
 from canopy_broker.core import path as path_algorithm
+from canopy_broker.core.cycles import CycleTable, plan_link_repair
 from canopy_broker.core.errors import CoreFailedError, ProtocolError
 from canopy_broker.core.events import Event
 from canopy_broker.core.exchange import Exchange, Step
@@ -37,19 +38,25 @@ from canopy_broker.core.messages import (
     ClientSubscribe,
     ClientUnsubscribe,
     CtrlMsg,
+    CycleFound,
+    CycleProbe,
     Deliver,
     DeliverMarker,
+    DetourLink,
     Done,
     Echo,
     Effect,
     End,
+    FindCycles,
     FlushMsg,
     FromLink,
     FromPeer,
     Gap,
     Granted,
     Input,
+    LinkFailed,
     LinkReady,
+    LinkRepair,
     Lock,
     LockRefused,
     Marker,
@@ -63,6 +70,7 @@ from canopy_broker.core.messages import (
     Relay,
     RemoveLink,
     Repaired,
+    RepairLink,
     RepairSweep,
     Resumed,
     RouteKey,
@@ -70,6 +78,7 @@ from canopy_broker.core.messages import (
     SendToLink,
     SendToPeer,
     Separator,
+    StandbyLinks,
     StartExchange,
     StartTimer,
     Subscribe,
@@ -160,6 +169,8 @@ class BrokerCore:
         # this broker already had is still delivered to them, since they may not have had it
         # (the client library drops what it did have, by publisher sequence).
         self.resuming: dict[str, float] = {}
+        # Small cycles through standby links (paper 004), for repairing a failed link.
+        self.cycles = CycleTable(name)
         # Coordinated exchange: this broker takes part in at most one at a time (the lock).
         self.ex: Exchange | None = None
         self.attempts: dict[str, tuple[StartExchange, int]] = {}  # initiator's requests
@@ -276,6 +287,13 @@ class BrokerCore:
             self.neighbour_lists.forget(inp.peer)
         elif isinstance(inp, PeerFailed):
             self._peer_failed(inp.peer, out)
+        elif isinstance(inp, LinkFailed):
+            self._link_failed(inp.peer, out)
+        elif isinstance(inp, StandbyLinks):
+            self.cycles.set_standby(inp.peers)
+        elif isinstance(inp, FindCycles):
+            for peer, probe in self.cycles.start(inp.round, inp.bound, self._tree_links()):
+                self.to_peer(peer, probe, out)
         elif isinstance(inp, FromPeer):
             self.to_peer(inp.peer, inp.message, out, incoming=True)
         elif isinstance(inp, StartExchange):
@@ -528,6 +546,29 @@ class BrokerCore:
         else:
             out.append(StartTimer(f"repair:{peer}", self.repair_timeout))
 
+    def _tree_links(self) -> list[str]:
+        """The settled tree links cycle probes travel (not a dead one, nor one an exchange is
+        adding or removing)."""
+        routing = self.routing
+        return [n for n in routing.neighbours if self.is_neighbour(n) and not routing.is_frozen(n)]
+
+    def _link_failed(self, peer: str, out: list[Effect]) -> None:
+        """Repair a failed link whose far end is alive (see :mod:`~canopy_broker.core.cycles`):
+        detour it, and have the exchange onto the standby link of the smallest known cycle
+        through it started, by one end only."""
+        if not self.is_neighbour(peer):
+            raise ProtocolError(f"{self.name}: no link to {peer!r}")
+        plan = plan_link_repair(self.name, peer, self.cycles.known(self.is_neighbour))
+        if plan is None:
+            reason = f"no known small cycle contains {self.name}-{peer}: it waits for the link"
+            out.append(LinkRepair(peer, "", (), reason))
+            return
+        out.append(DetourLink(peer))
+        if plan.decider != self.name:
+            return
+        out.append(LinkRepair(peer, plan.xid, plan.path))
+        self.to_peer(plan.initiator, RepairLink(plan.xid, plan.path, plan.remove), out)
+
     def _forget_repairs(self) -> None:
         """Finished repairs are kept a while (late sweeps are passed on); not for ever."""
         done = [d for d, r in self.repairs.items() if r.phase is RepairPhase.DONE]
@@ -576,6 +617,14 @@ class BrokerCore:
             out.append(SendToPeer(peer, msg))
         elif isinstance(msg, RecMsg):  # the path algorithm's RECMSG across the new link
             path_algorithm.on_recmsg(self, peer, msg, out)
+        elif isinstance(msg, CycleProbe):
+            onward, tell = self.cycles.on_probe(peer, msg, self._tree_links())
+            out.extend(SendToPeer(target, probe) for target, probe in onward)
+            out.extend(SendToPeer(target, found) for target, found in tell)
+        elif isinstance(msg, CycleFound):
+            self.cycles.on_found(msg)
+        elif isinstance(msg, RepairLink):
+            coordinated.start(self, StartExchange(msg.xid, msg.path, msg.remove), out)
         else:
             coordinated.from_peer(self, peer, msg, out)
 

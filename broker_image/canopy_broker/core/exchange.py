@@ -510,7 +510,9 @@ def on_granted(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
         core.to_peer(ex.a_end_of_my_side, Separator(ex.xid, ex.side), out)
 
 
-def from_peer(core: BrokerCore, peer: str, msg: PeerMessage, out: list[Effect]) -> None:
+def from_peer(
+    core: BrokerCore, peer: str, msg: Transfer | Relay | RelayEnd | Separator, out: list[Effect]
+) -> None:
     """Out-of-band messages to an A end: the transfer, relays, RelayEnd, its separator."""
     ex = core.ex
     if ex is None or ex.xid != msg.xid or not ex.is_a:

@@ -246,6 +246,43 @@ class RepairSweep:
     forward: bool
 
 
+# Cycle detection (paper 004) and link-failure repair. These travel out of band: a probe
+# crosses standby links as well as tree links, and a standby link carries no link messages.
+
+
+@dataclass(frozen=True, slots=True)
+class CycleProbe:
+    """One hop of a heart's bounded flood in detection round ``round``. ``path`` is every broker
+    it visited, the heart first and the sender last; ``budget`` is how many more tree hops it
+    may take after this one. ``closing``: it left the heart over a standby link (``path[1]`` is
+    that link's other end once the receiver appends itself), so it may cross no other."""
+
+    round: int
+    heart: str
+    path: tuple[str, ...]
+    budget: int
+    closing: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class CycleFound:
+    """To every member of a small cycle: the tree path ``cycle`` whose ends are joined by a
+    standby link (``cycle[0]``-``cycle[-1]``), found in detection round ``round``."""
+
+    round: int
+    cycle: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RepairLink:
+    """An end of a failed link to the initiator ``path[0]`` of the exchange that repairs it:
+    start exchange ``xid`` (remove ``remove``, add the standby link ``path[0]``-``path[-1]``)."""
+
+    xid: str
+    path: tuple[str, ...]
+    remove: tuple[str, str]
+
+
 LinkMessage = (
     Marker
     | Moved
@@ -294,7 +331,9 @@ class RelayEnd:
     xid: str
 
 
-PeerMessage = Transfer | Relay | RelayEnd | Separator | RecMsg
+PeerMessage = (
+    Transfer | Relay | RelayEnd | Separator | RecMsg | CycleProbe | CycleFound | RepairLink
+)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -320,6 +359,32 @@ class PeerFailed:
     The core drops the link and repairs the tree around the dead broker."""
 
     peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class LinkFailed:
+    """The link to ``peer`` has been down for the link-failure threshold while ``peer`` is
+    still alive (reachable out of band). The core repairs it with a link exchange onto a
+    standby link that closes a small cycle with it, if it knows one."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class StandbyLinks:
+    """The standby links this broker keeps open (heartbeats only, no routing traffic): their
+    other ends. Replaces the previous set; cycle detection runs over them and the tree."""
+
+    peers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FindCycles:
+    """Start detection round ``round`` for cycles of at most ``bound`` brokers (each a tree
+    path closed by one standby link). The runtime sends it on a timer and after reshaping."""
+
+    round: int
+    bound: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,6 +505,9 @@ Input = (
     AddLink
     | RemoveLink
     | PeerFailed
+    | LinkFailed
+    | StandbyLinks
+    | FindCycles
     | FromLink
     | FromPeer
     | StartExchange
@@ -563,6 +631,27 @@ class Resumed:
     gaps: tuple[Gap, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class DetourLink:
+    """The link to ``peer`` failed but its exchange still needs it: carry the link's stream
+    (what is unacknowledged, then what follows, in order, as link messages) over an
+    out-of-band connection to ``peer`` until :class:`CloseLink` for it."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class LinkRepair:
+    """This end decided how the failed link to ``peer`` is repaired: exchange ``xid`` along
+    ``path`` (``path[0]`` starts it), or nothing (empty ``xid``; ``reason`` says why). For the
+    driver's bookkeeping, logs and metrics."""
+
+    peer: str
+    xid: str
+    path: tuple[str, ...]
+    reason: str = ""
+
+
 Effect = (
     SendToLink
     | Deliver
@@ -575,4 +664,6 @@ Effect = (
     | Repaired
     | RepairFinished
     | Resumed
+    | DetourLink
+    | LinkRepair
 )

@@ -39,7 +39,8 @@ test that lifted a rule would fail for the reason given):
   spurious delivery only, with link drops, pauses and partitions.
 * *A link drop or partition that outlasts the detection time.* Both ends are alive and each
   would declare the other dead: a link failure, repaired by paper 004's exchange onto a standby
-  link (issue 12 item 6), not by the crash repair. Drops and partitions stay shorter.
+  link (issue 12 item 6), not by the crash repair; ``Simulator.cut_link`` and
+  tests/sim/test_cycles.py cover it. Drops and partitions here stay shorter.
 """
 
 from __future__ import annotations

@@ -39,12 +39,16 @@ from canopy_broker.core.messages import (
     CloseLink,
     Deliver,
     DeliverMarker,
+    DetourLink,
     Done,
     Effect,
     ExchangeFinished,
+    FindCycles,
     FromLink,
     FromPeer,
     Input,
+    LinkFailed,
+    LinkRepair,
     OpenLink,
     Ordering,
     PeerFailed,
@@ -55,6 +59,7 @@ from canopy_broker.core.messages import (
     RoutingMode,
     SendToLink,
     SendToPeer,
+    StandbyLinks,
     StartExchange,
     StartTimer,
     Subscribe,
@@ -135,7 +140,16 @@ class _Pause:
     duration: float
 
 
-_Fault = _BrokerFault | _Cut | _Pause
+@dataclass(frozen=True)
+class _LinkFault:
+    """Link ``link`` is cut for good (``sever``), or both ends' detectors declare it failed
+    (``detect``)."""
+
+    what: Literal["sever", "detect"]
+    link: frozenset[str]
+
+
+_Fault = _BrokerFault | _Cut | _Pause | _LinkFault
 _Orchestration = _Migrate | _RemoveLeaf | _Fault
 
 
@@ -229,6 +243,12 @@ class Simulator:
         # broker: the neighbours still repairing; a subscription issued meanwhile is established
         # only once the repair is done, as with an exchange).
         self._cuts: list[tuple[_Cut, float]] = []
+        # Links cut for good: what was sent on them waits (per direction, in order) until the
+        # sender's end detours the link over an out-of-band connection (DetourLink).
+        self._severed: set[frozenset[str]] = set()
+        self._stranded: dict[tuple[str, str], list[FromLink]] = {}
+        self._detoured: set[tuple[str, str]] = set()
+        self.link_repairs: list[tuple[float, str, LinkRepair]] = []  # (when, broker, decision)
         self._paused: dict[str, list[tuple[int, Input]]] = {}
         self.victims: set[str] = set()
         self._repairing: dict[str, set[str]] = {}
@@ -574,6 +594,47 @@ class Simulator:
         dead: a link failure with both ends alive, which the crash repair does not handle.)"""
         self._client_action("\0sim", at, _Cut(frozenset((a,)), duration, frozenset((a, b))))
 
+    def cut_link(
+        self, a: str, b: str, at: float | None = None, *, detect_after: float | None = None
+    ) -> None:
+        """Link (a, b)'s connection breaks at ``at`` and never comes back; both brokers stay
+        alive and their out-of-band connections stay up.
+
+        As with :meth:`drop_link`, each end keeps what it sent on the link and anything it sends
+        later, in order: that traffic is *stranded*, not lost. It moves only when an end's core
+        asks to detour the link (:class:`DetourLink`, from the link-failure repair): from then
+        on that direction's stream, stranded backlog first, travels FIFO over an out-of-band
+        channel, as the runtime would resend a link session's unacknowledged frames over a
+        peer connection, until the exchange closes the link. ``detect_after``: both ends'
+        link-failure detectors fire that long after the cut (:class:`LinkFailed`)."""
+        t = self.now if at is None else at
+        link = frozenset((a, b))
+        self._client_action("\0sim", t, _LinkFault("sever", link))
+        if detect_after is not None:
+            self.detect_link_failure(a, b, at=t + detect_after)
+
+    def detect_link_failure(self, a: str, b: str, at: float) -> None:
+        """Both ends of link (a, b) are told at ``at`` that it failed with the far end alive."""
+        self._client_action("\0sim", at, _LinkFault("detect", frozenset((a, b))))
+
+    def set_standby(self, links: Iterable[Edge], at: float | None = None) -> None:
+        """The standby links each broker keeps (both ends learn theirs; replaces the old set)."""
+        partners: dict[str, set[str]] = {b: set() for b in self.cores}
+        for a, b in links:
+            partners[a].add(b)
+            partners[b].add(a)
+        t = self.now if at is None else at
+        for b, peers in sorted(partners.items()):
+            self._schedule(t, b, StandbyLinks(tuple(sorted(peers))))
+
+    def find_cycles(self, bound: int, round_: int, at: float | None = None) -> None:
+        """Detection round ``round_`` of small cycles (at most ``bound`` brokers) at every
+        live broker at ``at``."""
+        t = self.now if at is None else at
+        for b in sorted(self.cores):
+            if b not in self.removed and b not in self.crashed:
+                self._schedule(t, b, FindCycles(round_, bound))
+
     def partition(self, side: Iterable[str], duration: float, at: float | None = None) -> None:
         """Every connection between the brokers of ``side`` and the others (overlay links, links
         opened meanwhile, out-of-band channels) breaks at ``at`` for ``duration``: a link drop
@@ -596,6 +657,8 @@ class Simulator:
         """A fault happens now (see the public methods for what each models and why)."""
         if isinstance(fault, _Cut):
             self._cut_now(fault)
+        elif isinstance(fault, _LinkFault):
+            self._link_fault(fault)
         elif isinstance(fault, _Pause):
             self._paused.setdefault(fault.broker, [])
             fenced = fault.duration > self.detection_time
@@ -677,7 +740,41 @@ class Simulator:
             t = self._fifo_time(channel, until + self.rng.uniform(*self.link_delay))
             self._schedule(t, broker, inp)
 
-    def _send_time(self, sender: str, receiver: str, *, oob: bool) -> float:
+    def _link_fault(self, fault: _LinkFault) -> None:
+        a, b = sorted(fault.link)
+        if fault.what == "detect":
+            for x, y in ((a, b), (b, a)):
+                if x not in self.crashed and self.cores[x].is_neighbour(y):
+                    self._schedule(self.now, x, LinkFailed(y))
+            return
+        self._severed.add(fault.link)
+        kept: list[tuple[float, int, str, Input | _Orchestration]] = []
+        moved: list[tuple[float, int, str, FromLink]] = []
+        for entry in self._heap:
+            t, key, broker, inp = entry
+            if isinstance(inp, FromLink) and frozenset((inp.peer, broker)) == fault.link:
+                moved.append((t, key, broker, inp))
+            else:
+                kept.append(entry)
+        heapq.heapify(kept)
+        self._heap = kept
+        for _t, _key, broker, inp in sorted(moved, key=lambda m: m[:2]):  # arrival order
+            self._stranded.setdefault((inp.peer, broker), []).append(inp)
+
+    def _detour(self, sender: str, receiver: str) -> None:
+        """The sender's end detours its direction of a severed link: its backlog leaves now."""
+        if frozenset((sender, receiver)) not in self._severed:
+            return  # the link is not cut in this run (the detector's call): nothing to move
+        self._detoured.add((sender, receiver))
+        for inp in self._stranded.pop((sender, receiver), []):
+            self._schedule(self._send_time(sender, receiver, oob=True, detour=True), receiver, inp)
+
+    @property
+    def stranded(self) -> int:
+        """Link messages waiting on links cut for good (never delivered if none is detoured)."""
+        return sum(map(len, self._stranded.values()))
+
+    def _send_time(self, sender: str, receiver: str, *, oob: bool, detour: bool = False) -> float:
         """When a message sent now arrives: a link delay after now, or after the connection
         is back if it is down (FIFO per channel either way)."""
         start = self.now
@@ -685,6 +782,8 @@ class Simulator:
             if until > start and cut.crosses(sender, receiver, oob):
                 start = until
         channel = ("oob", sender, receiver) if oob else (sender, receiver)
+        if detour:
+            channel = ("detour", sender, receiver)
         return self._fifo_time(channel, start + self.rng.uniform(*self.link_delay))
 
     def victim_clients(self) -> set[str]:
@@ -786,10 +885,17 @@ class Simulator:
                 self.stats.messages[type(msg).__name__] += 1
                 if isinstance(msg, _CONTROL):
                     self._control_in_flight += 1
-                t = self._send_time(broker, eff.peer, oob=False)
                 self._on_the_wire[(broker, eff.peer)] = (
                     self._on_the_wire.get((broker, eff.peer), 0) + 1
                 )
+                direction = (broker, eff.peer)
+                if frozenset(direction) not in self._severed:
+                    t = self._send_time(broker, eff.peer, oob=False)
+                elif direction in self._detoured:
+                    t = self._send_time(broker, eff.peer, oob=True, detour=True)
+                else:
+                    self._stranded.setdefault(direction, []).append(FromLink(broker, msg))
+                    continue
                 self._schedule(t, eff.peer, FromLink(broker, msg))
             elif isinstance(eff, Deliver):
                 e = eff.event
@@ -818,6 +924,10 @@ class Simulator:
                 self._edges.discard(frozenset((broker, eff.peer)))
             elif isinstance(eff, DeliverMarker):
                 self._marker_arrives(eff.client, broker)
+            elif isinstance(eff, DetourLink):
+                self._detour(broker, eff.peer)
+            elif isinstance(eff, LinkRepair):
+                self._link_repair(broker, eff)
             elif isinstance(eff, ExchangeFinished):
                 rec = self.exchanges[eff.xid]
                 rec.finished_at, rec.ok, rec.reason = self.now, eff.ok, eff.reason
@@ -829,6 +939,19 @@ class Simulator:
                     waiting.discard(broker)
                     if not waiting:
                         self._repair_complete(eff.dead)
+
+    def _link_repair(self, broker: str, eff: LinkRepair) -> None:
+        """A failed link's end decided its repair: an exchange is owed from now on (as one the
+        simulator was asked for), so subscriptions issued meanwhile wait for it."""
+        self.link_repairs.append((self.now, broker, eff))
+        if not eff.xid or eff.xid in self.exchanges:
+            return
+        k = validate_path(eff.path, (broker, eff.peer))
+        remove = (eff.path[k], eff.path[k + 1])
+        self.exchanges[eff.xid] = ExchangeRecord(eff.xid, eff.path, remove, requested_at=self.now)
+        self._active_exchanges.add(eff.xid)
+        for _, overlapped in self._unsettled:
+            overlapped.add(eff.xid)
 
     # ------------------------------------------------------------------ results
 
