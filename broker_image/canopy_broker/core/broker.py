@@ -8,8 +8,11 @@ The broker itself owns little: the routing tables live in :mod:`~canopy_broker.c
 (subscription forwarding), and the two reconfiguration protocols in
 :mod:`~canopy_broker.core.exchange` (coordinated, paper 000) and :mod:`~canopy_broker.core.path`
 (paper 002), which are peers: each depends on the routing state and on the small host interface
-it declares, never on the other or on this module. What stays here is dispatch, notification
-routing, and client migration (make-before-break), which needs both the tables and the links.
+it declares, never on the other or on this module. Crash repair (paper 001) lives in
+:mod:`~canopy_broker.core.repair`; small cycles through standby links and the choice of the
+exchange that repairs a failed link (paper 004) in :mod:`~canopy_broker.core.cycles`.
+What stays here is dispatch, notification routing, and client migration (make-before-break),
+which needs both the tables and the links.
 
 **Failure.** An unexpected exception inside the core means its state may be half-applied. The
 broker then refuses every further input with :class:`CoreFailedError` instead of carrying on with
