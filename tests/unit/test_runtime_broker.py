@@ -126,6 +126,16 @@ async def raw_connection(b: Broker) -> tuple[asyncio.StreamReader, asyncio.Strea
     return await asyncio.open_connection(*b.address)
 
 
+async def stuck_subscriber(b: Broker) -> asyncio.StreamWriter:
+    """A client ``stuck`` subscribed to everything that never reads its socket; returns its
+    writer (close it to make it go away)."""
+    _reader, writer = await raw_connection(b)
+    writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "stuck"}))
+    writer.write(control_frame(6, [[10, "s", "true"]]))
+    await eventually(lambda: "stuck" in b.core.routing_table().clients)
+    return writer
+
+
 async def closed_by_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
     """Read until EOF (the broker closed us); returns what it said first."""
     try:
@@ -224,11 +234,7 @@ async def test_slow_consumer_is_disconnected_and_publisher_keeps_going(
     )
     async with await connect(addr(b)) as healthy, await connect(addr(b), "pub") as pub:
         await healthy.subscribe("true")
-        # A subscriber that never reads its socket (a hung application).
-        _reader, writer = await raw_connection(b)
-        writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "stuck"}))
-        writer.write(control_frame(6, [[10, "s", "true"]]))
-        await eventually(lambda: "stuck" in b.core.routing_table().clients)
+        writer = await stuck_subscriber(b)  # never reads its socket (a hung application)
         total = 0
         while "stuck" in b.clients:  # publish until the broker gives up on it
             for _ in range(100):
@@ -380,9 +386,7 @@ async def test_backpressure_pauses_publishers_across_brokers(make_broker: MakeBr
     await link(a, z)
     async with await connect(addr(z)) as healthy, await connect(addr(a), "pub") as pub:
         await healthy.subscribe("true")
-        _reader, writer = await raw_connection(z)  # a subscriber on z that never reads
-        writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "stuck"}))
-        writer.write(control_frame(6, [[10, "s", "true"]]))
+        writer = await stuck_subscriber(z)  # a subscriber on z that never reads
         await settled(a, z)
         stop = asyncio.Event()
 
@@ -530,10 +534,7 @@ async def test_a_slow_consumer_never_stalls_another_subscriber(make_broker: Make
     b = await make_broker("b", high_water=500, low_water=100, client_hard_cap=5_000)
     async with await connect(addr(b)) as healthy, await connect(addr(b), "pub") as pub:
         await healthy.subscribe("true")
-        _reader, writer = await raw_connection(b)
-        writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "stuck"}))
-        writer.write(control_frame(6, [[10, "s", "true"]]))
-        await eventually(lambda: "stuck" in b.core.routing_table().clients)
+        writer = await stuck_subscriber(b)
         for n in range(20_000):
             pub.publish_nowait({"n": n, "pad": "x" * 1000})
             if n % 500 == 0:
