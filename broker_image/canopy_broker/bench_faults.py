@@ -4,8 +4,11 @@ Three scenarios, every figure measured on this run:
 
 * **kill**: the 7-broker overlay of the crash-resilience issue (b0-b1, b1-b2, b1-b3, b3-b4,
   b3-b5, b5-b6), a publisher on b0 at ``--rate`` events/s, subscribers on b0, b2, b4 and b6;
-  b3 is SIGKILLed. Reported: time from the kill to the repaired tree (the chain links up), and
-  per subscriber what was lost, duplicated or reordered (all must be 0: none is on b3).
+  b3 is SIGKILLed. Reported: time from the kill to the repaired tree (the chain links in the
+  survivors' tables) and to the repair complete on all of b3's neighbours (routes known over the
+  chain, retained notifications replayed), how many repair links were promoted standby links
+  and how many were dialed (``--no-standby``: all dialed, for comparison), and per subscriber
+  what was lost, duplicated or reordered (all must be 0: none is on b3).
 * **retention**: a chain of 3 brokers at 1,000 and 10,000 events/s (paced), custody on with a
   ``--window`` second window: the notifications kept and the middle broker's RSS, against the
   same run with custody off.
@@ -37,6 +40,7 @@ NAMES = ["b0", "b1", "b2", "b3", "b4", "b5", "b6"]
 EDGES = [("b0", "b1"), ("b1", "b2"), ("b1", "b3"), ("b3", "b4"), ("b3", "b5"), ("b5", "b6")]
 SUBSCRIBERS = {"s0": "b0", "s2": "b2", "s4": "b4", "s6": "b6"}
 CHAIN = {("b1", "b4"), ("b4", "b5")}
+B3_NEIGHBOURS = ("b1", "b4", "b5")
 
 
 def _edges(statuses: dict[str, dict[str, Any]]) -> set[tuple[str, str]]:
@@ -56,8 +60,26 @@ async def _drain(client: Client, into: list[Notification]) -> None:
         return
 
 
-async def kill_scenario(rate: float, heartbeat: float, dead_after: int) -> dict[str, Any]:
+async def _repair_records(ov: Overlay) -> dict[str, dict[str, Any]]:
+    """b3's neighbours' records of its repair (admin status), once complete on all of them."""
+    async with asyncio.timeout(60):
+        while True:
+            last: dict[str, dict[str, Any]] = {}
+            for n in B3_NEIGHBOURS:
+                recs = (await ov[n].admin.status())["repairs"]
+                if recs and recs[-1]["dead"] == "b3" and "complete_at" in recs[-1]:
+                    last[n] = recs[-1]
+            if len(last) == len(B3_NEIGHBOURS):
+                return last
+            await asyncio.sleep(0.02)
+
+
+async def kill_scenario(
+    rate: float, heartbeat: float, dead_after: int, *, standby: bool = True
+) -> dict[str, Any]:
     args = ["--heartbeat", str(heartbeat), "--dead-after", str(dead_after)]
+    if not standby:
+        args.append("--no-standby")
     async with Overlay(NAMES, EDGES, extra_args=args) as ov:
         received: dict[str, list[Notification]] = {s: [] for s in SUBSCRIBERS}
         clients = []
@@ -86,7 +108,7 @@ async def kill_scenario(rate: float, heartbeat: float, dead_after: int) -> dict[
         kept = await _retained(ov, "b1")
         victim = ov.brokers.pop("b3")
         progress(f"kill: SIGKILL b3 at {rate:,.0f} events/s ({kept} notifications kept on b1)")
-        killed = time.monotonic()
+        killed, killed_wall = time.monotonic(), time.time()
         os.kill(victim.pid, signal.SIGKILL)
         await victim.stop()
         ov.edges = [e for e in ov.edges if "b3" not in e]
@@ -99,6 +121,14 @@ async def kill_scenario(rate: float, heartbeat: float, dead_after: int) -> dict[
                 else:
                     await asyncio.sleep(0.02)
         progress(f"kill: tree repaired {repaired_s:.2f}s after the kill")
+        records = await _repair_records(ov)
+        complete_s = max(r["complete_at"] for r in records.values()) - killed_wall
+        promoted = sum(len(r.get("promoted", ())) for r in records.values())
+        dialed = sum(len(r.get("dialed", ())) for r in records.values())
+        progress(
+            f"kill: repair complete {complete_s:.3f}s after the kill; link ends promoted "
+            f"{promoted}, dialed {dialed}"
+        )
         await asyncio.sleep(2.0)
         stop.set()
         await publisher
@@ -127,6 +157,10 @@ async def kill_scenario(rate: float, heartbeat: float, dead_after: int) -> dict[
         "rate": rate,
         "detection_timeout_s": heartbeat * dead_after,
         "repaired_s": round(repaired_s, 3),
+        "repair_complete_s": round(complete_s, 3),
+        "standby": standby,
+        "repair_link_ends_promoted": promoted,
+        "repair_link_ends_dialed": dialed,
         "published": last,
         "replayed": int(replayed),
         "subscribers": per_sub,
@@ -202,37 +236,55 @@ async def custody_cost(duration: float, rounds: int) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    kill = await kill_scenario(args.rate, args.heartbeat, args.dead_after)
-    retention = [await retention_scenario(r, args.window) for r in (1_000.0, 10_000.0)]
-    cost = await custody_cost(args.duration, args.rounds)
-    return {"kill": kill, "retention": retention, "custody": cost}
+    only = set(args.only or ("kill", "retention", "custody"))
+    out: dict[str, Any] = {}
+    if "kill" in only:
+        out["kill"] = await kill_scenario(
+            args.rate, args.heartbeat, args.dead_after, standby=args.standby
+        )
+    if "retention" in only:
+        out["retention"] = [await retention_scenario(r, args.window) for r in (1_000.0, 10_000.0)]
+    if "custody" in only:
+        out["custody"] = await custody_cost(args.duration, args.rounds)
+    return out
 
 
 def report(r: dict[str, Any]) -> str:
-    k = r["kill"]
+    lines: list[str] = []
+    if "kill" in r:
+        lines += _kill_report(r["kill"])
+    for ret in r.get("retention", ()):
+        lines.append(
+            f"retention at {ret['rate']:,.0f} events/s, {ret['window_s']:.0f} s window: "
+            f"{ret['on']['kept']} kept, +{ret['extra_rss_mb']} MB RSS on the middle broker"
+        )
+    if "custody" in r:
+        c = r["custody"]
+        lines.append(
+            f"custody on vs off (chain of 3, flat out, medians of {c['rounds']}): "
+            f"{c['on']['notif_per_s']:,.0f} vs {c['off']['notif_per_s']:,.0f} notifications/s = "
+            f"{c['throughput_ratio']:.0%} (goal >= 90%); CPU "
+            f"{c['on']['broker_cpu_us_per_event']:.0f}"
+            f" vs {c['off']['broker_cpu_us_per_event']:.0f} us/event"
+        )
+    return "\n".join(lines)
+
+
+def _kill_report(k: dict[str, Any]) -> list[str]:
     lines = [
-        f"kill b3 at {k['rate']:,.0f} events/s: repaired in {k['repaired_s']:.2f} s "
-        f"(detection timeout {k['detection_timeout_s']:.1f} s; goal <= 2x), "
-        f"{k['published']} published, {k['replayed']} replayed",
+        f"kill b3 at {k['rate']:,.0f} events/s: repaired in {k['repaired_s']:.2f} s, complete "
+        f"in {k['repair_complete_s']:.3f} s (detection timeout {k['detection_timeout_s']:.1f} s;"
+        f" goal <= 2x), {k['published']} published, {k['replayed']} replayed",
+        f"  repair link ends: {k['repair_link_ends_promoted']} promoted standby links, "
+        f"{k['repair_link_ends_dialed']} dialed"
+        + ("" if k["standby"] else " (standby links off: --no-standby)"),
     ]
     for sub, s in k["subscribers"].items():
         lines.append(
             f"  {sub} on {s['broker']}: lost {s['lost']}, duplicated {s['duplicated']}, "
             f"reordered {s['reordered']}"
         )
-    for ret in r["retention"]:
-        lines.append(
-            f"retention at {ret['rate']:,.0f} events/s, {ret['window_s']:.0f} s window: "
-            f"{ret['on']['kept']} kept, +{ret['extra_rss_mb']} MB RSS on the middle broker"
-        )
-    c = r["custody"]
-    lines.append(
-        f"custody on vs off (chain of 3, flat out, medians of {c['rounds']}): "
-        f"{c['on']['notif_per_s']:,.0f} vs {c['off']['notif_per_s']:,.0f} notifications/s = "
-        f"{c['throughput_ratio']:.0%} (goal >= 90%); CPU {c['on']['broker_cpu_us_per_event']:.0f}"
-        f" vs {c['off']['broker_cpu_us_per_event']:.0f} us/event"
-    )
-    return "\n".join(lines)
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -240,6 +292,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=1000.0, help="events/s in the kill run")
     parser.add_argument("--heartbeat", type=float, default=1.0, help="broker --heartbeat, s")
     parser.add_argument("--dead-after", type=int, default=3, help="broker --dead-after")
+    parser.add_argument(
+        "--no-standby",
+        dest="standby",
+        action="store_false",
+        help="run the kill with the brokers' standby links off (repair links dialed)",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=["kill", "retention", "custody"],
+        help="run only this scenario (repeatable; default: all three)",
+    )
     parser.add_argument("--window", type=float, default=5.0, help="retention window measured, s")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per flat-out phase")
     parser.add_argument(
@@ -252,7 +316,8 @@ def run_args(args: argparse.Namespace) -> int:
     print(report(result))
     if args.json:
         print(json.dumps(result))
-    bad = [s for s in result["kill"]["subscribers"].values() if s["lost"] or s["duplicated"]]
+    kill = result.get("kill", {"subscribers": {}})
+    bad = [s for s in kill["subscribers"].values() if s["lost"] or s["duplicated"]]
     return 1 if bad else 0
 
 

@@ -106,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted connections per remote address (more are refused)",
     )
     s.add_argument(
+        "--no-standby",
+        dest="standby",
+        action="store_false",
+        help="keep no standby links: a repair dials its new links instead of promoting "
+        "connections kept warm to the brokers it would link (paper 003)",
+    )
+    s.add_argument(
         "--probe-interval",
         type=float,
         default=10.0,
@@ -142,6 +149,7 @@ async def serve(args: argparse.Namespace) -> int:
         heartbeat_interval=args.heartbeat,
         dead_after=args.dead_after,
         repair=args.repair,
+        standby=args.standby,
         retention_seconds=args.retention,
         retention_limit=args.retention_limit,
         telemetry_sample=args.telemetry_sample,

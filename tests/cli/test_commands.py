@@ -309,6 +309,9 @@ def test_bench_faults_reports_repair_time_and_no_losses() -> None:
     assert isinstance(kill, dict)
     assert 0 < kill["repaired_s"] <= 2 * kill["detection_timeout_s"] + 1.0, kill
     assert kill["replayed"] > 0
+    # b3's neighbours' four ends of the chain links b1-b4, b4-b5 were standby links, promoted.
+    assert (kill["repair_link_ends_promoted"], kill["repair_link_ends_dialed"]) == (4, 0), kill
+    assert 0 < kill["repair_complete_s"] <= 2 * kill["detection_timeout_s"] + 1.0, kill
     for sub in kill["subscribers"].values():
         assert (sub["lost"], sub["duplicated"], sub["reordered"]) == (0, 0, 0), kill
     low, high = data["retention"]  # type: ignore[misc]

@@ -5,7 +5,9 @@ brokers' status."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+from typing import Any
 
 from canopy_broker.client import Client, Notification, connect
 from canopy_broker.procs import BrokerProc, spawn_broker
@@ -16,6 +18,8 @@ EDGES = [("b0", "b1"), ("b1", "b2"), ("b1", "b3"), ("b3", "b4"), ("b3", "b5"), (
 SUBSCRIBERS = {"s0": "b0", "s2": "b2", "s4": "b4", "s6": "b6"}
 FILTER = "n >= 0"
 HEARTBEAT = ("--heartbeat", "0.2", "--dead-after", "3")  # declared dead 0.6 s after the loss
+# The tree once b3 is dead and repaired: b3's neighbours b1, b4, b5 chain up (b1-b4, b4-b5).
+REPAIRED = {("b0", "b1"), ("b1", "b2"), ("b1", "b4"), ("b4", "b5"), ("b5", "b6")}
 
 
 async def start(tmp_path: Path, *extra: str) -> dict[str, BrokerProc]:
@@ -62,3 +66,71 @@ def live_edges(statuses: dict[str, dict[str, object]]) -> set[tuple[str, str]]:
         for n in st["neighbours"]:  # type: ignore[attr-defined]
             edges.add(tuple(sorted((name, n["peer"]))))
     return edges  # type: ignore[return-value]
+
+
+class Publisher:
+    """Publishes ``{"n": 1, 2, ...}`` at about 1,000 events/s until stopped, noting when each
+    went out (to count what was published while the tree was torn)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.published: list[tuple[int, float]] = []  # (seq, time.monotonic())
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            for _ in range(10):
+                n += 1
+                self.client.publish_nowait({"n": n})
+                self.published.append((n, time.monotonic()))
+            await self.client.flush()
+            await asyncio.sleep(0.01)  # ~1,000 events/s
+
+    async def stop(self) -> int:
+        """Stop; the last sequence number published."""
+        self._stop.set()
+        await self._task
+        await self.client.flush()
+        return self.published[-1][0]
+
+    def between(self, start: float, end: float) -> int:
+        return sum(1 for _, when in self.published if start <= when <= end)
+
+
+async def wait_repaired(brokers: dict[str, BrokerProc], within: float = 15.0) -> None:
+    """Until the survivors' links are those of the repaired tree."""
+
+    async def repaired() -> bool:
+        return live_edges({n: await b.admin.status() for n, b in brokers.items()}) == REPAIRED
+
+    async with asyncio.timeout(within):
+        while not await repaired():  # noqa: ASYNC110 - polling other processes
+            await asyncio.sleep(0.05)
+
+
+async def repair_records(
+    brokers: dict[str, BrokerProc], dead: str, within: float = 15.0
+) -> dict[str, dict[str, Any]]:
+    """Each of the dead broker's neighbours' record of its repair, once complete there."""
+    chain = {"b3": ("b1", "b4", "b5")}[dead]
+    async with asyncio.timeout(within):
+        while True:
+            recs = {n: (await brokers[n].admin.status())["repairs"] for n in chain}
+            last = {n: r[-1] for n, r in recs.items() if r and r[-1]["dead"] == dead}
+            if len(last) == len(chain) and all("complete_at" in r for r in last.values()):
+                return last
+            await asyncio.sleep(0.02)
+
+
+async def assert_all_delivered(received: dict[str, list[Notification]], last: int) -> None:
+    """Every subscriber gets 1..last once and in order (waiting for stragglers first)."""
+    async with asyncio.timeout(20):
+        while any(not r or r[-1].seq < last for r in received.values()):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+    for sub, got in received.items():
+        seqs = [n.seq for n in got]
+        missed = sorted(set(range(1, last + 1)) - set(seqs))
+        assert not missed, f"{sub} missed {len(missed)}: {missed[:10]}..."
+        assert seqs == list(range(1, last + 1)), f"{sub}: duplicated or reordered"

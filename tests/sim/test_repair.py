@@ -26,7 +26,7 @@ from canopy_broker.core.messages import (
     Subscribe,
     TimerFired,
 )
-from canopy_broker.core.repair import Retention, chain_links
+from canopy_broker.core.repair import Retention, chain_links, standby_peers
 from canopy_broker.sim.checker import check_deliveries, check_routing
 from canopy_broker.sim.simulator import Simulator
 from canopy_broker.sim.topology import random_tree
@@ -203,3 +203,50 @@ def test_retention_at_its_limit_drops_only_what_is_past_the_horizon() -> None:
     r.keep("x", 3.5, Event("p", 6, {}))
     assert r.dropped == 2 and r.depth() == 4  # the two past the horizon, not the young ones
     assert not r.pressing(20.0) and r.depth() == 0  # past the window: all aged out
+
+
+def test_standby_peers_are_the_chain_links_of_every_single_failure() -> None:
+    # b's neighbours: x (whose neighbours are a, b, c) and y (whose neighbours are b, z).
+    lists = {"x": ("a", "b", "c"), "y": ("b", "z")}
+    assert standby_peers("b", ["x", "y"], lists) == ("a", "c", "z")
+    assert standby_peers("a", ["x"], lists) == ("b",)
+    assert standby_peers("c", ["x"], lists) == ("b",)
+    # A current neighbour needs no standby link, nor does a list not heard yet.
+    assert standby_peers("b", ["x", "y", "a"], lists) == ("c", "z")
+    assert standby_peers("b", ["x", "w"], lists) == ("a", "c")
+    assert standby_peers("b", [], lists) == ()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_standby_peers_predict_every_repair_link_on_random_trees(seed: int) -> None:
+    """Over random trees, whichever broker dies, each link its neighbours' repair opens was in
+    the opening end's standby set before the failure, and the sets are symmetric (both ends
+    of a standby link want it, so the end that dials it is never alone)."""
+    rng = random.Random(seed)
+    edges = random_tree(rng.randint(3, 30), rng)
+    names = sorted({n for e in edges for n in e})
+    nbrs: dict[str, list[str]] = {n: [] for n in names}
+    for a, b in edges:
+        nbrs[a].append(b)
+        nbrs[b].append(a)
+    lists = {n: tuple(sorted(v)) for n, v in nbrs.items()}
+    standby = {n: set(standby_peers(n, nbrs[n], lists)) for n in names}
+    for n in names:
+        for p in standby[n]:
+            assert n in standby[p], (n, p)
+            assert p not in nbrs[n]
+    for dead in names:
+        for n in nbrs[dead]:
+            for t in chain_links(lists[dead], n):
+                assert t in standby[n], (dead, n, t)
+
+
+def test_the_core_knows_its_standby_peers_before_a_failure_needs_them() -> None:
+    core = BrokerCore("b", announce_neighbours=True)
+    core.handle(AddLink("x"))
+    assert core.standby_peers() == ()
+    core.handle(FromLink("x", Neighbours(("a", "b", "c"))))
+    assert core.standby_peers() == ("a", "c")
+    out = core.handle(PeerFailed("x"))
+    assert [e.peer for e in out if isinstance(e, OpenLink)] == ["a", "c"]
+    assert core.standby_peers() == ()  # x's list is spent; a and c are neighbours now

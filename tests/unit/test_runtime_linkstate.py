@@ -10,16 +10,20 @@ import pytest
 from canopy_broker.runtime.links import Link
 from canopy_broker.runtime.linkstate import (
     CLOSURE_TRANSITIONS,
+    PROMOTABLE,
     SESSION_EVENTS,
     SESSION_TRANSITIONS,
+    STANDING_EVENTS,
+    STANDING_TRANSITIONS,
     Closure,
     LinkEvent,
     LinkState,
     LinkStateError,
     LinkStates,
+    Standing,
 )
 
-CLOSURE_EVENTS = [e for e in LinkEvent if e not in SESSION_EVENTS]
+CLOSURE_EVENTS = [e for e in LinkEvent if e not in SESSION_EVENTS | STANDING_EVENTS]
 
 
 def states_in(session: LinkState = LinkState.NEW, closure: Closure = Closure.OPEN) -> LinkStates:
@@ -90,3 +94,44 @@ async def test_a_link_keeps_its_connection_consistent_with_its_state() -> None:
     assert link.conn is None and not link.up.is_set()  # nothing changed
     accepting = Link("a", "s2", dialer=False, address=None)
     assert accepting.state == "down"
+
+
+@pytest.mark.parametrize(
+    ("standing", "session", "event"),
+    list(itertools.product(Standing, LinkState, STANDING_EVENTS)),
+)
+def test_standing_events(standing: Standing, session: LinkState, event: LinkEvent) -> None:
+    """A standby link is promoted only while its session is up; an overlay link never is."""
+    st = states_in(session=session)
+    st.standing = standing
+    expected = STANDING_TRANSITIONS[standing].get(event)
+    if expected is None or session not in PROMOTABLE:
+        with pytest.raises(LinkStateError, match=f"link to b: event {event.value!r}"):
+            st.fire(event, "b")
+        assert st.standing is standing
+    else:
+        st.fire(event, "b")
+        assert st.standing is expected
+    assert (st.session, st.closure) == (session, Closure.OPEN)
+
+
+def test_every_standing_has_a_row_and_every_event_one_table() -> None:
+    assert set(STANDING_TRANSITIONS) == set(Standing)
+    assert not STANDING_EVENTS & SESSION_EVENTS
+    assert set(CLOSURE_EVENTS) == {e for rows in CLOSURE_TRANSITIONS.values() for e in rows}
+
+
+async def test_a_standby_link_is_promoted_into_an_opened_overlay_link() -> None:
+    link = Link("b", "s1", dialer=True, address=None, kind="standby")
+    assert link.states.standing is Standing.STANDBY and not link.promoted
+    with pytest.raises(LinkStateError, match="only while up"):
+        link.promote()  # no connection: a repair would gain nothing from it
+    assert link.kind == "standby" and not link.opened
+    link.connected(object())  # type: ignore[arg-type]
+    link.promote()
+    assert (link.kind, link.opened, link.promoted) == ("link", True, True)
+    assert link.status()["promoted"]
+    link.promote()  # the peer's word after ours: nothing changes
+    assert link.promoted
+    with pytest.raises(LinkStateError):
+        Link("c", "s2", dialer=True, address=None).promote()  # an overlay link from the start

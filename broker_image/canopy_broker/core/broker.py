@@ -90,7 +90,7 @@ from canopy_broker.core.messages import (
     Unsubscribe,
 )
 from canopy_broker.core.path import Role
-from canopy_broker.core.repair import NeighbourLists, RepairRun, Retention
+from canopy_broker.core.repair import NeighbourLists, RepairRun, Retention, standby_peers
 from canopy_broker.core.repair import Phase as RepairPhase
 from canopy_broker.core.repair import Step as RepairStep
 from canopy_broker.core.routing import (
@@ -212,6 +212,13 @@ class BrokerCore:
     @property
     def clients(self) -> list[str]:
         return self.routing.clients
+
+    def standby_peers(self) -> tuple[str, ...]:
+        """The brokers a repair would link this one to if one of its neighbours died (see
+        :func:`~canopy_broker.core.repair.standby_peers`); the runtime keeps links to them warm.
+        A dead neighbour's list is gone once its repair started, so are its chain's peers."""
+        live = [n for n in self.routing.neighbours if n not in self._ghosts]
+        return standby_peers(self.name, live, self.neighbour_lists.lists)
 
     def routing_table(self) -> RoutingTable:
         return self.routing.snapshot()

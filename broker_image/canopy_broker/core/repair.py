@@ -32,7 +32,7 @@ applies the results to the routing state.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
@@ -58,6 +58,22 @@ def chain_links(dead_neighbours: Sequence[str], me: str) -> tuple[str, ...]:
         return ()
     i = chain.index(me)
     return tuple(chain[j] for j in (i - 1, i + 1) if 0 <= j < len(chain))
+
+
+def standby_peers(
+    me: str, neighbours: Sequence[str], lists: Mapping[str, Sequence[str]]
+) -> tuple[str, ...]:
+    """The brokers a repair could link ``me`` to, over every single failure of a neighbour:
+    for each neighbour N, ``me``'s predecessor and successor in N's last announced list (the
+    :func:`chain_links` of N's death), less those ``me`` is linked to already. Known before
+    anything fails, so the runtime keeps them as standby links (paper 003) and a repair finds
+    its new links open. Symmetric: both ends of a chain link read it from the same list."""
+    current = set(neighbours)
+    want: set[str] = set()
+    for n in current:
+        want.update(chain_links(lists.get(n, ()), me))
+    want -= current | {me}
+    return tuple(sorted(want))
 
 
 class NeighbourLists:

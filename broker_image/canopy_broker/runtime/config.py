@@ -38,5 +38,6 @@ class BrokerConfig:
     advertise: str | None = None  # HOST:PORT peers should dial (default: the listen address)
     probe_interval: float = 10.0  # RTT probes to non-neighbours in the address book (0: off)
     repair: bool = True  # declare silent neighbours dead and repair the tree around them
+    standby: bool = True  # keep standby links to the brokers a repair would link (with repair)
     retention_seconds: float = 15.0  # custody: forwarded notifications kept per link (0: off)
     retention_limit: int = 100_000  # ... and at most this many per link

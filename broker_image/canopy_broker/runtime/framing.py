@@ -64,6 +64,7 @@ F_MSGS: Final = 6  # [6, [client messages]]                 client connections, 
 F_ERROR: Final = 7  # [7, code, text]                        then the sender closes
 F_PRESSURE: Final = 8  # [8, true|false]                     link only: congestion on / off
 F_PEERS: Final = 9  # [9, {name: "HOST:PORT"}]               link only: addresses of my neighbours
+F_PROMOTE: Final = 10  # [10, session]                        standby only: now an overlay link
 
 # Link messages (inside F_DATA).
 L_PUBLISH: Final = 0  # [0, publisher, seq, hops, attrs]
@@ -537,6 +538,7 @@ class FrameProtocol(asyncio.Protocol):
         self.pending: deque[list[Any]] = deque()
         self.deadline = math.inf  # when the current turn's budget runs out
         self._pauses: set[str] = set()
+        self._holds: set[str] = set()  # reasons no frame may be handled now (see hold)
         self._continuing = False
 
     # -- asyncio callbacks -------------------------------------------------------------------
@@ -558,7 +560,7 @@ class FrameProtocol(asyncio.Protocol):
                 self.partial_since = time.monotonic()
         elif self.partial_since is not None:
             self.partial_since = None
-        if not self._continuing:
+        if not self._continuing and not self._holds:
             self._work()
 
     def _work(self) -> None:
@@ -568,7 +570,7 @@ class FrameProtocol(asyncio.Protocol):
         self.deadline = math.inf if budget is None else time.perf_counter() + budget
         pending = self.pending
         try:
-            while pending:
+            while pending and not self._holds:
                 if self.is_closing():
                     pending.clear()
                     return
@@ -599,6 +601,29 @@ class FrameProtocol(asyncio.Protocol):
         self._pauses.discard(reason)
         if not self._pauses and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
+
+    def hold(self, reason: str, frame: list[Any]) -> None:
+        """Handle nothing more (``frame``, given back unhandled, and everything after it) until
+        :meth:`release` of ``reason``; reading pauses meanwhile, so what waits is bounded by
+        what was read already. For a frame that may not be handled *yet* but must not be
+        refused either (data on a promoted standby link before this end's core opened it)."""
+        self.pending.appendleft(frame)
+        self._holds.add(reason)
+        self.pause(reason)
+
+    def release(self, reason: str) -> None:
+        """Undo :meth:`hold`: handle what waits, in order, on the next loop turn."""
+        if reason not in self._holds:
+            return
+        self._holds.discard(reason)
+        self.resume(reason)
+        if not self._holds and self.pending and not self._continuing:
+            self._continuing = True
+            asyncio.get_running_loop().call_soon(self._work)
+
+    @property
+    def held(self) -> bool:
+        return bool(self._holds)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.lost.done():

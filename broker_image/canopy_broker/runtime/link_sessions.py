@@ -17,6 +17,17 @@ Session rules, in one place:
   first; what its core queued before the dial is sent once the session is up.
 * A closing link keeps flushing on its own session, even while a re-opened instance of the same
   link runs beside it (``_retired``), and says goodbye once everything is acknowledged.
+* Standby links (hello role ``standby``) go to the brokers a crash repair would link this one
+  to (:meth:`BrokerCore.standby_peers`), dialed by the end whose name sorts first, with the
+  addresses neighbours told (F_PEERS) and the same fencing as links. They carry hellos and
+  heartbeats only and are in no routing table; a standby connection that is lost is dialed
+  again on a new session (there is nothing to resume). When the core's repair opens a link to a
+  broker whose standby link is up, the link is *promoted*: the end whose core opened it first
+  says ``F_PROMOTE`` and sends the new link's messages right behind it, on the same connection
+  and session, so the repair costs no dial and no hello. The other end promotes its side on that
+  word and holds the data (reading paused) until its own core opens the link. An end that
+  cannot take the promotion (it already has another instance of the link) refuses it with
+  ``promotion-refused`` and the promoting end falls back to a fresh session of the opened link.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ from canopy_broker.core.messages import (
     FromLink,
     FromPeer,
     Input,
+    Neighbours,
     PeerFailed,
     Publish,
     RemoveLink,
@@ -54,6 +66,7 @@ from canopy_broker.runtime.framing import (
     F_PING,
     F_PONG,
     F_PRESSURE,
+    F_PROMOTE,
     PROTOCOL_VERSION,
     FrameError,
     control_frame,
@@ -123,12 +136,18 @@ class LinkSessions:
         self.fenced: dict[str, str] = {}
         self._learned: dict[str, str] = {}  # addresses told by neighbours (F_PEERS)
         self.repairs: list[dict[str, Any]] = []  # the last few, for the admin API
+        self.standby: dict[str, Link] = {}  # standby links by peer, dialed or accepted
+        # How the core's last OpenLink to each peer was carried out, for its Repaired record:
+        # "promoted" (a standby link taken over) or "dialed" (a new connection).
+        self._opened_how: dict[str, str] = {}
 
     # ------------------------------------------------------------------ tables
 
     def _table(self, kind: str, dialer: bool) -> dict[str, Link]:
         if kind == "link":
             return self.links
+        if kind == "standby":
+            return self.standby
         return self.channels_out if dialer else self.channels_in
 
     def all_links(self) -> list[Link]:
@@ -137,6 +156,7 @@ class LinkSessions:
             *self._retired.values(),
             *self.channels_out.values(),
             *self.channels_in.values(),
+            *self.standby.values(),
         ]
 
     def _retire(self, link: Link) -> None:
@@ -153,16 +173,21 @@ class LinkSessions:
         """Register a new link or channel (metrics, table) and start dialing if it is ours."""
         peer, kind, dialer = link.peer, link.kind, link.dialer
         if kind == "link":
-            m = self.host.metrics
-            link.m_msgs_in = m.link_messages.labels(peer, "in")
-            link.m_msgs_out = m.link_messages.labels(peer, "out")
-            link.m_bytes_in = m.link_bytes.labels(peer, "in")
-            link.m_bytes_out = m.link_bytes.labels(peer, "out")
-            self._removed.pop(peer, None)
+            self._as_link(link)
         self._table(kind, dialer)[peer] = link
         if dialer:
             link.dial_task = self.host.tasks.spawn(self._dial_loop(link), f"dial {peer} ({kind})")
         return link
+
+    def _as_link(self, link: Link) -> None:
+        """What every overlay link has: its metrics, and no memory of an earlier removal."""
+        m = self.host.metrics
+        peer = link.peer
+        link.m_msgs_in = m.link_messages.labels(peer, "in")
+        link.m_msgs_out = m.link_messages.labels(peer, "out")
+        link.m_bytes_in = m.link_bytes.labels(peer, "in")
+        link.m_bytes_out = m.link_bytes.labels(peer, "out")
+        self._removed.pop(peer, None)
 
     # ------------------------------------------------------------------ declared links
 
@@ -235,8 +260,16 @@ class LinkSessions:
             if link.established:
                 log.error("%s: the core opened a link to %s, which exists", self.name, peer)
                 return
-            if link.opened and not (link.dialer or link.closing or link.peer_closed):
-                link.established = True  # the peer dialed before our core opened the link
+            if (
+                link.opened
+                and (link.promoted or not link.dialer)
+                and not (link.closing or link.peer_closed)
+            ):
+                # The peer dialed (or promoted its standby link) before our core opened it.
+                link.established = True
+                self._opened_how[peer] = "promoted" if link.promoted else "dialed"
+                if link.conn is not None:
+                    link.conn.release("unopened")  # its data waited for this
                 self.host.mark_dirty(link)
                 return
             # What is left of an earlier instance of this link: still flushing what that
@@ -246,10 +279,116 @@ class LinkSessions:
                 self._retire(link)
             else:
                 self.drop(link, bye=None)
+        standby = self.standby.get(peer)
+        if standby is not None:
+            if standby.conn is not None:
+                self._promote(standby, tell=True)
+                standby.established = True
+                self._opened_how[peer] = "promoted"
+                return
+            self.drop(standby, bye=None)  # not up: the repair cannot wait for it
         dialer = self.name < peer
         session = uuid.uuid4().hex if dialer else ""
         link = self._new_link(Link(peer, session, dialer=dialer, address=None, opened=True))
         link.established = True
+        self._opened_how[peer] = "dialed"
+
+    # ------------------------------------------------------------------ standby links
+
+    def update_standby(self) -> None:
+        """Keep standby links to the brokers the core says a repair would link this one to:
+        dial the missing ones this end dials (its name sorts first; the other end dials the
+        rest), drop the dialed ones no longer wanted. Accepted ones are the dialer's to drop."""
+        host = self.host
+        if not (host.config.repair and host.config.standby) or host.stopping:
+            return
+        want = set(host.core.standby_peers())
+        for peer, link in list(self.standby.items()):
+            if link.dialer and peer not in want:
+                self.drop(link, bye="removed")
+        for peer in sorted(want):
+            if peer < self.name or peer in self.standby or peer in self.links:
+                continue
+            self._new_link(Link(peer, uuid.uuid4().hex, dialer=True, address=None, kind="standby"))
+            log.info("%s: keeping a standby link to %s", self.name, peer)
+
+    def _promote(self, link: Link, *, tell: bool) -> None:
+        """Make the standby link ``link`` (up) an overlay link on its connection and session;
+        ``tell``: this end's core opened it, so say so to the peer ahead of the link's data."""
+        conn = link.conn
+        assert conn is not None
+        del self.standby[link.peer]
+        link.promote()
+        self._as_link(link)
+        self.links[link.peer] = link
+        if isinstance(conn, Conn):
+            conn.role = "link"
+        if tell:
+            conn.write(control_frame(F_PROMOTE, link.session))
+        self.host.metrics.standby_promotions.inc()
+        self._tell_peers()
+        self.host.mark_dirty(link)
+        log.info(
+            "%s: standby link to %s promoted to an overlay link (%s)",
+            self.name,
+            link.peer,
+            "by this end" if tell else "by the peer",
+        )
+
+    def _promoted_by_peer(self, link: Link, conn: Conn, session: object) -> None:
+        """The peer's core opened the link over our standby link (``F_PROMOTE``)."""
+        if link.promoted:
+            return  # both cores opened it; ours was first here
+        if link.kind != "standby" or session != link.session:
+            raise FrameError(f"promotion of a {link.kind} (session {session!r})", "bad-promote")
+        other = self.links.get(link.peer)
+        if other is None:
+            self._promote(link, tell=False)
+            link.established = False  # until our core opens it: its data waits (see data)
+            return
+        if other.opened and not (
+            other.dialer or other.closing or other.peer_closed or other.connected_once
+        ):
+            # Our core opened the link while the standby link was down from here, and waits
+            # for the peer's dial: this connection is it. Nothing was sent on either session.
+            del self.standby[link.peer]
+            link.remove()
+            if link.dial_task is not None:
+                link.dial_task.cancel()
+            other.reset_session(link.session)
+            self._up(other, conn, {"last_rx": 0, "incarnation": link.incarnation})
+            self.host.metrics.standby_promotions.inc()
+            self._carried(link.peer, "promoted")
+            return
+        why = f"{self.name} has another instance of the link to {link.peer}"
+        log.info(
+            "%s: refusing the promotion of the standby link to %s: %s", self.name, link.peer, why
+        )
+        conn.write(control_frame(F_ERROR, "promotion-refused", why))
+        self.drop(link, bye=None)
+
+    def _carried(self, peer: str, how: str) -> None:
+        """The link to ``peer`` turned out to be carried ``how`` after all (a promotion taken
+        or refused late): correct the record of the repair that opened it, if any."""
+        self._opened_how[peer] = how
+        for rec in reversed(self.repairs):
+            if peer in rec["linked"]:
+                rec["promoted"] = [p for p in rec["promoted"] if p != peer]
+                rec["dialed"] = [p for p in rec["dialed"] if p != peer]
+                rec["promoted" if how == "promoted" else "dialed"].append(peer)
+                break
+
+    def _promotion_refused(self, link: Link, conn: Conn) -> None:
+        """The peer refused our promotion: nothing was taken on either side of it, so the
+        link starts a fresh session, as an opened link does (the end whose name sorts first
+        dials it again), and everything the core queued on it goes out from the start."""
+        conn.role = None  # its connection_lost must not touch the link
+        conn.close()
+        link.disconnected()
+        link.down_since = None
+        link.reset_session(uuid.uuid4().hex if link.dialer else "")
+        self._carried(link.peer, "dialed")
+        log.info("%s: %s refused the promotion; dialing the link afresh", self.name, link.peer)
 
     def close(self, peer: str) -> None:
         """The core dropped a link (an exchange's removed link, or an added link whose lock was
@@ -296,10 +435,14 @@ class LinkSessions:
                 host.update_pressure()
         elif ftype == F_PEERS and len(frame) == 2 and isinstance(frame[1], dict):
             self._heard_peers(frame[1])
+        elif ftype == F_PROMOTE and len(frame) == 2:
+            self._promoted_by_peer(link, conn, frame[1])
         elif ftype == F_BYE:
             reason = frame[1] if len(frame) > 1 else "?"
             log.info("%s: %s said goodbye (%s)", self.name, link.peer, reason)
-            if reason == "removed":
+            if link.kind == "standby" and (reason == "removed" or not link.dialer):
+                self.drop(link, bye=None)  # the dialer keeps it, or drops it; the other obeys
+            elif reason == "removed":
                 self.drop(link, bye=None)
             elif reason == "closed":  # the peer's core closed it (a link exchange)
                 if not link.peer_closed:
@@ -310,6 +453,8 @@ class LinkSessions:
                     conn.close()  # our core closes its end in its own time
             else:
                 conn.close()
+        elif ftype == F_ERROR and link.promoted and frame[1:2] == ["promotion-refused"]:
+            self._promotion_refused(link, conn)
         elif ftype == F_ERROR:
             log.warning("%s: %s reported an error: %s", self.name, link.peer, frame[1:])
             conn.close()
@@ -335,7 +480,14 @@ class LinkSessions:
             raise FrameError(f"sequence gap: expected {link.rx_seq + 1}, got {first}", "sequence")
         if skip:
             items = items[skip:]
+        if link.kind == "standby":
+            raise FrameError(f"data on the standby link to {link.peer}", "standby")
         if link.kind == "link" and not link.established and items:
+            if link.promoted and link.conn is not None:
+                # The peer's repair took our standby link over before our core opened the
+                # link (its failure detector was first): the data waits, unread, for ours.
+                link.conn.hold("unopened", [F_DATA, link.rx_seq + 1, items])
+                return None
             # An added link the peer's core opened before ours did. The protocol sends nothing
             # over it before this core has it; if something comes anyway, refuse without
             # acknowledging, so the peer resends it after reconnecting.
@@ -360,6 +512,8 @@ class LinkSessions:
                         host.route_event(FromLink(peer, msg), msg.event, "link", peer)
                     else:
                         host.apply(handle(FromLink(peer, msg), host.now()))
+                        if type(msg) is Neighbours:
+                            self.update_standby()  # a repair's peers may have changed
                     n += 1
         finally:
             link.rx_seq += n
@@ -439,6 +593,8 @@ class LinkSessions:
         else:
             self.host.update_pressure()
         log.info("%s: %s to %s is down", self.name, link.kind, link.peer)
+        if link.kind == "standby" and not link.dialer:
+            self.drop(link, bye=None)  # its dialer comes back on a new session, if it wants
 
     def accept(self, conn: Conn, hello: dict[str, Any], kind: str) -> None:
         """A peer broker dialed us, for an overlay link or an out-of-band channel."""
@@ -457,6 +613,13 @@ class LinkSessions:
         address = hello.get("address")
         if isinstance(address, str) and address:
             host.peers.setdefault(peer, address)
+        if kind == "standby":
+            self._accept_standby(conn, hello, peer, session)
+            return
+        if kind == "link" and peer in self.standby:
+            # A link makes a standby link to the same broker pointless, and a promotion of it
+            # would meet this link: drop it (the peer drops its end on the goodbye).
+            self.drop(self.standby[peer], bye="removed")
         table = self._table(kind, dialer=False)
         link = table.get(peer)
         retired = self._retired.get(peer) if kind == "link" else None
@@ -495,6 +658,15 @@ class LinkSessions:
             if opened:
                 link.established = host.core.is_neighbour(peer)
         host.answer_hello(conn, last_rx=0)
+        self._up(link, conn, hello)
+
+    def _accept_standby(self, conn: Conn, hello: dict[str, Any], peer: str, session: str) -> None:
+        """A standby link dialed by ``peer``: always a new session (nothing to resume)."""
+        old = self.standby.get(peer)
+        if old is not None:
+            self.drop(old, bye=None)
+        link = self._new_link(Link(peer, session, dialer=False, address=None, kind="standby"))
+        self.host.answer_hello(conn, last_rx=0)
         self._up(link, conn, hello)
 
     def answered(self, conn: Conn, hello: dict[str, Any]) -> None:
@@ -547,6 +719,8 @@ class LinkSessions:
         loop = asyncio.get_running_loop()
         delay = cfg.reconnect_min
         while not (link.removed or link.peer_closed or host.stopping):
+            if link.kind == "standby" and link.connected_once:
+                link.reset_session(uuid.uuid4().hex)  # nothing to resume: a new session
             address = link.address or host.peers.get(link.peer)
             conn: Conn | None = None
             try:
@@ -598,18 +772,32 @@ class LinkSessions:
         host.apply(effects)
 
     def repaired(self, dead: str, chain: tuple[str, ...], links: tuple[str, ...]) -> None:
-        """The core's account of a repair (its :class:`Repaired` effect)."""
+        """The core's account of a repair (its :class:`Repaired` effect): which of its new
+        links were promoted standby links and which were dialed."""
+        how = {p: self._opened_how.pop(p, "dialed") for p in links}
+        promoted = [p for p in links if how[p] == "promoted"]
+        dialed = [p for p in links if how[p] != "promoted"]
         self.host.metrics.repairs.inc(len(links))
+        self.host.metrics.repair_links_promoted.inc(len(promoted))
         log.warning(
-            "%s: repair around %s: its neighbours %s form a chain; linking to %s",
+            "%s: repair around %s: its neighbours %s form a chain; linking to %s "
+            "(standby links promoted: %s)",
             self.name,
             dead,
             list(chain),
             list(links) or "nobody new",
+            promoted or "none",
         )
         self.repairs = [
             *self.repairs[-9:],
-            {"dead": dead, "chain": list(chain), "linked": list(links), "at": time.time()},
+            {
+                "dead": dead,
+                "chain": list(chain),
+                "linked": list(links),
+                "promoted": promoted,
+                "dialed": dialed,
+                "at": time.time(),
+            },
         ]
 
     def repair_finished(self, eff: RepairFinished) -> None:
@@ -663,6 +851,7 @@ class LinkSessions:
         neighbour dead whose link has had no connection for as long again."""
         cfg = self.host.config
         timeout = cfg.heartbeat_interval * cfg.dead_after
+        self.update_standby()
         for link in list(self.links.values()) if cfg.repair else ():
             since = link.down_since
             if since is not None and link.conn is None and now - since > timeout:
@@ -671,7 +860,9 @@ class LinkSessions:
             conn = link.conn
             if conn is None:
                 continue
-            if now - link.last_heard > cfg.heartbeat_interval * cfg.dead_after:
+            # A connection held back on purpose (data on a promoted standby link, waiting for
+            # this end's repair) is silent because we do not read it: give it longer.
+            if now - link.last_heard > timeout * (3 if conn.held else 1):
                 log.warning("%s: link to %s missed heartbeats; dropping it", self.name, link.peer)
                 conn.abort()
                 continue

@@ -34,7 +34,7 @@ from canopy_broker.runtime.framing import (
     data_frame,
     msgs_frame,
 )
-from canopy_broker.runtime.linkstate import LinkEvent, LinkState, LinkStates
+from canopy_broker.runtime.linkstate import LinkEvent, LinkState, LinkStates, Standing
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -44,9 +44,12 @@ class Link:
     """One reliable, ordered message channel to a peer: sequence numbers, retransmit buffer and
     connection state.
 
-    ``kind`` is ``"link"`` for an overlay link (messages are the core's link messages) or
+    ``kind`` is ``"link"`` for an overlay link (messages are the core's link messages),
     ``"peer"`` for an out-of-band control channel of the reconfiguration protocols (messages go
-    to the core as ``FromPeer``; a channel carries data one way, from its dialer). ``opened``
+    to the core as ``FromPeer``; a channel carries data one way, from its dialer), or
+    ``"standby"`` for a standby link: a connection kept warm to a broker a crash repair would
+    link this one to, carrying hellos and heartbeats only, until a repair promotes it
+    (:meth:`promote`) into an overlay link on the same connection and session. ``opened``
     marks an overlay link the *core* created (the added link of an exchange): the runtime then
     never tells the core ``AddLink``/``RemoveLink`` for it, the core's ``OpenLink``/``CloseLink``
     effects drive it.
@@ -73,7 +76,8 @@ class Link:
         self.kind = kind
         self.opened = opened
         self.established = False  # the core knows this link (AddLink given, or it opened it)
-        self.states = LinkStates()  # session and closure; see linkstate.py
+        # session, closure and standing; see linkstate.py
+        self.states = LinkStates(Standing.STANDBY if kind == "standby" else Standing.ACTIVE)
         self.farewell: str | None = None  # the goodbye it was dropped with
         self.conn: FrameProtocol | None = None
         self.out: list[bytes] = []
@@ -153,6 +157,18 @@ class Link:
         self.base = self.sent = 1
         self.rx_seq = self.acked_rx = 0
 
+    def promote(self) -> None:
+        """A repair takes this standby link over: from now on it is an overlay link the core
+        opened, on the same session (a standby link has sent and received no data, so its
+        sequence numbers start where an opened link's do)."""
+        self.fire(LinkEvent.PROMOTE)
+        self.kind = "link"
+        self.opened = True
+
+    @property
+    def promoted(self) -> bool:
+        return self.states.standing is Standing.PROMOTED
+
     @property
     def depth(self) -> int:
         return len(self.out)
@@ -208,6 +224,7 @@ class Link:
             "peer": self.peer,
             "kind": self.kind,
             "opened": self.opened,
+            "promoted": self.promoted,
             "closing": self.closing,
             "state": self.state,
             "dialer": self.dialer,

@@ -14,6 +14,13 @@ A link has two independent parts of state, each with its own table:
   ``OPEN``, ``CLOSING`` (our core closed it: flush what it queued, then say goodbye),
   ``PEER_CLOSED`` (the peer's core closed it: never redial), ``BOTH_CLOSED``.
 
+* the **standing** (:class:`Standing`) of the link: ``ACTIVE`` (an overlay link or a channel
+  from the start), ``STANDBY`` (a standby link: pre-opened to a broker a crash repair would link
+  this one to, heartbeats and hellos only, in no routing table) and ``PROMOTED`` (a standby link
+  the core's repair took over as an overlay link, on the same connection and session). A standby
+  link is promoted only while its session is ``UP``: promotion is what saves the repair a dial
+  and a hello, so a standby link without a connection is not promoted (the repair dials).
+
 What the admin API shows as a link's ``state`` (``up``, ``connecting`` or ``down``) and
 ``closing`` is derived from these (:attr:`LinkStates.public_state`), with the same names as
 before.
@@ -42,6 +49,12 @@ class Closure(Enum):
     BOTH_CLOSED = "both-closed"
 
 
+class Standing(Enum):
+    ACTIVE = "active"
+    STANDBY = "standby"
+    PROMOTED = "promoted"
+
+
 class LinkEvent(Enum):
     # session events
     CONNECTED = "connected"  # a hello completed on a connection (the first, or a resume)
@@ -52,6 +65,8 @@ class LinkEvent(Enum):
     CORE_CLOSED = "core-closed"  # our core dropped the link (CloseLink)
     PEER_CLOSED = "peer-closed"  # the peer said goodbye "closed"
     REOPENED = "reopened"  # the peer redialled a link our core (still) has open
+    # standing events
+    PROMOTE = "promote"  # a repair takes the standby link over as an overlay link
 
 
 SESSION_TRANSITIONS: Final[dict[LinkState, dict[LinkEvent, LinkState]]] = {
@@ -97,6 +112,19 @@ CLOSURE_TRANSITIONS: Final[dict[Closure, dict[LinkEvent, Closure]]] = {
     },
 }
 
+STANDING_TRANSITIONS: Final[dict[Standing, dict[LinkEvent, Standing]]] = {
+    Standing.ACTIVE: {},  # an overlay link or channel is never promoted
+    Standing.STANDBY: {LinkEvent.PROMOTE: Standing.PROMOTED},
+    # Both ends promote on their own (each when its core opens the link, or on the other's
+    # word): the second promotion of the same link changes nothing.
+    Standing.PROMOTED: {LinkEvent.PROMOTE: Standing.PROMOTED},
+}
+
+PROMOTABLE: Final = frozenset({LinkState.UP})
+"""Session states in which a standby link may be promoted: it must have its connection."""
+
+STANDING_EVENTS: Final = frozenset({LinkEvent.PROMOTE})
+
 SESSION_EVENTS: Final = frozenset(
     {LinkEvent.CONNECTED, LinkEvent.DISCONNECTED, LinkEvent.RESET, LinkEvent.REMOVE}
 )
@@ -106,7 +134,7 @@ class LinkStateError(Exception):
     """An event the transition table does not allow in the link's current state."""
 
 
-S = TypeVar("S", LinkState, Closure)
+S = TypeVar("S", LinkState, Closure, Standing)
 
 
 def _step(
@@ -121,18 +149,27 @@ def _step(
 
 
 class LinkStates:
-    """The session and closure state of one link; changed only by :meth:`fire`."""
+    """The session, closure and standing of one link; changed only by :meth:`fire`."""
 
-    __slots__ = ("closure", "session")
+    __slots__ = ("closure", "session", "standing")
 
-    def __init__(self) -> None:
+    def __init__(self, standing: Standing = Standing.ACTIVE) -> None:
         self.session = LinkState.NEW
         self.closure = Closure.OPEN
+        self.standing = standing
 
     def fire(self, event: LinkEvent, peer: str = "?") -> None:
         """Apply ``event``, or raise :class:`LinkStateError` and change nothing."""
         if event in SESSION_EVENTS:
             self.session = _step(SESSION_TRANSITIONS, self.session, event, peer, "session")
+        elif event in STANDING_EVENTS:
+            nxt = _step(STANDING_TRANSITIONS, self.standing, event, peer, "standing")
+            if self.session not in PROMOTABLE:
+                raise LinkStateError(
+                    f"link to {peer}: event {event.value!r} is not allowed in session state "
+                    f"{self.session.value!r} (a standby link is promoted only while up)"
+                )
+            self.standing = nxt
         else:
             self.closure = _step(CLOSURE_TRANSITIONS, self.closure, event, peer, "closure")
 

@@ -10,7 +10,7 @@ collector, so nothing has to keep them up to date.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,6 +34,7 @@ class Gauges:
     retention_full: bool = False
     retention_dropped: int = 0
     replay_duplicates: int = 0
+    standby_up: dict[str, bool] = field(default_factory=dict)
 
 
 class _StateCollector(Collector):
@@ -98,6 +99,14 @@ class _StateCollector(Collector):
             "Replayed notifications this broker already had (passed on, not delivered again)",
             value=g.replay_duplicates,
         )
+        standby = GaugeMetricFamily(
+            "canopy_standby_link_up",
+            "Standby links (kept for a crash repair, heartbeats only) by peer: 1 while connected",
+            labels=["peer"],
+        )
+        for peer, is_up in sorted(g.standby_up.items()):
+            standby.add_metric([peer], int(is_up))
+        yield standby
 
 
 class BrokerMetrics:
@@ -163,6 +172,16 @@ class BrokerMetrics:
         self.repairs = Counter(
             "canopy_repair_links",
             "Links opened to repair the tree around a dead neighbour (paper 001's chain)",
+            registry=r,
+        )
+        self.standby_promotions = Counter(
+            "canopy_standby_promotions",
+            "Standby links promoted to overlay links (by this end's repair or the peer's)",
+            registry=r,
+        )
+        self.repair_links_promoted = Counter(
+            "canopy_repair_links_promoted",
+            "Repair links (of canopy_repair_links) carried by a promoted standby link, no dial",
             registry=r,
         )
         self.backpressure = Counter(

@@ -385,7 +385,7 @@ class Broker:
         if conn.role == "client":
             assert conn.client is not None
             self.client_sessions.detach(conn.client)
-        elif conn.role in ("link", "peer"):
+        elif conn.role in ("link", "peer", "standby"):
             assert conn.link is not None
             self.sessions.lost(conn.link, conn)
 
@@ -506,7 +506,7 @@ class Broker:
                 assert client is not None
                 rest = self.client_sessions.messages(client, frame[1], conn.deadline)
                 return None if rest is None else [F_MSGS, rest]
-        elif role in {"link", "peer"}:
+        elif role in {"link", "peer", "standby"}:
             link = conn.link
             assert link is not None
             if link.removed:
@@ -537,14 +537,15 @@ class Broker:
         role = hello.get("role")
         if role == "client":
             self.client_sessions.attach(conn, hello)
-        elif role in {"link", "peer"}:
+        elif role in {"link", "peer", "standby"}:
             self.sessions.accept(conn, hello, role)
         elif role == "probe":  # an RTT probe: answer and hang up
             self.answer_hello(conn)
             conn.close()
         else:
             raise FrameError(
-                f"hello role must be link, peer, probe or client, got {role!r}", "bad-hello"
+                f"hello role must be link, peer, standby, probe or client, got {role!r}",
+                "bad-hello",
             )
 
     def answer_hello(self, conn: Conn, **fields: object) -> None:
@@ -861,6 +862,16 @@ class Broker:
             "ordering_delay": self.ordering_delay_status(),
             "drain": self.drain_status(),
             "repairs": list(self.sessions.repairs),
+            "standby": [
+                {
+                    "peer": p,
+                    "state": lk.state,
+                    "rtt_ms": lk.rtt_ms,
+                    "dialer": lk.dialer,
+                    "connects": lk.connects,
+                }
+                for p, lk in sorted(self.sessions.standby.items())
+            ],
             "fenced": dict(self.sessions.fenced),
         }
 
@@ -879,6 +890,7 @@ class Broker:
             retention_full=self.custody_full,
             retention_dropped=self.core.retention.dropped,
             replay_duplicates=self.core.replay_duplicates,
+            standby_up={p: lk.conn is not None for p, lk in self.sessions.standby.items()},
         )
 
     def drop_link_connection(self, peer: str) -> bool:
