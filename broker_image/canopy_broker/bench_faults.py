@@ -123,6 +123,7 @@ async def kill_scenario(
         progress(f"kill: tree repaired {repaired_s:.2f}s after the kill")
         records = await _repair_records(ov)
         complete_s = max(r["complete_at"] for r in records.values()) - killed_wall
+        detected_s = max(r["at"] for r in records.values()) - killed_wall
         promoted = sum(len(r.get("promoted", ())) for r in records.values())
         dialed = sum(len(r.get("dialed", ())) for r in records.values())
         progress(
@@ -158,6 +159,7 @@ async def kill_scenario(
         "detection_timeout_s": heartbeat * dead_after,
         "repaired_s": round(repaired_s, 3),
         "repair_complete_s": round(complete_s, 3),
+        "last_detection_s": round(detected_s, 3),  # the last of b3's neighbours to see it
         "standby": standby,
         "repair_link_ends_promoted": promoted,
         "repair_link_ends_dialed": dialed,
@@ -275,7 +277,9 @@ def _kill_report(k: dict[str, Any]) -> list[str]:
         f"kill b3 at {k['rate']:,.0f} events/s: repaired in {k['repaired_s']:.2f} s, complete "
         f"in {k['repair_complete_s']:.3f} s (detection timeout {k['detection_timeout_s']:.1f} s;"
         f" goal <= 2x), {k['published']} published, {k['replayed']} replayed",
-        f"  repair link ends: {k['repair_link_ends_promoted']} promoted standby links, "
+        f"  detected by the last of b3's neighbours {k['last_detection_s']:.3f} s after the kill, "
+        f"repair complete {(k['repair_complete_s'] - k['last_detection_s']) * 1000:.0f} ms later;"
+        f" repair link ends: {k['repair_link_ends_promoted']} promoted standby links, "
         f"{k['repair_link_ends_dialed']} dialed"
         + ("" if k["standby"] else " (standby links off: --no-standby)"),
     ]
