@@ -146,3 +146,32 @@ async def test_data_over_a_promotion_waits_for_this_ends_repair(make_broker: Mak
     await settled(a, c, d)
     assert a.links["c"].conn is conn and a.links["c"].connects == 1
     await delivered_across(a, sub, 20)
+
+
+async def test_a_promotion_is_taken_as_the_dial_an_opened_link_waits_for(
+    make_broker: MakeBroker,
+) -> None:
+    """c's core opens the link to a while c has no standby link to a (here: c forgot it, as if
+    its connection had dropped on c's side only), so c's link waits for a's dial (a's name sorts
+    first). a's repair promotes its standby link instead of dialing: c takes that connection as
+    the dial its link waits for, so nothing is dialed and both records say promoted."""
+    brokers = await star(make_broker, heartbeats={"a": 0.2, "c": 0.05, "d": 0.2, "h": 0.05})
+    a, c, d, h = (brokers[n] for n in "acdh")
+    await eventually(lambda: standby_up(a, "c") and standby_up(c, "a") and standby_up(c, "d"))
+    sub = await connect(addr(c), client_id="s")
+    await sub.subscribe("n >= 0", sub_id="all")
+    await eventually(lambda: a.core.routing_table_size() > 0)
+    forgotten = c.sessions.standby.pop("a")
+    conn = forgotten.conn
+
+    await h.stop(flush_timeout=0.1)
+    await eventually(lambda: "a" in c.links and last_repair(c).get("dead") == "h")
+    assert last_repair(a).get("dead") != "h"  # c was first: its link to a waits for a dial
+    assert c.links["a"].conn is None and last_repair(c)["dialed"] == ["a"]
+    await eventually(lambda: last_repair(a).get("dead") == "h")
+    assert last_repair(a)["promoted"] == ["c"]
+    await eventually(lambda: c.links["a"].conn is conn)  # the standby connection, taken over
+    assert sorted(last_repair(c)["promoted"]) == ["a", "d"] and last_repair(c)["dialed"] == []
+    assert forgotten.removed and c.links["a"].connects == 1 and a.links["c"].connects == 1
+    await settled(a, c, d)
+    await delivered_across(a, sub, 20)

@@ -312,12 +312,16 @@ class LinkSessions:
             self._new_link(Link(peer, uuid.uuid4().hex, dialer=True, address=None, kind="standby"))
             log.info("%s: keeping a standby link to %s", self.name, peer)
 
+    def _unlist_standby(self, link: Link) -> None:
+        if self.standby.get(link.peer) is link:
+            del self.standby[link.peer]
+
     def _promote(self, link: Link, *, tell: bool) -> None:
         """Make the standby link ``link`` (up) an overlay link on its connection and session;
         ``tell``: this end's core opened it, so say so to the peer ahead of the link's data."""
         conn = link.conn
         assert conn is not None
-        del self.standby[link.peer]
+        self._unlist_standby(link)
         link.promote()
         self._as_link(link)
         self.links[link.peer] = link
@@ -351,7 +355,7 @@ class LinkSessions:
         ):
             # Our core opened the link while the standby link was down from here, and waits
             # for the peer's dial: this connection is it. Nothing was sent on either session.
-            del self.standby[link.peer]
+            self._unlist_standby(link)
             link.remove()
             if link.dial_task is not None:
                 link.dial_task.cancel()
