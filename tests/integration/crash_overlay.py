@@ -99,6 +99,20 @@ class Publisher:
         return sum(1 for _, when in self.published if start <= when <= end)
 
 
+async def kill_under_traffic(
+    brokers: dict[str, BrokerProc], pub: Client, victim: str = "b3"
+) -> tuple[Publisher, float, float]:
+    """Start publishing on ``pub``, SIGKILL ``victim`` a second later (removed from
+    ``brokers``); the publisher, and when it was killed: (time.monotonic(), time.time())."""
+    publisher = Publisher(pub)
+    await asyncio.sleep(1.0)
+    proc = brokers.pop(victim)
+    killed = time.monotonic(), time.time()
+    proc.kill()
+    await proc.stop()
+    return publisher, *killed
+
+
 async def wait_repaired(brokers: dict[str, BrokerProc], within: float = 15.0) -> None:
     """Until the survivors' links are those of the repaired tree."""
 

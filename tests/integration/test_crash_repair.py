@@ -29,9 +29,9 @@ from tests.integration.crash_overlay import (
     FILTER,
     HEARTBEAT,
     SUBSCRIBERS,
-    Publisher,
     assert_all_delivered,
     close_all,
+    kill_under_traffic,
     live_edges,
     start,
     subscribe_all,
@@ -48,12 +48,7 @@ async def test_an_inner_broker_killed_under_traffic_is_repaired_around(tmp_path:
         pub = await connect(brokers["b0"].listen, client_id="p")
         await wait_settled(brokers.values())
 
-        publisher = Publisher(pub)
-        await asyncio.sleep(1.0)
-        victim = brokers.pop("b3")
-        killed_at = time.monotonic()
-        victim.kill()
-        await victim.stop()
+        publisher, killed_at, _ = await kill_under_traffic(brokers, pub)
 
         # The survivors b1, b4, b5 (b3's neighbours) chain up: b1-b4, b4-b5.
         await wait_repaired(brokers)

@@ -12,7 +12,6 @@ compared on the same scenario.
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import pytest
@@ -20,9 +19,9 @@ import pytest
 from canopy_broker.client import connect
 from canopy_broker.procs import wait_settled
 from tests.integration.crash_overlay import (
-    Publisher,
     assert_all_delivered,
     close_all,
+    kill_under_traffic,
     repair_records,
     start,
     subscribe_all,
@@ -55,12 +54,7 @@ async def test_a_repair_promotes_the_standby_links(tmp_path: Path, standby: bool
             while await standby_links() != (want if standby else set()):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
 
-        publisher = Publisher(pub)
-        await asyncio.sleep(1.0)
-        victim = brokers.pop("b3")
-        killed_wall = time.time()
-        victim.kill()
-        await victim.stop()
+        publisher, _, killed_wall = await kill_under_traffic(brokers, pub)
         records = await repair_records(brokers, "b3")
         detected_s = max(r["at"] for r in records.values()) - killed_wall
         complete_s = max(r["complete_at"] for r in records.values()) - killed_wall
