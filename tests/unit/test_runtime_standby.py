@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from canopy_broker.client import Client, connect
+from canopy_broker.runtime.links import Link
 from canopy_broker.runtime.server import Broker
 from tests.unit.test_runtime_broker import (
     MakeBroker,
@@ -175,3 +176,26 @@ async def test_a_promotion_is_taken_as_the_dial_an_opened_link_waits_for(
     assert forgotten.removed and c.links["a"].connects == 1 and a.links["c"].connects == 1
     await settled(a, c, d)
     await delivered_across(a, sub, 20)
+
+
+async def test_a_refused_promotion_falls_back_to_a_fresh_session(make_broker: MakeBroker) -> None:
+    """b promotes its standby link to a while a already has another instance of the link (one
+    it dials): a refuses with ``promotion-refused`` and drops the standby link; b starts the
+    link on a fresh session and waits, as an opened link's non-dialing end does; a's dial is
+    then taken, so both ends end up on one new connection. Driven through the sessions
+    directly (the cores are not asked): the race is too narrow to stage with real failures."""
+    a = await make_broker("a", heartbeat_interval=0.2, standby=False)
+    b = await make_broker("b", heartbeat_interval=0.2, standby=False)
+    a.peers["b"] = addr(b)
+    a.sessions._new_link(Link("b", "sb-session", dialer=True, address=None, kind="standby"))
+    await eventually(lambda: standby_up(a, "b") and standby_up(b, "a"))
+
+    forgotten = a.sessions.standby.pop("b")  # as if its connection had dropped on a's side
+    b.sessions._promote(b.sessions.standby["a"], tell=True)  # b's core opened the link ...
+    a.sessions.open("b")  # ... and so did a's, with no standby link: it dials
+    promoted = b.links["a"]
+    await eventually(lambda: promoted.conn is not None and promoted.session != "sb-session")
+    assert not a.sessions.standby and not b.sessions.standby and forgotten.removed
+    assert a.links["b"].session == promoted.session and a.links["b"].conn is not None
+    assert promoted.connects == 2  # the standby connection, then a's dial
+    assert b.sessions._opened_how["a"] == "dialed"
