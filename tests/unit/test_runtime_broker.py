@@ -562,6 +562,20 @@ async def test_silent_and_stalled_connections_are_closed(make_broker: MakeBroker
         async with await connect(addr(b), "p") as pub:  # everyone else is unaffected
             await pub.publish({"ok": 1})
             assert [n.id for n in await collect(honest, 1)] == ["p:1"]
+
+        # While the broker itself does not read (backpressure), a half-read frame is not the
+        # peer's fault: its clock starts when reading resumes.
+        reader, writer = await raw_connection(b)
+        writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "slow"}))
+        await eventually(lambda: "slow" in b.clients)
+        conn = b.clients["slow"].conn
+        writer.write(b"\x00\x00")
+        await eventually(lambda: conn.partial_since is not None)
+        conn.pause("pressure")
+        await asyncio.sleep(1.0)  # > frame_timeout + a heartbeat
+        assert "slow" in b.clients
+        conn.resume("pressure")
+        assert b'[7,"stalled"' in await closed_by_peer(reader, writer)  # then it is
     text = b.metrics.render().decode()
     assert 'code="hello-timeout"' in text and 'code="stalled"' in text
 

@@ -589,6 +589,12 @@ class FrameProtocol(asyncio.Protocol):
             log.exception("internal error while handling a frame")
             self.fail(FrameError(f"internal error: {exc!r}", "internal"))
 
+    @property
+    def reading_paused(self) -> bool:
+        """This side stopped reading (backpressure, a busy turn): a frame may stay incomplete
+        for as long without the peer being at fault."""
+        return bool(self._pauses)
+
     def pause(self, reason: str) -> None:
         """Stop reading for ``reason``; reading resumes once no reason is left."""
         if not self._pauses and self.transport is not None and not self.transport.is_closing():
@@ -601,6 +607,8 @@ class FrameProtocol(asyncio.Protocol):
         self._pauses.discard(reason)
         if not self._pauses and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
+            if self.partial_since is not None:  # the wait was ours: the peer's clock restarts
+                self.partial_since = time.monotonic()
 
     def hold(self, reason: str, frame: list[Any]) -> None:
         """Handle nothing more (``frame``, given back unhandled, and everything after it) until

@@ -357,6 +357,8 @@ class Broker:
         for conn in list(self._conns):
             if conn.dialing or conn.is_closing():
                 continue
+            if conn.reading_paused:  # our doing, not the peer's (its clock restarts on resume)
+                continue
             if conn.role is None and now - conn.opened_at > cfg.handshake_timeout:
                 conn.fail(
                     FrameError(f"no hello within {cfg.handshake_timeout:g}s", "hello-timeout")
