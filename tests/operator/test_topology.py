@@ -57,6 +57,19 @@ def test_a_valid_tree_and_managed_links_pass() -> None:
         ([], [], {}, "spec.brokers is empty"),
         (["a"], [], {"telemetry": {"sample": 1.5}}, "telemetry.sample must be between 0 and 1"),
         (["a"], [], {"telemetry": {"history": -1}}, "telemetry.history must not be negative"),
+        (
+            ["a"],
+            [],
+            {"failureDetection": {"retentionSeconds": -1}},
+            "retentionSeconds must be between 0 (custody off) and 3600",
+        ),
+        (["a"], [], {"clients": {"queueLimit": 5}}, "clients.queueLimit must be at least 100"),
+        (
+            ["a"],
+            [],
+            {"clients": {"slowConsumer": "ignore"}},
+            "clients.slowConsumer must be one of disconnect, backpressure",
+        ),
     ],
 )
 def test_problems_name_what_is_wrong(
@@ -111,6 +124,34 @@ def test_telemetry_settings_reach_the_broker_command_line() -> None:
     assert (args.telemetry_sample, args.history) == (1.0, 500)
     with pytest.raises(SpecError, match=r"spec\.telemetry\.sample must be a number"):
         parse_overlay(manifest(["a"], [], telemetry={"sample": "lots"}))
+
+
+def test_custody_and_client_limits_reach_the_broker_command_line() -> None:
+    default = broker_parser().parse_args(
+        ["serve", "--name", "a", *parse_overlay(manifest(["a"], [])).broker_args()]
+    )
+    assert (default.standby, default.retention, default.slow_consumer) == (
+        True,
+        15.0,
+        "disconnect",
+    )
+    spec = parse_overlay(
+        manifest(
+            ["a"],
+            [],
+            failureDetection={"standbyLinks": False, "retentionSeconds": 5, "retentionLimit": 9},
+            clients={
+                "slowConsumer": "backpressure",
+                "queueLimit": 1000,
+                "maxSubscriptions": 7,
+                "maxConnectionsPerSource": 3,
+            },
+        )
+    )
+    args = broker_parser().parse_args(["serve", "--name", "a", *spec.broker_args()])
+    assert (args.standby, args.retention, args.retention_limit) == (False, 5.0, 9)
+    assert (args.slow_consumer, args.client_queue_limit) == ("backpressure", 1000)
+    assert (args.max_subscriptions, args.max_connections_per_source) == (7, 3)
 
 
 def test_find_cycle_names_the_cycle() -> None:

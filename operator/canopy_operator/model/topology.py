@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 ROUTING_MODES = ("simple", "identity", "covering")
+SLOW_CONSUMER_POLICIES = ("disconnect", "backpressure")
 ALGORITHMS = ("coordinated", "path", "strawman")
 ORDERINGS = ("fifo", "causal")
 SELF_ORGANIZATION = ("off", "propose", "auto")
@@ -63,6 +64,13 @@ class OverlaySpec:
     telemetry_history: int = 10_000
     heartbeat_interval: float = 1.0  # spec.failureDetection.heartbeatSeconds
     dead_after: int = 3  # spec.failureDetection.deadAfter: heartbeats missed before a link drops
+    standby: bool = True  # spec.failureDetection.standbyLinks
+    retention_seconds: float = 15.0  # spec.failureDetection.retentionSeconds (custody)
+    retention_limit: int = 100_000  # spec.failureDetection.retentionLimit (per link)
+    slow_consumer: str = "disconnect"  # spec.clients.slowConsumer
+    client_queue_limit: int = 200_000  # spec.clients.queueLimit
+    max_subscriptions: int = 10_000  # spec.clients.maxSubscriptions
+    max_connections_per_source: int = 256  # spec.clients.maxConnectionsPerSource
 
     @property
     def broker_names(self) -> list[str]:
@@ -77,7 +85,7 @@ class OverlaySpec:
 
     def broker_args(self) -> tuple[str, ...]:
         """`canopy-broker serve` flags every broker of this overlay runs with (telemetry,
-        failure detection)."""
+        failure detection and custody, client limits)."""
         return (
             "--telemetry-sample",
             repr(self.telemetry_sample),
@@ -87,6 +95,19 @@ class OverlaySpec:
             repr(self.heartbeat_interval),
             "--dead-after",
             str(self.dead_after),
+            "--retention",
+            repr(self.retention_seconds),
+            "--retention-limit",
+            str(self.retention_limit),
+            *(() if self.standby else ("--no-standby",)),
+            "--slow-consumer",
+            self.slow_consumer,
+            "--client-queue-limit",
+            str(self.client_queue_limit),
+            "--max-subscriptions",
+            str(self.max_subscriptions),
+            "--max-connections-per-source",
+            str(self.max_connections_per_source),
         )
 
 
@@ -152,6 +173,12 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         raise SpecError(
             f"spec.failureDetection.heartbeatSeconds must be a number, got {heartbeat!r}"
         )
+    retention = detection.get("retentionSeconds", 15.0)
+    if isinstance(retention, bool) or not isinstance(retention, int | float):
+        raise SpecError(
+            f"spec.failureDetection.retentionSeconds must be a number, got {retention!r}"
+        )
+    clients = _get(spec, "clients", dict, {}, "spec")
     status = manifest.get("metadata", {}) or {}
     return OverlaySpec(
         name=name,
@@ -168,6 +195,15 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         telemetry_history=_get(telemetry, "history", int, 10_000, "spec.telemetry"),
         heartbeat_interval=float(heartbeat),
         dead_after=_get(detection, "deadAfter", int, 3, "spec.failureDetection"),
+        standby=_get(detection, "standbyLinks", bool, True, "spec.failureDetection"),
+        retention_seconds=float(retention),
+        retention_limit=_get(detection, "retentionLimit", int, 100_000, "spec.failureDetection"),
+        slow_consumer=_get(clients, "slowConsumer", str, "disconnect", "spec.clients"),
+        client_queue_limit=_get(clients, "queueLimit", int, 200_000, "spec.clients"),
+        max_subscriptions=_get(clients, "maxSubscriptions", int, 10_000, "spec.clients"),
+        max_connections_per_source=_get(
+            clients, "maxConnectionsPerSource", int, 256, "spec.clients"
+        ),
     )
 
 
@@ -219,6 +255,24 @@ def validate(spec: OverlaySpec) -> list[str]:
     if not 2 <= spec.dead_after <= 100:
         problems.append(
             f"failureDetection.deadAfter must be between 2 and 100, got {spec.dead_after}"
+        )
+    if not 0.0 <= spec.retention_seconds <= 3600.0:
+        problems.append(
+            "failureDetection.retentionSeconds must be between 0 (custody off) and 3600, "
+            f"got {spec.retention_seconds}"
+        )
+    for count, low, where in (
+        (spec.retention_limit, 1, "failureDetection.retentionLimit"),
+        (spec.client_queue_limit, 100, "clients.queueLimit"),
+        (spec.max_subscriptions, 1, "clients.maxSubscriptions"),
+        (spec.max_connections_per_source, 1, "clients.maxConnectionsPerSource"),
+    ):
+        if count < low:
+            problems.append(f"{where} must be at least {low}, got {count}")
+    if spec.slow_consumer not in SLOW_CONSUMER_POLICIES:
+        problems.append(
+            f"clients.slowConsumer must be one of {', '.join(SLOW_CONSUMER_POLICIES)}, "
+            f"got {spec.slow_consumer!r}"
         )
     if spec.links is not None:
         problems += validate_tree(seen, spec.links, spec.max_fan_out)
