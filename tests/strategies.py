@@ -50,3 +50,17 @@ def all_events() -> list[dict[str, object]]:
         for w in [*NUMBERS, *STRINGS, True, False]
     ]
     return single + pairs
+
+
+# JSON of any shape (what a hostile peer may send where an object is expected).
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4)
+    ),
+    max_leaves=12,
+)

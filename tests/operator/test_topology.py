@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from canopy_broker.cli import build_parser as broker_parser
 from canopy_operator.model.topology import SpecError, find_cycle, parse_overlay, validate
+from tests.strategies import json_values
 
 
 def manifest(
@@ -157,3 +160,26 @@ def test_custody_and_client_limits_reach_the_broker_command_line() -> None:
 def test_find_cycle_names_the_cycle() -> None:
     assert set(find_cycle([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")])) == {"a", "b", "c"}
     assert find_cycle([("a", "b"), ("b", "c")]) == []
+
+
+_FIELDS = ["brokers", "links", "maxFanOut", "routing", "reconfiguration", "selfOrganization"]
+_FIELDS += ["telemetry", "failureDetection", "clients", "name", "zone", "mode", "sample"]
+
+
+@given(
+    spec=st.dictionaries(st.sampled_from(_FIELDS), json_values, max_size=6),
+    brokers=st.lists(json_values | st.fixed_dictionaries({"name": json_values}), max_size=4),
+)
+@settings(max_examples=150)
+def test_any_manifest_is_parsed_or_refused_by_name(
+    spec: dict[str, object], brokers: list[object]
+) -> None:
+    """Fuzz: whatever a manifest holds, parsing either refuses it with a SpecError naming a
+    field, or gives a spec whose validation lists problems as text; nothing else escapes."""
+    doc = {"kind": "BrokerOverlay", "metadata": {"name": "o"}, "spec": {"brokers": brokers, **spec}}
+    try:
+        parsed = parse_overlay(doc)
+    except SpecError as exc:
+        assert "spec" in str(exc) or "must" in str(exc), exc
+        return
+    assert all(isinstance(p, str) and p for p in validate(parsed))

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_broker.client import connect
-from canopy_broker.runtime.admin import make_admin_app
+from canopy_broker.runtime.admin import ROUTES, make_admin_app
+from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.server import Broker
+from tests.strategies import json_values
 from tests.unit.test_runtime_broker import (
     MakeBroker,
     addr,
@@ -247,3 +253,41 @@ async def test_drain_sends_clients_to_the_neighbour(make_broker: MakeBroker, ser
         assert mover.broker == "hub" and "mover" in hub.core.clients
         assert (await admin.status())["drain"]["drained"]
         assert (await admin.cancel_drain())["draining"] is False
+
+
+_POSTS = [path for method, path, _ in ROUTES if method == "POST"]
+
+
+@given(
+    path=st.sampled_from(_POSTS),
+    body=json_values,
+    raw=st.one_of(st.none(), st.binary(max_size=40)),
+)
+@settings(max_examples=120)
+def test_any_admin_request_body_is_answered_without_a_server_error(
+    path: str, body: object, raw: bytes | None
+) -> None:
+    """Fuzz: whatever JSON (or bytes) is posted to any admin endpoint, the answer is a 2xx or
+    a 4xx naming the problem, never a 500, and the broker keeps serving."""
+
+    async def post() -> None:
+        broker = Broker(BrokerConfig(name="b"))
+        await broker.start()
+        server = TestServer(make_admin_app(broker, TOKEN))
+        await server.start_server()
+        try:
+            url = str(server.make_url(path.replace("{peer}", "x")))
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            async with aiohttp.ClientSession() as http:
+                data = raw if raw is not None else json.dumps(body).encode()
+                async with http.post(url, data=data, headers=headers) as resp:
+                    assert resp.status < 500, (path, body, await resp.text())
+                    if resp.status >= 400:
+                        assert (await resp.json()).get("error")
+                async with http.get(str(server.make_url("/readyz"))) as resp:
+                    assert resp.status == 200
+        finally:
+            await server.close()
+            await broker.stop(flush_timeout=0.1)
+
+    asyncio.run(post())
