@@ -10,10 +10,22 @@ PYTHON=${PYTHON:-python3.11}
 EXTRAS=${CANOPY_EXTRAS:-dev,mining}
 
 # System packages the tests and the demo need: a Java runtime for Spark (the mining job runs
-# PySpark in local mode). Graphviz is optional (`canopy graph` falls back to matplotlib).
+# PySpark in local mode), and the brokers `canopy bench peers` measures Canopy against (NATS and
+# Mosquitto, started by the benchmark itself on free loopback ports; mosquitto-clients gives
+# mosquitto_pub/mosquitto_sub for poking at one by hand). Mosquitto lives in /usr/sbin, which a
+# non-root $PATH may lack. Graphviz is optional (`canopy graph` falls back to matplotlib).
 need_apt=()
 if ! command -v java >/dev/null 2>&1; then
     need_apt+=(openjdk-17-jre-headless)
+fi
+if ! command -v nats-server >/dev/null 2>&1; then
+    need_apt+=(nats-server)
+fi
+if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
+    need_apt+=(mosquitto)
+fi
+if ! command -v mosquitto_sub >/dev/null 2>&1; then
+    need_apt+=(mosquitto-clients)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then

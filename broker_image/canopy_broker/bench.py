@@ -22,11 +22,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from canopy_broker.cli import tune_gc
@@ -34,7 +33,7 @@ from canopy_broker.client import Client, connect
 from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Constraint, Filter, Op
 from canopy_broker.core.matching import IndexedMatcher, ScanMatcher
-from canopy_broker.procs import Overlay
+from canopy_broker.procs import Overlay, process_cpu_seconds
 
 N_SUBSCRIBERS = 50
 FILTERS_PER_SUBSCRIBER = 20
@@ -202,13 +201,17 @@ class Sink:
         self.latencies_ns: list[int] = []
         self.record_latency = False
 
+    def received(self, count: int) -> None:
+        """``count`` notifications arrived now (also the callback of other systems' clients)."""
+        self.count += count
+        self.last_arrival = time.perf_counter()
+
     async def drain(self, client: Client) -> None:
         while True:
             batch = await client.receive(10_000)
             if not batch:
                 return
-            self.count += len(batch)
-            self.last_arrival = time.perf_counter()
+            self.received(len(batch))
             if self.record_latency:
                 now = time.monotonic_ns()
                 self.latencies_ns.extend(now - int(n.attrs["ts"]) for n in batch)
@@ -233,18 +236,37 @@ async def _publish_flat_out(pub: Client, stop: asyncio.Event, rng: random.Random
     return sent
 
 
-async def _publish_paced(pub: Client, rate: float, duration: float, rng: random.Random) -> int:
+Send = Callable[[int], Awaitable[None]]
+"""``send(k)``: publish the next ``k`` events (``k`` may be 0) and hand them to the socket."""
+
+
+def canopy_sender(pub: Client, event: Callable[[], Mapping[str, Value]]) -> Send:
+    """A :data:`Send` for a Canopy publisher: ``event()`` makes each event."""
+
+    async def send(count: int) -> None:
+        for _ in range(count):
+            pub.publish_nowait(event())
+        await pub.flush()
+
+    return send
+
+
+async def publish_paced(rate: float, duration: float, send: Send, tick: float = 0.001) -> int:
+    """Publish ``rate`` events/s for ``duration`` s: about every ``tick`` s, send the events
+    due by then (a late wake-up sends a larger batch, so the average rate holds), and at the
+    end whatever is still due, so that exactly ``int(rate * duration)`` events are sent.
+    Returns that number."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     sent = 0
     while (now := loop.time()) - start < duration:
-        due = int((now - start) * rate)
-        while sent < due:
-            pub.publish_nowait(_tick(rng))
-            sent += 1
-        await pub.flush()
-        await asyncio.sleep(0.001)
-    return sent
+        due = max(sent, int((now - start) * rate))
+        await send(due - sent)
+        sent = due
+        await asyncio.sleep(tick)
+    total = max(sent, int(rate * duration))
+    await send(total - sent)
+    return total
 
 
 async def _settle_clients(overlay: Overlay) -> None:
@@ -292,7 +314,7 @@ async def run_dataplane(
         progress(f"{label}: latency at half load ({half:,.0f} events/s) for {duration:.1f}s")
         sink.latencies_ns.clear()
         sink.record_latency = True
-        await _publish_paced(pub, half, duration, rng)
+        await publish_paced(half, duration, canopy_sender(pub, lambda: _tick(rng)))
         await _quiesce(sink)
         sink.record_latency = False
         lat = sorted(sink.latencies_ns)
@@ -318,14 +340,8 @@ async def run_dataplane(
 
 
 def _cpu_seconds(overlay: Overlay) -> float:
-    """User + system CPU time of all broker processes so far (Linux ``/proc``). Unlike rates,
-    CPU per event does not depend on what else the machine is doing during the run."""
-    total = 0
-    for proc in overlay.brokers.values():
-        with open(f"/proc/{proc.pid}/stat", encoding="ascii") as fh:
-            fields = fh.read().rpartition(")")[2].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time of all broker processes of ``overlay`` so far."""
+    return process_cpu_seconds(p.pid for p in overlay.brokers.values())
 
 
 async def _quiesce(sink: Sink, quiet: float = 0.3) -> None:

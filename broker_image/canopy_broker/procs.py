@@ -77,6 +77,32 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def process_cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU time of processes so far (``utime + stime`` of Linux
+    ``/proc/<pid>/stat``). Benchmarks report CPU per event or per notification from it because,
+    unlike rates, it does not depend on what else the machine is doing during the run."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rpartition(")")[2].split()  # the name in (...) may hold spaces
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def stop_process(process: asyncio.subprocess.Process, grace: float = 10.0) -> int:
+    """SIGTERM, wait up to ``grace`` seconds for a clean exit, then SIGKILL; returns the exit
+    code. Shared by Canopy's brokers and the peer brokers of ``canopy bench peers``."""
+    if process.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), grace)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+    return await process.wait()
+
+
 @dataclass
 class BrokerProc:
     """A running broker process and how to reach it."""
@@ -103,20 +129,11 @@ class BrokerProc:
     async def stop(self, grace: float = 10.0) -> int:
         """SIGTERM, wait up to ``grace`` seconds, then SIGKILL; returns the exit code."""
         await self.admin.close()
-        if self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.process.wait(), grace)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    self.process.kill()
-                await self.process.wait()
+        code = await stop_process(self.process, grace)
         if self._log is not None:
             self._log.close()
             self._log = None
-        assert self.process.returncode is not None
-        return self.process.returncode
+        return code
 
     def kill(self) -> None:
         """SIGKILL (a crash); call :meth:`stop` afterwards to reap it."""

@@ -82,7 +82,7 @@ def _run_operator(args: argparse.Namespace) -> int:
 
 def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Client and benchmark commands that live with the broker package."""
-    from canopy_broker import bench, bench_faults, bench_subscriptions, clients_cli
+    from canopy_broker import bench, bench_faults, bench_peers, bench_subscriptions, clients_cli
     from canopy_operator.commands import mine
 
     clients_cli.add_pubsub_arguments(sub)
@@ -108,6 +108,12 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     bench_faults.add_arguments(faults)
     faults.set_defaults(func=bench_faults.run_args)
+    peers = bench_sub.add_parser(
+        "peers",
+        help="broker CPU per notification: Canopy, NATS and Mosquitto on the same workload",
+    )
+    bench_peers.add_arguments(peers)
+    peers.set_defaults(func=bench_peers.run_args)
     mine.add_bench_arguments(bench_sub)
 
 
