@@ -132,6 +132,16 @@ class AdminClient(AsyncClosing):
         result = await self._request("POST", f"/links/{peer}/drop")
         return bool(result["dropped"])
 
+    async def cut_link(self, peer: str) -> bool:
+        """Fail the link for good, both brokers alive (its connections refused, a detour's
+        excepted): fault injection for link-failure repair."""
+        result = await self._request("POST", f"/links/{peer}/cut")
+        return bool(result["cut"])
+
+    async def heal_link(self, peer: str) -> bool:
+        result = await self._request("DELETE", f"/links/{peer}/cut")
+        return bool(result["healed"])
+
     async def telemetry(self, since: int = 0, limit: int = 10_000) -> dict[str, Any]:
         return await self._object(
             "GET", "/telemetry", params={"since": str(since), "limit": str(limit)}

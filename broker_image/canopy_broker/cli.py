@@ -113,6 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
         "connections kept warm to the brokers it would link (paper 003)",
     )
     s.add_argument(
+        "--cycle-bound",
+        type=int,
+        default=4,
+        help="link-failure repair (paper 004): look for cycles of at most this many brokers "
+        "closed by a standby link, and exchange a failed link whose peer is alive onto one; "
+        "below 3: off (a link failure is taken for the peer's death)",
+    )
+    s.add_argument(
+        "--cycle-period",
+        type=float,
+        default=2.0,
+        help="cycle detection rounds, s (numbered from the wall clock: keep clocks in sync)",
+    )
+    s.add_argument(
         "--probe-interval",
         type=float,
         default=10.0,
@@ -150,6 +164,8 @@ async def serve(args: argparse.Namespace) -> int:
         dead_after=args.dead_after,
         repair=args.repair,
         standby=args.standby,
+        cycle_bound=args.cycle_bound,
+        cycle_period=args.cycle_period,
         retention_seconds=args.retention,
         retention_limit=args.retention_limit,
         telemetry_sample=args.telemetry_sample,

@@ -10,7 +10,10 @@ import pytest
 from canopy_broker.runtime.links import Link
 from canopy_broker.runtime.linkstate import (
     CLOSURE_TRANSITIONS,
+    DETOURABLE,
     PROMOTABLE,
+    ROUTE_EVENTS,
+    ROUTE_TRANSITIONS,
     SESSION_EVENTS,
     SESSION_TRANSITIONS,
     STANDING_EVENTS,
@@ -20,10 +23,11 @@ from canopy_broker.runtime.linkstate import (
     LinkState,
     LinkStateError,
     LinkStates,
+    Route,
     Standing,
 )
 
-CLOSURE_EVENTS = [e for e in LinkEvent if e not in SESSION_EVENTS | STANDING_EVENTS]
+CLOSURE_EVENTS = [e for e in LinkEvent if e not in SESSION_EVENTS | STANDING_EVENTS | ROUTE_EVENTS]
 
 
 def states_in(session: LinkState = LinkState.NEW, closure: Closure = Closure.OPEN) -> LinkStates:
@@ -115,9 +119,29 @@ def test_standing_events(standing: Standing, session: LinkState, event: LinkEven
     assert (st.session, st.closure) == (session, Closure.OPEN)
 
 
+@pytest.mark.parametrize(
+    ("standing", "route", "event"), list(itertools.product(Standing, Route, ROUTE_EVENTS))
+)
+def test_route_events(standing: Standing, route: Route, event: LinkEvent) -> None:
+    """Only an overlay link is detoured (a standby link carries no link messages), once and for
+    good: the exchange the detour serves removes the link."""
+    st = states_in(session=LinkState.LOST)  # a failed link: no connection
+    st.standing, st.route = standing, route
+    if standing not in DETOURABLE:
+        with pytest.raises(LinkStateError, match="only an overlay link is detoured"):
+            st.fire(event, "b")
+        assert st.route is route
+    else:
+        st.fire(event, "b")
+        assert st.route is ROUTE_TRANSITIONS[route][event] is Route.DETOURED
+    assert (st.session, st.closure, st.standing) == (LinkState.LOST, Closure.OPEN, standing)
+
+
 def test_every_standing_has_a_row_and_every_event_one_table() -> None:
     assert set(STANDING_TRANSITIONS) == set(Standing)
+    assert set(ROUTE_TRANSITIONS) == set(Route)
     assert not STANDING_EVENTS & SESSION_EVENTS
+    assert not ROUTE_EVENTS & (SESSION_EVENTS | STANDING_EVENTS)
     assert set(CLOSURE_EVENTS) == {e for rows in CLOSURE_TRANSITIONS.values() for e in rows}
 
 

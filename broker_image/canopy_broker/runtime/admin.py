@@ -115,6 +115,18 @@ async def drop_link(request: web.Request) -> web.Response:
     return web.json_response({"dropped": dropped})
 
 
+async def cut_link(request: web.Request) -> web.Response:
+    """Fault injection: fail the link for good (both brokers alive), refusing its connections
+    but a detour's; DELETE heals it."""
+    cut = request.app[BROKER].cut_link(request.match_info["peer"])
+    return web.json_response({"cut": cut})
+
+
+async def heal_link(request: web.Request) -> web.Response:
+    healed = request.app[BROKER].heal_link(request.match_info["peer"])
+    return web.json_response({"healed": healed})
+
+
 async def _json_object(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
@@ -322,6 +334,8 @@ ROUTES: list[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]]] 
     ("POST", "/links", add_link),
     ("DELETE", "/links/{peer}", remove_link),
     ("POST", "/links/{peer}/drop", drop_link),
+    ("POST", "/links/{peer}/cut", cut_link),
+    ("DELETE", "/links/{peer}/cut", heal_link),
     ("GET", "/telemetry", telemetry),
     ("GET", "/peers", get_peers),
     ("POST", "/peers", set_peers),

@@ -41,3 +41,8 @@ class BrokerConfig:
     standby: bool = True  # keep standby links to the brokers a repair would link (with repair)
     retention_seconds: float = 15.0  # custody: forwarded notifications kept per link (0: off)
     retention_limit: int = 100_000  # ... and at most this many per link
+    # Link-failure repair (paper 004): cycles of at most this many brokers through a standby
+    # link are looked for, and a link that fails while its peer is alive is exchanged onto one.
+    # Below 3 (no cycle that small): off, a link failure is taken for a death as before.
+    cycle_bound: int = 4
+    cycle_period: float = 2.0  # cycle detection rounds, s (numbered from the wall clock)

@@ -28,6 +28,34 @@ Session rules, in one place:
   word and holds the data (reading paused) until its own core opens the link. An end that
   cannot take the promotion (it already has another instance of the link) refuses it with
   ``promotion-refused`` and the promoting end falls back to a fresh session of the opened link.
+* **A link failure is not a death** (paper 004, with ``cycle_bound`` >= 3 and standby links).
+  A link without a connection for the detection timeout is first *asked about*: this broker's
+  neighbours and standby peers are the brokers that would hear the silent neighbour N if it
+  lived (the standby links go to N's other neighbours, and a standby link to N itself closes
+  each cycle through the link: a leaf N is heard over it). Each is asked ``F_HEARS`` (do you
+  hear N?) on the connection it has, and answers ``F_HEARD``: its link or standby link to N has
+  a connection that carried a frame within the detection timeout (null: it has neither, so it
+  cannot tell). One yes: N is alive and only this link
+  failed, the core is told ``LinkFailed`` (no fence: N is alive and still a member). All no,
+  or no answer within two heartbeats, or nobody to ask: ``PeerFailed`` and the fence, as
+  before. A link told failed is asked about again after each further timeout, so a peer that
+  dies meanwhile is still repaired as a death.
+* **Detours.** The core's ``DetourLink`` moves the failed link's session (sequence numbers,
+  retransmit buffer, receive position) onto an out-of-band connection: its dialer dials the
+  peer again with ``detour`` in the hello, the other end takes such a hello only once its own
+  core has detoured the link (``not-detoured`` before: the dialer retries), and the session
+  resumes there as after any reconnect, the unacknowledged backlog first. It lasts until the
+  repair's exchange closes the link. The detour is a new connection straight to the peer, as
+  the simulator's out-of-band channel is: it helps when what failed is the link's connection
+  (a stuck or refused flow, as ``cut_link`` injects), not when the two brokers cannot reach
+  each other at all (then the lock cannot cross, the exchange is rolled back by its lease and
+  the link waits; a relay along the cycle is not built).
+* **Cycle detection** runs here too: the core is given ``StandbyLinks`` whenever the set it
+  would keep changes, and ``FindCycles`` at every period of the wall clock (round numbers
+  ``floor(time / period) * ROUND_STRIDE``, the same at every broker with synchronised clocks),
+  after each change of this broker's links or standby set (the next number, a wave within the
+  period), and on a probe of a round newer than its own (so a wave, and a broker whose clock
+  lags, join the round the probe carries).
 """
 
 from __future__ import annotations
@@ -38,21 +66,27 @@ import math
 import random
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from canopy_broker.core.broker import BrokerCore, ProtocolError
 from canopy_broker.core.events import Event
 from canopy_broker.core.messages import (
     AddLink,
+    CycleProbe,
     Effect,
+    FindCycles,
     FromLink,
     FromPeer,
     Input,
+    LinkFailed,
+    LinkRepair,
     Neighbours,
     PeerFailed,
     Publish,
     RemoveLink,
     RepairFinished,
+    StandbyLinks,
 )
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.conn import Conn, ConnOwner
@@ -61,6 +95,8 @@ from canopy_broker.runtime.framing import (
     F_BYE,
     F_DATA,
     F_ERROR,
+    F_HEARD,
+    F_HEARS,
     F_HELLO,
     F_PEERS,
     F_PING,
@@ -82,6 +118,23 @@ from canopy_broker.runtime.tasks import TaskSet
 from canopy_broker.runtime.telemetry import Telemetry
 
 log = logging.getLogger("canopy.broker")
+
+ROUND_STRIDE = 64
+"""Cycle detection rounds per wall-clock period: the period's own round, then up to 63 waves
+started by reshapings within it; the next period's round is newer than all of them."""
+
+MAX_LINK_REPAIR_RECORDS = 10
+
+
+@dataclass
+class _Check:
+    """A silent neighbour being asked about: who was asked, and until when they may answer."""
+
+    nonce: str
+    asked: set[str]
+    deadline: float
+    silent: float
+    answers: dict[str, bool | None] = field(default_factory=dict)
 
 
 class LinkHost(ConnOwner, Protocol):
@@ -140,6 +193,15 @@ class LinkSessions:
         # How the core's last OpenLink to each peer was carried out, for its Repaired record:
         # "promoted" (a standby link taken over) or "dialed" (a new connection).
         self._opened_how: dict[str, str] = {}
+        # Link failures (see the module docstring): fault injection, questions out, verdicts.
+        self.cut: set[str] = set()  # peers whose link connections are refused (cut_link)
+        self._checks: dict[str, _Check] = {}  # silent neighbours being asked about
+        self._link_failed: set[str] = set()  # neighbours whose link the core was told failed
+        self.link_repairs: list[dict[str, Any]] = []  # the last few, for the admin API
+        # Cycle detection: what the core was told, the newest round started here.
+        self._standby_told: tuple[str, ...] | None = None
+        self._shape: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        self.cycle_round = 0
 
     # ------------------------------------------------------------------ tables
 
@@ -224,6 +286,11 @@ class LinkSessions:
             del table[link.peer]
         if link.kind == "link" and self._retired.get(link.peer) is link:
             del self._retired[link.peer]
+        if link.kind == "link" and self.links.get(link.peer) is None:
+            self._link_failed.discard(link.peer)
+            self._checks.pop(link.peer, None)
+        if link.detoured:
+            self._detour_ended(link)
         conn = link.remove()
         link.farewell = bye
         if link.kind == "link" and bye == "removed":
@@ -441,6 +508,15 @@ class LinkSessions:
             self._heard_peers(frame[1])
         elif ftype == F_PROMOTE and len(frame) == 2:
             self._promoted_by_peer(link, conn, frame[1])
+        elif ftype == F_HEARS and len(frame) == 3 and _strs(frame[1], frame[2]):
+            self._answer(conn, frame[1], frame[2])
+        elif (
+            ftype == F_HEARD
+            and len(frame) == 4
+            and _strs(frame[1], frame[2])
+            and (frame[3] is None or type(frame[3]) is bool)
+        ):
+            self._heard(link.peer, frame[1], frame[2], frame[3])
         elif ftype == F_BYE:
             reason = frame[1] if len(frame) > 1 else "?"
             log.info("%s: %s said goodbye (%s)", self.name, link.peer, reason)
@@ -504,7 +580,10 @@ class LinkSessions:
         try:
             if link.kind == "peer":
                 for item in items:
-                    host.apply(handle(FromPeer(peer, decode_peer_message(item)), host.now()))
+                    pmsg = decode_peer_message(item)
+                    if type(pmsg) is CycleProbe and pmsg.round > self.cycle_round:
+                        self.start_round(pmsg.round)  # join the round the probe carries
+                    host.apply(handle(FromPeer(peer, pmsg), host.now()))
                     n += 1
             else:
                 for item in items:
@@ -542,6 +621,7 @@ class LinkSessions:
                 "resume": link.connected_once,
                 "last_rx": link.rx_seq,
                 "opened": link.opened,
+                "detour": link.detoured,
                 "address": self.host.advertised,
                 "incarnation": self.host.incarnation,
             },
@@ -568,6 +648,9 @@ class LinkSessions:
         link.down_since = None
         link.connects += 1
         if link.kind == "link":
+            self._checks.pop(link.peer, None)  # it answered for itself
+            if not link.detoured:
+                self._link_failed.discard(link.peer)  # the link came back on its own
             host.metrics.link_reconnects.labels(link.peer).inc()
             if not link.established and not link.opened:
                 link.established = True
@@ -620,6 +703,8 @@ class LinkSessions:
         if kind == "standby":
             self._accept_standby(conn, hello, peer, session)
             return
+        if kind == "link":
+            self._check_detour(peer, session, hello)
         if kind == "link" and peer in self.standby:
             # A link makes a standby link to the same broker pointless, and a promotion of it
             # would meet this link: drop it (the peer drops its end on the goodbye).
@@ -728,6 +813,8 @@ class LinkSessions:
             address = link.address or host.peers.get(link.peer)
             conn: Conn | None = None
             try:
+                if link.kind == "link" and link.peer in self.cut and not link.detoured:
+                    raise OSError(f"the link to {link.peer} is cut (fault injection)")
                 if address is None:
                     raise OSError(f"no address known for {link.peer} (POST /peers)")
                 h, port = parse_address(address)
@@ -738,6 +825,12 @@ class LinkSessions:
                 conn = dialed
                 await asyncio.wait_for(asyncio.shield(dialed.handshake), cfg.handshake_timeout)
                 delay = cfg.reconnect_min
+                if link.removed or host.stopping:
+                    # Cancelled as the handshake completed: Python 3.11's wait_for returns the
+                    # result and drops the cancellation, and waiting for the loss of a healthy
+                    # connection would hang the broker's stop (seen in test_runtime_linkfail).
+                    dialed.abort()
+                    break
                 await dialed.lost
             except (OSError, TimeoutError, FrameError, ValueError) as exc:
                 log.debug("%s: dialing %s failed: %s", self.name, link.peer, exc)
@@ -745,14 +838,30 @@ class LinkSessions:
                     conn.abort()
             if link.removed or link.peer_closed or host.stopping:
                 break
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, cfg.reconnect_max)
+            if not link.woken:  # a detour wakes the loop (Link.wake)
+                link.backoff = loop.create_future()
+                timer = loop.call_later(delay * (0.5 + random.random()), _done, link.backoff)
+                try:
+                    await link.backoff
+                finally:
+                    timer.cancel()
+                    link.backoff = None
+            if link.woken:
+                link.woken = False
+                delay = cfg.reconnect_min
+            else:
+                delay = min(delay * 2, cfg.reconnect_max)
+            if link.detoured:  # the other end may detour a heartbeat or so later: keep trying
+                delay = min(delay, cfg.heartbeat_interval)
 
     # ------------------------------------------------------------------ failures
 
-    def _declare_dead(self, link: Link, silent: float) -> None:
+    def _declare_dead(
+        self, link: Link, silent: float, answers: dict[str, bool | None] | None = None
+    ) -> None:
         """The failure detector's verdict: the core repairs the tree around ``link.peer``, and
-        the peer's process is fenced (refused if it ever resumes)."""
+        the peer's process is fenced (refused if it ever resumes). ``answers``: what the
+        standby peers asked about it said (none heard it)."""
         host = self.host
         peer = link.peer
         if not link.established or link.closing:
@@ -768,12 +877,269 @@ class LinkSessions:
         self.drop(link, bye=None)
         host.metrics.peer_failures.inc()
         log.warning(
-            "%s: declared %s dead (no connection for %.1fs); repairing the tree without it",
+            "%s: declared %s dead (no connection for %.1fs%s); repairing the tree without it",
             self.name,
             peer,
             silent,
+            f", heard by none of {sorted(answers)}" if answers else "",
         )
         host.apply(effects)
+
+    # ------------------------------------------------------------------ link failures
+
+    def link_repair_on(self) -> bool:
+        """Whether a silent link is asked about before it is taken for a death: there must be
+        standby links to ask over, and cycles to exchange a failed link onto."""
+        cfg = self.host.config
+        return cfg.repair and cfg.standby and cfg.cycle_bound >= 3
+
+    def _suspect(self, link: Link, silent: float, now: float) -> None:
+        """``link`` has had no connection for the detection timeout: ask the standby peers
+        whether they still hear its peer (see the module docstring), or, with nobody to ask,
+        declare it dead at once."""
+        peer = link.peer
+        if peer in self._checks:
+            return  # asked already; the answers or the deadline decide
+        if not (self.link_repair_on() and link.established and not link.closing):
+            self._declare_dead(link, silent)
+            return
+        witnesses = {
+            lk.peer: lk.conn
+            for lk in [*self.links.values(), *self.standby.values()]
+            if lk.conn is not None and lk.peer != peer
+        }
+        asked = set(witnesses)
+        if not asked:
+            self._verdict(peer, _Check("", set(), now, silent), None)
+            return
+        nonce = uuid.uuid4().hex[:12]
+        question = control_frame(F_HEARS, nonce, peer)
+        for conn in witnesses.values():
+            if conn is not None:
+                conn.write(question)
+        cfg = self.host.config
+        self._checks[peer] = _Check(nonce, asked, now + 2 * cfg.heartbeat_interval, silent)
+        log.info(
+            "%s: no connection to %s for %.1fs; asking %s whether they hear it",
+            self.name,
+            peer,
+            silent,
+            sorted(asked),
+        )
+
+    def _answer(self, conn: Conn, nonce: str, peer: str) -> None:
+        """A neighbour or standby peer asks whether this broker hears ``peer``: its link or
+        standby link to ``peer`` has a connection and a frame came over it within the detection
+        timeout (None: it has neither, so it cannot tell)."""
+        cfg = self.host.config
+        timeout = cfg.heartbeat_interval * cfg.dead_after
+        now = self.host.now()
+        hears: bool | None = None
+        for lk in (self.links.get(peer), self.standby.get(peer)):
+            if lk is None:
+                continue
+            recent = lk.conn is not None and now - lk.last_heard <= timeout
+            hears = bool(hears) or recent
+        conn.write(control_frame(F_HEARD, nonce, peer, hears))
+
+    def _heard(self, witness: str, nonce: str, peer: str, hears: bool | None) -> None:
+        check = self._checks.get(peer)
+        if check is None or check.nonce != nonce or witness not in check.asked:
+            return  # a late answer to a settled question
+        check.asked.discard(witness)
+        check.answers[witness] = hears
+        if hears is True:
+            del self._checks[peer]
+            self._verdict(peer, check, witness)
+        elif not check.asked:
+            del self._checks[peer]
+            self._verdict(peer, check, None)
+
+    def _verdict(self, peer: str, check: _Check, witness: str | None) -> None:
+        """Alive (``witness`` hears it): the core is told the link failed (once per failure;
+        asked again after each further timeout). Dead: the crash repair, as before."""
+        host = self.host
+        link = self.links.get(peer)
+        if link is None or link.conn is not None:
+            return  # dropped, or back, while the question was out
+        if witness is None:
+            self._declare_dead(link, check.silent, check.answers)
+            return
+        now = host.now()
+        link.down_since = now  # the next question after another detection timeout
+        if peer in self._link_failed:
+            return
+        try:
+            effects = host.core.handle(LinkFailed(peer), now)
+        except ProtocolError as exc:
+            log.info("%s: link to %s failed, repair deferred: %s", self.name, peer, exc)
+            return
+        self._link_failed.add(peer)
+        host.metrics.link_failures.inc()
+        log.warning(
+            "%s: the link to %s failed (no connection for %.1fs) but %s still hears it: a "
+            "link failure, not a death",
+            self.name,
+            peer,
+            check.silent,
+            witness,
+        )
+        self.link_repairs = [
+            *self.link_repairs[-(MAX_LINK_REPAIR_RECORDS - 1) :],
+            {
+                "peer": peer,
+                "witness": witness,
+                "failed_at": time.time(),
+                "xid": None,
+                "path": None,
+                "reason": None,
+                "detoured": False,
+                "detour_up_at": None,
+                "closed_at": None,
+            },
+        ]
+        host.apply(effects)
+
+    def _record(self, peer: str) -> dict[str, Any] | None:
+        """The newest record of a failure of the link to ``peer``."""
+        recs: list[dict[str, Any]] = [r for r in self.link_repairs if r["peer"] == peer]
+        return recs[-1] if recs else None
+
+    def link_repair(self, eff: LinkRepair) -> None:
+        """The core's decision on a failed link (at the end that decides): an exchange, or
+        nothing (no known small cycle contains the link: its traffic waits for it)."""
+        outcome = "exchange" if eff.xid else "none"
+        self.host.metrics.link_repairs.labels(outcome).inc()
+        rec = self._record(eff.peer)
+        if rec is not None:
+            rec.update(xid=eff.xid or None, path=list(eff.path) or None, reason=eff.reason or None)
+        if eff.xid:
+            log.warning(
+                "%s: repairing the failed link to %s by exchange %s onto the standby link %s-%s "
+                "(cycle %s)",
+                self.name,
+                eff.peer,
+                eff.xid,
+                eff.path[0],
+                eff.path[-1],
+                list(eff.path),
+            )
+        else:
+            log.warning(
+                "%s: the failed link to %s is not repaired: %s", self.name, eff.peer, eff.reason
+            )
+
+    def detour(self, peer: str) -> None:
+        """The core's ``DetourLink``: carry the failed link's session out of band (see the
+        module docstring) until the exchange closes it."""
+        link = self.links.get(peer)
+        if link is None or link.closing:
+            return
+        if not link.detoured:
+            link.detour()
+            self.host.metrics.detours.inc()
+            rec = self._record(peer)
+            if rec is not None:
+                rec["detoured"] = True
+            log.warning(
+                "%s: detouring the link to %s out of band (%d message(s) unacknowledged)",
+                self.name,
+                peer,
+                len(link.out),
+            )
+        if link.dialer and link.conn is None:
+            link.wake()  # dial now, with the detour hello
+
+    def _check_detour(self, peer: str, session: str, hello: dict[str, Any]) -> None:
+        """A link hello: a detour is taken only for a link this end's core detoured too (the
+        same session); a plain one is refused while the link is cut (fault injection)."""
+        if hello.get("detour"):
+            link = self.links.get(peer)
+            if link is None or not link.detoured or link.session != session:
+                raise FrameError(
+                    f"{self.name} has not detoured its link to {peer} (yet)", "not-detoured"
+                )
+            rec = self._record(peer)
+            if rec is not None and rec["detour_up_at"] is None:
+                rec["detour_up_at"] = time.time()
+        elif peer in self.cut:
+            raise FrameError(f"the link to {peer} is cut (fault injection)", "link-cut")
+
+    def _detour_ended(self, link: Link) -> None:
+        rec = self._record(link.peer)
+        if rec is not None and rec["closed_at"] is None:
+            rec["closed_at"] = time.time()
+        log.warning("%s: the detoured link to %s is closed", self.name, link.peer)
+
+    def cut_link(self, peer: str) -> bool:
+        """Fault injection: fail the link to ``peer`` for good while both brokers live. Its
+        connection is aborted and every later one refused (this end neither dials it nor takes
+        the peer's dials), except a detour. Other connections to ``peer`` (standby links,
+        channels) are untouched. False if there is no such link."""
+        link = self.links.get(peer)
+        if link is None:
+            return False
+        self.cut.add(peer)
+        if link.conn is not None:
+            link.conn.abort()
+        log.warning("%s: the link to %s is cut (fault injection)", self.name, peer)
+        return True
+
+    def heal_link(self, peer: str) -> bool:
+        """Undo :meth:`cut_link`: the link's connections are taken again."""
+        if peer not in self.cut:
+            return False
+        self.cut.discard(peer)
+        return True
+
+    # ------------------------------------------------------------------ cycle detection
+
+    def cycles(self) -> None:
+        """Tell the core the standby set when it changes and start detection rounds: one per
+        wall-clock period, and a wave after this broker's links or standby set changed."""
+        host = self.host
+        cfg = host.config
+        if not self.link_repair_on() or host.stopping or not cfg.cycle_period > 0:
+            return
+        core = host.core
+        standby = tuple(sorted(core.standby_peers()))
+        if standby != self._standby_told:
+            self._standby_told = standby
+            host.apply(core.handle(StandbyLinks(standby), host.now()))
+        tree = tuple(sorted(p for p, lk in self.links.items() if lk.established))
+        shape = (tree, standby)
+        period_round = int(time.time() / cfg.cycle_period) * ROUND_STRIDE
+        if period_round > self.cycle_round:
+            self.start_round(period_round)
+        elif (
+            self._shape is not None
+            and shape != self._shape
+            and self.cycle_round + 1 < period_round + ROUND_STRIDE
+        ):
+            self.start_round(self.cycle_round + 1)
+        self._shape = shape
+
+    def start_round(self, number: int) -> None:
+        """``FindCycles(number)``; a round the core has moved past (a probe of a newer one
+        came first) is skipped."""
+        host = self.host
+        self.cycle_round = max(self.cycle_round, number)
+        try:
+            effects = host.core.handle(FindCycles(number, host.config.cycle_bound), host.now())
+        except ProtocolError as exc:
+            log.debug("%s: cycle round %d skipped: %s", self.name, number, exc)
+            return
+        host.apply(effects)
+
+    def cycles_status(self) -> dict[str, Any]:
+        core = self.host.core
+        known = core.cycles.known(core.is_neighbour)
+        return {
+            "bound": self.host.config.cycle_bound if self.link_repair_on() else 0,
+            "round": self.cycle_round,
+            "standby": list(self._standby_told or ()),
+            "known": [{"cycle": list(c), "round": r} for c, r in sorted(known.items())],
+        }
 
     def repaired(self, dead: str, chain: tuple[str, ...], links: tuple[str, ...]) -> None:
         """The core's account of a repair (its :class:`Repaired` effect): which of its new
@@ -859,7 +1225,12 @@ class LinkSessions:
         for link in list(self.links.values()) if cfg.repair else ():
             since = link.down_since
             if since is not None and link.conn is None and now - since > timeout:
-                self._declare_dead(link, now - since)
+                self._suspect(link, now - since, now)
+        for peer, check in list(self._checks.items()):
+            if now > check.deadline:  # the unanswered say nothing: no one heard it
+                del self._checks[peer]
+                self._verdict(peer, check, None)
+        self.cycles()
         for link in self.all_links():
             conn = link.conn
             if conn is None:
@@ -872,3 +1243,12 @@ class LinkSessions:
                 continue
             conn.write(control_frame(F_PING, now, link.rx_seq))
             link.acked_rx = link.rx_seq
+
+
+def _strs(*values: object) -> bool:
+    return all(type(v) is str and v for v in values)
+
+
+def _done(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

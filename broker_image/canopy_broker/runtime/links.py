@@ -34,7 +34,7 @@ from canopy_broker.runtime.framing import (
     data_frame,
     msgs_frame,
 )
-from canopy_broker.runtime.linkstate import LinkEvent, LinkState, LinkStates, Standing
+from canopy_broker.runtime.linkstate import LinkEvent, LinkState, LinkStates, Route, Standing
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -95,6 +95,9 @@ class Link:
         self.remote_pressure = False  # the peer says it (or a broker behind it) is congested
         self.sent_pressure = False  # what we last told the peer
         self.up = asyncio.Event()
+        # The dial loop's backoff, which a detour cuts short (:meth:`wake`).
+        self.backoff: asyncio.Future[None] | None = None
+        self.woken = False
         self.dial_task: asyncio.Task[None] | None = None
         self.msgs_in = self.msgs_out = self.bytes_in = self.bytes_out = 0
         self.m_msgs_in: Counter | None = None
@@ -169,6 +172,21 @@ class Link:
     def promoted(self) -> bool:
         return self.states.standing is Standing.PROMOTED
 
+    def detour(self) -> None:
+        """The core's link-failure repair: from now on this session resumes on an out-of-band
+        connection (the hello says ``detour``), which the link's failure does not block."""
+        self.fire(LinkEvent.DETOUR)
+
+    def wake(self) -> None:
+        """End the dial loop's backoff now (it dials at once, from the shortest delay)."""
+        self.woken = True
+        if self.backoff is not None and not self.backoff.done():
+            self.backoff.set_result(None)
+
+    @property
+    def detoured(self) -> bool:
+        return self.states.route is Route.DETOURED
+
     @property
     def depth(self) -> int:
         return len(self.out)
@@ -225,6 +243,7 @@ class Link:
             "kind": self.kind,
             "opened": self.opened,
             "promoted": self.promoted,
+            "detoured": self.detoured,
             "closing": self.closing,
             "state": self.state,
             "dialer": self.dialer,

@@ -21,6 +21,12 @@ A link has two independent parts of state, each with its own table:
   link is promoted only while its session is ``UP``: promotion is what saves the repair a dial
   and a hello, so a standby link without a connection is not promoted (the repair dials).
 
+* the **route** (:class:`Route`) of an overlay link's session: ``DIRECT`` (its own connection)
+  or ``DETOURED`` (the link failed while its peer is alive, and the core's link-failure repair
+  asked for a detour: the session, its sequence numbers and retransmit buffer, resumes on an
+  out-of-band connection, one the link's failure does not block, until the repair's exchange
+  closes the link). A detour is never undone: the exchange removes the link.
+
 What the admin API shows as a link's ``state`` (``up``, ``connecting`` or ``down``) and
 ``closing`` is derived from these (:attr:`LinkStates.public_state`), with the same names as
 before.
@@ -32,7 +38,7 @@ a mirror of the core's table), and the outbox's flags (dirty, over high water, p
 from __future__ import annotations
 
 from enum import Enum
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 
 class LinkState(Enum):
@@ -55,6 +61,11 @@ class Standing(Enum):
     PROMOTED = "promoted"
 
 
+class Route(Enum):
+    DIRECT = "direct"
+    DETOURED = "detoured"
+
+
 class LinkEvent(Enum):
     # session events
     CONNECTED = "connected"  # a hello completed on a connection (the first, or a resume)
@@ -67,6 +78,8 @@ class LinkEvent(Enum):
     REOPENED = "reopened"  # the peer redialled a link our core (still) has open
     # standing events
     PROMOTE = "promote"  # a repair takes the standby link over as an overlay link
+    # route events
+    DETOUR = "detour"  # the core's link-failure repair: carry the session out of band
 
 
 SESSION_TRANSITIONS: Final[dict[LinkState, dict[LinkEvent, LinkState]]] = {
@@ -120,10 +133,40 @@ STANDING_TRANSITIONS: Final[dict[Standing, dict[LinkEvent, Standing]]] = {
     Standing.PROMOTED: {LinkEvent.PROMOTE: Standing.PROMOTED},
 }
 
+ROUTE_TRANSITIONS: Final[dict[Route, dict[LinkEvent, Route]]] = {
+    Route.DIRECT: {LinkEvent.DETOUR: Route.DETOURED},
+    # Both ends' cores ask (each on its own detection); asking again changes nothing.
+    Route.DETOURED: {LinkEvent.DETOUR: Route.DETOURED},
+}
+
+DETOURABLE: Final = frozenset({Standing.ACTIVE, Standing.PROMOTED})
+"""Standings of a link that may be detoured: overlay links only (a standby link carries no
+link messages, so there is nothing to detour)."""
+
 PROMOTABLE: Final = frozenset({LinkState.UP})
 """Session states in which a standby link may be promoted: it must have its connection."""
 
+GUARDED: Final[dict[LinkEvent, tuple[str, Any, str, frozenset[Any], str]]] = {
+    LinkEvent.PROMOTE: (
+        "standing",
+        STANDING_TRANSITIONS,
+        "session",
+        PROMOTABLE,
+        "a standby link is promoted only while up",
+    ),
+    LinkEvent.DETOUR: (
+        "route",
+        ROUTE_TRANSITIONS,
+        "standing",
+        DETOURABLE,
+        "only an overlay link is detoured",
+    ),
+}
+"""Events of the standing and the route: (the part they change, its table, the part that must
+allow them, the states it must be in, why)."""
+
 STANDING_EVENTS: Final = frozenset({LinkEvent.PROMOTE})
+ROUTE_EVENTS: Final = frozenset({LinkEvent.DETOUR})
 
 SESSION_EVENTS: Final = frozenset(
     {LinkEvent.CONNECTED, LinkEvent.DISCONNECTED, LinkEvent.RESET, LinkEvent.REMOVE}
@@ -134,7 +177,7 @@ class LinkStateError(Exception):
     """An event the transition table does not allow in the link's current state."""
 
 
-S = TypeVar("S", LinkState, Closure, Standing)
+S = TypeVar("S", LinkState, Closure, Standing, Route)
 
 
 def _step(
@@ -149,27 +192,30 @@ def _step(
 
 
 class LinkStates:
-    """The session, closure and standing of one link; changed only by :meth:`fire`."""
+    """The session, closure, standing and route of one link; changed only by :meth:`fire`."""
 
-    __slots__ = ("closure", "session", "standing")
+    __slots__ = ("closure", "route", "session", "standing")
 
     def __init__(self, standing: Standing = Standing.ACTIVE) -> None:
         self.session = LinkState.NEW
         self.closure = Closure.OPEN
         self.standing = standing
+        self.route = Route.DIRECT
 
     def fire(self, event: LinkEvent, peer: str = "?") -> None:
         """Apply ``event``, or raise :class:`LinkStateError` and change nothing."""
         if event in SESSION_EVENTS:
             self.session = _step(SESSION_TRANSITIONS, self.session, event, peer, "session")
-        elif event in STANDING_EVENTS:
-            nxt = _step(STANDING_TRANSITIONS, self.standing, event, peer, "standing")
-            if self.session not in PROMOTABLE:
+        elif event in GUARDED:
+            part, table, needs, allowed, why = GUARDED[event]
+            nxt = _step(table, getattr(self, part), event, peer, part)
+            have = getattr(self, needs)
+            if have not in allowed:
                 raise LinkStateError(
-                    f"link to {peer}: event {event.value!r} is not allowed in session state "
-                    f"{self.session.value!r} (a standby link is promoted only while up)"
+                    f"link to {peer}: event {event.value!r} is not allowed in {needs} "
+                    f"{have.value!r} ({why})"
                 )
-            self.standing = nxt
+            setattr(self, part, nxt)
         else:
             self.closure = _step(CLOSURE_TRANSITIONS, self.closure, event, peer, "closure")
 

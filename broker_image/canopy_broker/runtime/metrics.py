@@ -174,6 +174,25 @@ class BrokerMetrics:
             "Links opened to repair the tree around a dead neighbour (paper 001's chain)",
             registry=r,
         )
+        self.link_failures = Counter(
+            "canopy_link_failures",
+            "Links down past the detection timeout whose peer another of its neighbours still "
+            "hears (a link failure, not a death: LinkFailed instead of PeerFailed)",
+            registry=r,
+        )
+        self.link_repairs = Counter(
+            "canopy_link_repairs",
+            "Link-failure repairs decided here (paper 004), by outcome: exchange (onto a standby "
+            "link closing a small cycle with the failed link) or none (no known cycle: it waits)",
+            ["outcome"],
+            registry=r,
+        )
+        self.detours = Counter(
+            "canopy_link_detours",
+            "Failed links whose session the core had carried out of band until its exchange "
+            "closed them (DetourLink)",
+            registry=r,
+        )
         self.standby_promotions = Counter(
             "canopy_standby_promotions",
             "Standby links promoted to overlay links (by this end's repair or the peer's)",

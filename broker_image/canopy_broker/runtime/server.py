@@ -35,9 +35,11 @@ from canopy_broker.core.messages import (
     CloseLink,
     Deliver,
     DeliverMarker,
+    DetourLink,
     Effect,
     ExchangeFinished,
     Input,
+    LinkRepair,
     OpenLink,
     Ordering,
     Publish,
@@ -640,6 +642,10 @@ class Broker:
                 self.sessions.repair_finished(eff)
             elif isinstance(eff, Resumed):
                 self.client_sessions.resumed(eff)
+            elif isinstance(eff, DetourLink):
+                self.sessions.detour(eff.peer)
+            elif isinstance(eff, LinkRepair):
+                self.sessions.link_repair(eff)
             else:
                 self._unsupported(eff)
         if delivered:
@@ -875,6 +881,9 @@ class Broker:
                 for p, lk in sorted(self.sessions.standby.items())
             ],
             "fenced": dict(self.sessions.fenced),
+            "cycles": self.sessions.cycles_status(),
+            "link_repairs": list(self.sessions.link_repairs),
+            "cut": sorted(self.sessions.cut),
         }
 
     def _gauges(self) -> Gauges:
@@ -903,6 +912,14 @@ class Broker:
             return False
         link.conn.abort()
         return True
+
+    def cut_link(self, peer: str) -> bool:
+        """Fail the link to ``peer`` for good, both brokers alive (fault injection; see
+        :meth:`LinkSessions.cut_link`)."""
+        return self.sessions.cut_link(peer)
+
+    def heal_link(self, peer: str) -> bool:
+        return self.sessions.heal_link(peer)
 
     async def wait_link_up(self, peer: str, within: float) -> bool:
         link = self.links.get(peer)

@@ -1,0 +1,132 @@
+"""Link-failure repair in-process (paper 004 in the runtime): a link cut for good between two live
+brokers is told from a death by asking the brokers that would hear the peer, and is exchanged
+onto the standby link that closes a small cycle with it, its session detoured out of band until
+the exchange closes it.
+
+The overlay is the standby tests' star, hub ``h`` with leaves ``a``, ``c``, ``d``: the standby
+links a-c and c-d close the cycles a-h-c and c-h-d. ``h`` cuts its link to ``a``
+(:meth:`Broker.cut_link`: the connection aborted, every later one refused but a detour).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+
+from canopy_broker.client import connect
+from canopy_broker.core.messages import CycleFound, CycleProbe, RepairLink
+from canopy_broker.runtime.framing import decode_peer_message, encode_generic
+from canopy_broker.runtime.links import Link
+from canopy_broker.runtime.linkstate import LinkEvent, LinkStateError
+from canopy_broker.runtime.server import Broker
+from tests.unit.test_runtime_broker import MakeBroker, addr, collect, eventually, make_broker
+from tests.unit.test_runtime_standby import standby_up, star
+
+__all__ = ["make_broker"]  # the fixture, imported for pytest
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        CycleProbe(128, "a", ("a", "h"), 1),
+        CycleProbe(129, "a", ("a",), 1, closing=True),
+        CycleFound(128, ("a", "h", "c")),
+        RepairLink("link:a-h:a-c:r128", ("a", "h", "c"), ("a", "h")),
+    ],
+)
+def test_cycle_messages_cross_peer_channels_unchanged(msg: object) -> None:
+    assert decode_peer_message(orjson.loads(encode_generic(msg))) == msg
+
+
+async def test_a_link_is_detoured_only_once_through_its_table() -> None:
+    link = Link("p", "s", dialer=True, address=None)
+    assert not link.detoured
+    link.detour()
+    link.detour()  # both ends' cores ask; the second changes nothing
+    assert link.detoured and link.status()["detoured"]
+    standby = Link("q", "s", dialer=True, address=None, kind="standby")
+    with pytest.raises(LinkStateError, match="only an overlay link"):
+        standby.fire(LinkEvent.DETOUR)
+    assert not standby.detoured
+
+
+def cycles_known(b: Broker) -> list[list[str]]:
+    return [c["cycle"] for c in b.sessions.cycles_status()["known"]]
+
+
+async def cut_star(make_broker: MakeBroker, **config: Any) -> dict[str, Broker]:
+    brokers = await star(make_broker, cycle_period=0.3, **config)
+    a, c, _d = (brokers[n] for n in "acd")
+    await eventually(lambda: standby_up(a, "c") and standby_up(c, "d"))
+    return brokers
+
+
+async def test_a_cut_link_is_exchanged_onto_the_standby_link(make_broker: MakeBroker) -> None:
+    brokers = await cut_star(make_broker)
+    a, c, d, h = (brokers[n] for n in "acdh")
+    # Every member of the cycle a-h-c learns it (the heart a's probes meet at h).
+    await eventually(lambda: all(["a", "h", "c"] in cycles_known(x) for x in (a, h, c)))
+    assert ["c", "h", "d"] in cycles_known(d)
+    sub = await connect(addr(a), client_id="s")
+    await sub.subscribe("n >= 0", sub_id="all")
+    await eventually(lambda: d.core.routing_table_size() > 0)
+    pub = await connect(addr(d), client_id="p")
+    n = 0
+
+    async def publish(k: int) -> None:
+        nonlocal n
+        for _ in range(k):
+            n += 1
+            pub.publish_nowait({"n": n})
+            if n % 20 == 0:
+                await pub.flush()
+                await asyncio.sleep(0.005)
+        await pub.flush()
+
+    await publish(100)
+    assert h.cut_link("a")
+    await publish(300)  # queued behind the cut at h while the failure is detected
+    await eventually(lambda: "a" not in h.links and "h" not in a.links)
+    assert set(a.links) == {"c"} and set(h.links) == {"c", "d"}
+    assert a.links["c"].promoted  # the standby link, no dial
+    await publish(100)
+    got = [m.seq for m in await collect(sub, n)]
+    assert got == list(range(1, n + 1))  # none lost, duplicated or reordered
+
+    # Both ends told it apart from a death (no fence), detoured the link, one decided.
+    for x, peer, witness in ((a, "h", "c"), (h, "a", "c")):
+        rec = x.sessions.link_repairs[-1]
+        assert rec["peer"] == peer and rec["witness"] == witness and rec["detoured"], rec
+        assert rec["closed_at"] is not None and not x.sessions.fenced
+    assert a.sessions.link_repairs[-1]["path"] == ["a", "h", "c"]
+    assert h.sessions.link_repairs[-1]["xid"] is None  # the other end decides
+    text = a.metrics.render().decode()
+    assert 'canopy_link_repairs_total{outcome="exchange"} 1.0' in text
+    assert "canopy_link_failures_total 1.0" in text and "canopy_peer_failures_total 0.0" in text
+    assert "canopy_link_detours_total 1.0" in h.metrics.render().decode()
+    assert a.status()["link_repairs"][-1]["xid"] == a.sessions.link_repairs[-1]["xid"]
+    await pub.close()
+    await sub.close()
+
+
+async def test_without_cycles_a_cut_link_is_taken_for_a_death(make_broker: MakeBroker) -> None:
+    """The control: ``cycle_bound=0`` turns link-failure repair off; the same cut makes each
+    end declare the other dead and fence it, as before."""
+    brokers = await cut_star(make_broker, cycle_bound=0)
+    a, h = brokers["a"], brokers["h"]
+    assert h.cut_link("a")
+    await eventually(lambda: "a" in h.sessions.fenced and "h" in a.sessions.fenced)
+    assert not a.sessions.link_repairs and not h.sessions.link_repairs
+    assert a.status()["cycles"]["bound"] == 0 and not cycles_known(a)
+
+
+async def test_a_silent_peer_nobody_hears_is_dead(make_broker: MakeBroker) -> None:
+    """A stopped hub: its leaves ask each other, nobody hears it, so it is dead and fenced."""
+    brokers = await cut_star(make_broker)
+    a, c, d, h = (brokers[n] for n in "acdh")
+    await h.stop(flush_timeout=0.1)
+    await eventually(lambda: all("h" in x.sessions.fenced for x in (a, c, d)))
+    assert not any(x.sessions.link_repairs for x in (a, c, d))
