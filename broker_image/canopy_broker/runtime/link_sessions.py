@@ -337,6 +337,7 @@ class LinkSessions:
                 self._opened_how[peer] = "promoted" if link.promoted else "dialed"
                 if link.conn is not None:
                     link.conn.release("unopened")  # its data waited for this
+                    link.last_heard = self.host.now()  # unread on purpose: its clock restarts
                 self.host.mark_dirty(link)
                 return
             # What is left of an earlier instance of this link: still flushing what that
@@ -906,7 +907,7 @@ class LinkSessions:
         witnesses = {
             lk.peer: lk.conn
             for lk in [*self.links.values(), *self.standby.values()]
-            if lk.conn is not None and lk.peer != peer
+            if lk.conn is not None and not lk.conn.held and lk.peer != peer
         }
         asked = set(witnesses)
         if not asked:
