@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cycle-period",
         type=float,
         default=2.0,
-        help="cycle detection rounds, s (numbered from the wall clock: keep clocks in sync)",
+        help="cycle detection rounds, s (numbered from the wall clock: keep clocks in sync); "
+        "0: no rounds (no cycle is known, so a failed link waits for its connection)",
     )
     s.add_argument(
         "--probe-interval",

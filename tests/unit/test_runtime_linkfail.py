@@ -130,3 +130,34 @@ async def test_a_silent_peer_nobody_hears_is_dead(make_broker: MakeBroker) -> No
     await h.stop(flush_timeout=0.1)
     await eventually(lambda: all("h" in x.sessions.fenced for x in (a, c, d)))
     assert not any(x.sessions.link_repairs for x in (a, c, d))
+
+
+async def test_without_a_known_cycle_a_cut_link_waits_unfenced(make_broker: MakeBroker) -> None:
+    """No detection round runs (``cycle_period=0``), so no cycle is known: the
+    cut is still told from a death (c hears both ends), nobody is fenced, nothing is detoured,
+    and the link's traffic waits for it; healed, the session resumes and delivers it all."""
+    brokers = await star(make_broker, cycle_period=0)
+    a, c, d, h = (brokers[n] for n in "acdh")
+    await eventually(lambda: standby_up(a, "c") and standby_up(c, "d"))
+    sub = await connect(addr(a), client_id="s")
+    await sub.subscribe("n >= 0", sub_id="all")
+    await eventually(lambda: d.core.routing_table_size() > 0)
+    pub = await connect(addr(d), client_id="p")
+    assert h.cut_link("a")
+    for i in range(1, 101):
+        pub.publish_nowait({"n": i})
+    await pub.flush()
+    await eventually(lambda: bool(a.sessions.link_repairs and h.sessions.link_repairs))
+    for x in (a, h):
+        rec = x.sessions.link_repairs[-1]
+        assert rec["xid"] is None and "no known small cycle" in rec["reason"], rec
+        assert not rec["detoured"] and not x.sessions.fenced
+        assert 'canopy_link_repairs_total{outcome="none"} 1.0' in x.metrics.render().decode()
+    await asyncio.sleep(0.5)  # asked about again after each timeout: still alive, still waiting
+    assert "a" in h.links and not h.sessions.fenced and len(h.sessions.link_repairs) == 1
+    assert h.heal_link("a")
+    got = [m.seq for m in await collect(sub, 100)]
+    assert got == list(range(1, 101))
+    assert set(h.links) == {"a", "c", "d"} and not h.links["a"].detoured
+    await pub.close()
+    await sub.close()

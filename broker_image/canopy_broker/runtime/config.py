@@ -45,4 +45,4 @@ class BrokerConfig:
     # link are looked for, and a link that fails while its peer is alive is exchanged onto one.
     # Below 3 (no cycle that small): off, a link failure is taken for a death as before.
     cycle_bound: int = 4
-    cycle_period: float = 2.0  # cycle detection rounds, s (numbered from the wall clock)
+    cycle_period: float = 2.0  # detection rounds, s (from the wall clock); 0: none, nothing known
