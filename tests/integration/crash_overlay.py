@@ -5,6 +5,8 @@ brokers' status."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -138,13 +140,39 @@ async def repair_records(
             await asyncio.sleep(0.02)
 
 
-async def assert_all_delivered(received: dict[str, list[Notification]], last: int) -> None:
-    """Every subscriber gets 1..last once and in order (waiting for stragglers first)."""
+async def kill(brokers: dict[str, BrokerProc], name: str, *, frozen_for: float = 0.0) -> None:
+    """SIGKILL ``name`` (removed from ``brokers``); ``frozen_for``: SIGSTOP it that long first,
+    so that what its clients send meanwhile is in its socket buffers, taken by the kernel and
+    never by the broker."""
+    victim = brokers.pop(name)
+    if frozen_for:
+        os.kill(victim.pid, signal.SIGSTOP)
+        await asyncio.sleep(frozen_for)
+    victim.kill()
+    await victim.stop()
+
+
+def verdict(
+    got: list[Notification], last: int, publisher: str | None = None
+) -> tuple[list[int], bool]:
+    """(missed sequence numbers, exactly 1..last once and in order) for ``publisher``'s
+    notifications (None: all of them, which must then be one publisher's)."""
+    seqs = [n.seq for n in got if publisher is None or n.publisher == publisher]
+    missed = sorted(set(range(1, last + 1)) - set(seqs))
+    return missed, seqs == list(range(1, last + 1))
+
+
+async def wait_for_last(received: dict[str, list[Notification]], last: int) -> None:
+    """Until every subscriber's latest notification is ``last`` or later (20 s at most)."""
     async with asyncio.timeout(20):
         while any(not r or r[-1].seq < last for r in received.values()):  # noqa: ASYNC110
             await asyncio.sleep(0.05)
+
+
+async def assert_all_delivered(received: dict[str, list[Notification]], last: int) -> None:
+    """Every subscriber gets 1..last once and in order (waiting for stragglers first)."""
+    await wait_for_last(received, last)
     for sub, got in received.items():
-        seqs = [n.seq for n in got]
-        missed = sorted(set(range(1, last + 1)) - set(seqs))
+        missed, exact = verdict(got, last)
         assert not missed, f"{sub} missed {len(missed)}: {missed[:10]}..."
-        assert seqs == list(range(1, last + 1)), f"{sub}: duplicated or reordered"
+        assert exact, f"{sub}: duplicated or reordered"

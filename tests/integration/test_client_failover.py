@@ -17,23 +17,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 
 import pytest
 
-from canopy_broker.client import Client, Gap, Notification, connect
-from canopy_broker.procs import BrokerProc, wait_settled
-from tests.integration.crash_overlay import FILTER, SUBSCRIBERS, close_all, start, subscribe_all
+from canopy_broker.client import Client, Gap, connect
+from canopy_broker.procs import wait_settled
+from tests.integration.crash_overlay import (
+    FILTER,
+    SUBSCRIBERS,
+    close_all,
+    drain,
+    kill,
+    start,
+    subscribe_all,
+    verdict,
+    wait_for_last,
+)
 
 pytestmark = pytest.mark.integration
-
-
-async def drain(client: Client, into: list[Notification]) -> None:
-    while batch := await client.receive(1000):
-        into.extend(batch)
 
 
 async def publish_steadily(pub: Client, stop: asyncio.Event, published: list[int]) -> None:
@@ -45,30 +48,6 @@ async def publish_steadily(pub: Client, stop: asyncio.Event, published: list[int
             await pub.publish({"n": n})
             published.append(n)
         await asyncio.sleep(0.01)
-
-
-async def kill(brokers: dict[str, BrokerProc], name: str, *, frozen_for: float = 0.0) -> None:
-    """SIGKILL ``name``; ``frozen_for``: SIGSTOP it that long first, so that what its clients
-    send meanwhile is in its socket buffers, taken by the kernel and never by the broker."""
-    victim = brokers.pop(name)
-    if frozen_for:
-        os.kill(victim.pid, signal.SIGSTOP)
-        await asyncio.sleep(frozen_for)
-    victim.kill()
-    await victim.stop()
-
-
-def verdict(got: list[Notification], publisher: str, last: int) -> tuple[list[int], bool]:
-    """(missed sequence numbers, exactly once and in order) for one publisher's 1..last."""
-    seqs = [n.seq for n in got if n.publisher == publisher]
-    missed = sorted(set(range(1, last + 1)) - set(seqs))
-    return missed, seqs == list(range(1, last + 1))
-
-
-async def wait_for_all(received: dict[str, list[Notification]], last: int) -> None:
-    async with asyncio.timeout(20):
-        while any(not r or r[-1].seq < last for r in received.values()):  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
 
 
 async def test_the_subscriber_of_a_killed_broker_fails_over_and_misses_nothing(
@@ -104,13 +83,13 @@ async def test_the_subscriber_of_a_killed_broker_fails_over_and_misses_nothing(
         await publisher
         await pub.flush()
         last = published[-1]
-        await wait_for_all(received, last)
+        await wait_for_last(received, last)
 
         assert orphan.failovers == 1
         assert orphan.broker in {"b1", "b4", "b5"}  # one of b3's neighbours, named in its hello
         assert gaps == [], [str(g) for g in gaps]
         for sub, got in received.items():
-            missed, exact = verdict(got, "p", last)
+            missed, exact = verdict(got, last, "p")
             assert not missed, f"{sub} missed {len(missed)}: {missed[:10]}"
             assert exact, f"{sub}: duplicated or reordered"
 
@@ -153,9 +132,9 @@ async def publisher_on_the_victim(
         last = published[-1]
         missed: dict[str, list[int]] = {}
         with contextlib.suppress(TimeoutError):  # the negative control never gets all
-            await wait_for_all(received, last)
+            await wait_for_last(received, last)
         for sub, got in received.items():
-            missing, exact = verdict(got, "p", last)
+            missing, exact = verdict(got, last, "p")
             missed[sub] = missing
             assert exact or missing, f"{sub}: duplicated or reordered"
         await close_all([pub, *clients.values()], drains)
