@@ -388,7 +388,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
             raise ValueError(str(exc)) from None
         self._seq += 1
         body = orjson.dumps(checked)
-        if failing_over or self._conn is None or self._conn.answer.get("acks"):
+        if failing_over or self._conn is None or self._conn.acks:
             self._unacked.append((self._seq, body))
         if conn is not None:
             conn.send(b"[12,%d," % self._seq + body + b"]")

@@ -66,6 +66,7 @@ class BrokerConnection(FrameProtocol):
         self.flush_handle: asyncio.Handle | None = None
         self.redirect: tuple[str, str] | None = None  # (target, address) the broker asked for
         self.answer: dict[str, Any] = {}  # the broker's hello
+        self.acks = False  # the broker acknowledges publications (its hello says so)
         self.resuming_from = ""  # a failover's connection: the broker it replaces
 
     @classmethod
@@ -133,6 +134,7 @@ class BrokerConnection(FrameProtocol):
 
     def hello_received(self, hello: dict[str, Any]) -> None:
         self.answer = hello
+        self.acks = bool(hello.get("acks"))
         self.broker = str(hello.get("name", ""))
         self.routing = str(hello.get("routing", ""))
         if not self.ready.done():
