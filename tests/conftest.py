@@ -14,10 +14,19 @@ from collections.abc import AsyncIterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+# CI's examples are the same on every run (derandomize): a red CI then means the change, not
+# the draw; `thorough` explores new examples (and found the open fault-schedule bug, see the
+# note on issue 12).
 settings.register_profile(
-    "default", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+    "default",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+    derandomize=True,
 )
-settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=1000)
+settings.register_profile(
+    "thorough", parent=settings.get_profile("default"), max_examples=1000, derandomize=False
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
