@@ -205,6 +205,16 @@ def test_retention_at_its_limit_drops_only_what_is_past_the_horizon() -> None:
     assert not r.pressing(20.0) and r.depth() == 0  # past the window: all aged out
 
 
+def test_retention_covers_a_resume_only_from_after_what_it_dropped_early() -> None:
+    r = Retention(window=10.0, limit=2, horizon=1.0)
+    for i, t in enumerate((1.0, 1.5, 4.0)):  # the one kept at 1.0 goes at the limit
+        r.keep("x", t, Event("p", i + 1, {}))
+    assert r.dropped == 1 and r.dropped_until == 1.0
+    assert not r.covers(0.5, 5.0) and not r.covers(1.0, 5.0)  # the dropped one is owed
+    assert r.covers(1.2, 5.0) and r.covers(4.0, 5.0)  # everything since is still kept
+    assert not r.covers(1.2, 12.0)  # but not past the window
+
+
 def test_standby_peers_are_the_chain_links_of_every_single_failure() -> None:
     # b's neighbours: x (whose neighbours are a, b, c) and y (whose neighbours are b, z).
     lists = {"x": ("a", "b", "c"), "y": ("b", "z")}

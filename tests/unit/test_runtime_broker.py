@@ -339,6 +339,28 @@ async def test_link_garbage_closes_only_the_link(make_broker: MakeBroker) -> Non
     assert a.ready
 
 
+@pytest.mark.parametrize("bye", ["removed", "closed", None])
+async def test_late_resume_of_an_ended_session_is_told_the_link_is_gone(
+    make_broker: MakeBroker, bye: str | None
+) -> None:
+    """A session that ended here (removed, closed after an exchange, or dropped) is answered
+    ``link-removed``, not ``unknown-session``: the latter makes the dialer start a fresh
+    session, which here would displace a newer instance of the same link (seen with link
+    exchanges back and forth while the old instance's dialer was still reconnecting)."""
+    a = await make_broker("a")
+    hello = {"v": 1, "role": "link", "name": "x", "session": "s1", "resume": False, "last_rx": 0}
+    reader, writer = await raw_connection(a)
+    writer.write(control_frame(0, hello))
+    await eventually(lambda: "x" in a.links and a.links["x"].conn is not None)
+    a.sessions.drop(a.links["x"], bye=bye)
+    await closed_by_peer(reader, writer)
+    reader, writer = await raw_connection(a)
+    writer.write(control_frame(0, {**hello, "resume": True, "last_rx": 0}))
+    said = await closed_by_peer(reader, writer)
+    assert b'"link-removed"' in said and b'"unknown-session"' not in said
+    assert "x" not in a.links and a.ready
+
+
 async def test_resume_of_an_unknown_session_is_refused(make_broker: MakeBroker) -> None:
     a = await make_broker("a")
     reader, writer = await raw_connection(a)

@@ -31,6 +31,7 @@ applies the results to the routing state.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -151,6 +152,9 @@ class Retention:
         self._taken: dict[str, deque[tuple[float, Event]]] = {}
         self.origin = origin  # when this broker started keeping: it holds nothing from before
         self.dropped = 0  # entries dropped at the limit before the window ended (still safe)
+        # When the newest of those was forwarded: a resume from before it may miss something,
+        # one from after it is served in full.
+        self.dropped_until = -math.inf
 
     @property
     def enabled(self) -> bool:
@@ -166,8 +170,9 @@ class Retention:
             kept.popleft()
         young = now - self.horizon
         while len(kept) > self.limit and kept[0][0] < young:
-            kept.popleft()
+            when, _ = kept.popleft()
             self.dropped += 1
+            self.dropped_until = max(self.dropped_until, when)
         if self._taken:
             for dead in [p for p, k in self._taken.items() if k[-1][0] < oldest]:
                 del self._taken[dead]
@@ -212,9 +217,11 @@ class Retention:
         return [e for _, e in found]
 
     def covers(self, t: float, now: float) -> bool:
-        """Everything forwarded since ``t`` is still kept (the window reaches back that far
-        and this broker was already keeping then)."""
-        return self.enabled and t >= now - self.window and t >= self.origin and self.dropped == 0
+        """Everything forwarded since ``t`` is still kept: the window reaches back that far,
+        this broker was already keeping then, and nothing forwarded since was dropped early."""
+        return (
+            self.enabled and t >= now - self.window and t >= self.origin and t > self.dropped_until
+        )
 
     def depth(self) -> int:
         return sum(len(k) for k in self.by_peer.values())

@@ -66,6 +66,7 @@ import math
 import random
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -125,6 +126,10 @@ started by reshapings within it; the next period's round is newer than all of th
 
 MAX_LINK_REPAIR_RECORDS = 10
 
+ENDED_SESSIONS_KEPT = 256
+"""Ended link sessions remembered to answer late resumes (an exchange loop ends one per swap;
+a resume comes within a reconnect backoff, so a few hundred cover any realistic pace)."""
+
 
 @dataclass
 class _Check:
@@ -182,7 +187,10 @@ class LinkSessions:
         self.links: dict[str, Link] = {}
         self.channels_out: dict[str, Link] = {}  # out-of-band control channels we dialed
         self.channels_in: dict[str, Link] = {}  # ... and those other brokers dialed
-        self._removed: dict[str, str] = {}  # peer -> session removed here (answers a late resume)
+        # Link sessions that ended here, removed or closed, newest last (bounded): a late
+        # resume of one is told ``link-removed``, never ``unknown-session``, which would make
+        # its dialer start a fresh session that displaces the link's current instance.
+        self._ended: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._retired: dict[str, Link] = {}  # closing links displaced by a re-opened one
         # Neighbours declared dead, by the incarnation (process) that died: that process is
         # refused if it comes back (paused, partitioned); a restarted one is a new member.
@@ -249,7 +257,6 @@ class LinkSessions:
         link.m_msgs_out = m.link_messages.labels(peer, "out")
         link.m_bytes_in = m.link_bytes.labels(peer, "in")
         link.m_bytes_out = m.link_bytes.labels(peer, "out")
-        self._removed.pop(peer, None)
 
     # ------------------------------------------------------------------ declared links
 
@@ -293,8 +300,10 @@ class LinkSessions:
             self._detour_ended(link)
         conn = link.remove()
         link.farewell = bye
-        if link.kind == "link" and bye == "removed":
-            self._removed[link.peer] = link.session
+        if link.kind == "link" and link.session:
+            self._ended[(link.peer, link.session)] = None
+            if len(self._ended) > ENDED_SESSIONS_KEPT:
+                self._ended.popitem(last=False)
         if link.dial_task is not None and link.dial_task is not asyncio.current_task():
             link.dial_task.cancel()
         host.unpressure(link)
@@ -720,7 +729,7 @@ class LinkSessions:
             self._up(link, conn, hello)
             return
         if hello.get("resume"):
-            removed = kind == "link" and self._removed.get(peer) == session
+            removed = kind == "link" and (peer, session) in self._ended
             code = "link-removed" if removed else "unknown-session"
             raise FrameError(f"no {kind} session {session[:8]} with {peer}", code)
         if (
@@ -791,6 +800,11 @@ class LinkSessions:
                     self.name,
                     link.peer,
                 )
+            self.drop(link, bye=None)
+        elif code == "unknown-session" and link.closing:
+            # A closing link whose session the peer no longer has: it restarted, or it ended
+            # the session before our goodbye came. Nothing is left to flush to it, and a fresh
+            # session would displace the link's current instance there: let it go.
             self.drop(link, bye=None)
         elif code == "unknown-session" and not link.removed:  # the peer lost our session
             if link.established and not link.opened:

@@ -684,6 +684,10 @@ class Simulator:
             m = self._migrations.get(client)
             if b == broker or (m is not None and not m.marker and broker in (m.old, m.new)):
                 self.victims.add(client)
+            if m is not None and not m.marker and broker == m.new and m.old not in self.crashed:
+                # The client library gives up waiting for the marker and leaves the old
+                # broker (then fails over from the dead one): its subscriptions there go.
+                self._issue_now(client, ClientDetach(client), m.old)
         self._repairing[broker] = set()
         token = f"repair:{broker}"
         for _, overlapped in self._unsettled:

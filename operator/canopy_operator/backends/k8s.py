@@ -27,7 +27,7 @@ import os
 import secrets
 import ssl
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -1323,14 +1323,15 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         idle=config.heal_interval,
         registry=registry,
     )
-    async def on_timer(namespace: str | None, name: str | None, **_: Any) -> None:
+    async def on_timer(namespace: str | None, name: str | None, **kwargs: Any) -> None:
+        stopped: kopf.DaemonStopped = kwargs["stopped"]  # kopf gives timers this kwarg too
         assert namespace and name
         lock = config.lock(namespace, name)
         if lock.locked() or config.stopping:  # a reconcile is running; it converges anyway
             return
         async with lock:
             try:
-                await heal(config, api(), namespace, name)
+                await _unless_stopped(heal(config, api(), namespace, name), stopped)
             except (aiohttp.ClientError, OSError, AdminError, KubeError, TimeoutError) as exc:
                 # A broker restarting under the heal (its old address gone, the new one not
                 # up yet) is the normal case here, not a fault: the next tick looks again.
@@ -1350,6 +1351,22 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
     return registry
 
 
+async def _unless_stopped(work: Coroutine[Any, Any, None], stopped: kopf.DaemonStopped) -> None:
+    """Run ``work`` until it ends or kopf stops the timer that runs it. kopf never cancels a
+    timer: on exit it waits a moment (``instant_exit_timeout``) and then leaves it orphaned,
+    with its HTTP sessions open. A heal waiting for a broker must give up at once instead."""
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(stopped.wait())
+    try:
+        await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        task.cancel()  # nothing if it is done
+        await asyncio.gather(stop, task, return_exceptions=True)
+    if not task.cancelled():
+        task.result()  # its exception, if any, is the caller's
+
+
 async def run_operator(
     config: OperatorConfig,
     *,
@@ -1367,6 +1384,9 @@ async def run_operator(
     if not hard_exit:
         settings.process.ultimate_exiting_timeout = None
     settings.peering.standalone = True
+    # Timers are never cancelled by kopf: it waits this long for them to notice ``stopped``
+    # (the heal does, and cancels its own work) before it leaves them orphaned.
+    settings.background.instant_exit_timeout = 5.0
     # kopf's own bookkeeping in annotations, never in status (the CRD has no field for it) and
     # never in spec. Not under canopy.dev/ itself: kopf ignores every annotation under its own
     # prefix when it looks for changes, and canopy.dev/approve must be seen.
