@@ -3,16 +3,24 @@
 * Hypothesis profiles: CI runs ``default``; ``HYPOTHESIS_PROFILE=thorough`` runs more examples.
 * Async tests must not leak asyncio tasks: a task still pending when the test ends is a bug
   (a forgotten reader, an unawaited close), so the fixture below cancels it and fails the test.
+* Security is on in every test (issue 14): one CA for the session, named by ``$CANOPY_PKI``,
+  from which every broker process gets its certificate and every client its credentials
+  (``Credentials.from_env``). A test that wants plaintext says so (``insecure=True``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from canopy_broker.client.credentials import ENV_PKI
+from canopy_broker.pki import LocalPki
 
 # CI's examples are the same on every run (derandomize): a red CI then means the change, not
 # the draw; `thorough` explores new examples (and found the open fault-schedule bug, see the
@@ -40,6 +48,17 @@ async def no_leaked_tasks() -> AsyncIterator[None]:
     for t in leaked:
         t.cancel()
     assert not leaked, f"test leaked {len(leaked)} asyncio task(s): {leaked}"
+
+
+_PKI_ROOT = tempfile.mkdtemp(prefix="canopy-test-pki-")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    os.environ[ENV_PKI] = str(LocalPki(os.path.join(_PKI_ROOT, "pki")).ensure().dir)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    shutil.rmtree(_PKI_ROOT, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -6,6 +6,7 @@ shares across many brokers (the operator does: one connection pool for the whole
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import aiohttp
@@ -22,10 +23,10 @@ class AdminError(Exception):
         self.message = message
 
 
-def base_url(address: str) -> str:
-    """``HOST:PORT`` or a full ``http://`` URL -> URL without trailing slash."""
+def base_url(address: str, tls: bool = False) -> str:
+    """``HOST:PORT`` or a full URL -> URL without trailing slash (https with ``tls``)."""
     if "://" not in address:
-        address = "http://" + address
+        address = ("https://" if tls else "http://") + address
     return address.rstrip("/")
 
 
@@ -39,8 +40,12 @@ class AdminClient(AsyncClosing):
         *,
         session: aiohttp.ClientSession | None = None,
         timeout: float = 10.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        self.url = base_url(address)
+        """``tls``: the context that verifies the broker's certificate (the overlay's CA);
+        the admin API of a broker started with TLS speaks HTTPS only."""
+        self.url = base_url(address, tls is not None)
+        self._ssl: ssl.SSLContext | bool = tls if tls is not None else True
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._own_session = session is None
         self._session = session
@@ -73,7 +78,13 @@ class AdminClient(AsyncClosing):
         if waits and timeout.total is not None:
             timeout = aiohttp.ClientTimeout(total=timeout.total + waits)
         async with self._sess().request(
-            method, url, json=json, headers=self._headers, params=params, timeout=timeout
+            method,
+            url,
+            json=json,
+            headers=self._headers,
+            params=params,
+            timeout=timeout,
+            ssl=self._ssl,
         ) as resp:
             if resp.status not in ok:
                 text = await resp.text()

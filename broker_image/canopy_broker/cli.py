@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from aiohttp import web
 
@@ -27,6 +28,7 @@ from canopy_broker.core.messages import RoutingMode
 from canopy_broker.runtime.admin import make_admin_app
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import parse_address
+from canopy_broker.runtime.security import SecurityError, TlsFiles
 from canopy_broker.runtime.server import Broker
 
 READY_PREFIX = "CANOPY_READY "
@@ -133,8 +135,53 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="RTT probes to non-neighbour brokers of the address book, s (0: off)",
     )
+    sec = s.add_argument_group("security (docs/security.md)")
+    sec.add_argument(
+        "--tls-dir",
+        help="directory with ca.crt, tls.crt and tls.key (a Kubernetes TLS Secret's layout)",
+    )
+    sec.add_argument("--tls-ca", help="the overlay's CA certificate (PEM)")
+    sec.add_argument("--tls-cert", help="this broker's certificate (PEM, canopy://broker/NAME)")
+    sec.add_argument("--tls-key", help="this broker's private key (PEM)")
+    sec.add_argument(
+        "--policy",
+        help="client policy (YAML): principals, their client ids, publish and subscribe filters;"
+        " re-read when it changes",
+    )
+    sec.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run without TLS: anybody who reaches a port may link, publish and subscribe",
+    )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
+
+
+def resolve_tls(args: argparse.Namespace) -> TlsFiles | None:
+    """TLS material from the flags; exits with a clear message if there is none and
+    ``--insecure`` was not given, or if a file is missing."""
+    if args.tls_dir:
+        d = Path(args.tls_dir)
+        files = TlsFiles(d / "ca.crt", d / "tls.crt", d / "tls.key")
+    elif args.tls_ca or args.tls_cert or args.tls_key:
+        if not (args.tls_ca and args.tls_cert and args.tls_key):
+            sys.exit("canopy-broker: --tls-ca, --tls-cert and --tls-key go together")
+        files = TlsFiles(Path(args.tls_ca), Path(args.tls_cert), Path(args.tls_key))
+    elif args.insecure:
+        logging.getLogger("canopy.broker").warning(
+            "INSECURE: no TLS; links, clients and the admin API are in plaintext and "
+            "unauthenticated (anybody who reaches the port may join the overlay)"
+        )
+        return None
+    else:
+        sys.exit(
+            "canopy-broker: no TLS material: pass --tls-dir or --tls-ca/--tls-cert/--tls-key "
+            "(`canopy up` creates them), or --insecure for plaintext"
+        )
+    try:
+        return files.check()
+    except SecurityError as exc:
+        sys.exit(f"canopy-broker: {exc}")
 
 
 def resolve_token(args: argparse.Namespace) -> str | None:
@@ -154,6 +201,7 @@ def resolve_token(args: argparse.Namespace) -> str | None:
 
 async def serve(args: argparse.Namespace) -> int:
     token = resolve_token(args)
+    tls = resolve_tls(args)
     host, port = parse_address(args.listen)
     admin_host, admin_port = parse_address(args.admin)
     config = BrokerConfig(
@@ -178,12 +226,20 @@ async def serve(args: argparse.Namespace) -> int:
         client_hard_cap=args.client_queue_limit,
         max_subscriptions=args.max_subscriptions,
         max_connections_per_source=args.max_connections_per_source,
+        tls=tls,
+        policy_file=args.policy,
     )
-    broker = Broker(config)
+    try:
+        broker = Broker(config)
+    except SecurityError as exc:
+        sys.exit(f"canopy-broker: {exc}")
     await broker.start()
     runner = web.AppRunner(make_admin_app(broker, token), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, admin_host, admin_port)
+    # The admin API speaks HTTPS with the broker's certificate when TLS is on (bearer token
+    # inside); clients are not asked for a certificate there.
+    admin_tls = tls.server_context() if tls is not None else None
+    site = web.TCPSite(runner, admin_host, admin_port, ssl_context=admin_tls)
     await site.start()
     assert broker.address is not None
     admin_sock = runner.addresses[0]
@@ -196,6 +252,7 @@ async def serve(args: argparse.Namespace) -> int:
         "listen": f"{broker.address[0]}:{broker.address[1]}",
         "admin": f"{admin_sock[0]}:{admin_sock[1]}",
         "routing": broker.core.mode.value,
+        "tls": tls is not None,
         "pid": os.getpid(),
     }
     print(READY_PREFIX + json.dumps(ready), flush=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from canopy_broker.client import ClientError, Gap, connect
+from canopy_broker.client.credentials import Credentials
 from canopy_broker.core.events import Value
 
 _INT = re.compile(r"[-+]?\d+")
@@ -86,11 +87,14 @@ async def run_pub(
     out: TextIO = sys.stderr,
     failover_within: float = 5.0,
     ack_timeout: float = 10.0,
+    credentials: Credentials | None = None,
 ) -> int:
     """Publish ``events`` ``count`` times each (or one event per line of ``stdin``), at ``rate``
     events per second if given, then wait until the overlay acknowledged all of them (so a
     broker lost right after the last publish loses nothing). Returns how many were published."""
-    client = await connect(broker, client_id=client_id, failover_within=failover_within)
+    client = await connect(
+        broker, client_id=client_id, failover_within=failover_within, credentials=credentials
+    )
     async with client:
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -134,11 +138,16 @@ async def run_sub(
     client_id: str | None = None,
     out: TextIO = sys.stdout,
     failover_within: float = 5.0,
+    credentials: Credentials | None = None,
 ) -> int:
     """Subscribe to ``filters`` and print notifications until ``count`` arrived (or forever).
     Failovers and gaps are told on stderr."""
     client = await connect(
-        broker, client_id=client_id, failover_within=failover_within, on_gap=_report_gap
+        broker,
+        client_id=client_id,
+        failover_within=failover_within,
+        on_gap=_report_gap,
+        credentials=credentials,
     )
     async with client:
         for f in filters:
@@ -220,6 +229,53 @@ def _add_broker_arguments(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds to look for another broker when ours is lost (0: never; default 5)",
     )
+    sec = p.add_argument_group(
+        "credentials (default: --overlay's, else $CANOPY_CA/CERT/KEY/TOKEN or $CANOPY_PKI, "
+        "else the only overlay under --state-dir)"
+    )
+    sec.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".canopy"),
+        help="where `canopy up` keeps its overlays (default .canopy)",
+    )
+    sec.add_argument("--ca", type=Path, help="the overlay's CA certificate (PEM)")
+    sec.add_argument("--cert", type=Path, help="client certificate (PEM, canopy://client/NAME)")
+    sec.add_argument("--key", type=Path, help="the client certificate's key (PEM)")
+    sec.add_argument("--token", help="bearer token (with --ca; or $CANOPY_TOKEN)")
+    sec.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext, no credentials (only brokers started with --insecure accept it)",
+    )
+
+
+def credentials_of(args: argparse.Namespace) -> Credentials:
+    """The client's credentials from the flags (see :func:`_add_broker_arguments`)."""
+    if args.insecure:
+        print("canopy: INSECURE: plaintext, nothing authenticated or encrypted", file=sys.stderr)
+        return Credentials()
+    if args.ca or args.cert or args.key or args.token:
+        if args.ca is None:
+            raise ValueError("--cert, --key and --token need --ca (the overlay's CA)")
+        if (args.cert is None) != (args.key is None):
+            raise ValueError("--cert and --key go together")
+        return Credentials(args.ca, args.cert, args.key, args.token)
+    if args.overlay:
+        pki = Path(args.overlay) / "pki"
+        if pki.is_dir():
+            return Credentials.from_pki(pki)
+    env = Credentials.from_env()
+    if env.secure or env.token:
+        return env
+    found = sorted(p.parent for p in Path(args.state_dir).glob("*/pki/ca.pem"))
+    if len(found) == 1:
+        return Credentials.from_pki(found[0])
+    where = f"{len(found)} overlays" if found else "no overlay"
+    raise ValueError(
+        f"no credentials: {where} under {args.state_dir}; pass --overlay STATE_DIR, "
+        "--ca with --cert/--key or --token, or --insecure"
+    )
 
 
 def brokers_of(args: argparse.Namespace) -> list[str]:
@@ -239,6 +295,7 @@ def _pub_command(args: argparse.Namespace) -> int:
     try:
         events = [parse_event(args.event)] if args.event else None
         brokers = brokers_of(args)
+        credentials = credentials_of(args)
     except ValueError as exc:
         print(f"canopy pub: {exc}", file=sys.stderr)
         return 2
@@ -251,6 +308,7 @@ def _pub_command(args: argparse.Namespace) -> int:
             client_id=args.client_id,
             failover_within=args.failover_within,
             ack_timeout=args.ack_timeout,
+            credentials=credentials,
         )
     )
 
@@ -258,6 +316,7 @@ def _pub_command(args: argparse.Namespace) -> int:
 def _sub_command(args: argparse.Namespace) -> int:
     try:
         brokers = brokers_of(args)
+        credentials = credentials_of(args)
     except ValueError as exc:
         print(f"canopy sub: {exc}", file=sys.stderr)
         return 2
@@ -269,5 +328,6 @@ def _sub_command(args: argparse.Namespace) -> int:
             as_json=args.json,
             client_id=args.client_id,
             failover_within=args.failover_within,
+            credentials=credentials,
         )
     )

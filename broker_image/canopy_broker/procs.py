@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import sys
 import tempfile
 from collections.abc import Awaitable, Iterable, Sequence
@@ -25,6 +26,8 @@ from typing import IO, Any
 import canopy_broker
 from canopy_broker.admin_client import AdminClient
 from canopy_broker.cli import READY_PREFIX
+from canopy_broker.client.credentials import ENV_PKI, Credentials
+from canopy_broker.pki import LocalPki
 
 Edge = tuple[str, str]
 
@@ -46,11 +49,14 @@ def broker_env(token: str | None = None) -> dict[str, str]:
 def serve_command(
     name: str,
     *,
+    pki: LocalPki | None,
     host: str = "127.0.0.1",
     routing: str = "covering",
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """`canopy-broker serve` on free ports of ``host`` (it reports them on stdout when ready)."""
+    """`canopy-broker serve` on free ports of ``host`` (it reports them on stdout when ready),
+    with its credentials from ``pki`` (None: ``--insecure``, plaintext)."""
+    security = pki.serve_args(name) if pki is not None else ["--insecure"]
     return [
         sys.executable,
         "-m",
@@ -64,6 +70,7 @@ def serve_command(
         f"{host}:0",
         "--routing",
         routing,
+        *security,
         *extra_args,
     ]
 
@@ -113,11 +120,12 @@ class BrokerProc:
     admin_address: str
     token: str
     log_path: Path | None
+    tls: ssl.SSLContext | None = None  # verifies the admin API's certificate
     admin: AdminClient = field(init=False)
     _log: IO[bytes] | None = None
 
     def __post_init__(self) -> None:
-        self.admin = AdminClient(self.admin_address, self.token)
+        self.admin = AdminClient(self.admin_address, self.token, tls=self.tls)
 
     @property
     def pid(self) -> int:
@@ -141,21 +149,39 @@ class BrokerProc:
             self.process.kill()
 
 
+class _FromEnv:
+    """The default of :func:`spawn_broker`'s ``pki``: the one ``$CANOPY_PKI`` names."""
+
+
+FROM_ENV = _FromEnv()
+
+
+def env_pki() -> LocalPki | None:
+    """The local PKI ``$CANOPY_PKI`` names (created if missing), or None."""
+    pki_dir = os.environ.get(ENV_PKI)
+    return LocalPki(pki_dir).ensure() if pki_dir else None
+
+
 async def spawn_broker(
     name: str,
     *,
+    pki: LocalPki | _FromEnv | None = FROM_ENV,
     token: str | None = None,
     routing: str = "covering",
     log_dir: Path | None = None,
     extra_args: Sequence[str] = (),
     ready_within: float = 30.0,
 ) -> BrokerProc:
-    """Start ``canopy-broker serve`` for ``name`` on free loopback ports; wait until it is ready."""
+    """Start ``canopy-broker serve`` for ``name`` on free loopback ports; wait until it is ready.
+    ``pki``: the overlay's credentials (None: plaintext, ``--insecure``; by default the PKI
+    ``$CANOPY_PKI`` names, plaintext if it is not set)."""
+    if isinstance(pki, _FromEnv):
+        pki = env_pki()
     token = token or secrets.token_urlsafe(16)
     log_path = (log_dir / f"{name}.log") if log_dir is not None else None
     log = log_path.open("wb") if log_path is not None else None
     process = await asyncio.create_subprocess_exec(
-        *serve_command(name, routing=routing, extra_args=extra_args),
+        *serve_command(name, pki=pki, routing=routing, extra_args=extra_args),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=log if log is not None else asyncio.subprocess.DEVNULL,
@@ -172,7 +198,10 @@ async def spawn_broker(
                 text = line.decode(errors="replace")
                 if text.startswith(READY_PREFIX):
                     info = json.loads(text[len(READY_PREFIX) :])
-        proc = BrokerProc(name, process, info["listen"], info["admin"], token, log_path, log)
+        tls = pki.verify_context() if pki is not None else None
+        proc = BrokerProc(
+            name, process, info["listen"], info["admin"], token, log_path, tls, _log=log
+        )
         async with asyncio.timeout(ready_within):
             while not await proc.admin.readyz():  # noqa: ASYNC110 - polling another process
                 await asyncio.sleep(0.05)
@@ -230,7 +259,12 @@ class Overlay:
         log_dir: Path | None = None,
         extra_args: Sequence[str] = (),
         token: str | None = None,
+        pki: LocalPki | None = None,
+        insecure: bool = False,
     ) -> None:
+        """``pki``: the overlay's credentials; by default the one ``$CANOPY_PKI`` names, else a
+        new one in a temporary directory (:attr:`credentials` are its clients'). ``insecure``:
+        plaintext brokers, no credentials at all."""
         self.names = list(names)
         self.edges = list(edges)
         self.routing = routing
@@ -242,6 +276,21 @@ class Overlay:
             log_dir = Path(self._tmp.name)
         self.log_dir = log_dir
         self.brokers: dict[str, BrokerProc] = {}
+        if insecure:
+            self.pki: LocalPki | None = None
+        elif pki is not None:
+            self.pki = pki.ensure()
+        elif os.environ.get(ENV_PKI):
+            self.pki = env_pki()
+        else:
+            if self._tmp is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="canopy-logs-")
+            self.pki = LocalPki(Path(self._tmp.name) / "pki").ensure()
+
+    @property
+    def credentials(self) -> Credentials:
+        """What a client of this overlay connects with (the local user's certificate)."""
+        return Credentials.from_pki(self.pki.dir) if self.pki is not None else Credentials()
 
     def __getitem__(self, name: str) -> BrokerProc:
         return self.brokers[name]
@@ -270,6 +319,7 @@ class Overlay:
     def _spawn(self, name: str) -> Awaitable[BrokerProc]:
         return spawn_broker(
             name,
+            pki=self.pki,
             token=self.token,
             routing=self.routing,
             log_dir=self.log_dir,

@@ -12,7 +12,7 @@ import random
 import pytest
 from pyspark.sql import SparkSession
 
-from canopy_broker.client import Client, connect
+from canopy_broker.client import Client, Credentials, connect
 from canopy_operator.backends.k8s import pod_name
 from canopy_operator.cli import build_parser
 from canopy_operator.commands import mine as minecmd
@@ -51,10 +51,10 @@ async def _traffic(cluster: Cluster) -> None:
     clients: list[Client] = []
     try:
         for broker in ("b0", "b5"):
-            c = await connect(address(broker), client_id=f"sub-{broker}")
+            c = await connect(address(broker), client_id=f"sub-{broker}", credentials=Credentials())
             await c.subscribe('symbol = "ACME"', sub_id="s")
             clients.append(c)
-        pub = await connect(address("b0"), client_id="pub")
+        pub = await connect(address("b0"), client_id="pub", credentials=Credentials())
         clients.append(pub)
         await asyncio.sleep(1.0)  # the subscriptions reach every broker
         rng = random.Random(1)

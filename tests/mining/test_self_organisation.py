@@ -84,11 +84,13 @@ async def test_linking_similar_interests_lowers_measured_hops(
         await apply(parse_overlay(m), m, backend, log=lambda _m: None)
         subs = {}
         for name, (broker, text) in FILTERS.items():
-            c = await connect(backend.address(broker), client_id=name)
+            c = await connect(
+                backend.address(broker), client_id=name, credentials=backend.credentials
+            )
             await c.subscribe(text, sub_id="s")
             subs[name] = c
             clients.append(c)
-        pub = await connect(backend.address("b0"), client_id="pub")
+        pub = await connect(backend.address("b0"), client_id="pub", credentials=backend.credentials)
         clients.append(pub)
         await asyncio.sleep(1.0)  # subscriptions reach every broker
         rng = random.Random(3)

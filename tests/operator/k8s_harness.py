@@ -290,6 +290,7 @@ class Kubelet:
         name = pod["metadata"]["name"]
         proc = await spawn_broker(
             labels[LABEL_BROKER],
+            pki=None,  # the Kubernetes path has no TLS yet (issue 14: the operator's part)
             token=self.token(labels[LABEL_OVERLAY]),
             log_dir=self.log_dir,
             extra_args=self.broker_args,
@@ -335,7 +336,11 @@ class Kubelet:
         await proc.stop()
         await asyncio.sleep(after)
         new = await spawn_broker(
-            proc.name, token=proc.token, log_dir=self.log_dir, extra_args=self.broker_args
+            proc.name,
+            pki=None,
+            token=proc.token,
+            log_dir=self.log_dir,
+            extra_args=self.broker_args,
         )
         self.procs[pod] = new
         self.endpoints[pod] = Endpoints(new.listen, new.admin_address)

@@ -21,6 +21,7 @@ import pytest
 
 from canopy_broker.client import Client, ClientError, connect
 from canopy_broker.core.filters import Filter
+from canopy_broker.procs import env_pki
 from canopy_broker.runtime.framing import (
     B_MARKER,
     B_MIGRATING,
@@ -66,7 +67,9 @@ class StubBroker:
         self._handlers: list[asyncio.Task[Any]] = []
 
     async def start(self) -> StubBroker:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        pki = env_pki()  # a stub broker of the session's overlay speaks TLS like a real one
+        tls = pki.broker(self.name).server_context() if pki is not None else None
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=tls)
         return self
 
     @property

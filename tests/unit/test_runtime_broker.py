@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from canopy_broker.client import Client, ClientError, ConnectionLost, Notification, connect
+from canopy_broker.client.credentials import Credentials
 from canopy_broker.core.events import is_sampled
+from canopy_broker.procs import env_pki
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import control_frame, frame
 from canopy_broker.runtime.server import Broker
@@ -28,8 +30,13 @@ MakeBroker = Callable[..., Awaitable[Broker]]
 async def make_broker() -> AsyncIterator[MakeBroker]:
     brokers: list[Broker] = []
 
+    pki = env_pki()  # the session's CA (tests/conftest.py): brokers speak TLS as deployed
+
     async def make(name: str, **config: Any) -> Broker:
         config.setdefault("heartbeat_interval", 0.2)
+        if pki is not None:
+            config.setdefault("tls", pki.broker(name))
+            config.setdefault("policy_file", str(pki.policy_path))
         b = Broker(BrokerConfig(name=name, **config))
         await b.start()
         brokers.append(b)
@@ -121,9 +128,26 @@ async def test_duplicate_client_id_is_refused(make_broker: MakeBroker) -> None:
         assert info.value.code == "client-id-in-use"
 
 
-async def raw_connection(b: Broker) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def raw_connection(
+    b: Broker, as_broker: str | None = None
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A hand-made connection, with the session's client certificate, or with the broker
+    certificate of ``as_broker`` (a link's end must show one)."""
     assert b.address is not None
-    return await asyncio.open_connection(*b.address)
+    creds = Credentials.from_env()
+    if as_broker is not None:
+        pki = env_pki()
+        assert pki is not None
+        files = pki.broker(as_broker)
+        creds = Credentials(files.ca, files.cert, files.key)
+    return await asyncio.open_connection(*b.address, ssl=creds.ssl_context())
+
+
+async def hang_up(writer: asyncio.StreamWriter) -> None:
+    """Go away at once, as a dead peer does (a reset): a TLS close would wait for the
+    broker's close_notify while the broker may still be writing to us."""
+    writer.transport.abort()
+    await asyncio.sleep(0)
 
 
 async def stuck_subscriber(b: Broker) -> asyncio.StreamWriter:
@@ -142,8 +166,7 @@ async def closed_by_peer(reader: asyncio.StreamReader, writer: asyncio.StreamWri
         async with asyncio.timeout(5):
             return await reader.read()
     finally:
-        writer.close()
-        await writer.wait_closed()
+        await hang_up(writer)
 
 
 @pytest.mark.parametrize(
@@ -241,8 +264,7 @@ async def test_slow_consumer_is_disconnected_and_publisher_keeps_going(
                 await pub.publish({"blob": "x" * 2000})
             total += 100
         assert b.metrics.slow_consumers._value.get() == 1
-        writer.close()
-        await writer.wait_closed()
+        await hang_up(writer)
         await eventually(lambda: not b.status()["publishers_paused"])
         await pub.publish({"after": True})
         total += 1
@@ -326,7 +348,7 @@ async def test_restarted_peer_gets_a_fresh_session(make_broker: MakeBroker) -> N
 
 async def test_link_garbage_closes_only_the_link(make_broker: MakeBroker) -> None:
     a = await make_broker("a")
-    reader, writer = await raw_connection(a)
+    reader, writer = await raw_connection(a, as_broker="x")
     writer.write(
         control_frame(
             0, {"v": 1, "role": "link", "name": "x", "session": "s1", "resume": False, "last_rx": 0}
@@ -349,12 +371,12 @@ async def test_late_resume_of_an_ended_session_is_told_the_link_is_gone(
     exchanges back and forth while the old instance's dialer was still reconnecting)."""
     a = await make_broker("a")
     hello = {"v": 1, "role": "link", "name": "x", "session": "s1", "resume": False, "last_rx": 0}
-    reader, writer = await raw_connection(a)
+    reader, writer = await raw_connection(a, as_broker="x")
     writer.write(control_frame(0, hello))
     await eventually(lambda: "x" in a.links and a.links["x"].conn is not None)
     a.sessions.drop(a.links["x"], bye=bye)
     await closed_by_peer(reader, writer)
-    reader, writer = await raw_connection(a)
+    reader, writer = await raw_connection(a, as_broker="x")
     writer.write(control_frame(0, {**hello, "resume": True, "last_rx": 0}))
     said = await closed_by_peer(reader, writer)
     assert b'"link-removed"' in said and b'"unknown-session"' not in said
@@ -363,7 +385,7 @@ async def test_late_resume_of_an_ended_session_is_told_the_link_is_gone(
 
 async def test_resume_of_an_unknown_session_is_refused(make_broker: MakeBroker) -> None:
     a = await make_broker("a")
-    reader, writer = await raw_connection(a)
+    reader, writer = await raw_connection(a, as_broker="x")
     writer.write(
         control_frame(
             0,
@@ -377,7 +399,7 @@ async def test_heartbeats_measure_rtt_and_detect_a_dead_peer(make_broker: MakeBr
     a = await make_broker("a")
     await eventually(lambda: a.ready)
     # A fake peer that completes the hello and then never says anything again.
-    _reader, writer = await raw_connection(a)
+    _reader, writer = await raw_connection(a, as_broker="mute")
     writer.write(
         control_frame(
             0,
@@ -386,8 +408,7 @@ async def test_heartbeats_measure_rtt_and_detect_a_dead_peer(make_broker: MakeBr
     )
     await eventually(lambda: "mute" in a.links and a.links["mute"].conn is not None)
     await eventually(lambda: a.links["mute"].conn is None, within=5)  # 3 x 0.2 s missed
-    writer.close()
-    await writer.wait_closed()
+    await hang_up(writer)
     z = await make_broker("z")
     await link(z, a)
     await eventually(lambda: z.links["a"].rtt_ms is not None)
@@ -416,16 +437,26 @@ async def test_backpressure_pauses_publishers_across_brokers(make_broker: MakeBr
             while not stop.is_set():
                 await pub.publish({"pad": "y" * 1000})
 
+        got: list[Notification] = []
+
+        async def drain() -> None:  # the healthy subscriber keeps up
+            while (len(got) < pub.last_seq or not stop.is_set()) and not healthy.closed:
+                got.extend(await healthy.receive(1000, timeout=0.1))
+
         task = asyncio.create_task(publish())
+        reader = asyncio.create_task(drain())
         # z's queue to "stuck" passes high water; z tells a, which stops reading its publisher.
         await eventually(lambda: a.links["z"].remote_pressure and a.status()["publishers_paused"])
-        assert z.links["a"].sent_pressure and not a.status()["queue_depths"]["clients_max"]
-        writer.close()  # the hung subscriber goes away: its queue with it
-        await writer.wait_closed()
-        await eventually(lambda: not a.status()["publishers_paused"])
+        assert z.links["a"].sent_pressure
+        await hang_up(writer)  # the hung subscriber goes away: its queue with it
+        # ... and z takes its signal back. (a may still pause its publisher now and then for
+        # its own link's queue: high water is 20 messages here, less than a TLS round trip.)
+        await eventually(lambda: not z.links["a"].sent_pressure)
+        await eventually(lambda: not a.links["z"].remote_pressure)
         stop.set()
         await task
-        got = await collect(healthy, pub.last_seq, within=30)
+        async with asyncio.timeout(30):
+            await reader
         assert [n.seq for n in got] == list(range(1, pub.last_seq + 1))
 
 
@@ -567,8 +598,7 @@ async def test_a_slow_consumer_never_stalls_another_subscriber(make_broker: Make
         assert b.metrics.backpressure._value.get() == 0  # the publisher was never paused
         await eventually(lambda: "stuck" not in b.clients)
         assert b.metrics.slow_consumers._value.get() == 1
-        writer.close()
-        await writer.wait_closed()
+        await hang_up(writer)
 
 
 async def test_silent_and_stalled_connections_are_closed(make_broker: MakeBroker) -> None:
@@ -615,6 +645,5 @@ async def test_connections_per_source_and_subscriptions_per_client_are_bounded(
         with pytest.raises(ClientError, match="limit"):
             await c1.subscribe("n = 5")
         await c2.subscribe("n = 1")  # the others are unaffected
-        writer.close()
-        await writer.wait_closed()
+        await hang_up(writer)
         del reader

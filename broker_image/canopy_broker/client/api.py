@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from canopy_broker.client.connection import BrokerConnection, subscribe_message
+from canopy_broker.client.credentials import Credentials
 from canopy_broker.client.failover import FailingOver, Gap
 from canopy_broker.client.migration import Migrating, Migration
 from canopy_broker.client.notification import (
@@ -68,8 +69,10 @@ class Client(FailingOver, Migrating, AsyncClosing):
         addresses: Sequence[str] = (),
         failover_within: float = 5.0,
         on_gap: Callable[[Gap], None] | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.client_id = client_id or ""
+        self.credentials = Credentials.from_env() if credentials is None else credentials
         self.follow_redirects = follow_redirects
         self.addresses = list(addresses)
         self.failover_within = failover_within
@@ -129,6 +132,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
     def _lost(self, conn: BrokerConnection) -> None:
         Migrating._lost(self, conn)
         self._maybe_fail_over(conn)
+        self._wake_publishers()  # one waiting for acks learns of the end (or of the failover)
 
     @property
     def migrating(self) -> bool:
@@ -419,6 +423,7 @@ async def connect(
     follow_redirects: bool = True,
     failover_within: float = 5.0,
     on_gap: Callable[[Gap], None] | None = None,
+    credentials: Credentials | None = None,
 ) -> Client:
     """Connect to a broker at ``HOST:PORT`` as ``client_id`` (the broker picks one if None).
 
@@ -426,7 +431,9 @@ async def connect(
     is used, the others are where to fail over to. ``failover_within``: how long to look for
     another broker when ours is lost before raising :class:`ConnectionLost` (0: never fail
     over); ``on_gap`` is called with each :class:`Gap` a failover could not fill.
-    ``follow_redirects``: migrate on its own when the broker drains (the default)."""
+    ``follow_redirects``: migrate on its own when the broker drains (the default).
+    ``credentials``: the CA and a client certificate or token (default: from the environment,
+    see :mod:`canopy_broker.client.credentials`)."""
     addresses = parse_addresses(address)
     client = Client(
         client_id,
@@ -434,6 +441,7 @@ async def connect(
         addresses=addresses,
         failover_within=failover_within,
         on_gap=on_gap,
+        credentials=credentials,
     )
     errors: list[str] = []
     for i, addr in enumerate(addresses):

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from typing import Any, Protocol
 
 import orjson
 
+from canopy_broker.client.credentials import Credentials
 from canopy_broker.client.notification import ClientError, ConnectionLostError
 from canopy_broker.core.filters import Filter
 from canopy_broker.runtime.framing import (
@@ -36,6 +38,9 @@ class ConnectionOwner(Protocol):
 
     def _lost(self, conn: BrokerConnection) -> None: ...
 
+    @property
+    def credentials(self) -> Credentials: ...
+
 
 def subscribe_message(sub_id: str, f: Filter) -> bytes:
     return orjson.dumps([C_SUBSCRIBE, sub_id, encode_filter(f)])
@@ -54,6 +59,9 @@ class BrokerConnection(FrameProtocol):
             "role": "client",
             "client_id": client_id,
         }
+        token = owner.credentials.token
+        if token:  # only ever sent inside TLS (see open)
+            self.hello["token"] = token
         self.address = ""
         self.broker = ""
         self.routing = ""
@@ -76,9 +84,20 @@ class BrokerConnection(FrameProtocol):
         """Connect and wait for the broker's hello (or its refusal)."""
         host, port = parse_address(address)
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(lambda: cls(owner, client_id), host, port), within
-        )
+        creds = owner.credentials
+        tls = creds.ssl_context()
+        if tls is None and creds.token:
+            raise ClientError("a bearer token is sent over TLS only: give the CA too", "insecure")
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: cls(owner, client_id), host, port, ssl=tls), within
+            )
+        except ssl.SSLError as exc:
+            raise ClientError(
+                f"TLS with {address} failed ({exc.reason or exc}): is it a broker of the "
+                "overlay whose CA you gave, and does it speak TLS?",
+                "tls",
+            ) from None
         conn.address = address
         try:
             await asyncio.wait_for(asyncio.shield(conn.ready), within)

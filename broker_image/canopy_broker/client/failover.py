@@ -38,6 +38,7 @@ from typing import Any
 import orjson
 
 from canopy_broker.client.connection import BrokerConnection
+from canopy_broker.client.credentials import Credentials
 from canopy_broker.client.notification import ClientError, ConnectionLostError
 from canopy_broker.core.filters import Filter
 from canopy_broker.runtime.framing import B_RESUMED, C_REPUBLISH, C_RESUME, encode_filter
@@ -73,6 +74,7 @@ class FailingOver:
     this off: without it what the lost broker held when it died is lost for everybody."""
 
     client_id: str
+    credentials: Credentials
     subscriptions: dict[str, Filter]
     addresses: list[str]
     failover_within: float

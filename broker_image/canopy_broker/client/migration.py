@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from canopy_broker.client.connection import BrokerConnection, subscribe_message
+from canopy_broker.client.credentials import Credentials
 from canopy_broker.client.notification import ClientError, Notification
 from canopy_broker.core.filters import Filter
 from canopy_broker.runtime.framing import B_MIGRATING, B_SUBSCRIBED, C_MIGRATING, C_MOVE
@@ -52,6 +53,7 @@ class Migrating:
     notifications both connections carried are delivered twice."""
 
     client_id: str
+    credentials: Credentials
     follow_redirects: bool
     subscriptions: dict[str, Filter]
     migrations: int

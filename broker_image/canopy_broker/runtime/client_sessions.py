@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.events import Event
+from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
     ClientAttach,
     ClientDetach,
@@ -50,14 +51,18 @@ from canopy_broker.runtime.framing import (
     C_RESUME,
     C_SUBSCRIBE,
     C_UNSUBSCRIBE,
+    F_ERROR,
     FrameError,
+    FrameProtocol,
     check_wire_attributes,
+    control_frame,
     decode_filter,
     dumps,
     parse_address,
 )
 from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.metrics import BrokerMetrics
+from canopy_broker.runtime.security import AccessError, Policy, Principal
 
 log = logging.getLogger("canopy.broker")
 _PUBLISH = frozenset((C_PUBLISH, C_REPUBLISH))
@@ -89,6 +94,8 @@ class ClientHost(Protocol):
     def answer_hello(self, conn: Conn, **fields: object) -> None: ...
 
     def mark_dirty(self, dest: Client) -> None: ...
+
+    def refusal(self, role: str, conn: FrameProtocol, exc: AccessError) -> FrameError: ...
 
     def unpressure(self, dest: Client) -> None: ...
 
@@ -122,18 +129,21 @@ class ClientSessions:
 
     # ------------------------------------------------------------------ attach and detach
 
-    def attach(self, conn: Conn, hello: dict[str, Any]) -> None:
+    def attach(self, conn: Conn, hello: dict[str, Any], principal: Principal | None = None) -> None:
+        """A client hello (``principal``: who it proved to be, see security.py)."""
         host = self.host
         cid = hello.get("client_id")
         if cid is None:
             self._counter += 1
             cid = f"{host.name}-{host.incarnation}-{self._counter}"
+            if principal is not None and not principal.permissions.may_use_id(principal.name, cid):
+                cid = f"{principal.name}/{cid}"  # under its own name, like any id it picks
         elif type(cid) is not str or not cid:
             raise FrameError(f"client_id must be a non-empty string, got {cid!r}", "bad-hello")
         if cid in self.clients:
             raise FrameError(f"client id {cid!r} is already attached here", "client-id-in-use")
         host.apply(host.core.handle(ClientAttach(cid), host.now()))
-        client = Client(cid, conn)
+        client = Client(cid, conn, principal)
         self.clients[cid] = client
         conn.role = "client"
         conn.client = client
@@ -201,6 +211,8 @@ class ClientSessions:
                 if client.moved:  # it would overtake what it published at its new broker
                     raise FrameError(f"{cid} published here after moving away", "protocol")
                 event = Event(cid, seq, check_wire_attributes(item[2]))
+                if client.principal.permissions.publish is not None:
+                    self._check_publish(client, event)
                 client.last_seq = seq
                 published += 1
                 host.route_event(
@@ -211,6 +223,7 @@ class ClientSessions:
                 if type(sub_id) is not str or not sub_id:
                     raise FrameError(f"sub_id must be a non-empty string, got {sub_id!r}")
                 f = decode_filter(item[2])
+                self._check_subscribe(client, f)
                 self._check_room(cid, sub_id)
                 host.apply(core.handle(ClientSubscribe(cid, sub_id, f), now()))
                 self.send(client, dumps([B_SUBSCRIBED, sub_id]))
@@ -245,6 +258,41 @@ class ClientSessions:
                     client.conn.pause("pressure")
         return rest
 
+    def _refuse(self, client: Client, why: str) -> FrameError:
+        return self.host.refusal("client", client.conn, AccessError(why, "forbidden"))
+
+    def _check_subscribe(self, client: Client, f: Filter) -> None:
+        """Content-based authorisation: an allowed filter must cover the subscription."""
+        p = client.principal
+        if not p.permissions.may_subscribe(f):
+            raise self._refuse(
+                client, f"{p.name} may not subscribe to {f} (no allowed filter covers it)"
+            )
+
+    def _check_publish(self, client: Client, event: Event) -> None:
+        p = client.principal
+        if not p.permissions.may_publish(event.attrs):
+            raise self._refuse(
+                client,
+                f"{p.name} may not publish {dict(event.attrs)} (no allowed filter matches it)",
+            )
+
+    def policy_changed(self, policy: Policy) -> None:
+        """A reloaded policy applies to attached clients too: their permissions are looked up
+        again, and a client whose principal or id is no longer allowed is cut off."""
+        for client in list(self.clients.values()):
+            p = client.principal
+            if p.via == "insecure":
+                continue
+            perms = policy.permissions(p.name)
+            if perms is None or not perms.may_use_id(p.name, client.id):
+                why = f"{p.name} is no longer allowed as {client.id} (policy reloaded)"
+                exc = self._refuse(client, why)
+                client.conn.write(control_frame(F_ERROR, exc.code, str(exc)))
+                client.conn.close()
+                continue
+            client.principal = Principal(p.name, perms, p.via)
+
     def _check_room(self, cid: str, sub_id: str) -> None:
         subs = self.host.core.routing.subscriptions(cid) or {}
         limit = self.host.max_subscriptions
@@ -277,6 +325,7 @@ class ClientSessions:
                 raise FrameError(f"resume: a subscription is [sub_id, filter], got {entry!r}")
             if entry[0] not in known:
                 f = decode_filter(entry[1])
+                self._check_subscribe(client, f)
                 self._check_room(client.id, entry[0])
                 host.apply(core.handle(ClientSubscribe(client.id, entry[0], f), now))
         resume = ClientResume(client.id, previous, now - lost_for, tuple(marks), host.resume_slack)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from canopy_broker.core.messages import RoutingMode
 from canopy_broker.runtime.framing import MAX_FRAME
+from canopy_broker.runtime.security import TlsFiles
 
 
 @dataclass(slots=True)
@@ -46,3 +47,7 @@ class BrokerConfig:
     # Below 3 (no cycle that small): off, a link failure is taken for a death as before.
     cycle_bound: int = 4
     cycle_period: float = 2.0  # detection rounds, s (from the wall clock); 0: none, nothing known
+    # Security (runtime/security.py): TLS material (None: plaintext, which `canopy-broker serve`
+    # allows only with --insecure) and the client policy file, re-read when it changes.
+    tls: TlsFiles | None = None
+    policy_file: str | None = None

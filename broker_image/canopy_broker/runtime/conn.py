@@ -16,6 +16,7 @@ from canopy_broker.core.broker import CoreFailedError, ProtocolError
 from canopy_broker.runtime.framing import FrameError, FrameProtocol
 from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.linkstate import LinkStateError
+from canopy_broker.runtime.security import Identity, transport_identity
 
 log = logging.getLogger("canopy.broker")
 
@@ -56,9 +57,11 @@ class Conn(FrameProtocol):
         self.opened_at = 0.0  # accepted: when (the loop's clock), for the hello timeout
         self.source = ""  # accepted: the remote address, for the per-source limit
         self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.identity: Identity | None = None  # what the peer's TLS certificate proved
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self.identity = transport_identity(transport)  # asyncio calls this after the handshake
         self.broker.conn_made(self)
 
     def data_received(self, data: bytes) -> None:

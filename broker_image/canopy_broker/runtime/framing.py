@@ -591,6 +591,15 @@ class FrameProtocol(asyncio.Protocol):
             log.exception("internal error while handling a frame")
             self.fail(FrameError(f"internal error: {exc!r}", "internal"))
 
+    def eof_received(self) -> bool | None:
+        """The peer closed its side. Over plain TCP the transport then closes itself (None).
+        Over TLS it would first wait up to 30 s for the peer's close_notify, which a crashed
+        or killed peer never sends, and all that time the connection looks closing but not
+        lost: abort at once, so that a failover or a link's reconnect starts now."""
+        if self.transport is not None and self.transport.get_extra_info("sslcontext"):
+            self.transport.abort()
+        return None
+
     @property
     def reading_paused(self) -> bool:
         """This side stopped reading (backpressure, a busy turn): a frame may stay incomplete

@@ -64,6 +64,7 @@ import asyncio
 import logging
 import math
 import random
+import ssl
 import time
 import uuid
 from collections import OrderedDict
@@ -106,6 +107,7 @@ from canopy_broker.runtime.framing import (
     F_PROMOTE,
     PROTOCOL_VERSION,
     FrameError,
+    FrameProtocol,
     control_frame,
     decode_link_message,
     decode_peer_message,
@@ -115,6 +117,7 @@ from canopy_broker.runtime.framing import (
 from canopy_broker.runtime.links import Link
 from canopy_broker.runtime.linkstate import LinkEvent
 from canopy_broker.runtime.metrics import BrokerMetrics
+from canopy_broker.runtime.security import AccessError, check_link_peer
 from canopy_broker.runtime.tasks import TaskSet
 from canopy_broker.runtime.telemetry import Telemetry
 
@@ -155,6 +158,8 @@ class LinkHost(ConnOwner, Protocol):
     telemetry: Telemetry
     tasks: TaskSet
     stopping: bool
+    secure: bool
+    tls_client: ssl.SSLContext | None
 
     def now(self) -> float: ...
 
@@ -163,6 +168,8 @@ class LinkHost(ConnOwner, Protocol):
     def route_event(self, inp: Input, event: Event, source_kind: str, source: str) -> None: ...
 
     def answer_hello(self, conn: Conn, **fields: object) -> None: ...
+
+    def refusal(self, role: str, conn: FrameProtocol, exc: AccessError) -> FrameError: ...
 
     def link_acked(self, link: Link) -> None: ...
 
@@ -781,6 +788,10 @@ class LinkSessions:
             return
         if hello.get("name") != link.peer:
             raise FrameError(f"dialed {link.peer} but {hello.get('name')!r} answered", "wrong-peer")
+        try:  # the certificate must be that broker's too, not just any of the overlay's
+            check_link_peer(conn.identity, link.peer, secure=self.host.secure)
+        except AccessError as exc:
+            raise self.host.refusal(link.kind, conn, exc) from None
         self._up(link, conn, hello)
         if not conn.handshake.done():
             conn.handshake.set_result(None)
@@ -834,7 +845,7 @@ class LinkSessions:
                     raise OSError(f"no address known for {link.peer} (POST /peers)")
                 h, port = parse_address(address)
                 _, dialed = await asyncio.wait_for(
-                    loop.create_connection(lambda: Conn(host, link), h, port),
+                    loop.create_connection(lambda: Conn(host, link), h, port, ssl=host.tls_client),
                     cfg.handshake_timeout,
                 )
                 conn = dialed

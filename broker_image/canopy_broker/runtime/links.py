@@ -35,6 +35,7 @@ from canopy_broker.runtime.framing import (
     msgs_frame,
 )
 from canopy_broker.runtime.linkstate import LinkEvent, LinkState, LinkStates, Route, Standing
+from canopy_broker.runtime.security import ANYTHING, Principal
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
@@ -268,9 +269,14 @@ class Link:
 class Client:
     """An attached client: its id, connection, publish sequence and outbound queue."""
 
-    def __init__(self, client_id: str, conn: FrameProtocol) -> None:
+    def __init__(
+        self, client_id: str, conn: FrameProtocol, principal: Principal | None = None
+    ) -> None:
         self.id = client_id
         self.conn = conn
+        # Who it proved to be and what that principal may do (security.py); the permissions
+        # are looked up again when the policy is reloaded.
+        self.principal = principal or Principal("anonymous", ANYTHING, "insecure")
         self.pending: list[bytes] = []
         self.last_seq = 0
         self.publisher = False

@@ -159,6 +159,13 @@ class BrokerMetrics:
             ["role", "code"],
             registry=r,
         )
+        self.refused = Counter(
+            "canopy_security_refusals",
+            "Connections and requests security refused (no or wrong identity, forbidden id, "
+            "subscription or publication), by role and code",
+            ["role", "code"],
+            registry=r,
+        )
         self.peer_failures = Counter(
             "canopy_peer_failures",
             "Neighbours declared dead by the failure detector (their link dropped and fenced)",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ from canopy_broker.runtime.framing import (
     F_PRESSURE,
     PROTOCOL_VERSION,
     FrameError,
+    FrameProtocol,
     control_frame,
     dumps,
     encode_event_body,
@@ -76,12 +78,22 @@ from canopy_broker.runtime.framing import (
 from canopy_broker.runtime.link_sessions import LinkSessions
 from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.metrics import BrokerMetrics, Gauges
+from canopy_broker.runtime.security import (
+    AccessError,
+    Policy,
+    SecurityError,
+    authenticate_client,
+    check_link_peer,
+)
 from canopy_broker.runtime.tasks import TaskSet
 from canopy_broker.runtime.telemetry import Telemetry
 
 __all__ = ["Broker", "BrokerConfig", "ExchangeRecord"]  # BrokerConfig: where callers import it
 
 log = logging.getLogger("canopy.broker")
+
+REFUSAL_CODES = frozenset({"unauthenticated", "wrong-identity", "forbidden"})
+"""Error codes of security refusals (counted as refusals, not as malformed input)."""
 
 FLUSH_EVERY = 64
 """Flush after this many routed events even within one TCP read. A read can hold thousands of
@@ -187,6 +199,12 @@ class Broker:
         self._m_client_out = self.metrics.client_messages.labels("out")
         self.sessions = LinkSessions(self)
         self.links = self.sessions.links  # the overlay links by peer (one table, shared)
+        # Security: TLS contexts (None: plaintext) and the client policy (see security.py).
+        self.secure = config.tls is not None
+        self.tls_server = config.tls.server_context() if config.tls is not None else None
+        self.tls_client = config.tls.client_context() if config.tls is not None else None
+        self.policy = Policy.load(config.policy_file) if config.policy_file else Policy()
+        self._policy_stamp = self._policy_file_stamp()
         self.client_sessions = ClientSessions(self, self._unacknowledged)
         self.clients = self.client_sessions.clients
         # Gray notifications' waits at the new link of an exchange, taken from the core.
@@ -196,14 +214,24 @@ class Broker:
 
     async def start(self) -> None:
         self._server = await self._loop.create_server(
-            lambda: Conn(self), self.config.host, self.config.port, reuse_address=True
+            lambda: Conn(self),
+            self.config.host,
+            self.config.port,
+            reuse_address=True,
+            ssl=self.tls_server,
+            ssl_handshake_timeout=self.config.handshake_timeout if self.tls_server else None,
         )
         sock = self._server.sockets[0].getsockname()
         self.address = (sock[0], sock[1])
         self.advertised = self.config.advertise or f"{sock[0]}:{sock[1]}"
         self._ticker = self.tasks.spawn(self._tick(), "ticker", forever=True)
         self.tasks.spawn(self._acknowledge(), "publish acks", forever=True)
-        log.info("broker %s listening on %s:%d", self.name, *self.address)
+        log.info(
+            "broker %s listening on %s:%d (%s)",
+            self.name,
+            *self.address,
+            "TLS" if self.secure else "PLAINTEXT: no TLS, no authentication",
+        )
 
     @property
     def ready(self) -> bool:
@@ -277,6 +305,7 @@ class Broker:
                 self._probing = self.tasks.spawn(self._probe_peers(), "rtt probes")
             self.sessions.heartbeat(now)
             self._check_conns(now)
+            self._reload_policy()
             for client in [*self._over, *self._lagging]:
                 if (
                     isinstance(client, Client)
@@ -374,6 +403,8 @@ class Broker:
 
     def conn_failed(self, conn: Conn, exc: FrameError) -> None:
         role = conn.role or "unknown"
+        if exc.code in REFUSAL_CODES:  # counted and logged where they were decided
+            return
         self.metrics.malformed.labels(role, exc.code).inc()
         who = conn.link.peer if conn.link else conn.client.id if conn.client else "?"
         log.warning("%s: closing %s connection (%s): %s", self.name, role, who, exc)
@@ -539,8 +570,23 @@ class Broker:
                 f"protocol version {hello.get('v')!r} is not {PROTOCOL_VERSION}", "version"
             )
         role = hello.get("role")
+        try:
+            if role == "client":
+                cid = hello.get("client_id")
+                principal = authenticate_client(
+                    conn.identity,
+                    hello.get("token"),
+                    cid if isinstance(cid, str) else None,
+                    self.policy,
+                    secure=self.secure,
+                )
+            elif role in {"link", "peer", "standby", "probe"}:
+                # Before the hello touches any state or the peer hears a byte of ours.
+                check_link_peer(conn.identity, str(hello.get("name")), secure=self.secure)
+        except AccessError as exc:
+            raise self.refusal(str(role), conn, exc) from None
         if role == "client":
-            self.client_sessions.attach(conn, hello)
+            self.client_sessions.attach(conn, hello, principal)
         elif role in {"link", "peer", "standby"}:
             self.sessions.accept(conn, hello, role)
         elif role == "probe":  # an RTT probe: answer and hang up
@@ -551,6 +597,44 @@ class Broker:
                 f"hello role must be link, peer, standby, probe or client, got {role!r}",
                 "bad-hello",
             )
+
+    def refusal(self, role: str, conn: FrameProtocol, exc: AccessError) -> FrameError:
+        """Count and log what security refused; the error frame closes that connection."""
+        self.metrics.refused.labels(role, exc.code).inc()
+        log.warning(
+            "%s: refused %s from %s: %s",
+            self.name,
+            role,
+            getattr(conn, "source", "") or "a dialed peer",
+            exc,
+        )
+        return FrameError(str(exc), exc.code)
+
+    def _policy_file_stamp(self) -> tuple[float, int] | None:
+        path = self.config.policy_file
+        if not path:
+            return None
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_mtime, st.st_size)
+
+    def _reload_policy(self) -> None:
+        """Hot reload: a changed policy file applies to new connections and requests at once
+        (connected clients keep the principal they proved; their permissions are looked up
+        again). A broken file is reported and the old policy kept."""
+        stamp = self._policy_file_stamp()
+        if stamp == self._policy_stamp or self.config.policy_file is None:
+            return
+        self._policy_stamp = stamp
+        try:
+            self.policy = Policy.load(self.config.policy_file)
+        except SecurityError as exc:
+            log.error("%s: policy not reloaded, the previous one stays: %s", self.name, exc)
+            return
+        self.client_sessions.policy_changed(self.policy)
+        log.info("%s: policy reloaded from %s", self.name, self.config.policy_file)
 
     def answer_hello(self, conn: Conn, **fields: object) -> None:
         conn.write(
@@ -681,7 +765,9 @@ class Broker:
         writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(self.config.handshake_timeout):
-                reader, writer = await asyncio.open_connection(*parse_address(address))
+                reader, writer = await asyncio.open_connection(
+                    *parse_address(address), ssl=self.tls_client
+                )
                 t0 = self._loop.time()
                 writer.write(
                     control_frame(

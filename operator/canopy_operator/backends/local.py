@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ import aiohttp
 
 from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_broker.cli import READY_PREFIX
+from canopy_broker.client.credentials import Credentials
+from canopy_broker.pki import LocalPki
 from canopy_broker.procs import broker_env, serve_command
 
 
@@ -47,7 +50,10 @@ class LocalBackend:
         routing: str = "covering",
         host: str = "127.0.0.1",
         broker_args: Sequence[str] = (),
+        insecure: bool = False,
     ):
+        """``insecure``: a new overlay runs in plaintext (an existing one keeps what it was
+        created with: ``state.json`` remembers)."""
         self.dir = state_dir
         self.host = host
         self.routing = routing
@@ -56,6 +62,10 @@ class LocalBackend:
         self.state: dict[str, Any] = self._load()
         self.state.setdefault("token", secrets.token_urlsafe(18))
         self.state.setdefault("brokers", {})
+        self.state.setdefault("insecure", insecure)
+        # The overlay's CA, certificates, admin token and client policy (canopy_broker.pki),
+        # made on first use: security is on unless the overlay was created --insecure.
+        self.pki = None if self.state["insecure"] else LocalPki(self.dir / "pki").ensure()
         self._admins: dict[str, AdminClient] = {}
         # Brokers this object started: kept until stopped, so that no Popen is collected while
         # its process runs (the overlay may outlive us, but not our handles on it).
@@ -100,7 +110,11 @@ class LocalBackend:
             # Detached on purpose (not asyncio's subprocess): it must outlive this event loop.
             proc = subprocess.Popen(  # noqa: ASYNC220
                 serve_command(
-                    name, host=self.host, routing=self.routing, extra_args=self.broker_args
+                    name,
+                    pki=self.pki,
+                    host=self.host,
+                    routing=self.routing,
+                    extra_args=self.broker_args,
                 ),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -152,9 +166,19 @@ class LocalBackend:
         client = self._admins.get(name)
         if client is None:
             client = self._admins[name] = AdminClient(
-                self.brokers[name]["admin"], self.state["token"]
+                self.brokers[name]["admin"], self.state["token"], tls=self.admin_tls
             )
         return client
+
+    @property
+    def admin_tls(self) -> ssl.SSLContext | None:
+        """Verifies the brokers' admin API certificates (None: plaintext overlay)."""
+        return self.pki.verify_context() if self.pki is not None else None
+
+    @property
+    def credentials(self) -> Credentials:
+        """A client of this overlay: the local user's certificate (``pki/clients/canopy``)."""
+        return Credentials.from_pki(self.pki.dir) if self.pki is not None else Credentials()
 
     # -- queries ----------------------------------------------------------------------------
 

@@ -38,6 +38,13 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         p.add_argument("file", type=Path)
         p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE)
         p.add_argument("--json", action="store_true", help="one JSON object on the last line")
+        if name == "up":
+            p.add_argument(
+                "--insecure",
+                action="store_true",
+                help="a new overlay without TLS or authentication (by default `up` makes a CA "
+                "and certificates in STATE_DIR/NAME/pki)",
+            )
         p.set_defaults(func=run_apply)
     for name, helptext in (
         ("status", "show the local overlay's brokers and links"),
@@ -118,7 +125,10 @@ def run_apply(args: argparse.Namespace) -> int:
 
     async def go() -> dict[str, Any]:
         backend = LocalBackend(
-            args.state_dir / spec.name, routing=spec.routing, broker_args=spec.broker_args()
+            args.state_dir / spec.name,
+            routing=spec.routing,
+            broker_args=spec.broker_args(),
+            insecure=getattr(args, "insecure", False),
         )
         try:
             p, _executor, wall = await apply(spec, manifest, backend)
@@ -142,6 +152,12 @@ def run_apply(args: argparse.Namespace) -> int:
     print(
         f"{result['overlay']}: {result['steps']} steps ({result['exchanges']} exchanges) in "
         f"{result['seconds']}s; {len(result['brokers'])} brokers, {len(result['links'])} links"
+    )
+    pki = args.state_dir / result["overlay"] / "pki"
+    print(
+        f"security: TLS, credentials in {pki}"
+        if pki.is_dir()
+        else "security: NONE (--insecure): plaintext, anybody may connect"
     )
     if args.json:
         print(json.dumps(result))

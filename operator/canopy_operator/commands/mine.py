@@ -202,10 +202,10 @@ async def _pull_local(
     from canopy_operator.mining.source import local_admins, pull_telemetry
 
     admins, token = local_admins(state_dir, overlay)
-    pulled = await pull_telemetry(admins, token, into)
-    _say(pulled.describe())
     backend = LocalBackend(state_dir / overlay)
     try:
+        pulled = await pull_telemetry(admins, token, into, tls=backend.admin_tls)
+        _say(pulled.describe())
         return await backend.live_links(), pulled.since(since)
     finally:
         await backend.close()

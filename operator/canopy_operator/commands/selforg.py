@@ -58,7 +58,9 @@ async def _pulled(
 
     admins = {name: info["admin"] for name, info in backend.brokers.items()}
     with tempfile.TemporaryDirectory(prefix="canopy-telemetry-") as staging:
-        pulled = await pull_telemetry(admins, backend.state["token"], Path(staging))
+        pulled = await pull_telemetry(
+            admins, backend.state["token"], Path(staging), tls=backend.admin_tls
+        )
         progress(pulled.describe())
         yield staging, pulled.since(since_ts)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,11 +240,13 @@ async def pull_telemetry(
     batch: int = 10_000,
     request_timeout: float = 10.0,
     concurrency: int = 16,
+    tls: ssl.SSLContext | None = None,
 ) -> Pulled:
     """Fetch every broker's telemetry ring into ``into/broker=NAME/part-pull.jsonl``.
 
     ``admins`` maps broker name → admin address. A broker that cannot be reached (or fails
     half-way) contributes nothing and is reported; the miner carries on with the others.
+    ``tls``: verifies the admin APIs' certificates (brokers started with TLS speak HTTPS).
     """
     pulled = Pulled()
     gate = asyncio.Semaphore(concurrency)
@@ -253,7 +256,7 @@ async def pull_telemetry(
         target.parent.mkdir(parents=True, exist_ok=True)
         got, cursor = 0, 0
         try:
-            async with gate, AdminClient(address, token, timeout=request_timeout) as admin:
+            async with gate, AdminClient(address, token, timeout=request_timeout, tls=tls) as admin:
                 with target.open("wb") as fh:
                     while True:
                         page = await admin.telemetry(since=cursor, limit=batch)

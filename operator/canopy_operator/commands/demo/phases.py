@@ -123,7 +123,9 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
         for s in subscribers:
-            s.client = await connect(backend.address(s.broker), client_id=s.name)
+            s.client = await connect(
+                backend.address(s.broker), client_id=s.name, credentials=backend.credentials
+            )
             clients.append(s.client)
             for sub_id, f in s.filters.items():
                 await s.client.subscribe(str(f), sub_id=sub_id)
@@ -132,7 +134,9 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         pub_brokers = [victim] + [rng.choice(placeable) for _ in range(args.publishers - 1)]
         publishers = []
         for i, b in enumerate(pub_brokers):
-            c = await connect(backend.address(b), client_id=f"pub{i}")
+            c = await connect(
+                backend.address(b), client_id=f"pub{i}", credentials=backend.credentials
+            )
             clients.append(c)
             publishers.append(c)
         pubs: list[PubRecord] = []
