@@ -278,8 +278,13 @@ async def run_dataplane(
 ) -> dict[str, float]:
     """Max throughput, then latency at half the max event rate, on an already running overlay."""
     rng = random.Random(11)
-    subs = [await connect(overlay[sub_broker].listen) for _ in range(N_SUBSCRIBERS)]
-    pub = await connect(overlay[pub_broker].listen, client_id=f"bench-pub-{label}")
+    creds = overlay.credentials
+    subs = [
+        await connect(overlay[sub_broker].listen, credentials=creds) for _ in range(N_SUBSCRIBERS)
+    ]
+    pub = await connect(
+        overlay[pub_broker].listen, client_id=f"bench-pub-{label}", credentials=creds
+    )
     sink = Sink()
     drains = [asyncio.create_task(sink.drain(c)) for c in subs]
     try:
@@ -352,7 +357,19 @@ async def _quiesce(sink: Sink, quiet: float = 0.3) -> None:
         await asyncio.sleep(quiet)
 
 
-async def run(duration: float = 4.0) -> dict[str, Any]:
+async def handshake_ms(overlay: Overlay, broker: str, n: int = 50) -> float:
+    """Mean time of a client connection (TCP, TLS when on, hello and answer), one at a time."""
+    t0 = time.perf_counter()
+    for i in range(n):
+        c = await connect(
+            overlay[broker].listen, client_id=f"bench-hs-{i}", credentials=overlay.credentials
+        )
+        await c.close()
+    return (time.perf_counter() - t0) * 1000.0 / n
+
+
+async def run(duration: float = 4.0, insecure: bool = False) -> dict[str, Any]:
+    """``insecure``: plaintext brokers and clients (to measure what TLS costs)."""
     t_start = time.perf_counter()
     progress("matching: 10k filters, indexed vs scan")
     m = bench_matching()
@@ -372,12 +389,19 @@ async def run(duration: float = 4.0) -> dict[str, Any]:
     )
 
     progress("starting 1 broker")
-    async with Overlay(["solo"], [], extra_args=["--telemetry-sample", "0.01"]) as ov:
+    async with Overlay(
+        ["solo"], [], extra_args=["--telemetry-sample", "0.01"], insecure=insecure
+    ) as ov:
         single = await run_dataplane(ov, "solo", "solo", duration, "single broker")
         rss = {"solo": ov["solo"].rss_mb()}
+        connect_ms = await handshake_ms(ov, "solo")
+        progress(f"connecting a client: {connect_ms:.2f} ms (TLS {'off' if insecure else 'on'})")
     progress("starting a chain of 3 brokers")
     async with Overlay(
-        ["b1", "b2", "b3"], [("b1", "b2"), ("b2", "b3")], extra_args=["--telemetry-sample", "0.01"]
+        ["b1", "b2", "b3"],
+        [("b1", "b2"), ("b2", "b3")],
+        extra_args=["--telemetry-sample", "0.01"],
+        insecure=insecure,
     ) as ov:
         chain = await run_dataplane(ov, "b1", "b3", duration, "chain of 3")
         rss.update({n: ov[n].rss_mb() for n in ("b1", "b2", "b3")})
@@ -387,6 +411,8 @@ async def run(duration: float = 4.0) -> dict[str, Any]:
         "p99_latency_ms": round(single["p99_ms"], 3),
         "matching_speedup_10k": round(m["speedup"], 1),
         "broker_rss_mb": round(max(rss.values()), 1),
+        "tls": not insecure,
+        "client_connect_ms": round(connect_ms, 3),
         "detail": {
             "single": single,
             "chain3": chain,
@@ -448,6 +474,12 @@ def report(r: dict[str, Any]) -> str:
             "",
             ", ".join(f"{k} {v:.0f}" for k, v in d["rss_mb"].items()),
         ),
+        (
+            "connecting a client (TCP, TLS, hello), ms",
+            f"{r['client_connect_ms']:.2f}",
+            "",
+            "TLS on (certificates)" if r["tls"] else "TLS off (--insecure)",
+        ),
     ]
     w = max(len(a) for a, *_ in rows)
     lines = [f"{'measure':<{w}}  {'measured':>14}  {'target':>10}  detail"]
@@ -464,6 +496,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=4.0,
         help="seconds per measured phase (default 4; total stays under 60 s)",
     )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext brokers and clients (compare with the default, TLS, for its cost)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -471,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     tune_gc()  # the subscribers here are measured too: same GC settings as the brokers
-    result = asyncio.run(run(args.duration))
+    result = asyncio.run(run(args.duration, insecure=args.insecure))
     print(report(result))
     if args.json:
         print(json.dumps(result))

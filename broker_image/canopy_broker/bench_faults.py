@@ -85,11 +85,11 @@ async def kill_scenario(
         clients = []
         drains = []
         for sub, b in SUBSCRIBERS.items():
-            c = await connect(ov[b].listen, client_id=sub)
+            c = await connect(ov[b].listen, client_id=sub, credentials=ov.credentials)
             await c.subscribe("n >= 0")
             clients.append(c)
             drains.append(asyncio.create_task(_drain(c, received[sub])))
-        pub = await connect(ov["b0"].listen, client_id="p")
+        pub = await connect(ov["b0"].listen, client_id="p", credentials=ov.credentials)
         await wait_settled(ov.brokers.values())
         stop = asyncio.Event()
 
@@ -186,11 +186,11 @@ async def retention_scenario(rate: float, window: float) -> dict[str, Any]:
     for label, retention in (("on", window), ("off", 0.0)):
         args = ["--retention", str(retention), "--retention-limit", "10000000"]
         async with Overlay(["b1", "b2", "b3"], [("b1", "b2"), ("b2", "b3")], extra_args=args) as ov:
-            sub = await connect(ov["b3"].listen)
+            sub = await connect(ov["b3"].listen, credentials=ov.credentials)
             await sub.subscribe("n >= 0")
             got: list[Notification] = []
             drain = asyncio.create_task(_drain(sub, got))
-            pub = await connect(ov["b1"].listen)
+            pub = await connect(ov["b1"].listen, credentials=ov.credentials)
             await wait_settled(ov.brokers.values())
             n, start = 0, time.monotonic()
             while time.monotonic() - start < window + 1.0:

@@ -183,11 +183,13 @@ Started = AsyncIterator[tuple[list[int], Send]]
 
 @contextlib.asynccontextmanager
 async def canopy(w: Workload, sink: Sink, _tmp: Path) -> Started:
-    async with Overlay(["canopy"]) as ov:
+    # Plaintext, as the peers run here: like for like (TLS's own cost: `canopy bench dataplane`
+    # against `--insecure`, docs/performance.md).
+    async with Overlay(["canopy"], insecure=True) as ov:
         address = ov["canopy"].listen
-        subs = [await connect(address) for _ in range(w.subscribers)]
+        subs = [await connect(address, credentials=ov.credentials) for _ in range(w.subscribers)]
         drains = [asyncio.create_task(sink.drain(c)) for c in subs]
-        pub = await connect(address, client_id="bench-peers-pub")
+        pub = await connect(address, client_id="bench-peers-pub", credentials=ov.credentials)
         try:
             for i, c in enumerate(subs):
                 await c.subscribe(f"g = {i % w.groups}")

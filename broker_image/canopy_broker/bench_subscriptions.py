@@ -129,9 +129,15 @@ async def install(
 async def churn(
     overlay: Overlay, root: str, other: str, rate: float, seconds: float
 ) -> dict[str, Any]:
-    pub = await connect(overlay[root].listen, client_id="bench-churn-pub")
-    steady = await connect(overlay[other].listen, client_id="bench-churn-steady")
-    churner = await connect(overlay[other].listen, client_id="bench-churn-sub")
+    pub = await connect(
+        overlay[root].listen, client_id="bench-churn-pub", credentials=overlay.credentials
+    )
+    steady = await connect(
+        overlay[other].listen, client_id="bench-churn-steady", credentials=overlay.credentials
+    )
+    churner = await connect(
+        overlay[other].listen, client_id="bench-churn-sub", credentials=overlay.credentials
+    )
     received = 0
 
     async def drain(c: Client) -> None:
@@ -202,7 +208,9 @@ async def run(
         results = []
         offset = 0
         clients = [
-            await connect(overlay[leaf].listen, client_id=f"bench-subs-{i}")
+            await connect(
+                overlay[leaf].listen, client_id=f"bench-subs-{i}", credentials=overlay.credentials
+            )
             for i in range(n_clients)
         ]
         for n in counts:

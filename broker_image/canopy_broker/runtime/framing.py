@@ -677,8 +677,14 @@ class FrameProtocol(asyncio.Protocol):
         self.close()
 
     def close(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            try:
+                transport.close()
+            except RuntimeError:
+                # A TLS transport whose session has ended already (the peer's close_notify
+                # came first): asyncio refuses to shut it down twice. Nothing is left to flush.
+                transport.abort()
 
     def abort(self) -> None:
         if self.transport is not None:

@@ -403,6 +403,10 @@ class Broker:
 
     def conn_failed(self, conn: Conn, exc: FrameError) -> None:
         role = conn.role or "unknown"
+        if conn.role == "client" and conn.client is not None:
+            # Gone now, not when the connection is: a TLS close waits for the peer's
+            # close_notify, and its subscriptions must not outlive the error meanwhile.
+            self.client_sessions.detach(conn.client)
         if exc.code in REFUSAL_CODES:  # counted and logged where they were decided
             return
         self.metrics.malformed.labels(role, exc.code).inc()
