@@ -93,7 +93,14 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     bench.add_arguments(dataplane)
     dataplane.set_defaults(
-        func=lambda a: bench.main([*(["--json"] if a.json else []), "--duration", str(a.duration)])
+        func=lambda a: bench.main(
+            [
+                *(["--json"] if a.json else []),
+                *(["--insecure"] if a.insecure else []),
+                "--duration",
+                str(a.duration),
+            ]
+        )
     )
     subscriptions = bench_sub.add_parser(
         "subscriptions",

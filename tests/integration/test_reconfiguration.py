@@ -61,7 +61,7 @@ class Run:
     async def subscriber(
         self, ov: Overlay, name: str, broker: str, filters: list[str], *, dedup: bool = True
     ) -> Client:
-        client = await connect(ov[broker].listen, client_id=name)
+        client = await connect(ov[broker].listen, client_id=name, credentials=ov.credentials)
         client.dedup = dedup
         self.clients[name] = client
         self.received[name] = set()
@@ -85,7 +85,7 @@ class Run:
         self.subs = [s.settled(t) if s.issued_at <= t else s for s in self.subs]
 
     async def publisher(self, ov: Overlay, name: str, broker: str, seed: int) -> Client:
-        client = await connect(ov[broker].listen, client_id=name)
+        client = await connect(ov[broker].listen, client_id=name, credentials=ov.credentials)
         self.clients[name] = client
         self.tasks.append(asyncio.create_task(self._publish(name, client, random.Random(seed))))
         return client

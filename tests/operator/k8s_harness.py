@@ -33,6 +33,7 @@ import kmock
 import yaml
 from kmock._internal import rendering
 
+from canopy_broker.client import Credentials
 from canopy_broker.procs import BrokerProc, spawn_broker
 from canopy_broker.sim.checker import DeliveryReport, check_deliveries
 from canopy_operator.backends.k8s import (
@@ -440,6 +441,11 @@ class BrokerView:
     @property
     def brokers(self) -> dict[str, Any]:
         return {p.removeprefix(self.prefix): proc for p, proc in self.kubelet.procs.items()}
+
+    @property
+    def credentials(self) -> Credentials:
+        """What a client of these brokers connects with: nothing yet, they run plaintext."""
+        return Credentials()
 
 
 async def live_traffic(
