@@ -28,6 +28,7 @@ from canopy_broker.admin_client import AdminClient
 from canopy_broker.cli import READY_PREFIX
 from canopy_broker.client.credentials import ENV_PKI, Credentials
 from canopy_broker.pki import LocalPki
+from canopy_broker.runtime.security import TlsFiles
 
 Edge = tuple[str, str]
 
@@ -53,10 +54,15 @@ def serve_command(
     host: str = "127.0.0.1",
     routing: str = "covering",
     extra_args: Sequence[str] = (),
+    tls_dir: Path | None = None,
 ) -> list[str]:
     """`canopy-broker serve` on free ports of ``host`` (it reports them on stdout when ready),
-    with its credentials from ``pki`` (None: ``--insecure``, plaintext)."""
-    security = pki.serve_args(name) if pki is not None else ["--insecure"]
+    with its credentials from ``pki`` (None: ``--insecure``, plaintext), or from ``tls_dir``
+    (``--tls-dir``: a Kubernetes TLS Secret's files) when given."""
+    if tls_dir is not None:
+        security = ["--tls-dir", str(tls_dir)]
+    else:
+        security = pki.serve_args(name) if pki is not None else ["--insecure"]
     return [
         sys.executable,
         "-m",
@@ -171,17 +177,21 @@ async def spawn_broker(
     log_dir: Path | None = None,
     extra_args: Sequence[str] = (),
     ready_within: float = 30.0,
+    tls_dir: Path | None = None,
 ) -> BrokerProc:
     """Start ``canopy-broker serve`` for ``name`` on free loopback ports; wait until it is ready.
     ``pki``: the overlay's credentials (None: plaintext, ``--insecure``; by default the PKI
-    ``$CANOPY_PKI`` names, plaintext if it is not set)."""
-    if isinstance(pki, _FromEnv):
+    ``$CANOPY_PKI`` names, plaintext if it is not set). ``tls_dir``: ``ca.crt``, ``tls.crt``,
+    ``tls.key`` instead (``--tls-dir``, as a Kubernetes pod mounts its TLS Secret)."""
+    if tls_dir is not None:
+        pki = None
+    elif isinstance(pki, _FromEnv):
         pki = env_pki()
     token = token or secrets.token_urlsafe(16)
     log_path = (log_dir / f"{name}.log") if log_dir is not None else None
     log = log_path.open("wb") if log_path is not None else None
     process = await asyncio.create_subprocess_exec(
-        *serve_command(name, pki=pki, routing=routing, extra_args=extra_args),
+        *serve_command(name, pki=pki, routing=routing, extra_args=extra_args, tls_dir=tls_dir),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=log if log is not None else asyncio.subprocess.DEVNULL,
@@ -198,7 +208,10 @@ async def spawn_broker(
                 text = line.decode(errors="replace")
                 if text.startswith(READY_PREFIX):
                     info = json.loads(text[len(READY_PREFIX) :])
-        tls = pki.verify_context() if pki is not None else None
+        if tls_dir is not None:
+            tls: ssl.SSLContext | None = TlsFiles(tls_dir / "ca.crt").client_context()
+        else:
+            tls = pki.verify_context() if pki is not None else None
         proc = BrokerProc(
             name, process, info["listen"], info["admin"], token, log_path, tls, _log=log
         )

@@ -526,6 +526,9 @@ def test_the_monitors_scrape_what_the_code_serves(
     (endpoint,) = pod_monitor["podMetricsEndpoints"]
     ports = {p["name"]: p["containerPort"] for p in broker["spec"]["containers"][0]["ports"]}
     assert ports[endpoint["port"]] == k8s.ADMIN_PORT and endpoint["path"] == "/metrics"
+    # The brokers' admin port speaks HTTPS (security on by default), as their probes know.
+    probe = broker["spec"]["containers"][0]["readinessProbe"]["httpGet"]
+    assert endpoint["scheme"] == probe["scheme"].lower() == "https"
     relabel = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
     assert relabel == {
         "overlay": [prometheus_label(k8s.LABEL_OVERLAY)],

@@ -12,7 +12,7 @@ import random
 import pytest
 from pyspark.sql import SparkSession
 
-from canopy_broker.client import Client, Credentials, connect
+from canopy_broker.client import Client, connect
 from canopy_operator.backends.k8s import pod_name
 from canopy_operator.cli import build_parser
 from canopy_operator.commands import mine as minecmd
@@ -48,13 +48,14 @@ async def _traffic(cluster: Cluster) -> None:
     def address(broker: str) -> str:
         return str(cluster.kubelet.procs[pod_name("chain", broker)].listen)
 
+    creds = cluster.kubelet.credentials("chain")  # the overlay's client Secret
     clients: list[Client] = []
     try:
         for broker in ("b0", "b5"):
-            c = await connect(address(broker), client_id=f"sub-{broker}", credentials=Credentials())
+            c = await connect(address(broker), client_id=f"sub-{broker}", credentials=creds)
             await c.subscribe('symbol = "ACME"', sub_id="s")
             clients.append(c)
-        pub = await connect(address("b0"), client_id="pub", credentials=Credentials())
+        pub = await connect(address("b0"), client_id="pub", credentials=creds)
         clients.append(pub)
         await asyncio.sleep(1.0)  # the subscriptions reach every broker
         rng = random.Random(1)

@@ -10,8 +10,10 @@ a thread of its own, and a test "kubelet" that runs a real broker process for ev
   the test's).
   Stopping it mid-plan is, for the brokers, an operator that died.
 * :class:`Kubelet` plays the kubelet: a Pod object appears -> a real ``canopy-broker`` process
-  with the overlay's token from the Secret, the Pod marked Ready; the resolver maps the pod to
-  that process's loopback addresses. A deleted Pod stops its process.
+  with the overlay's token from the Secret and what the pod mounts: its TLS Secret's files
+  (``--tls-dir``) and the policy ConfigMap (``--policy``), or ``--insecure`` if the pod says
+  so; the Pod marked Ready; the resolver maps the pod to that process's loopback addresses. A
+  deleted Pod stops its process. :meth:`Kubelet.credentials` are the overlay's client Secret's.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ from canopy_operator.backends.k8s import (
     Endpoints,
     KubeApi,
     OperatorConfig,
+    client_secret_name,
     run_operator,
+    secret_bytes,
     secret_name,
 )
 from tests.integration.test_overlay import random_filter
@@ -203,6 +207,7 @@ def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
         ("pods", "Pod"),
         ("services", "Service"),
         ("secrets", "Secret"),
+        ("configmaps", "ConfigMap"),
         ("events", "Event"),
     ):
         emulator.resources[f"v1/{plural}"] = kmock.ResourceInfo(
@@ -274,6 +279,8 @@ class Kubelet:
         self._task: asyncio.Task[None] | None = None
         self._starting: dict[str, asyncio.Task[None]] = {}
         self.broker_args: tuple[str, ...] = ()  # extra `canopy-broker serve` flags for new pods
+        # Per pod: its --tls-dir (None: --insecure) and --policy flags, from its spec.
+        self.security: dict[str, tuple[Path | None, tuple[str, ...]]] = {}
 
     def resolve(self, namespace: str, service: str, pod: str) -> Endpoints:
         if pod in self.cut_off:  # the operator cannot reach this broker's admin API
@@ -286,16 +293,72 @@ class Kubelet:
                 return base64.b64decode(secret["data"]["token"]).decode()
         raise KeyError(overlay)
 
+    def _object(self, plural: str, namespace: str, name: str) -> dict[str, Any]:
+        for obj in objects(self.emulator, plural):
+            meta = obj["metadata"]
+            if meta["name"] == name and meta.get("namespace", namespace) == namespace:
+                return obj
+        raise KeyError(f"{plural}/{name} not found: the pod cannot start")
+
+    def _volume_at(self, pod: dict[str, Any], path: str) -> dict[str, Any]:
+        (container,) = pod["spec"]["containers"]
+        (mount,) = [m for m in container.get("volumeMounts", []) if m["mountPath"] == path]
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+        return dict(volume)
+
+    def _mount(self, pod: dict[str, Any]) -> tuple[Path | None, tuple[str, ...]]:
+        """What the pod's container is started with, as the kubelet would mount it: the
+        Secret behind ``--tls-dir`` and the ConfigMap behind ``--policy``, as files."""
+        (container,) = pod["spec"]["containers"]
+        args = list(container["args"])
+        namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+        if "--tls-dir" not in args:
+            assert "--insecure" in args, f"{name} has neither --tls-dir nor --insecure"
+            return None, ()
+        base = self.log_dir / "volumes" / name
+        tls_path = args[args.index("--tls-dir") + 1]
+        ref = self._volume_at(pod, tls_path)["secret"]["secretName"]
+        secret = self._object("secrets", namespace, ref)
+        tls_dir = base / "tls"
+        tls_dir.mkdir(parents=True, exist_ok=True)
+        for key in ("ca.crt", "tls.crt", "tls.key"):
+            (tls_dir / key).write_bytes(secret_bytes(secret, key))
+        policy: tuple[str, ...] = ()
+        if "--policy" in args:
+            file = Path(args[args.index("--policy") + 1])
+            ref = self._volume_at(pod, str(file.parent))["configMap"]["name"]
+            cm = self._object("configmaps", namespace, ref)
+            (base / "policy").mkdir(parents=True, exist_ok=True)
+            target = base / "policy" / file.name
+            target.write_text(cm["data"][file.name])
+            policy = ("--policy", str(target))
+        return tls_dir, policy
+
+    def credentials(self, overlay: str, namespace: str = NS) -> Credentials:
+        """The overlay's client Secret, as a user would take it out of the cluster."""
+        secret = self._object("secrets", namespace, client_secret_name(overlay))
+        d = self.log_dir / "clients" / overlay
+        d.mkdir(parents=True, exist_ok=True)
+        for key in ("ca.crt", "tls.crt", "tls.key"):
+            (d / key).write_bytes(secret_bytes(secret, key))
+        return Credentials(d / "ca.crt", d / "tls.crt", d / "tls.key")
+
+    async def _spawn(self, pod: str, broker: str, token: str) -> BrokerProc:
+        tls_dir, policy = self.security[pod]
+        return await spawn_broker(
+            broker,
+            pki=None,  # with tls_dir None: --insecure, as the pod says
+            tls_dir=tls_dir,
+            token=token,
+            log_dir=self.log_dir,
+            extra_args=(*policy, *self.broker_args),
+        )
+
     async def _start(self, key: Any, pod: dict[str, Any]) -> None:
         labels = pod["metadata"]["labels"]
         name = pod["metadata"]["name"]
-        proc = await spawn_broker(
-            labels[LABEL_BROKER],
-            pki=None,  # the Kubernetes path has no TLS yet (issue 14: the operator's part)
-            token=self.token(labels[LABEL_OVERLAY]),
-            log_dir=self.log_dir,
-            extra_args=self.broker_args,
-        )
+        self.security[name] = self._mount(pod)
+        proc = await self._spawn(name, labels[LABEL_BROKER], self.token(labels[LABEL_OVERLAY]))
         self.procs[name] = proc
         self.endpoints[name] = Endpoints(proc.listen, proc.admin_address)
         self.started.append(name)
@@ -336,13 +399,7 @@ class Kubelet:
         proc.kill()
         await proc.stop()
         await asyncio.sleep(after)
-        new = await spawn_broker(
-            proc.name,
-            pki=None,
-            token=proc.token,
-            log_dir=self.log_dir,
-            extra_args=self.broker_args,
-        )
+        new = await self._spawn(pod, proc.name, proc.token)
         self.procs[pod] = new
         self.endpoints[pod] = Endpoints(new.listen, new.admin_address)
 
@@ -433,7 +490,12 @@ class BrokerView:
     integration tests' traffic helpers."""
 
     def __init__(self, kubelet: Kubelet, overlay: str, edges: list[tuple[str, str]]) -> None:
-        self.kubelet, self.prefix, self.edges = kubelet, f"{overlay}-", edges
+        self.kubelet, self.overlay, self.prefix, self.edges = kubelet, overlay, f"{overlay}-", edges
+
+    @property
+    def credentials(self) -> Credentials:
+        """What the traffic helpers connect with: the overlay's client Secret."""
+        return self.kubelet.credentials(self.overlay)
 
     def __getitem__(self, broker: str) -> Any:
         return self.kubelet.procs[self.prefix + broker]

@@ -10,15 +10,20 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import kmock
 import pytest
 import yaml
+from cryptography import x509
 from prometheus_client import REGISTRY
 
+from canopy_broker.admin_client import AdminClient
+from canopy_broker.client import ClientError, Credentials, connect
 from canopy_broker.sim.checker import check_deliveries
-from canopy_operator.backends.k8s import KubeApi, overlay_path
+from canopy_operator.backends.k8s import KubeApi, overlay_path, secret_bytes
 from canopy_operator.model.topology import norm
 from tests.integration.test_reconfiguration import Run, converged
+from tests.integration.test_security import answer_or_nothing
 from tests.operator.k8s_harness import (
     NS,
     BrokerView,
@@ -193,9 +198,14 @@ async def test_creating_an_overlay_creates_its_objects_and_links(cluster: Cluste
     (svc,) = objects(cluster.emulator, "services")
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["metadata"]["ownerReferences"][0]["uid"] == uid
-    (secret,) = objects(cluster.emulator, "secrets")
-    assert secret["metadata"]["ownerReferences"][0]["uid"] == uid
-    assert secret["data"]["token"]
+    secrets = {x["metadata"]["name"]: x for x in objects(cluster.emulator, "secrets")}
+    tls = [f"demo-{b}-tls" for b in "abcd"]
+    assert sorted(secrets) == sorted(["demo-admin", "demo-ca", "demo-client", *tls])
+    for secret in secrets.values():
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert secrets["demo-admin"]["data"]["token"]
+    (policy,) = objects(cluster.emulator, "configmaps")
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == uid
 
     # The brokers themselves hold the declared tree.
     for pod, proc in cluster.kubelet.procs.items():
@@ -228,6 +238,102 @@ async def test_an_invalid_spec_gets_valid_false_and_nothing_is_created(cluster: 
     assert objects(cluster.emulator, "services") == []
 
 
+async def test_brokers_run_tls_with_the_overlays_own_ca(cluster: Cluster) -> None:
+    """Security is on by default (issue 14): the operator makes the overlay's CA, a TLS Secret
+    per broker and a client Secret; the pods mount theirs at --tls-dir; the brokers' admin API
+    is HTTPS (the operator verified it against the CA to converge), their links are TLS, and
+    only clients with the overlay's certificates get in."""
+    cluster.start_operator()
+    await cluster.apply(overlay_manifest("sec", ["a", "b"], [("a", "b")]))
+    obj = await cluster.ready("sec")
+    uid = obj["metadata"]["uid"]
+    secrets = {x["metadata"]["name"]: x for x in objects(cluster.emulator, "secrets")}
+    ca_pem = secret_bytes(secrets["sec-ca"], "ca.crt")
+    assert secret_bytes(secrets["sec-ca"], "ca.key")
+    ca = x509.load_pem_x509_certificate(ca_pem)
+    for name, uri in (
+        ("sec-a-tls", "canopy://broker/a"),
+        ("sec-b-tls", "canopy://broker/b"),
+        ("sec-client", "canopy://client/canopy"),
+    ):
+        secret = secrets[name]
+        assert secret["type"] == "kubernetes.io/tls"
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert secret_bytes(secret, "ca.crt") == ca_pem and secret_bytes(secret, "tls.key")
+        cert = x509.load_pem_x509_certificate(secret_bytes(secret, "tls.crt"))
+        cert.verify_directly_issued_by(ca)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [uri]
+    for pod in objects(cluster.emulator, "pods"):
+        (c,) = pod["spec"]["containers"]
+        args = c["args"]
+        assert "--insecure" not in args
+        assert args[args.index("--tls-dir") + 1] == "/etc/canopy/tls"
+        assert args[args.index("--policy") + 1] == "/etc/canopy/policy/policy.yaml"
+        broker = pod["metadata"]["labels"]["canopy.dev/broker"]
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == f"sec-{broker}-tls"
+        assert volumes["policy"]["configMap"]["name"] == "sec-policy"
+        assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+
+    procs = [cluster.kubelet.procs["sec-a"], cluster.kubelet.procs["sec-b"]]
+    for proc in procs:
+        assert proc.admin.url.startswith("https://")
+        assert [n["peer"] for n in (await proc.admin.status())["neighbours"]]  # linked
+        async with AdminClient(proc.admin_address, proc.token) as plain:  # http: no answer
+            with pytest.raises(aiohttp.ClientError):
+                await plain.status()
+    a, b = (p.listen for p in procs)
+    creds = cluster.kubelet.credentials("sec")
+    assert await answer_or_nothing(None, a) == b""  # plaintext: dropped by TLS
+    with pytest.raises(ClientError, match="unauthenticated"):  # the CA alone proves nothing
+        await connect(a, "nobody", credentials=Credentials(creds.ca), failover_within=0)
+    sub = await connect(b, "dash", credentials=creds)
+    pub = await connect(a, "feed", credentials=creds)
+    try:
+        await sub.subscribe("n > 0", sub_id="s")
+
+        async def delivered() -> list[Any]:
+            await pub.publish({"n": 1})
+            return list(await sub.receive(max_items=100, timeout=0.2))
+
+        got = await until(delivered, 20, "a notification across the TLS link")
+        assert got[0].publisher == "feed"
+    finally:
+        await sub.close()
+        await pub.close()
+
+
+async def test_security_off_runs_the_brokers_insecure(cluster: Cluster) -> None:
+    """``spec.security.tls: false``: plaintext brokers (--insecure), no certificates; a policy
+    the brokers would refuse makes the spec invalid before anything runs."""
+    cluster.start_operator()
+    await cluster.apply(
+        overlay_manifest("bad", ["x"], None, security={"policy": {"principals": "nobody"}})
+    )
+    await cluster.apply(overlay_manifest("open", ["a", "b"], [("a", "b")], security={"tls": False}))
+    await cluster.ready("open")
+    assert [x["metadata"]["name"] for x in objects(cluster.emulator, "secrets")] == ["open-admin"]
+    assert objects(cluster.emulator, "configmaps") == []
+    for pod in objects(cluster.emulator, "pods"):
+        (c,) = pod["spec"]["containers"]
+        assert "--insecure" in c["args"] and "--tls-dir" not in c["args"]
+        assert c["livenessProbe"]["httpGet"]["scheme"] == "HTTP"
+        assert [v["name"] for v in pod["spec"]["volumes"]] == ["admin-token"]
+    proc = cluster.kubelet.procs["open-a"]
+    assert proc.admin.url.startswith("http://")
+    client = await connect(proc.listen, "anyone", credentials=Credentials())  # plaintext
+    await client.close()
+
+    async def invalid() -> dict[str, Any] | None:
+        obj = await cluster.overlay("bad")
+        return obj if (obj.get("status") or {}).get("phase") == "Invalid" else None
+
+    message = condition(await until(invalid, 20, "bad Invalid"), "Valid")["message"]
+    assert "spec.security.policy" in message and "principals" in message
+    assert not [p for p in objects(cluster.emulator, "pods") if "bad" in p["metadata"]["name"]]
+
+
 def history(emulator: kmock.KubernetesEmulator, name: str) -> list[dict[str, Any]]:
     """Every version of the overlay the API server stored, oldest first."""
     for (resource, _ns, oname), obj in list(emulator.objects.items()):
@@ -236,6 +342,13 @@ def history(emulator: kmock.KubernetesEmulator, name: str) -> list[dict[str, Any
     return []
 
 
+POLICY = {
+    "default": "deny",
+    "principals": [
+        {"name": "canopy", "clients": ["*"]},
+        {"name": "dashboard", "subscribe": ["kind = 'temp'"], "publish": []},
+    ],
+}
 CHAIN = [("a", "b"), ("b", "c"), ("c", "d"), ("d", "e")]
 # Drop e, add f, re-wire a..d: 3 exchanges, an add-leaf and a remove-leaf.
 RESHAPED = [("a", "c"), ("a", "d"), ("b", "d"), ("d", "f")]
@@ -246,8 +359,12 @@ async def test_changing_the_spec_runs_the_plan_on_real_brokers(cluster: Cluster)
     await cluster.apply(overlay_manifest("demo", ["a", "b", "c", "d", "e"], CHAIN))
     await cluster.ready("demo")
     new_spec = overlay_manifest("demo", ["a", "b", "c", "d", "f"], RESHAPED)["spec"]
+    new_spec["security"] = {"policy": POLICY}  # and a client policy of its own
     await cluster.api.patch(overlay_path(NS, "demo"), {"spec": new_spec})
     obj = await cluster.ready("demo", generation=2)
+    (policy,) = objects(cluster.emulator, "configmaps")
+    assert yaml.safe_load(policy["data"]["policy.yaml"]) == POLICY
+    assert "demo-e-tls" not in {x["metadata"]["name"] for x in objects(cluster.emulator, "secrets")}
 
     st = obj["status"]
     assert sorted(map(tuple, st["links"])) == sorted(RESHAPED)

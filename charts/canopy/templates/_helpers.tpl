@@ -125,10 +125,16 @@ matchExpressions:
 - apiGroups: [""]
   resources: [services]
   verbs: [create]
-# The admin token: created once, read to talk to the brokers.
+# Per overlay: the admin token and, with TLS (spec.security, on by default), the CA, one TLS
+# Secret per broker and the client Secret; created once and read to talk to the brokers. A
+# removed broker's Secret is deleted; one issued by a replaced CA is deleted and made anew.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create]
+  verbs: [get, create, delete]
+# The client policy the brokers mount (spec.security.policy); updated when the spec changes.
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, create, patch]
 # Events for every step, invalid specs, failures.
 - apiGroups: [""]
   resources: [events]
@@ -145,7 +151,8 @@ matchExpressions:
 - apiGroups: [canopy.dev]
   resources: [topologyproposals]
   verbs: [get, list, create, delete]
-# Each overlay's admin-token Secret, to pull telemetry from the brokers' admin APIs.
+# Each overlay's admin-token Secret and client Secret (its ca.crt verifies the brokers' HTTPS),
+# to pull telemetry from the brokers' admin APIs.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]

@@ -1,8 +1,11 @@
 """The Kubernetes face: kopf handlers for BrokerOverlay and a backend of Pods.
 
 Per overlay the operator keeps a Secret (the brokers' admin token), a headless Service (broker
-DNS) and one Pod per broker (``<overlay>-<broker>``, not a StatefulSet: brokers are not
-interchangeable), all owned by the overlay so deleting it removes them. A reconcile (create,
+DNS), the overlay's credentials (unless ``spec.security.tls`` is false: a CA Secret, one TLS
+Secret per broker, a client Secret for the overlay's default principal and the client policy
+in a ConfigMap, see :meth:`Reconciler.ensure_security`) and one Pod per broker
+(``<overlay>-<broker>``, not a StatefulSet: brokers are not interchangeable), all owned by the
+overlay so deleting it removes them. A reconcile (create,
 update, resume) validates the spec — an invalid spec gets ``Valid=False``, an Event and nothing
 else — creates what is missing, asks the brokers which links are live, plans and runs the plan
 with the shared :class:`~canopy_operator.executor.Executor`. Progress goes to ``status.plan``
@@ -33,9 +36,12 @@ from typing import Any, cast
 
 import aiohttp
 import kopf
+import yaml
 from prometheus_client import Counter, Gauge, Histogram
 
 from canopy_broker.admin_client import AdminClient, AdminError
+from canopy_broker.pki import Authority
+from canopy_broker.runtime.security import BROKER, CLIENT, Identity, Policy, SecurityError
 from canopy_operator.executor import Executor, StepError
 from canopy_operator.model.phases import ConditionType, OverlayPhase, ProposalPhase
 from canopy_operator.model.planner import (
@@ -63,6 +69,10 @@ PROPOSALS = "topologyproposals"
 BROKER_PORT, ADMIN_PORT = 7000, 8080
 LABEL_OVERLAY, LABEL_BROKER = "canopy.dev/overlay", "canopy.dev/broker"
 TOKEN_DIR = "/var/run/canopy"  # where the broker image expects its token
+TLS_DIR = "/etc/canopy/tls"  # the broker's TLS Secret (ca.crt, tls.crt, tls.key): --tls-dir
+POLICY_DIR = "/etc/canopy/policy"  # the client policy ConfigMap (policy.yaml): --policy
+POLICY_KEY = "policy.yaml"
+CLIENT_PRINCIPAL = "canopy"  # the principal of the overlay's client Secret (any client id)
 DEFAULT_IMAGE = "canopy:0.1.0"  # the Dockerfile's image: broker, CLI and operator
 
 log = logging.getLogger("canopy.operator")
@@ -209,6 +219,132 @@ def secret_name(overlay: str) -> str:
     return f"{overlay}-admin"
 
 
+def ca_secret_name(overlay: str) -> str:
+    return f"{overlay}-ca"
+
+
+def tls_secret_name(overlay: str, broker: str) -> str:
+    return f"{overlay}-{broker}-tls"
+
+
+def client_secret_name(overlay: str) -> str:
+    return f"{overlay}-client"
+
+
+def policy_name(overlay: str) -> str:
+    return f"{overlay}-policy"
+
+
+def default_policy(overlay: str) -> str:
+    """The client policy of an overlay whose spec has none (docs/security.md)."""
+    return f"""\
+# Who may publish and subscribe what on overlay {overlay} (docs/security.md); set
+# spec.security.policy to replace it. The client certificate in Secret {client_secret_name(overlay)}
+# is principal {CLIENT_PRINCIPAL}: any client id, anything.
+default: allow        # principals not listed: anything, under their own client ids
+principals:
+  - name: {CLIENT_PRINCIPAL}
+    clients: ["*"]
+"""
+
+
+@dataclass(frozen=True)
+class Security:
+    """``spec.security``: TLS on (the default) or off (``--insecure``), and the client policy
+    (the YAML text mounted as ``--policy``; only with TLS)."""
+
+    tls: bool = True
+    policy: str = ""
+
+
+def security_of(overlay: str, raw_spec: Mapping[str, Any]) -> Security:
+    """Read ``spec.security``; raise :class:`SpecError` naming what is wrong (a policy that the
+    brokers would refuse is refused here, before any broker runs with it)."""
+    raw = raw_spec.get("security")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise SpecError("spec.security must be a mapping")
+    tls = raw.get("tls", True)
+    if not isinstance(tls, bool):
+        raise SpecError(f"spec.security.tls must be true or false, got {tls!r}")
+    doc = raw.get("policy")
+    if doc is None:
+        return Security(tls, default_policy(overlay) if tls else "")
+    try:
+        Policy.from_dict(doc, source="spec.security.policy")
+    except SecurityError as exc:
+        raise SpecError(str(exc)) from None
+    text = "# spec.security.policy of BrokerOverlay " + overlay + "\n"
+    return Security(tls, text + yaml.safe_dump(doc, sort_keys=False) if tls else "")
+
+
+def verify_context(ca_pem: bytes) -> ssl.SSLContext:
+    """Verifies a broker's admin API certificate against the overlay's CA (in memory); host
+    names are not checked (brokers move between addresses), the chain is."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_verify_locations(cadata=ca_pem.decode())
+    return ctx
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def secret_bytes(secret: Mapping[str, Any] | None, key: str) -> bytes:
+    """A key of a Secret's ``data`` (b"" if absent)."""
+    value = ((secret or {}).get("data") or {}).get(key)
+    return base64.b64decode(value) if value else b""
+
+
+def tls_secret(
+    name: str,
+    namespace: str,
+    *,
+    labels: Mapping[str, str],
+    owner: Mapping[str, Any],
+    authority: Authority,
+    identity: Identity,
+    hosts: Sequence[str] = (),
+) -> dict[str, Any]:
+    """A ``kubernetes.io/tls`` Secret for ``identity``, issued by the overlay's CA, with the
+    CA's certificate beside it (the layout ``canopy-broker serve --tls-dir`` reads)."""
+    cert, key = authority.issue(identity, hosts)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": dict(labels),
+            "annotations": {"canopy.dev/identity": identity.uri},
+            "ownerReferences": [dict(owner)],
+        },
+        "type": "kubernetes.io/tls",
+        "data": {"ca.crt": _b64(authority.cert_pem), "tls.crt": _b64(cert), "tls.key": _b64(key)},
+    }
+
+
+async def ensure_tls_secret(
+    api: KubeApi, namespace: str, name: str, make: Callable[[], dict[str, Any]], ca_pem: bytes
+) -> None:
+    """Create the Secret ``make()`` builds, or replace its material if it was issued by
+    another CA (the CA Secret was deleted and made anew); a Secret once made is otherwise kept
+    as it is (its certificate is issued once)."""
+    path = core_path(namespace, "secrets", name)
+    current = await api.get(path)
+    if current is None:
+        if await api.create(core_path(namespace, "secrets"), make()):
+            return
+        current = await api.get(path)
+    if current is not None and secret_bytes(current, "ca.crt") != ca_pem:
+        await api.delete(path)  # made anew, not patched: the operator never edits a Secret
+        await api.create(core_path(namespace, "secrets"), make())
+
+
 def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
     meta = obj["metadata"]
     return {
@@ -229,9 +365,12 @@ def pod_manifest(
     image: str,
     *,
     resources: Mapping[str, Any] | None = None,
+    tls: bool = True,
 ) -> dict[str, Any]:
     """One broker's Pod: stable name, labels (the broker's own too), owner reference, probes,
-    anti-affinity, resources (the broker's, else the overlay's ``spec.broker.resources``)."""
+    anti-affinity, resources (the broker's, else the overlay's ``spec.broker.resources``).
+    ``tls``: the broker's TLS Secret at ``--tls-dir`` and the policy ConfigMap at ``--policy``
+    (its admin API, probes included, speaks HTTPS); else ``--insecure``."""
     overlay = spec.name
     neighbours = sorted({b for e in spec.links or () for b in e if broker in e and b != broker})
     terms: list[dict[str, Any]] = []
@@ -289,7 +428,24 @@ def pod_manifest(
         LABEL_OVERLAY: overlay,
         LABEL_BROKER: broker,
     }
-    probe = {"httpGet": {"port": "admin"}, "periodSeconds": 5}
+    scheme = "HTTPS" if tls else "HTTP"  # the kubelet does not verify a probe's certificate
+    probe = {"periodSeconds": 5}
+    mounts: list[dict[str, Any]] = [{"name": "admin-token", "mountPath": TOKEN_DIR}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "admin-token", "secret": {"secretName": secret_name(overlay)}}
+    ]
+    if tls:
+        security = ["--tls-dir", TLS_DIR, "--policy", f"{POLICY_DIR}/{POLICY_KEY}"]
+        mounts += [
+            {"name": "tls", "mountPath": TLS_DIR, "readOnly": True},
+            {"name": "policy", "mountPath": POLICY_DIR, "readOnly": True},
+        ]
+        volumes += [
+            {"name": "tls", "secret": {"secretName": tls_secret_name(overlay, broker)}},
+            {"name": "policy", "configMap": {"name": policy_name(overlay)}},
+        ]
+    else:
+        security = ["--insecure"]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -324,19 +480,23 @@ def pod_manifest(
                         spec.routing,
                         "--token-file",
                         f"{TOKEN_DIR}/token",
+                        *security,
                         *spec.broker_args(),
                     ],
                     "ports": [
                         {"name": "broker", "containerPort": BROKER_PORT},
                         {"name": "admin", "containerPort": ADMIN_PORT},
                     ],
-                    "readinessProbe": {**probe, "httpGet": {"path": "/readyz", "port": "admin"}},
+                    "readinessProbe": {
+                        **probe,
+                        "httpGet": {"path": "/readyz", "port": "admin", "scheme": scheme},
+                    },
                     "livenessProbe": {
                         **probe,
-                        "httpGet": {"path": "/healthz", "port": "admin"},
+                        "httpGet": {"path": "/healthz", "port": "admin", "scheme": scheme},
                         "failureThreshold": 6,
                     },
-                    "volumeMounts": [{"name": "admin-token", "mountPath": TOKEN_DIR}],
+                    "volumeMounts": mounts,
                     "resources": dict(resources or {}),
                     "securityContext": {
                         "allowPrivilegeEscalation": False,
@@ -346,7 +506,7 @@ def pod_manifest(
                 }
             ],
             "securityContext": {"runAsNonRoot": True, "runAsUser": 10001},
-            "volumes": [{"name": "admin-token", "secret": {"secretName": secret_name(overlay)}}],
+            "volumes": volumes,
         },
     }
 
@@ -375,10 +535,15 @@ class KubernetesBackend:
         resolver: Resolver = dns_resolver,
         poll: float = 0.2,
         resources: Mapping[str, Mapping[str, Any]] | None = None,
+        authority: Authority | None = None,
     ) -> None:
+        """``authority``: the overlay's CA; it issues each broker's TLS Secret and verifies
+        the brokers' admin APIs (HTTPS). None: the overlay runs ``--insecure``."""
         self.resources = dict(resources or {})
         self.api, self.spec, self.namespace, self.owner = api, spec, namespace, owner
         self.token, self.image, self.resolver, self.poll = token, image, resolver, poll
+        self.authority = authority
+        self.tls = verify_context(authority.cert_pem) if authority is not None else None
         self._admins: dict[str, AdminClient] = {}
 
     def _pod_path(self, broker: str) -> str:
@@ -389,7 +554,34 @@ class KubernetesBackend:
             self.namespace, service_name(self.spec.name), pod_name(self.spec.name, broker)
         )
 
+    async def ensure_broker_secret(self, name: str) -> None:
+        """The broker's TLS Secret (``canopy://broker/NAME``, for its DNS names too)."""
+        authority = self.authority
+        if authority is None:
+            return
+        overlay, pod = self.spec.name, pod_name(self.spec.name, name)
+        host = dns_resolver(self.namespace, service_name(overlay), pod).listen.rpartition(":")[0]
+        hosts = (host, f"{host}.cluster.local", f"{pod}.{service_name(overlay)}", "localhost")
+        sname = tls_secret_name(overlay, name)
+        labels = {LABEL_OVERLAY: overlay, LABEL_BROKER: name, "app.kubernetes.io/part-of": "canopy"}
+        await ensure_tls_secret(
+            self.api,
+            self.namespace,
+            sname,
+            lambda: tls_secret(
+                sname,
+                self.namespace,
+                labels=labels,
+                owner=self.owner,
+                authority=authority,
+                identity=Identity(BROKER, name),
+                hosts=hosts,
+            ),
+            authority.cert_pem,
+        )
+
     async def create_broker(self, name: str) -> None:
+        await self.ensure_broker_secret(name)  # before its pod: the pod mounts it
         body = pod_manifest(
             self.spec,
             name,
@@ -397,6 +589,7 @@ class KubernetesBackend:
             self.owner,
             self.image,
             resources=self.resources.get(name),
+            tls=self.authority is not None,
         )
         await self.api.create(core_path(self.namespace, "pods"), body)
 
@@ -408,6 +601,10 @@ class KubernetesBackend:
     async def delete_broker(self, name: str) -> None:
         await self._forget_admin(name)
         await self.api.delete(self._pod_path(name))
+        if self.authority is not None:  # a removed broker's certificate goes with it
+            await self.api.delete(
+                core_path(self.namespace, "secrets", tls_secret_name(self.spec.name, name))
+            )
 
     async def wait_ready(self, name: str, within: float) -> None:
         """The pod's Ready condition (the kubelet's readiness probe), then the admin API.
@@ -432,7 +629,9 @@ class KubernetesBackend:
     def admin(self, name: str) -> AdminClient:
         client = self._admins.get(name)
         if client is None:
-            client = self._admins[name] = AdminClient(self.endpoints(name).admin, self.token)
+            client = self._admins[name] = AdminClient(
+                self.endpoints(name).admin, self.token, tls=self.tls
+            )
         return client
 
     async def pods(self) -> dict[str, dict[str, Any]]:
@@ -549,6 +748,15 @@ class OperatorConfig:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
 
 
+@dataclass(frozen=True)
+class Access:
+    """How the operator reaches an overlay's brokers: the admin token and, with TLS, the CA
+    (it verifies their admin APIs and issues their certificates)."""
+
+    token: str
+    authority: Authority | None = None
+
+
 class Reconciler:
     """One reconcile of one overlay; writes only its status."""
 
@@ -586,12 +794,88 @@ class Reconciler:
         manifest = {**self.obj, "kind": self.obj.get("kind") or KIND}
         try:
             spec = parse_overlay(manifest)
+            self.security(spec)
         except SpecError as exc:
             return None, [str(exc)]
         return spec, validate(spec)
 
-    async def ensure_objects(self, spec: OverlaySpec) -> str:
-        """Secret (admin token) and headless Service; returns the token."""
+    async def ensure_security(self, spec: OverlaySpec, security: Security) -> Authority | None:
+        """The overlay's credentials, unless ``spec.security.tls`` is false (None then):
+
+        * ``<overlay>-ca``: the CA (``ca.crt``, ``ca.key``), created once and kept;
+        * ``<overlay>-client``: a ``kubernetes.io/tls`` Secret for principal ``canopy``
+          (``ca.crt``, ``tls.crt``, ``tls.key``): what users and tools connect with;
+        * ``<overlay>-policy``: a ConfigMap with the client policy (``spec.security.policy``
+          or :func:`default_policy`), mounted by every broker and kept up to date;
+        * each broker's own TLS Secret is made with its pod
+          (:meth:`KubernetesBackend.create_broker`).
+        """
+        if not security.tls:
+            return None
+        owner = owner_reference(self.obj)
+        labels = {LABEL_OVERLAY: spec.name, "app.kubernetes.io/part-of": "canopy"}
+        secrets_path = core_path(self.namespace, "secrets")
+        ca_path = core_path(self.namespace, "secrets", ca_secret_name(spec.name))
+        ca = await self.api.get(ca_path)
+        if ca is None:
+            made = Authority.create(f"canopy overlay {self.namespace}/{spec.name} CA")
+            await self.api.create(
+                secrets_path,
+                {
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {
+                        "name": ca_secret_name(spec.name),
+                        "namespace": self.namespace,
+                        "labels": labels,
+                        "ownerReferences": [owner],
+                    },
+                    "type": "Opaque",
+                    "data": {"ca.crt": _b64(made.cert_pem), "ca.key": _b64(made.key_pem)},
+                },
+            )
+            ca = await self.api.get(ca_path)  # whoever created it first: theirs is the CA
+        authority = Authority.from_pem(secret_bytes(ca, "ca.crt"), secret_bytes(ca, "ca.key"))
+        client = client_secret_name(spec.name)
+        await ensure_tls_secret(
+            self.api,
+            self.namespace,
+            client,
+            lambda: tls_secret(
+                client,
+                self.namespace,
+                labels=labels,
+                owner=owner,
+                authority=authority,
+                identity=Identity(CLIENT, CLIENT_PRINCIPAL),
+            ),
+            authority.cert_pem,
+        )
+        cm_path = core_path(self.namespace, "configmaps", policy_name(spec.name))
+        cm = await self.api.get(cm_path)
+        if cm is None:
+            await self.api.create(
+                core_path(self.namespace, "configmaps"),
+                {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "metadata": {
+                        "name": policy_name(spec.name),
+                        "namespace": self.namespace,
+                        "labels": labels,
+                        "ownerReferences": [owner],
+                    },
+                    "data": {POLICY_KEY: security.policy},
+                },
+            )
+        elif (cm.get("data") or {}).get(POLICY_KEY) != security.policy:
+            # The brokers re-read the mounted file when the kubelet refreshes it.
+            await self.api.patch(cm_path, {"data": {POLICY_KEY: security.policy}})
+        return authority
+
+    async def ensure_objects(self, spec: OverlaySpec) -> Access:
+        """Secret (admin token), headless Service and the overlay's credentials; returns what
+        the backend reaches the brokers with."""
         owner = owner_reference(self.obj)
         labels = {LABEL_OVERLAY: spec.name, "app.kubernetes.io/part-of": "canopy"}
         sname = secret_name(spec.name)
@@ -638,9 +922,13 @@ class Reconciler:
                 },
             },
         )
-        return token
+        authority = await self.ensure_security(spec, self.security(spec))
+        return Access(token, authority)
 
-    def backend(self, spec: OverlaySpec, token: str) -> KubernetesBackend:
+    def security(self, spec: OverlaySpec) -> Security:
+        return security_of(spec.name, self.obj.get("spec") or {})
+
+    def backend(self, spec: OverlaySpec, access: Access) -> KubernetesBackend:
         raw = self.obj.get("spec") or {}
         image = str((raw.get("broker") or {}).get("image") or "")
         shared = (raw.get("broker") or {}).get("resources") or {}
@@ -654,11 +942,12 @@ class Reconciler:
             spec,
             self.namespace,
             owner_reference(self.obj),
-            token,
+            access.token,
             image=image or self.config.image,
             resolver=self.config.resolver,
             poll=self.config.poll,
             resources=resources,
+            authority=access.authority,
         )
 
     async def run(self) -> None:
@@ -678,8 +967,7 @@ class Reconciler:
             self.event("InvalidSpec", message, warning=True)
             return
         self.condition(ConditionType.VALID, True, "SpecValid", "the spec describes a valid tree")
-        token = await self.ensure_objects(spec)
-        backend = self.backend(spec, token)
+        backend = self.backend(spec, await self.ensure_objects(spec))
         try:
             await self._converge(spec, backend, generation, decision)
         finally:
@@ -920,8 +1208,7 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
     spec, problems = r.parse()
     if spec is None or problems:
         return
-    token = await r.ensure_objects(spec)
-    backend = r.backend(spec, token)
+    backend = r.backend(spec, await r.ensure_objects(spec))
     try:
         pods = await backend.pods()
         with_pods = [b for b in spec.broker_names if b in pods]
@@ -1104,8 +1391,7 @@ class ProposalKeeper:
         status = self.obj.get("status") or {}
         saved = status.get("plan") or {}
         p = from_manifest(self.obj)
-        token = await r.ensure_objects(spec)
-        backend = r.backend(spec, token)
+        backend = r.backend(spec, await r.ensure_objects(spec))
         try:
             if status.get("phase") == ProposalPhase.APPLYING and saved.get("steps"):
                 the_plan = Plan(steps_from_json(saved["steps"]), ())

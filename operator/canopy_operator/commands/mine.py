@@ -19,6 +19,7 @@ import asyncio
 import base64
 import json
 import os
+import ssl
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -332,6 +333,13 @@ async def _mine_overlay(
     token_b64 = ((secret or {}).get("data") or {}).get("token")
     if not token_b64:
         raise RuntimeError(f"no admin token in secret {k8s.secret_name(name)}")
+    tls = None
+    if k8s.security_of(name, obj.get("spec") or {}).tls:  # the brokers' admin APIs are HTTPS
+        client = await api.get(k8s.core_path(ns, "secrets", k8s.client_secret_name(name)))
+        ca = k8s.secret_bytes(client, "ca.crt")
+        if not ca:
+            raise RuntimeError(f"no CA certificate in secret {k8s.client_secret_name(name)}")
+        tls = k8s.verify_context(ca)
     admins = {
         b: resolve(ns, k8s.service_name(name), k8s.pod_name(name, b)).admin
         for b in spec.broker_names
@@ -345,6 +353,7 @@ async def _mine_overlay(
         admins=admins,
         token=base64.b64decode(token_b64).decode(),
         ns=ns,
+        tls=tls,
     )
 
 
@@ -358,6 +367,7 @@ async def _mine_and_file(
     admins: dict[str, str],
     token: str,
     ns: str,
+    tls: ssl.SSLContext | None = None,
 ) -> None:
     from canopy_operator.backends.k8s import GROUP, VERSION
     from canopy_operator.mining.errors import TelemetryError
@@ -370,7 +380,7 @@ async def _mine_and_file(
     base = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/topologyproposals"
     spark = spark_session(args.spark_master, driver_memory=args.driver_memory)
     with tempfile.TemporaryDirectory(prefix="canopy-pull-") as staging:
-        pulled = await pull_telemetry(admins, token, Path(staging))
+        pulled = await pull_telemetry(admins, token, Path(staging), tls=tls)
         _say(f"{ns}/{name}: {pulled.describe()}")
         if pulled.unreachable:
             raise RuntimeError(
