@@ -76,7 +76,11 @@ def edit(path: str, old: str, new: str) -> Callable[[Path], None]:
         ),
         # The chart changed, the plain install did not.
         (
-            edit("charts/canopy/templates/_helpers.tpl", "verbs: [get, create]", "verbs: [get]"),
+            edit(
+                "charts/canopy/templates/_helpers.tpl",
+                "verbs: [get, create, delete]",
+                "verbs: [get]",
+            ),
             "manifests/install/rbac.yaml: out of date",
         ),
         (
