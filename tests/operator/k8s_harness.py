@@ -504,11 +504,6 @@ class BrokerView:
     def brokers(self) -> dict[str, Any]:
         return {p.removeprefix(self.prefix): proc for p, proc in self.kubelet.procs.items()}
 
-    @property
-    def credentials(self) -> Credentials:
-        """What a client of these brokers connects with: nothing yet, they run plaintext."""
-        return Credentials()
-
 
 async def live_traffic(
     view: BrokerView, subscribers: list[str], publishers: list[str], seed: int
