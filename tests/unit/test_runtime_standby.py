@@ -195,6 +195,8 @@ async def test_a_refused_promotion_falls_back_to_a_fresh_session(make_broker: Ma
     a.sessions.open("b")  # ... and so did a's, with no standby link: it dials
     promoted = b.links["a"]
     await eventually(lambda: promoted.conn is not None and promoted.session != "sb-session")
+    # a's end is up once b's answer to its hello is in (a TLS round trip after b's end).
+    await eventually(lambda: "b" in a.links and a.links["b"].conn is not None)
     assert not a.sessions.standby and not b.sessions.standby and forgotten.removed
     assert a.links["b"].session == promoted.session and a.links["b"].conn is not None
     assert promoted.connects == 2  # the standby connection, then a's dial
