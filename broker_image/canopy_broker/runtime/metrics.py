@@ -166,6 +166,11 @@ class BrokerMetrics:
             ["role", "code"],
             registry=r,
         )
+        self.tls_reloads = Counter(
+            "canopy_tls_reloads",
+            "Rotated TLS material loaded without a restart (links re-keyed on new connections)",
+            registry=r,
+        )
         self.peer_failures = Counter(
             "canopy_peer_failures",
             "Neighbours declared dead by the failure detector (their link dropped and fenced)",

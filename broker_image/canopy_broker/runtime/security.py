@@ -134,6 +134,24 @@ class TlsFiles:
         ctx.verify_mode = ssl.CERT_REQUIRED
         return self._load(ctx)
 
+    def stamp(self) -> tuple[tuple[int, int], ...]:
+        """What changes when the files are rewritten (rotation): their mtimes and sizes."""
+        out = []
+        for path in (self.ca, self.cert, self.key):
+            try:
+                st = os.stat(path) if path is not None else None
+            except OSError:
+                st = None
+            out.append((st.st_mtime_ns, st.st_size) if st is not None else (0, 0))
+        return tuple(out)
+
+    def reload(self, *contexts: ssl.SSLContext) -> None:
+        """Load rotated material into live contexts: new handshakes use the new certificate,
+        and the new CA is trusted *besides* the old one (a rollover needs both for a while;
+        a restart forgets the old). Connections already up keep their session."""
+        for ctx in contexts:
+            self._load(ctx)
+
     def __str__(self) -> str:
         return f"CA {self.ca}, certificate {self.cert}, key {self.key}"
 

@@ -205,6 +205,7 @@ class Broker:
         self.tls_client = config.tls.client_context() if config.tls is not None else None
         self.policy = Policy.load(config.policy_file) if config.policy_file else Policy()
         self._policy_stamp = self._policy_file_stamp()
+        self._tls_stamp = config.tls.stamp() if config.tls is not None else None
         self.client_sessions = ClientSessions(self, self._unacknowledged)
         self.clients = self.client_sessions.clients
         # Gray notifications' waits at the new link of an exchange, taken from the core.
@@ -306,6 +307,7 @@ class Broker:
             self.sessions.heartbeat(now)
             self._check_conns(now)
             self._reload_policy()
+            self._reload_tls()
             for client in [*self._over, *self._lagging]:
                 if (
                     isinstance(client, Client)
@@ -639,6 +641,33 @@ class Broker:
             return
         self.client_sessions.policy_changed(self.policy)
         log.info("%s: policy reloaded from %s", self.name, self.config.policy_file)
+
+    def _reload_tls(self) -> None:
+        """Certificate rotation without a restart and without losing a notification: when
+        the TLS files change, the live contexts load them (new connections use them), then
+        every link connection is dropped once; each link resumes its session on a new
+        connection, with the new certificates, and resends what was not acknowledged.
+        Clients keep their connections (they are re-keyed when they reconnect)."""
+        tls = self.config.tls
+        if tls is None or self.tls_server is None or self.tls_client is None:
+            return
+        stamp = tls.stamp()
+        if stamp == self._tls_stamp:
+            return
+        self._tls_stamp = stamp
+        try:
+            tls.check().reload(self.tls_server, self.tls_client)
+        except SecurityError as exc:  # half-written files: the next change is tried again
+            log.error("%s: TLS material not reloaded, the previous stays: %s", self.name, exc)
+            return
+        rekeyed = [peer for peer in list(self.links) if self.drop_link_connection(peer)]
+        self.metrics.tls_reloads.inc()
+        log.info(
+            "%s: TLS material reloaded from %s; links re-keyed on new connections: %s",
+            self.name,
+            tls,
+            ", ".join(sorted(rekeyed)) or "none",
+        )
 
     def answer_hello(self, conn: Conn, **fields: object) -> None:
         conn.write(
