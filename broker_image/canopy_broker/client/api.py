@@ -381,10 +381,24 @@ class Client(FailingOver, Migrating, AsyncClosing):
             await self._check_open().request(B_UNSUBSCRIBED, sub_id, msg)
             del self.subscriptions[sub_id]
 
+    def _being_lost(self) -> bool:
+        """The broker closed the connection and its loss is not handled yet (asyncio reports
+        it a loop turn later): a failover is about to start, so publications are kept for it
+        rather than refused. Not when the broker said why (an error), nor when we closed."""
+        conn = self._conn
+        return (
+            conn is not None
+            and conn.error is None
+            and conn.is_closing()
+            and not conn.ending
+            and not self._closing
+            and self.failover_within > 0
+        )
+
     def publish_nowait(self, attrs: Mapping[str, Value]) -> int:
         """Queue one event for publishing; returns its sequence number (never waits). While
         the client fails over it is only kept, and sent once another broker took over."""
-        failing_over = self.failing_over
+        failing_over = self.failing_over or self._being_lost()
         conn = None if failing_over else self._check_open()
         try:
             checked = check_wire_attributes(attrs)
@@ -404,7 +418,8 @@ class Client(FailingOver, Migrating, AsyncClosing):
         seq = self.publish_nowait(attrs)
         while len(self._unacked) >= self.max_unacked:
             await self._acks_progress()
-            self._check_open()
+            if not (self.failing_over or self._being_lost()):
+                self._check_open()
         conn = self._conn
         if conn is not None and conn.writing_paused:
             await conn.drain()

@@ -101,6 +101,14 @@ class BrokerConnection(FrameProtocol):
         conn.address = address
         try:
             await asyncio.wait_for(asyncio.shield(conn.ready), within)
+        except ConnectionLostError as exc:
+            conn.abort()
+            if tls is None:  # what a TLS broker does to a plaintext hello
+                raise ConnectionLostError(
+                    f"{exc}, before answering our plaintext hello: if it speaks TLS, connect "
+                    "with the overlay's credentials (not --insecure)"
+                ) from None
+            raise
         except BaseException:
             conn.abort()
             raise
