@@ -25,11 +25,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from canopy_broker.client.credentials import LOCAL_CLIENT
 from canopy_broker.runtime.security import BROKER, CLIENT, Identity, TlsFiles
 
 CA_DAYS = 3650
 CERT_DAYS = 365
-LOCAL_CLIENT = "canopy"  # the principal of the user who ran `canopy up`
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -187,7 +187,7 @@ class LocalPki:
         if not token.exists():
             _write_private(token, secrets.token_urlsafe(24).encode())
         if not self.policy_path.exists():
-            self.policy_path.write_text(DEFAULT_POLICY)
+            self.policy_path.write_text(permissive_policy(LOCAL_POLICY_HEADER))
         self.client()
         return self
 
@@ -242,7 +242,7 @@ class LocalPki:
         return (self.dir / "admin-token").read_text().strip()
 
 
-DEFAULT_POLICY = f"""\
+LOCAL_POLICY_HEADER = f"""\
 # Who may publish and subscribe what on this overlay (docs/security.md). Edited files are
 # picked up by the brokers within a few seconds.
 #
@@ -250,8 +250,17 @@ DEFAULT_POLICY = f"""\
 # principal (tokenSha256: the sha256 of the token). clients: the client ids it may use
 # (default: NAME and NAME/*). publish / subscribe: filters; a subscription must be covered by
 # one, a publication matched by one (left out: anything; []: nothing).
-default: allow        # principals not listed: anything, under their own client ids
+# {LOCAL_CLIENT} is the local user (pki/clients/{LOCAL_CLIENT}.pem): any client id.
+"""
+
+
+def permissive_policy(header: str) -> str:
+    """The policy an overlay starts with (``canopy up``, and the operator when the spec has
+    none): the local user's principal may use any client id; anybody else with a certificate
+    of the overlay, anything under their own ids. ``header``: comments for the reader."""
+    return f"""{header}\
+default: allow  # principals not listed: anything, under their own client ids
 principals:
-  - name: {LOCAL_CLIENT}        # the local user (pki/clients/{LOCAL_CLIENT}.pem): any client id
+  - name: {LOCAL_CLIENT}
     clients: ["*"]
 """

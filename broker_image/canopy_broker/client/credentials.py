@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import ssl
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from canopy_broker.runtime.security import TlsFiles
@@ -40,20 +41,20 @@ class Credentials:
     cert: Path | None = None
     key: Path | None = None
     token: str | None = None
-    _context: list[ssl.SSLContext] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def secure(self) -> bool:
         return self.ca is not None
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        """The context for dialing a broker (built once): the chain must lead to the CA."""
+        """The context for dialing a broker: the chain must lead to the CA."""
+        return self._ssl_context
+
+    @cached_property
+    def _ssl_context(self) -> ssl.SSLContext | None:  # built once per credentials
         if self.ca is None:
             return None
-        if not self._context:
-            files = TlsFiles(self.ca, self.cert, self.key).check()
-            self._context.append(files.client_context())
-        return self._context[0]
+        return TlsFiles(self.ca, self.cert, self.key).check().client_context()
 
     @classmethod
     def from_pki(cls, pki_dir: str | os.PathLike[str], client: str = LOCAL_CLIENT) -> Credentials:

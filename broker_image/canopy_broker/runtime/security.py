@@ -90,6 +90,18 @@ def transport_identity(transport: Any) -> Identity | None:
 # --------------------------------------------------------------------------- TLS material
 
 
+def file_stamp(path: str | os.PathLike[str] | None) -> tuple[int, int] | None:
+    """A file's modification time and size (None: no such file): what a broker compares to
+    notice that its policy or TLS files were rewritten."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
 @dataclass(frozen=True, slots=True)
 class TlsFiles:
     """PEM files: the overlay's CA, and this party's certificate and key (optional for a
@@ -134,16 +146,9 @@ class TlsFiles:
         ctx.verify_mode = ssl.CERT_REQUIRED
         return self._load(ctx)
 
-    def stamp(self) -> tuple[tuple[int, int], ...]:
+    def stamp(self) -> tuple[tuple[int, int] | None, ...]:
         """What changes when the files are rewritten (rotation): their mtimes and sizes."""
-        out = []
-        for path in (self.ca, self.cert, self.key):
-            try:
-                st = os.stat(path) if path is not None else None
-            except OSError:
-                st = None
-            out.append((st.st_mtime_ns, st.st_size) if st is not None else (0, 0))
-        return tuple(out)
+        return tuple(file_stamp(path) for path in (self.ca, self.cert, self.key))
 
     def reload(self, *contexts: ssl.SSLContext) -> None:
         """Load rotated material into live contexts: new handshakes use the new certificate,

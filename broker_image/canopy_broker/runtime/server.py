@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -84,6 +83,7 @@ from canopy_broker.runtime.security import (
     SecurityError,
     authenticate_client,
     check_link_peer,
+    file_stamp,
 )
 from canopy_broker.runtime.tasks import TaskSet
 from canopy_broker.runtime.telemetry import Telemetry
@@ -204,7 +204,7 @@ class Broker:
         self.tls_server = config.tls.server_context() if config.tls is not None else None
         self.tls_client = config.tls.client_context() if config.tls is not None else None
         self.policy = Policy.load(config.policy_file) if config.policy_file else Policy()
-        self._policy_stamp = self._policy_file_stamp()
+        self._policy_stamp = file_stamp(config.policy_file)
         self._tls_stamp = config.tls.stamp() if config.tls is not None else None
         self.client_sessions = ClientSessions(self, self._unacknowledged)
         self.clients = self.client_sessions.clients
@@ -616,21 +616,11 @@ class Broker:
         )
         return FrameError(str(exc), exc.code)
 
-    def _policy_file_stamp(self) -> tuple[float, int] | None:
-        path = self.config.policy_file
-        if not path:
-            return None
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        return (st.st_mtime, st.st_size)
-
     def _reload_policy(self) -> None:
         """Hot reload: a changed policy file applies to new connections and requests at once
         (connected clients keep the principal they proved; their permissions are looked up
         again). A broken file is reported and the old policy kept."""
-        stamp = self._policy_file_stamp()
+        stamp = file_stamp(self.config.policy_file)
         if stamp == self._policy_stamp or self.config.policy_file is None:
             return
         self._policy_stamp = stamp

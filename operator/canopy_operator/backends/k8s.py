@@ -40,7 +40,8 @@ import yaml
 from prometheus_client import Counter, Gauge, Histogram
 
 from canopy_broker.admin_client import AdminClient, AdminError
-from canopy_broker.pki import Authority
+from canopy_broker.client.credentials import LOCAL_CLIENT
+from canopy_broker.pki import Authority, permissive_policy
 from canopy_broker.runtime.security import BROKER, CLIENT, Identity, Policy, SecurityError
 from canopy_operator.executor import Executor, StepError
 from canopy_operator.model.phases import ConditionType, OverlayPhase, ProposalPhase
@@ -72,7 +73,7 @@ TOKEN_DIR = "/var/run/canopy"  # where the broker image expects its token
 TLS_DIR = "/etc/canopy/tls"  # the broker's TLS Secret (ca.crt, tls.crt, tls.key): --tls-dir
 POLICY_DIR = "/etc/canopy/policy"  # the client policy ConfigMap (policy.yaml): --policy
 POLICY_KEY = "policy.yaml"
-CLIENT_PRINCIPAL = "canopy"  # the principal of the overlay's client Secret (any client id)
+CLIENT_PRINCIPAL = LOCAL_CLIENT  # the principal of the overlay's client Secret (any client id)
 DEFAULT_IMAGE = "canopy:0.1.0"  # the Dockerfile's image: broker, CLI and operator
 
 log = logging.getLogger("canopy.operator")
@@ -237,15 +238,12 @@ def policy_name(overlay: str) -> str:
 
 def default_policy(overlay: str) -> str:
     """The client policy of an overlay whose spec has none (docs/security.md)."""
-    return f"""\
-# Who may publish and subscribe what on overlay {overlay} (docs/security.md); set
-# spec.security.policy to replace it. The client certificate in Secret {client_secret_name(overlay)}
-# is principal {CLIENT_PRINCIPAL}: any client id, anything.
-default: allow        # principals not listed: anything, under their own client ids
-principals:
-  - name: {CLIENT_PRINCIPAL}
-    clients: ["*"]
-"""
+    return permissive_policy(
+        f"# Who may publish and subscribe what on overlay {overlay} (docs/security.md); set\n"
+        f"# spec.security.policy to replace it. The client certificate in Secret "
+        f"{client_secret_name(overlay)}\n"
+        f"# is principal {CLIENT_PRINCIPAL}: any client id, anything.\n"
+    )
 
 
 @dataclass(frozen=True)
