@@ -181,10 +181,10 @@ async def test_a_subscriber_whose_broker_dies_is_told_so(tmp_path: Path) -> None
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+    client = await connect(leaf.listen, client_id="lib", failover_within=1.0)
+    quiet = await connect(other.listen, client_id="quiet")
     try:
-        client = await connect(leaf.listen, client_id="lib", failover_within=1.0)
         await client.subscribe(FILTER)
-        quiet = await connect(other.listen, client_id="quiet")
         async with asyncio.timeout(20):
             while (await leaf.admin.status())["clients"] < 2:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
@@ -202,6 +202,8 @@ async def test_a_subscriber_whose_broker_dies_is_told_so(tmp_path: Path) -> None
         assert await quiet.receive() == []  # closed by the application: a quiet end
         await client.close()
     finally:
+        await quiet.close()  # before its broker stops: no failover is started in teardown
+        await client.close()
         if sub.returncode is None:
             sub.kill()
             await sub.wait()

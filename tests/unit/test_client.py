@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from canopy_broker.client import ClientError, ConnectionLost, Notification, connect
+from canopy_broker.client.connection import BrokerConnection
+from canopy_broker.client.credentials import Credentials
 from canopy_broker.core.filters import Filter
 from tests.unit.test_runtime_broker import (
     MakeBroker,
@@ -119,3 +121,41 @@ async def test_publications_are_kept_until_the_next_hop_has_them(make_broker: Ma
         a.links["z"].address = addr(z)
         assert await pub.wait_acknowledged(10.0)
         assert [x.seq for x in await collect(far, 110)] == list(range(1, 111))
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (None, "broker b at here closed the connection (it stopped or died)"),
+        (
+            ConnectionResetError(104, "Connection reset by peer"),
+            "broker b at here closed the connection (it stopped or died: Connection reset by peer)",
+        ),
+        (
+            OSError(113, "No route to host"),
+            "connection to broker b at here lost: [Errno 113] No route to host",
+        ),
+    ],
+)
+async def test_a_lost_connection_is_named_by_how_it_ended(
+    exc: Exception | None, expected: str
+) -> None:
+    """A broker killed with bytes of the client's still unread resets the connection (the
+    usual case under TLS); the user is told the broker closed it, as for a clean close,
+    while other errors keep their own text."""
+
+    class Owner:
+        credentials = Credentials()
+
+        def _frame(self, conn: BrokerConnection, frame: list[Any]) -> None:
+            raise AssertionError(frame)
+
+        def _lost(self, conn: BrokerConnection) -> None:
+            pass
+
+    conn = BrokerConnection(Owner(), "c")  # type: ignore[arg-type]
+    conn.broker, conn.address = "b", "here"
+    conn.connection_lost(exc)
+    assert conn.error is not None and str(conn.error) == expected
+    with pytest.raises(ClientError):
+        conn.ready.result()

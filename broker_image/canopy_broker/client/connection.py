@@ -129,7 +129,15 @@ class BrokerConnection(FrameProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        if exc is not None:
+        if isinstance(exc, (ConnectionResetError, BrokenPipeError)) and not self.ending:
+            # A broker that is killed with bytes of ours unread resets the connection instead
+            # of closing it (TLS makes that the usual case): to the user it is the same event.
+            self.set_error(
+                ConnectionLostError(
+                    f"{self.who} closed the connection (it stopped or died: {exc.strerror})"
+                )
+            )
+        elif exc is not None:
             self.set_error(ConnectionLostError(f"connection to {self.who} lost: {exc}"))
         elif not self.ending:
             self.set_error(
