@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from canopy_operator.commands import demo, local, mine, plan, sim
+    from canopy_operator.commands import demo, local, mine, plan, sim, supervise
 
     parser = argparse.ArgumentParser(
         prog="canopy",
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(sub)
     plan.add_arguments(sub)
     local.add_arguments(sub)
+    supervise.add_arguments(sub)
     sim.add_arguments(sub)
     mine.add_arguments(sub)
     _add_operator_command(sub)

@@ -125,8 +125,10 @@ def test_local_up_apply_status_graph_down(tmp_path: Path) -> None:
         "  links: [[hub, east], [east, west], [west, north], [north, edge-1], [hub, edge-2]]\n"
     )
     try:
-        up = canopy("up", str(example), "--state-dir", str(state), "--json")
+        # Unsupervised: a dead broker stays dead (test_supervision.py has the supervisor).
+        up = canopy("up", str(example), "--state-dir", str(state), "--json", "--no-supervisor")
         assert up.returncode == 0, up.stderr
+        assert "supervisor: none" in up.stdout
         assert len(last_json(up.stdout)["links"]) == 5  # type: ignore[arg-type]
         applied = canopy("apply", str(desired), "--state-dir", str(state), "--json")
         assert applied.returncode == 0, applied.stderr

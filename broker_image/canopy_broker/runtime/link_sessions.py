@@ -323,6 +323,24 @@ class LinkSessions:
         host.update_pressure()
         log.info("%s: %s to %s removed", self.name, link.kind, link.peer)
 
+    def _drop_channels(self, peer: str, unless: str | None, keep: Link | None = None) -> None:
+        """Drop the out-of-band channels to ``peer`` whose session is with a process that is
+        gone: all of them once it is declared dead, or those of another incarnation than
+        ``unless`` once a new one said hello. Left in place, a channel would resume its old
+        session at the new process, be refused, and lose what an exchange queued on it (which
+        stalls that exchange until its lease ends). What they held was for the dead process."""
+        for table in (self.channels_out, self.channels_in):
+            ch = table.get(peer)
+            if ch is None or ch is keep or (unless is not None and ch.incarnation in ("", unless)):
+                continue
+            log.info(
+                "%s: %s's %s channel was with a process that is gone; dropped",
+                self.name,
+                peer,
+                "outgoing" if ch.dialer else "incoming",
+            )
+            self.drop(ch, bye=None)
+
     def send_to_peer(self, peer: str, msg: object) -> None:
         """Queue an out-of-band message on the channel to ``peer`` (dialed on first use)."""
         ch = self.channels_out.get(peer)
@@ -652,6 +670,7 @@ class LinkSessions:
         incarnation = hello.get("incarnation")
         if isinstance(incarnation, str):
             link.incarnation = incarnation
+            self._drop_channels(link.peer, unless=incarnation, keep=link)
         link.rewind(peer_last_rx)
         old = link.conn
         if old is not None and old is not conn:
@@ -901,6 +920,7 @@ class LinkSessions:
         if link.incarnation:
             self.fenced[peer] = link.incarnation
         self.drop(link, bye=None)
+        self._drop_channels(peer, unless=None)
         host.metrics.peer_failures.inc()
         log.warning(
             "%s: declared %s dead (no connection for %.1fs%s); repairing the tree without it",

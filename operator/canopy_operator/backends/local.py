@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import secrets
 import signal
 import ssl
 import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,37 @@ class LocalBackend:
             data: dict[str, Any] = json.loads(self.state_file.read_text())
             return data
         return {}
+
+    def reload(self) -> None:
+        """Read ``state.json`` again: another process (the supervisor, an ``apply``) may have
+        changed it since this object was made. Call it holding :meth:`locked`."""
+        fresh = self._load()
+        if fresh:
+            self.state = fresh
+
+    @contextlib.asynccontextmanager
+    async def locked(self, within: float = 600.0) -> AsyncIterator[None]:
+        """The overlay's lock (``flock`` on ``STATE_DIR/NAME/lock``): one process at a time plans
+        and acts on the overlay (``apply``, the supervisor's restore), so that two plans made
+        from the same live tree never run at once. Polled, so that waiting can be cancelled;
+        the kernel drops it if the holder dies, so a killed command leaves no lock behind."""
+        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            deadline = time.monotonic() + within
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"overlay {self.dir.name} is locked by another command "
+                            f"for more than {within:g}s"
+                        ) from None
+                    await asyncio.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def save(self) -> None:
         tmp = self.state_file.with_suffix(".tmp")
@@ -234,7 +267,56 @@ class LocalBackend:
             await client.close()
         self._admins.clear()
 
+    # -- the supervisor (commands/supervise.py) ---------------------------------------------
+
+    @property
+    def supervisor_pid_file(self) -> Path:
+        return self.dir / "supervisor.pid"
+
+    def supervisor_pid(self) -> int | None:
+        """The running supervisor's pid, or None (no file, or its process is gone)."""
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(self.supervisor_pid_file.read_text().strip())
+            if _alive(pid):
+                return pid
+        return None
+
+    def start_supervisor(self, interval: float = 0.5) -> int:
+        """Start the overlay's supervisor unless one runs; returns its pid. Detached like the
+        brokers (it must outlive ``canopy up``); its log is ``supervisor.log``."""
+        pid = self.supervisor_pid()
+        if pid is not None:
+            return pid
+        env = broker_env()
+        here = str(Path(__file__).resolve().parents[2])  # the canopy_operator package's root
+        env["PYTHONPATH"] = os.pathsep.join([here, env["PYTHONPATH"]])
+        command = [sys.executable, "-m", "canopy_operator.cli", "supervise"]
+        command += ["--state-dir", str(self.dir.parent), "--overlay", self.dir.name]
+        command += ["--interval", str(interval)]
+        with (self.dir / "supervisor.log").open("ab") as log:
+            proc = subprocess.Popen(  # detached on purpose, like the brokers
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self._children[proc.pid] = proc
+        self.supervisor_pid_file.write_text(f"{proc.pid}\n")
+        return proc.pid
+
+    async def stop_supervisor(self) -> None:
+        pid = self.supervisor_pid()
+        if pid is not None:
+            await _stop(pid)
+            child = self._children.pop(pid, None)
+            if child is not None:
+                child.poll()
+        self.supervisor_pid_file.unlink(missing_ok=True)
+
     async def down(self) -> None:
+        await self.stop_supervisor()  # first: it would restore what we stop
         await self.close()
         await asyncio.gather(*(_stop(info["pid"]) for info in self.brokers.values()))
         for child in self._children.values():

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from canopy_operator.backends.local import LocalBackend
+from canopy_operator.backends.local import BrokerDownError, LocalBackend
 from canopy_operator.commands.plan import load_overlay
 from canopy_operator.draw import draw
 from canopy_operator.executor import Executor, StepError
@@ -44,6 +44,11 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                 action="store_true",
                 help="a new overlay without TLS or authentication (by default `up` makes a CA "
                 "and certificates in STATE_DIR/NAME/pki)",
+            )
+            p.add_argument(
+                "--no-supervisor",
+                action="store_true",
+                help="do not start the supervisor that restores dead brokers (see `supervise`)",
             )
         p.set_defaults(func=run_apply)
     for name, helptext in (
@@ -93,7 +98,9 @@ async def apply(
         if reason == "StepDone":
             log(f"  [{len(executor.results)}/{total}] {message}")
 
-    executor = Executor(backend, _Store(backend), spec.name, ordering=spec.ordering, on_event=event)
+    executor = Executor(
+        backend, ProgressFile(backend), spec.name, ordering=spec.ordering, on_event=event
+    )
     started = time.perf_counter()
     await executor.run(p, generation)
     wall = time.perf_counter() - started
@@ -103,7 +110,9 @@ async def apply(
     return p, executor, wall
 
 
-class _Store:
+class ProgressFile:
+    """The executor's progress, kept in ``state.json`` (a restarted apply continues from it)."""
+
     def __init__(self, backend: LocalBackend) -> None:
         self.backend = backend
 
@@ -131,8 +140,23 @@ def run_apply(args: argparse.Namespace) -> int:
             insecure=getattr(args, "insecure", False),
         )
         try:
-            p, _executor, wall = await apply(spec, manifest, backend)
-            links = await backend.live_links()
+            async with backend.locked():  # the supervisor may be restoring: after it
+                backend.reload()
+                if args.command == "up":
+                    backend.state["supervised"] = not args.no_supervisor
+                try:
+                    p, _executor, wall = await apply(spec, manifest, backend)
+                except BrokerDownError as exc:
+                    if backend.supervisor_pid() is not None and "is dead" in str(exc):
+                        raise BrokerDownError(
+                            f"{exc}; the supervisor restores it (see `canopy status`), "
+                            "apply again once it is back"
+                        ) from None
+                    raise
+                links = await backend.live_links()
+                supervisor = (
+                    backend.start_supervisor() if backend.state.get("supervised", True) else None
+                )
         finally:
             await backend.close()
         return {
@@ -142,6 +166,7 @@ def run_apply(args: argparse.Namespace) -> int:
             "seconds": round(wall, 2),
             "brokers": sorted(backend.brokers),
             "links": [list(e) for e in links],
+            "supervisor": supervisor,
         }
 
     try:
@@ -152,6 +177,12 @@ def run_apply(args: argparse.Namespace) -> int:
     print(
         f"{result['overlay']}: {result['steps']} steps ({result['exchanges']} exchanges) in "
         f"{result['seconds']}s; {len(result['brokers'])} brokers, {len(result['links'])} links"
+    )
+    print(
+        f"supervisor: pid {result['supervisor']} restores dead brokers "
+        f"(log: {args.state_dir / result['overlay'] / 'supervisor.log'})"
+        if result["supervisor"]
+        else "supervisor: none (--no-supervisor): a dead broker stays dead"
     )
     pki = args.state_dir / result["overlay"] / "pki"
     print(
@@ -200,6 +231,7 @@ def run_status(args: argparse.Namespace) -> int:
                 "address": backend.address(n),
                 "clients": s.get("clients"),
                 "neighbours": [x["peer"] for x in neighbours],
+                "restarts": int((backend.state.get("restarts") or {}).get(n, 0)),
                 **({"why": h["why"]} if "why" in h else {}),
             }
         repairs = sorted(
@@ -216,6 +248,9 @@ def run_status(args: argparse.Namespace) -> int:
         return {
             "overlay": backend.dir.name,
             "generation": backend.state.get("generation", 0),
+            "supervisor": backend.supervisor_pid(),
+            "restoring": bool(backend.state.get("restoring")),
+            "last_restore": backend.state.get("last_restore"),
             "healthy": not problems,
             "problems": problems,
             "brokers": brokers,
@@ -228,7 +263,7 @@ def run_status(args: argparse.Namespace) -> int:
     for n, b in data["brokers"].items():
         print(
             f"{n:<12} {b['state']:<12} {b['address']:<22} clients {b['clients']!s:<4} "
-            f"neighbours {', '.join(b['neighbours']) or '-'}"
+            f"restarts {b['restarts']:<3} neighbours {', '.join(b['neighbours']) or '-'}"
         )
     verdict = "healthy" if data["healthy"] else "DEGRADED"
     print(
@@ -237,6 +272,17 @@ def run_status(args: argparse.Namespace) -> int:
     )
     for problem in data["problems"]:
         print(f"  {problem}")
+    pid, last = data["supervisor"], data["last_restore"]
+    print(
+        (f"supervisor: pid {pid}" if pid else "supervisor: not running")
+        + (", restoring the declared shape" if data["restoring"] else "")
+        + (
+            f"; last restore brought back {', '.join(last['brokers']) or 'links'} "
+            f"in {last['seconds']}s ({last['steps']} steps)"
+            if last
+            else ""
+        )
+    )
     for r in data["repairs"]:
         state = f"replayed {r['replayed']}" if "replayed" in r else "waiting for its routes"
         print(
@@ -259,6 +305,6 @@ def run_graph(args: argparse.Namespace) -> int:
 
 def run_down(args: argparse.Namespace) -> int:
     backend = LocalBackend(overlay_dir(args.state_dir, args.overlay))
-    asyncio.run(backend.down())
-    print(f"stopped overlay {backend.dir.name}")
+    asyncio.run(backend.down())  # the supervisor first, then every broker
+    print(f"stopped overlay {backend.dir.name} (its supervisor and brokers)")
     return 0

@@ -22,6 +22,7 @@ __all__ = [
     "OverlaySpec",
     "SpecError",
     "adjacency",
+    "components",
     "find_cycle",
     "norm",
     "parse_overlay",
@@ -304,9 +305,9 @@ def validate_tree(brokers: set[str], links: Iterable[Edge], max_fan_out: int) ->
     over = sorted(n for n, d in degree.items() if d > max_fan_out)
     for n in over:
         problems.append(f"broker {n} has {degree[n]} links, more than maxFanOut {max_fan_out}")
-    components = _components(brokers, edges)
-    if len(components) > 1:
-        parts = "; ".join(", ".join(sorted(c)) for c in components)
+    parts_of = components(brokers, edges)
+    if len(parts_of) > 1:
+        parts = "; ".join(", ".join(sorted(c)) for c in parts_of)
         problems.append(
             f"the links do not connect all brokers into one tree: separate parts are {parts}"
         )
@@ -325,7 +326,8 @@ def _dns_label(name: str) -> bool:
     return 0 < len(name) <= 63 and set(name) <= ok and name[0] != "-" and name[-1] != "-"
 
 
-def _components(nodes: set[str], edges: Iterable[Edge]) -> list[set[str]]:
+def components(nodes: set[str], edges: Iterable[Edge]) -> list[set[str]]:
+    """The connected parts of the graph (nodes, edges), each a set of nodes."""
     adj = adjacency(edges)
     left = set(nodes)
     out = []
