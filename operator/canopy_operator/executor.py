@@ -79,10 +79,15 @@ class Executor:
     on_event: EventSink = lambda reason, message: None
     on_degraded: Callable[[str | None], Awaitable[None]] | None = None
     retry_for: float = 60.0
+    label: str = ""  # e.g. "r3" for the third restore: its own id space within a generation
     results: list[StepResult] = field(default_factory=list)
 
     def step_id(self, generation: int, index: int) -> str:
-        return f"{self.overlay}-g{generation}-s{index + 1}"
+        """The broker-side id of a step: the same on every run of the same plan (so a resumed
+        plan finds the exchange it started), never the same for two different plans (so an
+        exchange is never taken for another's)."""
+        run = f"-{self.label}" if self.label else ""
+        return f"{self.overlay}-g{generation}{run}-s{index + 1}"
 
     async def run(
         self, plan: Plan, generation: int, progress: dict[str, Any] | None = None

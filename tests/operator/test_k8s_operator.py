@@ -563,10 +563,11 @@ async def test_a_restarted_broker_is_relinked_and_gets_its_routing_state_back(
     await until(lambda: events(cluster.emulator, "BrokerRelinked"), 10, "BrokerRelinked")
 
 
-async def test_a_broker_back_after_a_repair_is_relinked_without_a_cycle(cluster: Cluster) -> None:
+async def test_a_broker_back_after_a_repair_gets_the_declared_shape_back(cluster: Cluster) -> None:
     """b dies and stays down long enough for a, c and d to repair the tree around it (a chain
-    a-c-d). When its pod's broker comes back, the heal links it to one of them only: re-adding
-    all its declared links would close a cycle."""
+    a-c-d). When its pod's broker comes back, the heal restores the declared shape by a plan:
+    b joins as a leaf, then exchanges move the repair's links back to b. Re-adding b's declared
+    links one by one would close a cycle; at no time is there one."""
     links = [("a", "b"), ("b", "c"), ("b", "d")]
     cluster.kubelet.broker_args = ("--heartbeat", "0.2", "--dead-after", "3")
     cluster.start_operator()
@@ -603,11 +604,23 @@ async def test_a_broker_back_after_a_repair_is_relinked_without_a_cycle(cluster:
         edges = await live()
         return edges if any("b" in e for e in edges) else None
 
-    edges = await until(relinked, 20, "b linked again")
-    await asyncio.sleep(1.5)  # more heals: none may add a second link of b
-    edges = await live()
-    assert len(edges) == 3 and sum("b" in e for e in edges) == 1, edges  # a tree of 4
-    await until(lambda: events(cluster.emulator, "RelinkSkipped"), 10, "RelinkSkipped")
+    await until(relinked, 20, "b linked again")
+    declared = {("a", "b"), ("b", "c"), ("b", "d")}
+
+    async def restored() -> bool:
+        edges = await live()
+        assert len(edges) <= 4, edges  # a tree of 4, or one exchange's added link
+        return edges == declared
+
+    await until(restored, 30, "the declared shape back")
+    await asyncio.sleep(1.5)  # more heals: nothing changes any more
+    assert await live() == declared
+    started = [e["message"] for e in events(cluster.emulator, "RestoreStarted")]
+    assert any("bring back b" in m and "exchanges" in m for m in started), started
+    assert events(cluster.emulator, "Restored")
+    obj = await cluster.api.get(overlay_path(NS, "demo"))
+    record = obj["status"]["restore"]  # type: ignore[index]
+    assert record["count"] >= 1 and record["last"]["brokers"] == ["b"], record
     # The repair itself was told as Events: who declared b dead, and when the replay was out.
     lost = [e["message"] for e in events(cluster.emulator, "BrokerLost")]
     assert any("declared b dead" in m for m in lost), lost

@@ -63,6 +63,7 @@ from canopy_operator.model.proposals import (
     from_manifest,
     lifecycle,
 )
+from canopy_operator.model.restore import describe, mutual, restore
 from canopy_operator.model.topology import OverlaySpec, SpecError, norm, parse_overlay, validate
 
 GROUP, VERSION, PLURAL, KIND = "canopy.dev", "v1alpha1", "brokeroverlays", "BrokerOverlay"
@@ -1173,27 +1174,12 @@ def _repair_condition(r: Reconciler) -> bool:
     )
 
 
-class _Components:
-    """Union-find over broker names: which brokers the live links connect."""
-
-    def __init__(self, names: Sequence[str]) -> None:
-        self.parent = {n: n for n in names}
-
-    def find(self, x: str) -> str:
-        parent = self.parent
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    def union(self, a: str, b: str) -> None:
-        self.parent[self.find(a)] = self.find(b)
-
-
 async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) -> None:
-    """Compare the live brokers with the declared ones: re-create a missing pod and re-link a
-    broker that came back without its links (it gets its routing state back from the link)."""
+    """Compare the live brokers with the declared ones and bring the declared shape back:
+    re-create a missing pod; re-link a broker that restarted before its neighbours declared it
+    dead (they still hold its old sessions); and once the brokers' own repair is done, restore
+    the declared shape by a plan of loss-free steps (:mod:`canopy_operator.model.restore`, the
+    same as the local supervisor's)."""
     r = Reconciler(config, api, namespace, name)
     if not await r.load():
         return
@@ -1218,43 +1204,98 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
         await asyncio.gather(
             *(backend.wait_ready(b, config.ready_within) for b in spec.broker_names)
         )
-        neighbours = await backend.neighbours(spec.broker_names)
-        want = [(str(e[0]), str(e[1])) for e in status.get("links") or []]
-        joined = _Components(spec.broker_names)
-        for a, ns in neighbours.items():
-            for b in ns:
-                if a in neighbours.get(b, set()):
-                    joined.union(a, b)
-        for a, b in want:
-            has_a, has_b = b in neighbours.get(a, set()), a in neighbours.get(b, set())
-            if has_a and has_b:
-                continue
-            if not (has_a or has_b) and joined.find(a) == joined.find(b):
-                # The brokers repaired the tree around a dead broker (paper 001): a and b are
-                # connected another way, and this link would close a cycle. Restoring the
-                # declared shape takes exchanges, not a re-added link.
-                r.event("RelinkSkipped", f"{a}-{b}: already connected after a repair")
-                continue
-            joined.union(a, b)
-            # One end restarted and knows nothing of the link; the other may still hold the
-            # old session. Drop that (its routing entries go with it), then the restarted end
-            # dials afresh and both ends exchange their routing state over the new link.
-            side, other = (a, b) if not has_a else (b, a)
-            if side in neighbours.get(other, set()):
-                await backend.admin(other).remove_link(side)
-            await backend.admin(side).set_peers({other: backend.address(other)})
-            await backend.admin(side).add_link(other, backend.address(other))
-            r.event("BrokerRelinked", f"re-linked {side} to {other}")
-        if not repairing and _repair_condition(r):
+        await _relink_restarted(r, backend, spec, await backend.neighbours(spec.broker_names))
+        restored = await _restore(r, backend, spec)
+        if restored and not repairing and _repair_condition(r):
             r.condition(
                 ConditionType.DEGRADED,
                 False,
                 "Recovered",
-                "every declared broker is back and linked to the repaired tree",
+                "every declared broker is back and the declared shape restored",
             )
             await r.status()
     finally:
         await backend.close()
+
+
+async def _relink_restarted(
+    r: Reconciler,
+    backend: KubernetesBackend,
+    spec: OverlaySpec,
+    neighbours: Mapping[str, set[str]],
+) -> None:
+    """A broker that restarted faster than failure detection knows nothing of its links while
+    its neighbours still hold the old sessions (a one-sided link), and no repair happens: drop
+    the old session at the neighbour (its routing entries go with it), and the restarted end
+    dials afresh, both ends exchanging their routing state over the new link. Joining two
+    trees so closes no cycle. Links neither end has are the restore's job."""
+    _, one_sided = mutual(neighbours)
+    declared = {norm(e) for e in spec.links or ()} | {
+        norm(e) for e in (r.obj.get("status") or {}).get("links") or []
+    }
+    for a, b in sorted(one_sided & declared):
+        # ``other`` holds the old session; ``side`` (the restarted one) lacks the link.
+        other, side = (a, b) if b in neighbours.get(a, set()) else (b, a)
+        if neighbours.get(side):
+            continue  # not a fresh process: a link being set up or closed, not a restart
+        await backend.admin(other).remove_link(side)
+        await backend.admin(side).set_peers({other: backend.address(other)})
+        await backend.admin(side).add_link(other, backend.address(other))
+        r.event("BrokerRelinked", f"re-linked {side} to {other}")
+
+
+async def _restore(r: Reconciler, backend: KubernetesBackend, spec: OverlaySpec) -> bool:
+    """Run the restore plan if one is due (the heal holds the overlay's lock, so no reconcile
+    plans at the same time); True when the live shape is the declared one."""
+    links, one_sided = mutual(await backend.neighbours(spec.broker_names))
+    decision = restore(spec, spec.broker_names, links)
+    if one_sided or decision.wait:
+        return False
+    if not decision.needed:
+        return True
+    assert decision.plan is not None
+    record = dict((r.obj.get("status") or {}).get("restore") or {})
+    count = int(record.get("count", 0)) + 1
+    total = len(decision.plan.steps)
+    text = describe(decision, spec.broker_names)
+    r.event("RestoreStarted", f"restore {count}: {text}")
+    record.update(count=count, running={"steps": total, "done": 0, "what": text})
+    await r.status(restore=record)
+    started = time.perf_counter()
+
+    class Progress:
+        async def save(self, progress: dict[str, Any]) -> None:
+            record["running"]["done"] = len(progress["completed"])
+            await r.status(restore=record)
+
+    executor = Executor(
+        backend,
+        Progress(),
+        spec.name,
+        ordering=spec.ordering,
+        on_event=r._on_step_event,
+        label=f"r{count}",
+    )
+    try:
+        await executor.run(decision.plan, r.generation())
+    except StepError as exc:
+        r.event("RestoreFailed", f"restore {count}: {exc}; tried again", warning=True)
+        record.pop("running", None)
+        await r.status(restore=record)
+        return False
+    live = await backend.neighbours(spec.broker_names)
+    now_links = sorted({norm((a, b)) for a, ns in live.items() for b in ns})
+    record.pop("running", None)
+    record["last"] = {
+        "brokers": list(decision.absent),
+        "steps": total,
+        "exchanges": len(decision.plan.exchanges),
+        "seconds": round(time.perf_counter() - started, 3),
+        "finished": now(),
+    }
+    r.event("Restored", f"restore {count}: declared shape back ({text})")
+    await r.status(restore=record, links=[list(e) for e in now_links], linkCount=len(now_links))
+    return True
 
 
 # -- TopologyProposals ------------------------------------------------------------------------

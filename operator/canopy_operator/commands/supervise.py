@@ -37,7 +37,7 @@ from typing import Any
 from canopy_operator.backends.local import BrokerDownError, LocalBackend
 from canopy_operator.commands.local import ProgressFile, overlay_dir
 from canopy_operator.executor import Executor, StepError
-from canopy_operator.model.restore import describe, restore
+from canopy_operator.model.restore import describe, mutual, restore
 from canopy_operator.model.topology import parse_overlay
 
 log = logging.getLogger("canopy.supervisor")
@@ -134,12 +134,20 @@ async def restore_once(
         log(f"waiting: {', '.join(stuck)} does not answer")
         return None
     alive = [n for n, h in health.items() if h["state"] == "up"]
-    links: set[tuple[str, str]] = set()
-    for n in alive:
-        for x in health[n]["status"].get("neighbours", []):
-            if not x.get("closing"):
-                a, b = sorted((n, str(x["peer"])))
-                links.add((a, b))
+    links, one_sided = mutual(
+        {
+            n: [
+                str(x["peer"])
+                for x in health[n]["status"].get("neighbours", [])
+                if not x.get("closing")
+            ]
+            for n in alive
+        }
+    )
+    if one_sided:
+        a, b = min(one_sided)
+        log(f"waiting: link {a}-{b} is known at one end only (being set up or closed)")
+        return None
     decision = restore(spec, alive, links)
     if decision.wait:
         log(describe(decision, spec.broker_names))

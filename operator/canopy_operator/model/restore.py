@@ -20,7 +20,7 @@ and loses nothing (the executor's guarantees), which is the whole point of resto
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from canopy_operator.model.planner import LiveOverlay, Plan, plan
@@ -65,6 +65,17 @@ def restore(spec: OverlaySpec, alive: Iterable[str], links: Iterable[Edge]) -> R
     absent = tuple(b for b in spec.broker_names if b not in members)
     the_plan = plan(LiveOverlay(tuple(sorted(members)), tuple(sorted(edges))), spec)
     return Restore(plan=the_plan, absent=absent)
+
+
+def mutual(neighbours: Mapping[str, Iterable[str]]) -> tuple[set[Edge], set[Edge]]:
+    """The links both ends report, and those only one end does (``neighbours``: what each
+    broker that answered reports). A one-sided link is a session the other end no longer has:
+    it restarted, or it is closing the link; never plan from it."""
+    said = {norm((a, b)) for a, ns in neighbours.items() for b in ns}
+    both = {
+        e for e in said if e[1] in neighbours.get(e[0], ()) and e[0] in neighbours.get(e[1], ())
+    }
+    return both, said - both
 
 
 def describe(r: Restore, declared: Sequence[str]) -> str:
