@@ -96,3 +96,13 @@ def test_any_crash_and_repair_is_restored_to_the_declared_tree(
     nodes, edges, _ = replay(LiveOverlay(tuple(alive), tuple(repaired)), r.plan, n)
     assert nodes == set(names) and edges == set(declared_links)
     assert all(len(adjacency(edges)[b]) > 0 for b in names)
+
+
+def test_managed_links_restore_brokers_not_links() -> None:
+    """With managed links only an absent broker is restored (by the bounded fan-out walk): the
+    links a repair or an applied proposal chose are not "fixed" back."""
+    managed = spec(NAMES, None, f=3)
+    assert not restore(managed, ALIVE + ["b3"], [*REPAIRED, ("b3", "b6")]).needed
+    r = restore(managed, ALIVE, REPAIRED)
+    assert r.absent == ("b3",) and r.plan is not None
+    assert [s.kind for s in r.plan.steps] == ["add-leaf"]

@@ -12,7 +12,8 @@ and carry it out with the shared executor. The answer is one of three:
   process, a fresh incarnation the neighbours' fences do not refuse), then link exchanges that
   undo the repair's detour. A broker that restarted on its own (a Kubernetes pod re-created
   under the same name) and has no link yet counts as absent too: its leaf add links it.
-* **nothing** — the live tree is already the declared one.
+* **nothing** — the live tree is already the declared one (with managed links: every declared
+  broker is in it; which links they have is the proposals' business).
 
 Never does it drop a link and add it again under traffic: each step keeps the overlay a tree
 and loses nothing (the executor's guarantees), which is the whole point of restoring by plan.
@@ -63,6 +64,10 @@ def restore(spec: OverlaySpec, alive: Iterable[str], links: Iterable[Edge]) -> R
     if len(edges) != len(members) - 1:
         return Restore(wait="the live links close a cycle: an exchange is under way")
     absent = tuple(b for b in spec.broker_names if b not in members)
+    if spec.links is None and not absent:
+        # Managed links: the declared shape is the broker set within maxFanOut, which the
+        # repair keeps; the rest is the miner's and the proposals' business, not a restore's.
+        return Restore(plan=None)
     the_plan = plan(LiveOverlay(tuple(sorted(members)), tuple(sorted(edges))), spec)
     return Restore(plan=the_plan, absent=absent)
 
