@@ -29,7 +29,9 @@ from typing import Any, Protocol
 import aiohttp
 
 from canopy_broker.admin_client import AdminClient, AdminError
-from canopy_operator.model.planner import Plan, Step
+from canopy_operator.model.planner import LiveOverlay, Plan, Step, plan
+from canopy_operator.model.rollout import without
+from canopy_operator.model.topology import OverlaySpec
 
 
 class Backend(Protocol):
@@ -224,3 +226,30 @@ class Executor:
                 await admin.remove_link(other)
         await self.backend.delete_broker(leaf)
         return {"broker": leaf, "clients_moved_to": other}
+
+
+async def replace_broker(
+    broker: str,
+    spec: OverlaySpec,
+    live: Callable[[], Awaitable[LiveOverlay]],
+    run_plan: Callable[[Plan], Awaitable[None]],
+) -> dict[str, Any]:
+    """Replace ``broker`` loss-free (:mod:`canopy_operator.model.rollout`): a plan that takes it
+    out (exchanges make it a leaf, its clients migrate to a neighbour, its process or pod is
+    deleted), then a plan that brings it back as declared (a new process or pod, started with
+    what the backend starts brokers with now). ``live`` reads the live tree; ``run_plan`` runs
+    one plan with the caller's executor. Either plan failing leaves a tree, as any plan does."""
+    now = await live()
+    if len(now.brokers) < 2:
+        raise ValueError(f"{broker} is the only broker: its clients have nowhere to go meanwhile")
+    out = plan(now, without(spec, now.links, broker))
+    started = time.perf_counter()
+    await run_plan(out)
+    back = plan(await live(), spec)
+    await run_plan(back)
+    return {
+        "broker": broker,
+        "steps": len(out.steps) + len(back.steps),
+        "exchanges": len(out.exchanges) + len(back.exchanges),
+        "seconds": round(time.perf_counter() - started, 3),
+    }

@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY
 from canopy_broker.admin_client import AdminClient
 from canopy_broker.client import ClientError, Credentials, connect
 from canopy_broker.sim.checker import check_deliveries
-from canopy_operator.backends.k8s import KubeApi, overlay_path, secret_bytes
+from canopy_operator.backends.k8s import PAUSE_ROLLOUT, KubeApi, overlay_path, secret_bytes
 from canopy_operator.model.topology import norm
 from tests.integration.test_reconfiguration import Run, converged
 from tests.integration.test_security import answer_or_nothing
@@ -523,17 +523,34 @@ async def test_kubectl_applies_the_examples_and_shows_the_printer_columns(
     assert proposals.split()[:4] == ["NAME", "OVERLAY", "PHASE", "GAIN"], proposals
 
 
+async def four_brokers(cluster: Cluster) -> BrokerView:
+    """The operator started, and the overlay ``demo`` of a, b, c, d (b inner) ready."""
+    cluster.start_operator()
+    await cluster.apply(overlay_manifest("demo", ["a", "b", "c", "d"], FOUR))
+    await cluster.ready("demo")
+    return BrokerView(cluster.kubelet, "demo", FOUR)
+
+
+async def delivered_everything(run: Run, at_least: int) -> None:
+    """Stop the publisher ``p``; everything owed arrived, once and in order."""
+    run.stop.set()
+    await run.clients["p"].flush()
+    await run.wait_delivered(within=20)
+    await run.finish()
+    report = check_deliveries(run.subs, run.pubs, run.deliveries)
+    assert report.ok and report.owed > at_least, str(report)
+
+
+FOUR = [("a", "b"), ("b", "c"), ("b", "d")]
+
+
 async def test_a_restarted_broker_is_relinked_and_gets_its_routing_state_back(
     cluster: Cluster,
 ) -> None:
-    links = [("a", "b"), ("b", "c"), ("b", "d")]
     # A restart faster than failure detection: the neighbours wait for b instead of repairing
     # the tree around it (tests/integration/test_crash_repair.py covers the repair).
     cluster.kubelet.broker_args = ("--dead-after", "60")
-    cluster.start_operator()
-    await cluster.apply(overlay_manifest("demo", ["a", "b", "c", "d"], links))
-    await cluster.ready("demo")
-    view = BrokerView(cluster.kubelet, "demo", links)
+    view = await four_brokers(cluster)
     run = Run()
     await run.subscriber(view, "s-c", "c", ['side = "buy"'])
     await run.subscriber(view, "s-d", "d", ["qty > 10"])
@@ -554,12 +571,7 @@ async def test_a_restarted_broker_is_relinked_and_gets_its_routing_state_back(
     run.settled(t)
     await run.publisher(view, "p", "a", seed=1)  # type: ignore[arg-type]
     await until(lambda: len(run.pubs) > 200, 20, "some traffic")
-    run.stop.set()
-    await run.clients["p"].flush()
-    await run.wait_delivered(within=20)
-    await run.finish()
-    report = check_deliveries(run.subs, run.pubs, run.deliveries)
-    assert report.ok and report.owed > 20, str(report)
+    await delivered_everything(run, 20)
     await until(lambda: events(cluster.emulator, "BrokerRelinked"), 10, "BrokerRelinked")
 
 
@@ -626,6 +638,58 @@ async def test_a_broker_back_after_a_repair_gets_the_declared_shape_back(cluster
     assert any("declared b dead" in m for m in lost), lost
     assert events(cluster.emulator, "RepairCompleted")
     await until(lambda: degraded_by("Recovered"), 10, "Degraded=False, Recovered")
+
+
+async def test_a_template_change_is_rolled_out_one_broker_at_a_time_losing_nothing(
+    cluster: Cluster,
+) -> None:
+    """A change of the brokers' resources changes their pod template: every broker is replaced
+    in turn (out by exchanges, its clients migrated, a new pod, back as declared) while traffic
+    flows; the subscribers, those on replaced brokers included, miss nothing. A pause
+    annotation holds the roll-out until it is removed."""
+    view = await four_brokers(cluster)
+    run = Run()
+    await run.subscriber(view, "s-c", "c", ['side = "buy"'])
+    await run.subscriber(view, "s-b", "b", ["qty > 10"])
+    await run.subscriber(view, "s-d", "d", ["qty > 10", 'side = "sell"'])
+    run.settled(await converged(view, run))  # type: ignore[arg-type]
+    await run.publisher(view, "p", "a", seed=3)  # type: ignore[arg-type]
+    await until(lambda: len(run.pubs) > 100, 20, "some traffic")
+
+    path = overlay_path(NS, "demo")
+    await cluster.api.patch(path, {"metadata": {"annotations": {PAUSE_ROLLOUT: "true"}}})
+    cpu = {"requests": {"cpu": "150m"}}
+    await cluster.api.patch(path, {"spec": {"broker": {"resources": cpu}}})
+
+    async def rollout(**want: Any) -> dict[str, Any] | None:
+        obj = await cluster.overlay("demo")
+        record = (obj.get("status") or {}).get("rollout") or {}
+        return record if all(record.get(k) == v for k, v in want.items()) else None
+
+    held = await until(lambda: rollout(paused=True), 20, "the roll-out held by the annotation")
+    assert sorted(held["todo"]) == ["a", "b", "c", "d"]
+    assert all(cluster.kubelet.started.count(f"demo-{b}") == 1 for b in "abcd")
+    await cluster.api.patch(path, {"metadata": {"annotations": {PAUSE_ROLLOUT: None}}})
+
+    async def finished() -> dict[str, Any] | None:
+        record = await rollout(current=None, paused=False, count=1)
+        return record if record and len(record["done"]) == 4 else None
+
+    done = await until(finished, 90, "rolled out")
+    assert done["done"] == done["todo"] and sorted(done["done"]) == ["a", "b", "c", "d"]
+    assert done["todo"][-1] == "b"  # the inner broker last: leaves need no exchange
+    for b in "abcd":
+        assert cluster.kubelet.started.count(f"demo-{b}") == 2, b  # a new pod each
+    pods = {p["metadata"]["name"]: p for p in objects(cluster.emulator, "pods")}
+    for b in "abcd":
+        assert pods[f"demo-{b}"]["spec"]["containers"][0]["resources"] == cpu
+    published = len(run.pubs)
+    await until(lambda: len(run.pubs) > published + 100, 20, "traffic after the roll-out")
+    await delivered_everything(run, 100)
+    assert len(events(cluster.emulator, "BrokerReplaced")) == 4
+    assert events(cluster.emulator, "RolloutPaused") and events(cluster.emulator, "RolloutFinished")
+    obj = await cluster.ready("demo", generation=2)
+    assert sorted(map(tuple, obj["status"]["links"])) == FOUR
 
 
 async def test_deleting_the_overlay_stops_its_brokers(cluster: Cluster) -> None:

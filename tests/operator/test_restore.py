@@ -102,7 +102,7 @@ def test_managed_links_restore_brokers_not_links() -> None:
     """With managed links only an absent broker is restored (by the bounded fan-out walk): the
     links a repair or an applied proposal chose are not "fixed" back."""
     managed = spec(NAMES, None, f=3)
-    assert not restore(managed, ALIVE + ["b3"], [*REPAIRED, ("b3", "b6")]).needed
+    assert not restore(managed, [*ALIVE, "b3"], [*REPAIRED, ("b3", "b6")]).needed
     r = restore(managed, ALIVE, REPAIRED)
     assert r.absent == ("b3",) and r.plan is not None
     assert [s.kind for s in r.plan.steps] == ["add-leaf"]

@@ -618,7 +618,15 @@ class LinkSessions:
                     pmsg = decode_peer_message(item)
                     if type(pmsg) is CycleProbe and pmsg.round > self.cycle_round:
                         self.start_round(pmsg.round)  # join the round the probe carries
-                    host.apply(handle(FromPeer(peer, pmsg), host.now()))
+                    try:
+                        effects = handle(FromPeer(peer, pmsg), host.now())
+                    except ProtocolError as exc:
+                        # Out of context (an exchange this process is not in: the sender
+                        # queued it for an earlier process of this name, see ``refused``).
+                        # The core changed nothing; drop it, keep the channel.
+                        log.warning("%s: dropped out-of-band %s", self.name, exc)
+                    else:
+                        host.apply(effects)
                     n += 1
             else:
                 for item in items:
@@ -841,7 +849,11 @@ class LinkSessions:
                 link.established = False
                 host.apply(host.core.handle(RemoveLink(link.peer), host.now()))
             link.reset_session(uuid.uuid4().hex)
-            link.out.clear()
+            if link.kind != "peer":
+                link.out.clear()  # a link's core state is exchanged afresh on the new session
+            # A channel keeps what it holds: the peer restarted, and what was queued since its
+            # old process died is for the new one (an exchange that includes it). Messages of
+            # the old process's exchanges are dropped there as out of context (``data``).
         conn.close()
         if not conn.handshake.done():
             conn.handshake.set_exception(ConnectionRefusedError(f"{link.peer} refused: {code}"))

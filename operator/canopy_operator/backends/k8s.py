@@ -25,6 +25,8 @@ import base64
 import contextlib
 import dataclasses
 import datetime
+import hashlib
+import json
 import logging
 import os
 import secrets
@@ -43,7 +45,8 @@ from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_broker.client.credentials import LOCAL_CLIENT
 from canopy_broker.pki import Authority, permissive_policy
 from canopy_broker.runtime.security import BROKER, CLIENT, Identity, Policy, SecurityError
-from canopy_operator.executor import Executor, StepError
+from canopy_operator.executor import Executor, ProgressStore, StepError, replace_broker
+from canopy_operator.model import rollout
 from canopy_operator.model.phases import ConditionType, OverlayPhase, ProposalPhase
 from canopy_operator.model.planner import (
     Cause,
@@ -70,6 +73,11 @@ GROUP, VERSION, PLURAL, KIND = "canopy.dev", "v1alpha1", "brokeroverlays", "Brok
 PROPOSALS = "topologyproposals"
 BROKER_PORT, ADMIN_PORT = 7000, 8080
 LABEL_OVERLAY, LABEL_BROKER = "canopy.dev/overlay", "canopy.dev/broker"
+TEMPLATE_HASH = "canopy.dev/template-hash"
+"""Pod annotation: a hash of what the broker runs (image, arguments, resources, mounts). A pod
+whose hash is not the one the spec gives now is replaced by the rolling replacement."""
+PAUSE_ROLLOUT = "canopy.dev/pause-rollout"
+"""BrokerOverlay annotation: "true" holds a rolling replacement after the broker it is on."""
 TOKEN_DIR = "/var/run/canopy"  # where the broker image expects its token
 TLS_DIR = "/etc/canopy/tls"  # the broker's TLS Secret (ca.crt, tls.crt, tls.key): --tls-dir
 POLICY_DIR = "/etc/canopy/policy"  # the client policy ConfigMap (policy.yaml): --policy
@@ -445,7 +453,7 @@ def pod_manifest(
         ]
     else:
         security = ["--insecure"]
-    return {
+    pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
@@ -508,6 +516,16 @@ def pod_manifest(
             "volumes": volumes,
         },
     }
+    pod["metadata"]["annotations"] = {TEMPLATE_HASH: template_hash(pod)}
+    return pod
+
+
+def template_hash(pod: Mapping[str, Any]) -> str:
+    """What a broker pod runs, hashed: containers, volumes, security context — not its
+    placement (affinity follows the declared links, and a reshape must not replace brokers)."""
+    spec = pod.get("spec") or {}
+    what = {k: spec.get(k) for k in ("containers", "volumes", "securityContext")}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:
@@ -579,9 +597,9 @@ class KubernetesBackend:
             authority.cert_pem,
         )
 
-    async def create_broker(self, name: str) -> None:
-        await self.ensure_broker_secret(name)  # before its pod: the pod mounts it
-        body = pod_manifest(
+    def pod(self, name: str) -> dict[str, Any]:
+        """The pod broker ``name`` should run in now."""
+        return pod_manifest(
             self.spec,
             name,
             self.namespace,
@@ -590,16 +608,37 @@ class KubernetesBackend:
             resources=self.resources.get(name),
             tls=self.authority is not None,
         )
-        await self.api.create(core_path(self.namespace, "pods"), body)
+
+    async def create_broker(self, name: str) -> None:
+        await self.ensure_broker_secret(name)  # before its pod: the pod mounts it
+        await self.api.create(core_path(self.namespace, "pods"), self.pod(name))
+
+    async def stale(self) -> list[str]:
+        """Brokers whose pod runs another template than the spec gives now."""
+        pods = await self.pods()
+        return sorted(
+            b
+            for b, pod in pods.items()
+            if b in self.spec.broker_names
+            and ((pod.get("metadata") or {}).get("annotations") or {}).get(TEMPLATE_HASH)
+            != template_hash(self.pod(b))
+        )
 
     async def _forget_admin(self, name: str) -> None:
         client = self._admins.pop(name, None)
         if client is not None:
             await client.close()
 
-    async def delete_broker(self, name: str) -> None:
+    async def delete_broker(self, name: str, within: float = 120.0) -> None:
+        """Delete the broker's pod and wait until it is gone (its grace period over), so that a
+        replacement of the same name can be created right after."""
         await self._forget_admin(name)
         await self.api.delete(self._pod_path(name))
+        deadline = time.monotonic() + within
+        while await self.api.get(self._pod_path(name)) is not None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the pod of broker {name} still exists after {within}s")
+            await asyncio.sleep(self.poll)
         if self.authority is not None:  # a removed broker's certificate goes with it
             await self.api.delete(
                 core_path(self.namespace, "secrets", tls_secret_name(self.spec.name, name))
@@ -1074,11 +1113,28 @@ class Reconciler:
         elif saved.get("generation") != generation:
             fields["plan"] = {"generation": generation, "steps": [], "done": 0, "progress": "0/0"}
         await self.status(**fields)
+        # Brokers still running an older template (image, arguments, resources): replaced one
+        # at a time, now that the shape is the declared one.
+        await roll_stale(self, backend, spec)
 
     def _plan_status(
         self, generation: int, the_plan: Plan, completed: Sequence[int]
     ) -> dict[str, Any]:
         return plan_status(generation, the_plan, completed)
+
+    def executor(
+        self, backend: KubernetesBackend, spec: OverlaySpec, store: ProgressStore, label: str
+    ) -> Executor:
+        """An executor for a plan of the overlay's own (a restore, a roll-out): its steps told
+        as Events, its exchange ids in their own space (``label``)."""
+        return Executor(
+            backend,
+            store,
+            spec.name,
+            ordering=spec.ordering,
+            on_event=self._on_step_event,
+            label=label,
+        )
 
     def _on_step_event(self, reason: str, message: str) -> None:
         if reason == "StepDone":  # "step 3: exchange a-b for ..." / "add leaf ..." / ...
@@ -1107,6 +1163,91 @@ class _StatusStore:
         await r.status(
             plan=r._plan_status(progress["generation"], self.plan, progress["completed"])
         )
+
+
+async def roll_stale(r: Reconciler, backend: KubernetesBackend, spec: OverlaySpec) -> bool:
+    """The rolling replacement: brokers whose pod runs another template than the spec gives
+    now (image, arguments, resources) are replaced one at a time, loss-free
+    (:func:`canopy_operator.executor.replace_broker`: out by exchanges with its clients
+    migrated, a new pod, back as declared). Held after the current broker by the overlay's
+    ``canopy.dev/pause-rollout: "true"`` annotation. Progress is ``status.rollout``; a failed
+    step stops it with ``Degraded``/``RolloutFailed`` (the overlay is a tree after every step)
+    and the next reconcile or heal goes on from what is live. True when nothing is stale."""
+    todo = await backend.stale()
+    record = dict((r.obj.get("status") or {}).get("rollout") or {})
+    if not todo:
+        if record.get("current") or record.get("paused"):
+            record.update(current=None, paused=False)
+            await r.status(rollout=record)
+        return True
+    count = int(record.get("count", 0)) + 1
+
+    async def live() -> LiveOverlay:
+        names = sorted(await backend.pods())
+        return live_tree(await backend.neighbours(names), spec.broker_names)
+
+    order = rollout.order((await live()).links, todo)
+    if _paused(r.obj):
+        if not record.get("paused") or record.get("todo") != order:
+            record.update(todo=order, current=None, paused=True)
+            await r.status(rollout=record)
+            r.event("RolloutPaused", f"{len(order)} brokers to replace; held by {PAUSE_ROLLOUT}")
+        return False
+    record.update(count=count, todo=order, done=[], current=None, paused=False)
+    r.event("RolloutStarted", f"replacing {len(order)} brokers one at a time: {', '.join(order)}")
+    r.condition(ConditionType.RECONFIGURING, True, "RollingUpdate", f"0/{len(order)} replaced")
+    await r.status(phase=OverlayPhase.RECONFIGURING, rollout=record)
+    plans = 0
+
+    async def run_plan(p: Plan) -> None:
+        nonlocal plans
+        plans += 1
+        await r.executor(backend, spec, _NoProgress(), f"u{count}p{plans}").run(p, r.generation())
+
+    for b in order:
+        fresh = await r.api.get(r.path) or {}
+        if _paused(fresh):  # annotated while rolling: hold after the broker just replaced
+            record.update(current=None, paused=True)
+            r.condition(ConditionType.RECONFIGURING, False, "RolloutPaused", f"held before {b}")
+            r.event("RolloutPaused", f"held before {b} by {PAUSE_ROLLOUT}")
+            await r.status(phase=OverlayPhase.READY, rollout=record)
+            return False
+        record["current"] = b
+        await r.status(rollout=record)
+        try:
+            result = await replace_broker(b, spec, live, run_plan)
+        except (StepError, ValueError, TimeoutError) as exc:
+            r.condition(ConditionType.DEGRADED, True, "RolloutFailed", f"replacing {b}: {exc}")
+            r.event("RolloutFailed", f"replacing {b}: {exc}", warning=True)
+            await r.status(phase=OverlayPhase.DEGRADED, rollout=record)
+            return False
+        record["done"].append(b)
+        r.event("BrokerReplaced", f"{b} replaced in {result['seconds']}s ({result['steps']} steps)")
+        r.condition(
+            ConditionType.RECONFIGURING,
+            True,
+            "RollingUpdate",
+            f"{len(record['done'])}/{len(order)} replaced",
+        )
+        await r.status(rollout=record)
+    record["current"] = None
+    r.condition(ConditionType.RECONFIGURING, False, "Idle")
+    r.event("RolloutFinished", f"{len(order)} brokers replaced")
+    await r.status(phase=OverlayPhase.READY, rollout=record)
+    return True
+
+
+def _paused(overlay: Mapping[str, Any]) -> bool:
+    annotations = (overlay.get("metadata") or {}).get("annotations") or {}
+    return str(annotations.get(PAUSE_ROLLOUT, "")).lower() == "true"
+
+
+class _NoProgress:
+    """A roll-out's plans are not resumed step by step: a restarted operator plans the rest of
+    the roll-out afresh from what is live (the pods' template hashes say what is left)."""
+
+    async def save(self, progress: dict[str, Any]) -> None:
+        return None
 
 
 REPAIR_REASONS = ("BrokerLost", "TreeRepaired")
@@ -1206,6 +1347,8 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
         )
         await _relink_restarted(r, backend, spec, await backend.neighbours(spec.broker_names))
         restored = await _restore(r, backend, spec)
+        if restored:  # a roll-out a restart of the operator or a failed step left unfinished
+            await roll_stale(r, backend, spec)
         if restored and not repairing and _repair_condition(r):
             r.condition(
                 ConditionType.DEGRADED,
@@ -1268,14 +1411,7 @@ async def _restore(r: Reconciler, backend: KubernetesBackend, spec: OverlaySpec)
             record["running"]["done"] = len(progress["completed"])
             await r.status(restore=record)
 
-    executor = Executor(
-        backend,
-        Progress(),
-        spec.name,
-        ordering=spec.ordering,
-        on_event=r._on_step_event,
-        label=f"r{count}",
-    )
+    executor = r.executor(backend, spec, Progress(), f"r{count}")
     try:
         await executor.run(decision.plan, r.generation())
     except StepError as exc:

@@ -58,10 +58,14 @@ class LocalBackend:
         created with: ``state.json`` remembers)."""
         self.dir = state_dir
         self.host = host
-        self.routing = routing
-        self.broker_args = tuple(broker_args)  # e.g. telemetry sampling for the miner
         self.dir.mkdir(parents=True, exist_ok=True)
         self.state: dict[str, Any] = self._load()
+        # How new brokers are started. Given: this overlay's from now on (apply, the demo).
+        # Not given (status, the supervisor, roll): what the overlay was last configured with,
+        # so that a broker restored or replaced runs like its peers.
+        self._explicit = bool(broker_args) or routing != "covering"
+        self.routing, self.broker_args = routing, tuple(broker_args)
+        self._adopt_config()
         self.state.setdefault("token", secrets.token_urlsafe(18))
         self.state.setdefault("brokers", {})
         self.state.setdefault("insecure", insecure)
@@ -85,12 +89,32 @@ class LocalBackend:
             return data
         return {}
 
+    def configure(self, routing: str, broker_args: Sequence[str]) -> None:
+        """Start new brokers with ``routing`` and ``broker_args`` (remembered in state.json)."""
+        self.routing = routing
+        self.broker_args = tuple(broker_args)  # e.g. telemetry sampling for the miner
+        self.state["config"] = {"routing": routing, "args": list(self.broker_args)}
+
+    @property
+    def config_key(self) -> list[str]:
+        """What a broker started now runs with: a broker recorded with another one is rolled."""
+        return [self.routing, *self.broker_args]
+
     def reload(self) -> None:
         """Read ``state.json`` again: another process (the supervisor, an ``apply``) may have
         changed it since this object was made. Call it holding :meth:`locked`."""
         fresh = self._load()
         if fresh:
             self.state = fresh
+            self._adopt_config()
+
+    def _adopt_config(self) -> None:
+        configured = self.state.get("config")
+        if self._explicit or not configured:
+            self.configure(self.routing, self.broker_args)
+        else:
+            self.routing = str(configured["routing"])
+            self.broker_args = tuple(configured["args"])
 
     @contextlib.asynccontextmanager
     async def locked(self, within: float = 600.0) -> AsyncIterator[None]:
@@ -136,6 +160,9 @@ class LocalBackend:
         info = self.brokers.get(name)
         if info is not None and _alive(info["pid"]):
             return
+        stale = self._admins.pop(name, None)  # a dead process's admin API, at its old port
+        if stale is not None:
+            await stale.close()
         log = self.dir / f"{name}.log"
         ready = self.dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
@@ -166,6 +193,7 @@ class LocalBackend:
                         "listen": addr["listen"],
                         "admin": addr["admin"],
                         "log": str(log),
+                        "config": self.config_key,
                     }
                     self.save()
                     return

@@ -21,9 +21,10 @@ import yaml
 from canopy_operator.backends.local import BrokerDownError, LocalBackend
 from canopy_operator.commands.plan import load_overlay
 from canopy_operator.draw import draw
-from canopy_operator.executor import Executor, StepError
+from canopy_operator.executor import Executor, StepError, replace_broker
+from canopy_operator.model import rollout
 from canopy_operator.model.planner import LiveOverlay, Plan, plan
-from canopy_operator.model.topology import OverlaySpec, SpecError
+from canopy_operator.model.topology import OverlaySpec, SpecError, parse_overlay
 
 DEFAULT_STATE = Path(".canopy")
 T = TypeVar("T")
@@ -64,6 +65,18 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         if name == "graph":
             p.add_argument("-o", "--output", type=Path, default=Path("overlay.png"))
         p.set_defaults(func={"status": run_status, "down": run_down, "graph": run_graph}[name])
+    p = sub.add_parser(
+        "roll",
+        help="replace the local overlay's brokers one at a time, loss-free (e.g. after an "
+        "upgrade); `apply` does it on its own for brokers whose configuration changed",
+    )
+    p.add_argument("--overlay", help="overlay name (default: the only one in the state dir)")
+    p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE)
+    p.add_argument(
+        "--broker", action="append", default=[], help="replace only this one (repeatable)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    p.set_defaults(func=run_roll)
 
 
 def overlay_dir(state_dir: Path, name: str | None) -> Path:
@@ -110,6 +123,48 @@ async def apply(
     return p, executor, wall
 
 
+async def roll(
+    spec: OverlaySpec, backend: LocalBackend, brokers: list[str], log: Any = print
+) -> list[dict[str, Any]]:
+    """Replace ``brokers`` one at a time, loss-free (:mod:`canopy_operator.model.rollout`): each
+    goes out by exchanges (its clients migrated to a neighbour) and comes back as a new process
+    started with the overlay's current configuration. Progress is in ``state.json``
+    (``rollout``, shown by ``canopy status``); the caller holds the overlay's lock."""
+    todo = rollout.order(await backend.live_links(), brokers)
+    record: dict[str, Any] = {"todo": todo, "done": [], "current": None, "started": time.time()}
+    backend.state["rollout"] = record
+    backend.save()
+
+    async def live() -> LiveOverlay:
+        return LiveOverlay(tuple(sorted(backend.brokers)), tuple(await backend.live_links()))
+
+    async def run_plan(p: Plan) -> None:
+        generation = int(backend.state.get("generation", 0)) + 1
+        backend.state["generation"] = generation  # each plan its own exchange ids
+        backend.save()
+
+        def event(reason: str, message: str) -> None:
+            if reason == "StepDone":
+                log(f"    {message}")
+
+        executor = Executor(
+            backend, ProgressFile(backend), spec.name, ordering=spec.ordering, on_event=event
+        )
+        await executor.run(p, generation)
+
+    results = []
+    for i, b in enumerate(todo, 1):
+        log(f"  replacing {b} ({i}/{len(todo)}): out by exchanges, clients migrated, back anew")
+        record["current"] = b
+        backend.save()
+        results.append(await replace_broker(b, spec, live, run_plan))
+        record["done"].append(b)
+        log(f"  {b} replaced in {results[-1]['seconds']}s ({results[-1]['steps']} steps)")
+    record.update(current=None, finished=time.time())
+    backend.save()
+    return results
+
+
 class ProgressFile:
     """The executor's progress, kept in ``state.json`` (a restarted apply continues from it)."""
 
@@ -140,12 +195,18 @@ def run_apply(args: argparse.Namespace) -> int:
             insecure=getattr(args, "insecure", False),
         )
         try:
+            rolled: list[dict[str, Any]] = []
             async with backend.locked():  # the supervisor may be restoring: after it
                 backend.reload()
                 if args.command == "up":
                     backend.state["supervised"] = not args.no_supervisor
                 try:
                     p, _executor, wall = await apply(spec, manifest, backend)
+                    configs = {n: b.get("config") for n, b in backend.brokers.items()}
+                    changed = rollout.stale(configs, backend.config_key)
+                    if changed:
+                        print(f"broker configuration changed: rolling {len(changed)} brokers")
+                        rolled = await roll(spec, backend, changed)
                 except BrokerDownError as exc:
                     if backend.supervisor_pid() is not None and "is dead" in str(exc):
                         raise BrokerDownError(
@@ -167,6 +228,7 @@ def run_apply(args: argparse.Namespace) -> int:
             "brokers": sorted(backend.brokers),
             "links": [list(e) for e in links],
             "supervisor": supervisor,
+            "rolled": rolled,
         }
 
     try:
@@ -251,6 +313,7 @@ def run_status(args: argparse.Namespace) -> int:
             "supervisor": backend.supervisor_pid(),
             "restoring": bool(backend.state.get("restoring")),
             "last_restore": backend.state.get("last_restore"),
+            "rollout": backend.state.get("rollout"),
             "healthy": not problems,
             "problems": problems,
             "brokers": brokers,
@@ -272,6 +335,12 @@ def run_status(args: argparse.Namespace) -> int:
     )
     for problem in data["problems"]:
         print(f"  {problem}")
+    roll_state = data["rollout"]
+    if roll_state and roll_state.get("current"):
+        print(
+            f"rolling replacement: {len(roll_state['done'])}/{len(roll_state['todo'])} done, "
+            f"replacing {roll_state['current']}"
+        )
     pid, last = data["supervisor"], data["last_restore"]
     print(
         (f"supervisor: pid {pid}" if pid else "supervisor: not running")
@@ -300,6 +369,35 @@ def run_graph(args: argparse.Namespace) -> int:
 
     brokers, links, name = with_backend(args, query)
     print(f"wrote {draw(brokers, links, args.output, title=name)}")
+    return 0
+
+
+def run_roll(args: argparse.Namespace) -> int:
+    """Replace brokers one at a time with new processes (the overlay's current configuration,
+    the installed Canopy): out by exchanges with their clients migrated, back as declared."""
+
+    async def go(backend: LocalBackend) -> list[dict[str, Any]]:
+        async with backend.locked():
+            backend.reload()
+            manifest = backend.state.get("spec")
+            if not manifest:
+                raise SystemExit("error: the overlay has no applied manifest yet (canopy up)")
+            spec = parse_overlay(manifest)
+            unknown = sorted(set(args.broker) - set(backend.brokers))
+            if unknown:
+                raise SystemExit(f"error: no broker {', '.join(unknown)} in {backend.dir.name}")
+            await backend.live_links()  # every broker answers, or it says which does not
+            return await roll(spec, backend, args.broker or sorted(backend.brokers))
+
+    try:
+        results = with_backend(args, go)
+    except StepError as exc:
+        print(f"error: {exc}; the overlay is consistent, roll again to continue", file=sys.stderr)
+        return 1
+    total = sum(r["seconds"] for r in results)
+    print(f"replaced {len(results)} brokers one at a time in {total:.2f}s, losing nothing")
+    if args.json:
+        print(json.dumps({"replaced": results, "seconds": round(total, 3)}))
     return 0
 
 

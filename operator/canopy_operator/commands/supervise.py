@@ -111,13 +111,17 @@ async def tick(backend: LocalBackend, say: Callable[[str], None]) -> bool:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(backend.brokers[name]["pid"]), signal.SIGKILL)
     dead = sorted(n for n, h in health.items() if h["state"] in ("dead", "failed"))
-    if not dead and not backend.state.get("restoring"):
+    # Declared but not in the state: a roll-out or an apply stopped between taking a broker
+    # out and bringing it back (its lock is gone with it, so nobody else will).
+    declared = parse_overlay(backend.state["spec"]).broker_names
+    missing = [b for b in declared if b not in backend.brokers]
+    if not dead and not missing and not backend.state.get("restoring"):
         return True
     async with backend.locked():
         backend.reload()
         if not backend.brokers:
             return False
-        await restore_once(backend, dead, log=say)
+        await restore_once(backend, dead + missing, log=say)
     return True
 
 

@@ -60,7 +60,8 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--no-crash",
         dest="crash",
         action="store_false",
-        help="skip the crash phase (an inner broker without clients SIGKILLed under traffic)",
+        help="skip the faults phase (an inner broker without clients SIGKILLed under traffic, "
+        "repaired and restored; two brokers with clients replaced one at a time)",
     )
     p.add_argument("--spark-master", default="local[2]", help="Spark master for the mining")
     p.add_argument("--json", action="store_true", help="one JSON object on the last line")

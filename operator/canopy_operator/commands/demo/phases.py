@@ -41,7 +41,7 @@ from canopy_operator.commands.demo.traffic import (
     publish_until,
     report_progress,
 )
-from canopy_operator.commands.local import apply
+from canopy_operator.commands.local import apply, roll
 from canopy_operator.commands.selforg import (
     TELEMETRY_ARGS,
     apply_proposal,
@@ -50,6 +50,7 @@ from canopy_operator.commands.selforg import (
     mine_overlay,
     start_spark,
 )
+from canopy_operator.commands.supervise import restore_once
 from canopy_operator.draw import draw
 from canopy_operator.mining.errors import MiningInputError
 from canopy_operator.model.topology import parse_overlay
@@ -183,10 +184,12 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             except (MiningInputError, RuntimeError) as exc:  # e.g. no Java, nothing sampled
                 print(f"self-organisation skipped: {exc}", file=sys.stderr)
                 selforg = {"skipped": str(exc)}
-        crash = None
+        crash = rolled = None
         if args.crash:
             busy = {s.broker for s in subscribers} | set(pub_brokers)
             crash = await crash_phase(backend, busy, prefer=spare)
+            rolled = await roll_phase(backend, busy & set(backend.brokers))
+            await asyncio.sleep(1.0)  # traffic over the replaced brokers
         stop_pub.set()
         await asyncio.gather(*publishing)
         publish_wall = time.perf_counter() - t0
@@ -237,7 +240,14 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             f"crashed {crash['broker']} (SIGKILL, no clients on it) under traffic: repaired in "
             f"{crash['repaired_s']:.2f}s with new links "
             + ", ".join(f"{a}-{b}" for a, b in crash["new_links"])
+            + f", declared shape restored {crash['restored_s']:.2f}s after the kill"
             + "; the delivery check above covers everything published meanwhile"
+        )
+    if rolled is not None:
+        print(
+            f"rolling replacement of {', '.join(rolled['brokers'])} (clients migrated, new "
+            f"processes) under traffic in {rolled['seconds']:.2f}s, {rolled['steps']} steps; "
+            "covered by the delivery check too"
         )
     result.update(
         control_messages=sum(control.values()),
@@ -248,6 +258,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         reshape_seconds=round(apply_wall, 3),
         self_organization=selforg,
         crash=crash,
+        rolling_replacement=rolled,
         steps=steps_report,
         final_links=final_links,
     )
@@ -297,7 +308,42 @@ async def crash_phase(
         + ", ".join(f"{a}-{b}" for a, b in added)
     )
     await asyncio.sleep(1.0)  # traffic over the repaired tree
-    return {"broker": victim, "repaired_s": round(repaired_s, 3), "new_links": added}
+    # What `canopy up`'s supervisor does: bring the dead broker back in the declared shape.
+    restored = None
+    async with asyncio.timeout(60):
+        while restored is None:
+            restored = await restore_once(backend, [victim], log=progress)
+            if restored is None:
+                await asyncio.sleep(0.2)
+    restored_s = time.monotonic() - killed
+    progress(
+        f"crash: {victim} restored in the declared shape {restored_s:.2f}s after the kill "
+        f"({restored['steps']} steps, {restored['exchanges']} exchanges)"
+    )
+    return {
+        "broker": victim,
+        "repaired_s": round(repaired_s, 3),
+        "new_links": added,
+        "restored_s": round(restored_s, 3),
+        "restore_steps": restored["steps"],
+    }
+
+
+async def roll_phase(backend: LocalBackend, busy: set[str]) -> dict[str, Any]:
+    """A rolling replacement of two brokers with clients, under traffic: each goes out by
+    exchanges with its clients migrated, and comes back as a new process."""
+    links = await backend.live_links()
+    degree: Counter[str] = Counter(b for e in links for b in e)
+    targets = sorted(busy, key=lambda b: (-degree[b], b))[:2]  # an inner one if any
+    progress(f"rolling replacement of {', '.join(targets)} (they have clients) under traffic")
+    spec = parse_overlay(backend.state["spec"])
+    started = time.monotonic()
+    results = await roll(spec, backend, targets, log=progress)
+    return {
+        "brokers": [r["broker"] for r in results],
+        "seconds": round(time.monotonic() - started, 3),
+        "steps": sum(r["steps"] for r in results),
+    }
 
 
 async def self_organise(
