@@ -7,6 +7,8 @@ and do not pull in aiohttp or the process machinery they don't use.
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -55,6 +57,23 @@ def _add_operator_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--metrics-port", type=int, default=8000, help="/metrics port (0: off)")
     p.add_argument("--liveness", help="kopf's liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
     p.add_argument("--heal-interval", type=float, default=30.0, help="seconds between checks")
+    p.add_argument(
+        "--leader-election",
+        action="store_true",
+        help="act only while holding a coordination.k8s.io Lease (for several replicas)",
+    )
+    p.add_argument("--lease-name", default="canopy-operator")
+    p.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE", "default"),
+        help="the Lease's namespace (default: $POD_NAMESPACE)",
+    )
+    p.add_argument(
+        "--identity",
+        default=os.environ.get("POD_NAME") or socket.gethostname(),
+        help="this replica's name in the Lease (default: $POD_NAME, else the host name)",
+    )
+    p.add_argument("--lease-duration", type=float, default=15.0, help="seconds")
     p.set_defaults(func=_run_operator)
 
 
@@ -65,6 +84,7 @@ def _run_operator(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from canopy_operator.backends import k8s
+    from canopy_operator.backends.leader import LeaseConfig, LostLeadershipError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = k8s.OperatorConfig(
@@ -75,9 +95,17 @@ def _run_operator(args: argparse.Namespace) -> int:
     )
     if args.broker_image:
         config.image = args.broker_image
+    if args.leader_election:
+        config.leader = LeaseConfig(
+            args.lease_namespace, args.lease_name, args.identity, args.lease_duration
+        )
     if args.metrics_port:
         start_http_server(args.metrics_port)
-    asyncio.run(k8s.run_operator(config, namespaces=args.namespace, liveness=args.liveness))
+    try:
+        asyncio.run(k8s.run_operator(config, namespaces=args.namespace, liveness=args.liveness))
+    except LostLeadershipError as exc:  # the pod restarts and waits for the lease again
+        print(f"canopy operator: {exc}; exiting", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -123,6 +151,15 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     bench_peers.add_arguments(peers)
     peers.set_defaults(func=bench_peers.run_args)
     mine.add_bench_arguments(bench_sub)
+    from canopy_operator.commands import bench_day2
+
+    bench_day2.add_arguments(
+        bench_sub.add_parser(
+            "day2",
+            help="a local overlay with its supervisor: kill to declared shape restored, a "
+            "rolling replacement of every broker, losses of each under load",
+        )
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,6 +34,7 @@ from tests.tools import (
 )
 
 ALL_ON = CHART / "ci" / "all-on-values.yaml"
+LEASE_VERBS = ("get", "create", "patch")
 SCHEMAS = Path(__file__).parent / "schemas"
 VENDORED = {
     ("monitoring.coreos.com/v1", "PodMonitor"): SCHEMAS
@@ -240,11 +241,27 @@ def test_the_operator_runs_its_real_flags(
 ) -> None:
     docs = rendered[variant]
     deployment = one(docs, "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"]["type"] == "Recreate"
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["canopy", "operator"]
     args = build_parser().parse_args(["operator", *container["args"]])
+    if variant == "all-on":  # two replicas: only the Lease holder acts
+        assert deployment["spec"]["replicas"] == 2 and args.leader_election
+        assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+        assert args.lease_duration == 20 and args.lease_name == deployment["metadata"]["name"]
+        fields = {e["name"]: e.get("valueFrom") for e in container["env"]}
+        assert fields["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert fields["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        role = one(docs, "Role", f"{deployment['metadata']['name']}-leader")
+        assert rbac_rules(role) == {("coordination.k8s.io", "leases", v) for v in LEASE_VERBS}
+        assert role["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+        binding = one(docs, "RoleBinding", role["metadata"]["name"])
+        assert (
+            binding["subjects"][0]["name"]
+            == (deployment["spec"]["template"]["spec"]["serviceAccountName"])
+        )
+    else:  # one replica, never two at once
+        assert deployment["spec"]["replicas"] == 1 and not args.leader_election
+        assert deployment["spec"]["strategy"]["type"] == "Recreate"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert args.metrics_port == ports["metrics"]
     assert args.liveness == f"http://0.0.0.0:{ports['health']}/healthz"

@@ -217,6 +217,15 @@ def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
             verbs=every,
             subresources={"status"} if plural == "pods" else set(),
         )
+    emulator.resources["v1/nodes"] = kmock.ResourceInfo(
+        kind="Node", singular="node", namespaced=False, verbs=every
+    )
+    emulator.resources["policy/v1/poddisruptionbudgets"] = kmock.ResourceInfo(
+        kind="PodDisruptionBudget", singular="poddisruptionbudget", namespaced=True, verbs=every
+    )
+    emulator.resources["coordination.k8s.io/v1/leases"] = kmock.ResourceInfo(
+        kind="Lease", singular="lease", namespaced=True, verbs=every
+    )
     emulator.resources["canopy.dev/v1alpha1/brokeroverlays"] = kmock.ResourceInfo(
         kind="BrokerOverlay",
         singular="brokeroverlay",

@@ -34,6 +34,7 @@ def test_the_deployment_runs_canopy_operator_as_the_bound_service_account() -> N
     args = build_parser().parse_args(["operator", *container["args"]])  # the flags exist
     assert args.metrics_port == 8000 and args.liveness.endswith(":8081/healthz")
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    assert not args.leader_election  # one replica by default: nothing to elect
     sa = by_kind["ServiceAccount", pod["serviceAccountName"]]
     binding = by_kind["ClusterRoleBinding", "canopy-operator"]
     assert binding["subjects"] == [

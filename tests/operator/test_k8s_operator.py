@@ -20,7 +20,14 @@ from prometheus_client import REGISTRY
 from canopy_broker.admin_client import AdminClient
 from canopy_broker.client import ClientError, Credentials, connect
 from canopy_broker.sim.checker import check_deliveries
-from canopy_operator.backends.k8s import PAUSE_ROLLOUT, KubeApi, overlay_path, secret_bytes
+from canopy_operator.backends.k8s import (
+    LABEL_OVERLAY,
+    PAUSE_ROLLOUT,
+    KubeApi,
+    overlay_path,
+    secret_bytes,
+)
+from canopy_operator.backends.leader import LeaseConfig
 from canopy_operator.model.topology import norm
 from tests.integration.test_reconfiguration import Run, converged
 from tests.integration.test_security import answer_or_nothing
@@ -690,6 +697,90 @@ async def test_a_template_change_is_rolled_out_one_broker_at_a_time_losing_nothi
     assert events(cluster.emulator, "RolloutPaused") and events(cluster.emulator, "RolloutFinished")
     obj = await cluster.ready("demo", generation=2)
     assert sorted(map(tuple, obj["status"]["links"])) == FOUR
+
+
+async def test_a_broker_on_a_drained_node_is_moved_off_it_losing_nothing(
+    cluster: Cluster,
+) -> None:
+    """The overlay's PodDisruptionBudget lets no broker be evicted; when a broker's node is
+    cordoned (the first thing ``kubectl drain`` does), the operator moves the broker itself: out
+    by exchanges with its clients migrated, a new pod (which the scheduler puts elsewhere),
+    back as declared. Its subscriber and everybody else miss nothing; the drain can go on."""
+    view = await four_brokers(cluster)
+    (pdb,) = objects(cluster.emulator, "poddisruptionbudgets")
+    assert pdb["spec"] == {
+        "maxUnavailable": 0,
+        "selector": {"matchLabels": {LABEL_OVERLAY: "demo"}},
+    }
+    run = Run()
+    await run.subscriber(view, "s-b", "b", ["qty > 10"])
+    await run.subscriber(view, "s-d", "d", ['side = "buy"'])
+    run.settled(await converged(view, run))  # type: ignore[arg-type]
+    await run.publisher(view, "p", "a", seed=5)  # type: ignore[arg-type]
+    await until(lambda: len(run.pubs) > 100, 20, "some traffic")
+
+    # The scheduler had put b on node-1; node-1 is cordoned for maintenance.
+    await cluster.api.patch(
+        f"/api/v1/namespaces/{NS}/pods/demo-b", {"spec": {"nodeName": "node-1"}}
+    )
+    await cluster.api.create("/api/v1/nodes", {"metadata": {"name": "node-2"}, "spec": {}})
+    await cluster.api.create(
+        "/api/v1/nodes", {"metadata": {"name": "node-1"}, "spec": {"unschedulable": True}}
+    )
+    await until(lambda: cluster.kubelet.started.count("demo-b") == 2, 60, "b in a new pod")
+    moved = [e["message"] for e in events(cluster.emulator, "BrokerOnDrainedNode")]
+    assert moved and "b runs on a node being drained" in moved[0], moved
+    assert all(cluster.kubelet.started.count(f"demo-{x}") == 1 for x in "acd")
+    await until(lambda: events(cluster.emulator, "RolloutFinished"), 30, "b back as declared")
+    published = len(run.pubs)
+    await until(lambda: len(run.pubs) > published + 100, 20, "traffic after the move")
+    await delivered_everything(run, 100)
+    obj = await cluster.overlay("demo")
+    assert sorted(map(tuple, obj["status"]["links"])) == FOUR
+
+
+async def test_two_operator_replicas_never_act_at_once(cluster: Cluster) -> None:
+    """With leader election only the replica holding the Lease runs its handlers (the other's
+    kopf has not even logged in); when the leader stops, the other takes the Lease over once it
+    has not been renewed for a lease duration, and carries on with the next change."""
+    lease_path = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/canopy-operator"
+
+    def replica(identity: str) -> OperatorThread:
+        config = make_config(cluster.emulator, cluster.kubelet)
+        config.leader = LeaseConfig(NS, "canopy-operator", identity, duration=2.0)
+        return OperatorThread(config)
+
+    async def holder() -> str | None:
+        lease = await cluster.api.get(lease_path)
+        return ((lease or {}).get("spec") or {}).get("holderIdentity")
+
+    first, second = replica("op-a").start(), replica("op-b")
+    stopped: list[OperatorThread] = []
+    try:
+        await until(lambda: holder_is(holder, "op-a"), 20, "op-a leads")
+        second.start()
+        await cluster.apply(overlay_manifest("demo", ["a", "b", "c"], [("a", "b"), ("b", "c")]))
+        await cluster.ready("demo")
+        await asyncio.sleep(3.0)  # longer than a lease duration: op-a keeps renewing it
+        assert await holder() == "op-a"
+        assert second.config.api is None  # op-b's kopf never started: it acted on nothing
+        await first.stop()
+        stopped.append(first)
+        await until(lambda: holder_is(holder, "op-b"), 20, "op-b takes over")
+        lease = await cluster.api.get(lease_path)
+        assert lease is not None and lease["spec"]["leaseTransitions"] == 1
+        new = overlay_manifest("demo", ["a", "b", "c"], [("a", "b"), ("a", "c")])["spec"]
+        await cluster.api.patch(overlay_path(NS, "demo"), {"spec": new})
+        obj = await cluster.ready("demo", generation=2)
+        assert sorted(map(tuple, obj["status"]["links"])) == [("a", "b"), ("a", "c")]
+    finally:
+        for op in (first, second):
+            if op not in stopped and op._thread.is_alive():
+                await op.stop()
+
+
+async def holder_is(holder: Any, identity: str) -> bool:
+    return bool(await holder() == identity)
 
 
 async def test_deleting_the_overlay_stops_its_brokers(cluster: Cluster) -> None:

@@ -125,6 +125,16 @@ matchExpressions:
 - apiGroups: [""]
   resources: [services]
   verbs: [create]
+# The overlay's PodDisruptionBudget (maxUnavailable 0: no broker is evicted; the operator
+# moves a broker off a drained node itself, loss-free). Created once, owner-referenced.
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [create]
+# Cordoned nodes (spec.unschedulable), to move brokers off them before a drain. A Role cannot
+# grant this (nodes are cluster-scoped): with overlayNamespaces, drains wait for an admin.
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [list]
 # Per overlay: the admin token and, with TLS (spec.security, on by default), the CA, one TLS
 # Secret per broker and the client Secret; created once and read to talk to the brokers. A
 # removed broker's Secret is deleted; one issued by a replaced CA is deleted and made anew.

@@ -45,6 +45,7 @@ from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_broker.client.credentials import LOCAL_CLIENT
 from canopy_broker.pki import Authority, permissive_policy
 from canopy_broker.runtime.security import BROKER, CLIENT, Identity, Policy, SecurityError
+from canopy_operator.backends.leader import Elector, LeaseConfig, run_as_leader
 from canopy_operator.executor import Executor, ProgressStore, StepError, replace_broker
 from canopy_operator.model import rollout
 from canopy_operator.model.phases import ConditionType, OverlayPhase, ProposalPhase
@@ -165,16 +166,24 @@ class KubeApi:
 
     async def create(self, path: str, body: Mapping[str, Any]) -> bool:
         """True if created, False if it already existed."""
+        return await self._unless_conflict("POST", path, body)
+
+    async def patch(self, path: str, body: Mapping[str, Any]) -> None:
+        await self.request("PATCH", path, body)
+
+    async def update(self, path: str, body: Mapping[str, Any]) -> bool:
+        """A merge patch that carries ``metadata.resourceVersion``, which the API server takes as
+        a precondition: False (409) if the object changed since that version was read."""
+        return await self._unless_conflict("PATCH", path, body)
+
+    async def _unless_conflict(self, method: str, path: str, body: Mapping[str, Any]) -> bool:
         try:
-            await self.request("POST", path, body)
+            await self.request(method, path, body)
         except KubeError as exc:
             if exc.status == 409:
                 return False
             raise
         return True
-
-    async def patch(self, path: str, body: Mapping[str, Any]) -> None:
-        await self.request("PATCH", path, body)
 
     async def delete(self, path: str) -> None:
         try:
@@ -613,16 +622,37 @@ class KubernetesBackend:
         await self.ensure_broker_secret(name)  # before its pod: the pod mounts it
         await self.api.create(core_path(self.namespace, "pods"), self.pod(name))
 
-    async def stale(self) -> list[str]:
-        """Brokers whose pod runs another template than the spec gives now."""
-        pods = await self.pods()
-        return sorted(
+    async def stale(self) -> tuple[list[str], list[str]]:
+        """Brokers to replace: (those whose pod runs another template than the spec gives now,
+        those on a node being drained — cordoned, ``spec.unschedulable``)."""
+        pods = {b: p for b, p in (await self.pods()).items() if b in self.spec.broker_names}
+        old = sorted(
             b
             for b, pod in pods.items()
-            if b in self.spec.broker_names
-            and ((pod.get("metadata") or {}).get("annotations") or {}).get(TEMPLATE_HASH)
+            if ((pod.get("metadata") or {}).get("annotations") or {}).get(TEMPLATE_HASH)
             != template_hash(self.pod(b))
         )
+        cordoned = await self.cordoned_nodes()
+        draining = sorted(
+            b for b, pod in pods.items() if (pod.get("spec") or {}).get("nodeName") in cordoned
+        )
+        return old, draining
+
+    async def cordoned_nodes(self) -> set[str]:
+        """Nodes marked unschedulable (``kubectl cordon``/``drain``, node upgrades). Without
+        the right to list nodes (a namespaced install), none: drains then wait for an admin."""
+        try:
+            nodes = await self.api.items("/api/v1/nodes?fieldSelector=spec.unschedulable%3Dtrue")
+        except KubeError as exc:
+            if exc.status != 403:
+                raise
+            log.warning("cannot list nodes (403): brokers on drained nodes are not moved")
+            return set()
+        return {
+            str((n.get("metadata") or {}).get("name"))
+            for n in nodes
+            if (n.get("spec") or {}).get("unschedulable")
+        }
 
     async def _forget_admin(self, name: str) -> None:
         client = self._admins.pop(name, None)
@@ -693,6 +723,21 @@ class KubernetesBackend:
         for client in self._admins.values():
             await client.close()
         self._admins.clear()
+
+
+async def closed(backend: KubernetesBackend) -> None:
+    """Close the backend's admin clients even if the caller is being cancelled (kopf cancels a
+    handler at exit, and may cancel it again): an interrupted close leaves HTTP sessions open.
+    The cancellation is passed on once the close is done."""
+    closing = asyncio.ensure_future(backend.close())
+    cancelled = False
+    while not closing.done():
+        try:
+            await asyncio.shield(closing)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def live_tree(neighbours: Mapping[str, set[str]], declared: Sequence[str]) -> LiveOverlay:
@@ -779,6 +824,7 @@ class OperatorConfig:
     api: KubeApi | None = None
     stopping: bool = False
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    leader: LeaseConfig | None = None  # leader election (several replicas): the Lease to hold
     # Crash repairs the brokers did on their own, already told as Events (per overlay).
     reported: dict[tuple[str, str], set[tuple[str, ...]]] = field(default_factory=dict)
 
@@ -960,6 +1006,26 @@ class Reconciler:
                 },
             },
         )
+        # Voluntary disruptions (kubectl drain, node upgrades, the cluster autoscaler) may evict
+        # no broker: the operator moves a broker off a cordoned node itself, loss-free (see
+        # roll_stale), after which the drain goes on.
+        await self.api.create(
+            f"/apis/policy/v1/namespaces/{self.namespace}/poddisruptionbudgets",
+            {
+                "apiVersion": "policy/v1",
+                "kind": "PodDisruptionBudget",
+                "metadata": {
+                    "name": f"{spec.name}-brokers",
+                    "namespace": self.namespace,
+                    "labels": labels,
+                    "ownerReferences": [owner],
+                },
+                "spec": {
+                    "maxUnavailable": 0,
+                    "selector": {"matchLabels": {LABEL_OVERLAY: spec.name}},
+                },
+            },
+        )
         authority = await self.ensure_security(spec, self.security(spec))
         return Access(token, authority)
 
@@ -1009,7 +1075,7 @@ class Reconciler:
         try:
             await self._converge(spec, backend, generation, decision)
         finally:
-            await backend.close()
+            await closed(backend)
 
     async def _converge(
         self,
@@ -1173,7 +1239,10 @@ async def roll_stale(r: Reconciler, backend: KubernetesBackend, spec: OverlaySpe
     ``canopy.dev/pause-rollout: "true"`` annotation. Progress is ``status.rollout``; a failed
     step stops it with ``Degraded``/``RolloutFailed`` (the overlay is a tree after every step)
     and the next reconcile or heal goes on from what is live. True when nothing is stale."""
-    todo = await backend.stale()
+    old, draining = await backend.stale()
+    todo = sorted(set(old) | set(draining))
+    for b in draining:
+        r.event("BrokerOnDrainedNode", f"{b} runs on a node being drained: moving it, loss-free")
     record = dict((r.obj.get("status") or {}).get("rollout") or {})
     if not todo:
         if record.get("current") or record.get("paused"):
@@ -1358,7 +1427,7 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
             )
             await r.status()
     finally:
-        await backend.close()
+        await closed(backend)
 
 
 async def _relink_restarted(
@@ -1609,7 +1678,7 @@ class ProposalKeeper:
                 completed=completed,
             )
         finally:
-            await backend.close()
+            await closed(backend)
         return True
 
     async def _execute(
@@ -1725,13 +1794,7 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        info: kopf.ConnectionInfo | None
-        if config.server:
-            info = kopf.ConnectionInfo(
-                server=config.server, token=config.token, insecure=config.insecure
-            )
-        else:
-            info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+        info = connection_info(config, **kwargs)
         if info is not None and config.api is None:
             config.api = KubeApi.from_connection(info)
         return info
@@ -1828,6 +1891,17 @@ async def _unless_stopped(work: Coroutine[Any, Any, None], stopped: kopf.DaemonS
         task.result()  # its exception, if any, is the caller's
 
 
+def connection_info(config: OperatorConfig, **kwargs: Any) -> kopf.ConnectionInfo | None:
+    """How to reach the API server: ``--server`` if given, else the pod's service account,
+    else the kubeconfig."""
+    if config.server:
+        return kopf.ConnectionInfo(
+            server=config.server, token=config.token, insecure=config.insecure
+        )
+    kwargs.setdefault("logger", log)
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 async def run_operator(
     config: OperatorConfig,
     *,
@@ -1862,13 +1936,31 @@ async def run_operator(
     settings.watching.server_timeout = 60
     # Discovery once at start-up; no watches on CRDs or namespaces (least privilege).
     settings.scanning.disabled = True
-    await kopf.operator(
-        registry=build_registry(config),
-        settings=settings,
-        standalone=True,
-        clusterwide=not namespaces,
-        namespaces=list(namespaces),
-        stop_flag=stop_flag,
-        ready_flag=ready_flag,
-        liveness_endpoint=liveness,
-    )
+
+    async def operate(halt: Any) -> None:
+        await kopf.operator(
+            registry=build_registry(config),
+            settings=settings,
+            standalone=True,
+            clusterwide=not namespaces,
+            namespaces=list(namespaces),
+            stop_flag=halt,
+            ready_flag=ready_flag,
+            liveness_endpoint=liveness,
+        )
+
+    if config.leader is None:
+        await operate(stop_flag)
+        return
+    info = connection_info(config)
+    if info is None:
+        raise RuntimeError("leader election: no way to reach the API server")
+    lease_api = KubeApi.from_connection(info)
+
+    def stopping() -> bool:
+        return bool(stop_flag is not None and stop_flag.is_set())
+
+    try:
+        await run_as_leader(Elector(lease_api, config.leader), operate, stopping, liveness)
+    finally:
+        await lease_api.close()
