@@ -684,6 +684,13 @@ async def test_a_template_change_is_rolled_out_one_broker_at_a_time_losing_nothi
 
     done = await until(finished, 90, "rolled out")
     assert done["done"] == done["todo"] and sorted(done["done"]) == ["a", "b", "c", "d"]
+    assert done["progress"] == "4/4"
+    shown = {
+        (v.get("status") or {}).get("rollout", {}).get("progress")
+        for v in history(cluster.emulator, "demo")
+    }
+    # What `kubectl get bo -o wide` showed, broker by broker (leaves first, by name).
+    assert {"0/4 (a)", "1/4 (c)", "2/4 (d)", "3/4 (b)", "4/4"} <= shown, shown
     assert done["todo"][-1] == "b"  # the inner broker last: leaves need no exchange
     for b in "abcd":
         assert cluster.kubelet.started.count(f"demo-{b}") == 2, b  # a new pod each

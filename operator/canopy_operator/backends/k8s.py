@@ -1274,6 +1274,7 @@ async def roll_stale(r: Reconciler, backend: KubernetesBackend, spec: OverlaySpe
         await r.executor(backend, spec, _NoProgress(), f"u{count}p{plans}").run(p, r.generation())
 
     for b in order:
+        record["progress"] = f"{len(record['done'])}/{len(order)} ({b})"
         fresh = await r.api.get(r.path) or {}
         if _paused(fresh):  # annotated while rolling: hold after the broker just replaced
             record.update(current=None, paused=True)
@@ -1299,7 +1300,7 @@ async def roll_stale(r: Reconciler, backend: KubernetesBackend, spec: OverlaySpe
             f"{len(record['done'])}/{len(order)} replaced",
         )
         await r.status(rollout=record)
-    record["current"] = None
+    record.update(current=None, progress=f"{len(order)}/{len(order)}")
     r.condition(ConditionType.RECONFIGURING, False, "Idle")
     r.event("RolloutFinished", f"{len(order)} brokers replaced")
     await r.status(phase=OverlayPhase.READY, rollout=record)
