@@ -838,6 +838,11 @@ class LinkSessions:
                     self.name,
                     link.peer,
                 )
+                if link.kind == "link" and link.incarnation:
+                    # Symmetric: that process will not take us back, nor we it (a link that
+                    # failed both ways is then fenced at both ends whichever detector fired
+                    # first; the other end's refusal can come before our own timeout).
+                    self.fenced.setdefault(link.peer, link.incarnation)
             self.drop(link, bye=None)
         elif code == "unknown-session" and link.closing:
             # A closing link whose session the peer no longer has: it restarted, or it ended
