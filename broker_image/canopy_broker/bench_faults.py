@@ -52,7 +52,9 @@ def _edges(statuses: dict[str, dict[str, Any]]) -> set[tuple[str, str]]:
     return out
 
 
-async def _drain(client: Client, into: list[Notification]) -> None:
+async def drain_into(client: Client, into: list[Notification]) -> None:
+    """Keep what ``client`` receives in ``into`` until it closes or its broker is lost for
+    good (benchmarks count what arrived, they do not fail on a loss)."""
     try:
         while batch := await client.receive(1000):
             into.extend(batch)
@@ -88,7 +90,7 @@ async def kill_scenario(
             c = await connect(ov[b].listen, client_id=sub, credentials=ov.credentials)
             await c.subscribe("n >= 0")
             clients.append(c)
-            drains.append(asyncio.create_task(_drain(c, received[sub])))
+            drains.append(asyncio.create_task(drain_into(c, received[sub])))
         pub = await connect(ov["b0"].listen, client_id="p", credentials=ov.credentials)
         await wait_settled(ov.brokers.values())
         stop = asyncio.Event()
@@ -189,7 +191,7 @@ async def retention_scenario(rate: float, window: float) -> dict[str, Any]:
             sub = await connect(ov["b3"].listen, credentials=ov.credentials)
             await sub.subscribe("n >= 0")
             got: list[Notification] = []
-            drain = asyncio.create_task(_drain(sub, got))
+            drain = asyncio.create_task(drain_into(sub, got))
             pub = await connect(ov["b1"].listen, credentials=ov.credentials)
             await wait_settled(ov.brokers.values())
             n, start = 0, time.monotonic()

@@ -67,7 +67,7 @@ from canopy_operator.model.proposals import (
     from_manifest,
     lifecycle,
 )
-from canopy_operator.model.restore import describe, mutual, restore
+from canopy_operator.model.restore import describe, mutual, reported_links, restore
 from canopy_operator.model.topology import OverlaySpec, SpecError, norm, parse_overlay, validate
 
 GROUP, VERSION, PLURAL, KIND = "canopy.dev", "v1alpha1", "brokeroverlays", "BrokerOverlay"
@@ -1152,7 +1152,7 @@ class Reconciler:
         for b in sorted(set(pods) - set(declared)):
             await backend.delete_broker(b)
         live_now = await backend.neighbours(declared)
-        links = sorted({norm((a, b)) for a, ns in live_now.items() for b in ns})
+        links = sorted(reported_links(live_now))
         ready = sum(1 for b in declared if b in live_now)
         self.condition(
             ConditionType.READY, True, "Converged", f"{ready} brokers, {len(links)} links"
@@ -1490,7 +1490,7 @@ async def _restore(r: Reconciler, backend: KubernetesBackend, spec: OverlaySpec)
         await r.status(restore=record)
         return False
     live = await backend.neighbours(spec.broker_names)
-    now_links = sorted({norm((a, b)) for a, ns in live.items() for b in ns})
+    now_links = sorted(reported_links(live))
     record.pop("running", None)
     record["last"] = {
         "brokers": list(decision.absent),
@@ -1712,7 +1712,7 @@ class ProposalKeeper:
             failure = exc
         # Every step leaves a tree: what the brokers hold now is the overlay's live tree.
         live_now = await backend.neighbours(spec.broker_names)
-        links = sorted({norm((a, b)) for a, ns in live_now.items() for b in ns})
+        links = sorted(reported_links(live_now))
         seconds = round(time.perf_counter() - started, 3)
         r.condition(ConditionType.RECONFIGURING, False, "Idle")
         fields: dict[str, Any] = {

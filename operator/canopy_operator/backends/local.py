@@ -19,7 +19,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,10 @@ from canopy_broker.procs import broker_env, serve_command
 
 class BrokerDownError(Exception):
     """A broker of the local overlay does not answer (its process died, or it hangs)."""
+
+    def __init__(self, message: str, *, dead: bool = False) -> None:
+        super().__init__(message)
+        self.dead = dead  # its process is gone (not merely silent)
 
 
 BROKER_STATES = ("up", "failed", "unreachable", "dead")
@@ -262,7 +266,8 @@ class LocalBackend:
             async with asyncio.timeout(within):
                 return await self.admin(name).status()
         except (aiohttp.ClientError, OSError, AdminError, TimeoutError) as exc:
-            raise BrokerDownError(self._why_down(name, exc)) from None
+            dead = not _alive(int(self.brokers[name]["pid"]))
+            raise BrokerDownError(self._why_down(name, exc), dead=dead) from None
 
     def _why_down(self, name: str, exc: BaseException) -> str:
         info = self.brokers[name]
@@ -289,6 +294,16 @@ class LocalBackend:
         names = sorted(self.brokers)
         results = await asyncio.gather(*(one(n) for n in names))
         return dict(zip(names, results, strict=True))
+
+    @staticmethod
+    def reported_neighbours(health: Mapping[str, Mapping[str, Any]]) -> dict[str, set[str]]:
+        """What each broker that is up reports as its neighbours, closing links left out (the
+        shape of ``KubernetesBackend.neighbours``), from :meth:`health`'s answer."""
+        return {
+            n: {str(x["peer"]) for x in h["status"].get("neighbours", []) if not x.get("closing")}
+            for n, h in health.items()
+            if h["state"] == "up"
+        }
 
     async def close(self) -> None:
         for client in self._admins.values():

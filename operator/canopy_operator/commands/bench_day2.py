@@ -32,10 +32,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from canopy_broker.client import Client, ConnectionLostError, Notification, connect
+from canopy_broker.bench_faults import drain_into
+from canopy_broker.client import Client, Notification, connect
 from canopy_broker.sim.topology import random_tree
 from canopy_operator.backends.local import LocalBackend
 from canopy_operator.commands.local import apply, roll
+from canopy_operator.model.restore import reported_links
 from canopy_operator.model.topology import norm, parse_overlay
 
 
@@ -84,15 +86,7 @@ class Traffic:
         await c.subscribe("n >= 0", sub_id="all")
         self.clients.append(c)
         got = self.received[name] = []
-        self.tasks.append(asyncio.create_task(self._drain(c, got)))
-
-    @staticmethod
-    async def _drain(c: Client, into: list[Notification]) -> None:
-        try:
-            while batch := await c.receive(1000):
-                into.extend(batch)
-        except ConnectionLostError:
-            return
+        self.tasks.append(asyncio.create_task(drain_into(c, got)))
 
     async def publish_from(self, broker: str) -> None:
         pub = await connect(
@@ -196,12 +190,7 @@ async def crash_scenario(
             try:
                 health = await probe.health(within=1.0)
                 up = [b for b, h in health.items() if h["state"] == "up"]
-                links = {
-                    norm((b, str(x["peer"])))
-                    for b in up
-                    for x in health[b]["status"].get("neighbours", [])
-                    if not x.get("closing")
-                }
+                links = reported_links(probe.reported_neighbours(health))
             finally:
                 await probe.close()
             if repaired_s is None and links and not any(victim in e for e in links):

@@ -139,18 +139,7 @@ async def roll(
         return LiveOverlay(tuple(sorted(backend.brokers)), tuple(await backend.live_links()))
 
     async def run_plan(p: Plan) -> None:
-        generation = int(backend.state.get("generation", 0)) + 1
-        backend.state["generation"] = generation  # each plan its own exchange ids
-        backend.save()
-
-        def event(reason: str, message: str) -> None:
-            if reason == "StepDone":
-                log(f"    {message}")
-
-        executor = Executor(
-            backend, ProgressFile(backend), spec.name, ordering=spec.ordering, on_event=event
-        )
-        await executor.run(p, generation)
+        await run_own_plan(spec, backend, p, log, indent="    ")
 
     results = []
     for i, b in enumerate(todo, 1):
@@ -163,6 +152,26 @@ async def roll(
     record.update(current=None, finished=time.time())
     backend.save()
     return results
+
+
+async def run_own_plan(
+    spec: OverlaySpec, backend: LocalBackend, the_plan: Plan, log: Any, indent: str = "  "
+) -> None:
+    """Run a plan the overlay makes for itself (a roll-out's, a restore's) under a generation
+    of its own, so that its exchange ids are never an earlier plan's (an apply, by contrast,
+    keeps its generation until it has finished, so that applying again resumes it)."""
+    generation = int(backend.state.get("generation", 0)) + 1
+    backend.state["generation"] = generation
+    backend.save()
+
+    def event(reason: str, message: str) -> None:
+        if reason in ("StepDone", "StepFailed"):
+            log(f"{indent}{message}")
+
+    executor = Executor(
+        backend, ProgressFile(backend), spec.name, ordering=spec.ordering, on_event=event
+    )
+    await executor.run(the_plan, generation)
 
 
 class ProgressFile:
@@ -208,10 +217,11 @@ def run_apply(args: argparse.Namespace) -> int:
                         print(f"broker configuration changed: rolling {len(changed)} brokers")
                         rolled = await roll(spec, backend, changed)
                 except BrokerDownError as exc:
-                    if backend.supervisor_pid() is not None and "is dead" in str(exc):
+                    if exc.dead and backend.supervisor_pid() is not None:
                         raise BrokerDownError(
                             f"{exc}; the supervisor restores it (see `canopy status`), "
-                            "apply again once it is back"
+                            "apply again once it is back",
+                            dead=True,
                         ) from None
                     raise
                 links = await backend.live_links()

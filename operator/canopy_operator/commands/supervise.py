@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from canopy_operator.backends.local import BrokerDownError, LocalBackend
-from canopy_operator.commands.local import ProgressFile, overlay_dir
-from canopy_operator.executor import Executor, StepError
+from canopy_operator.commands.local import overlay_dir, run_own_plan
+from canopy_operator.executor import StepError
 from canopy_operator.model.restore import describe, mutual, restore
 from canopy_operator.model.topology import parse_overlay
 
@@ -138,16 +138,7 @@ async def restore_once(
         log(f"waiting: {', '.join(stuck)} does not answer")
         return None
     alive = [n for n, h in health.items() if h["state"] == "up"]
-    links, one_sided = mutual(
-        {
-            n: [
-                str(x["peer"])
-                for x in health[n]["status"].get("neighbours", [])
-                if not x.get("closing")
-            ]
-            for n in alive
-        }
-    )
+    links, one_sided = mutual(backend.reported_neighbours(health))
     if one_sided:
         a, b = min(one_sided)
         log(f"waiting: link {a}-{b} is known at one end only (being set up or closed)")
@@ -167,20 +158,10 @@ async def restore_once(
         if name in dead or name not in backend.brokers:
             restarts = backend.state.setdefault("restarts", {})
             restarts[name] = int(restarts.get(name, 0)) + 1
-    generation = int(backend.state.get("generation", 0)) + 1
-    backend.state["generation"] = generation
     backend.save()
     log(f"restoring: {describe(decision, spec.broker_names)}")
-
-    def event(reason: str, message: str) -> None:
-        if reason in ("StepDone", "StepFailed"):
-            log(f"  {message}")
-
-    executor = Executor(
-        backend, ProgressFile(backend), spec.name, ordering=spec.ordering, on_event=event
-    )
     try:
-        await executor.run(decision.plan, generation)
+        await run_own_plan(spec, backend, decision.plan, log)
     except (StepError, BrokerDownError, TimeoutError, RuntimeError) as exc:
         log(f"restore stopped: {exc}; trying again from what is live")
         return None

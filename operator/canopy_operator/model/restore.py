@@ -72,11 +72,17 @@ def restore(spec: OverlaySpec, alive: Iterable[str], links: Iterable[Edge]) -> R
     return Restore(plan=the_plan, absent=absent)
 
 
+def reported_links(neighbours: Mapping[str, Iterable[str]]) -> set[Edge]:
+    """Every link some broker reports (``neighbours``: what each broker that answered
+    reports), each once."""
+    return {norm((a, b)) for a, ns in neighbours.items() for b in ns}
+
+
 def mutual(neighbours: Mapping[str, Iterable[str]]) -> tuple[set[Edge], set[Edge]]:
     """The links both ends report, and those only one end does (``neighbours``: what each
     broker that answered reports). A one-sided link is a session the other end no longer has:
     it restarted, or it is closing the link; never plan from it."""
-    said = {norm((a, b)) for a, ns in neighbours.items() for b in ns}
+    said = reported_links(neighbours)
     both = {
         e for e in said if e[1] in neighbours.get(e[0], ()) and e[0] in neighbours.get(e[1], ())
     }
