@@ -130,6 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
         "0: no rounds (no cycle is known, so a failed link waits for its connection)",
     )
     s.add_argument(
+        "--zone",
+        default=os.environ.get("CANOPY_ZONE", ""),
+        help="the zone this broker runs in (default $CANOPY_ZONE; else read from "
+        "--placement-dir): orders the repair chain so standby links cross zones",
+    )
+    s.add_argument(
+        "--node",
+        default=os.environ.get("CANOPY_NODE", ""),
+        help="the node (machine) this broker runs on (default $CANOPY_NODE)",
+    )
+    s.add_argument(
+        "--placement-dir",
+        help="a Kubernetes downward-API volume with the pod's labels and annotations files: "
+        "the zone is its label topology.kubernetes.io/zone or annotation canopy.dev/zone, "
+        "re-read when they change",
+    )
+    s.add_argument(
         "--probe-interval",
         type=float,
         default=10.0,
@@ -228,6 +245,9 @@ async def serve(args: argparse.Namespace) -> int:
         max_connections_per_source=args.max_connections_per_source,
         tls=tls,
         policy_file=args.policy,
+        zone=args.zone,
+        node=args.node,
+        placement_dir=args.placement_dir,
     )
     try:
         broker = Broker(config)

@@ -24,11 +24,19 @@ HEARTBEAT = ("--heartbeat", "0.2", "--dead-after", "3")  # declared dead 0.6 s a
 REPAIRED = {("b0", "b1"), ("b1", "b2"), ("b1", "b4"), ("b4", "b5"), ("b5", "b6")}
 
 
-async def start(tmp_path: Path, *extra: str) -> dict[str, BrokerProc]:
+async def start(
+    tmp_path: Path, *extra: str, own: dict[str, tuple[str, ...]] | None = None
+) -> dict[str, BrokerProc]:
     """The brokers, linked by ``add_link`` only: nobody is given the others' addresses, so the
-    repair links are dialed with addresses the brokers told each other (F_PEERS)."""
+    repair links are dialed with addresses the brokers told each other (F_PEERS). ``own``:
+    arguments for some brokers only (their placement, say)."""
     procs = await asyncio.gather(
-        *(spawn_broker(n, log_dir=tmp_path, extra_args=(*HEARTBEAT, *extra)) for n in NAMES)
+        *(
+            spawn_broker(
+                n, log_dir=tmp_path, extra_args=(*HEARTBEAT, *extra, *(own or {}).get(n, ()))
+            )
+            for n in NAMES
+        )
     )
     brokers = {p.name: p for p in procs}
     for a, b in EDGES:

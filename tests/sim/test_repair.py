@@ -154,7 +154,8 @@ def test_negative_control_without_custody_the_checker_sees_losses(seed: int) -> 
 
 def test_chain_links() -> None:
     assert chain_links(["a", "b", "c", "d"], "a") == ("b",)
-    assert chain_links(["d", "b", "a", "c"], "b") == ("a", "c")  # sorted first
+    assert chain_links(["d", "b", "a", "c"], "b") == ("a", "d")  # in the list's order
+    assert chain_links(["a", "b", "a", "c"], "b") == ("a", "c")  # a repeated name counts once
     assert chain_links(["a", "b", "c"], "c") == ("b",)
     assert chain_links(["a", "b"], "z") == ()  # a stale list: nothing to link
 

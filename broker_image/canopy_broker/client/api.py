@@ -151,6 +151,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
             await m.new.close_gracefully()
         if self._conn is not None:
             await self._conn.close_gracefully()
+        self._wake_inbox()  # a receive() waiting through a failover that close() ended
 
     def abort(self) -> None:
         """Drop the connection(s) at once (what a crashing client does)."""

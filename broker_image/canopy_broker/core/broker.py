@@ -68,6 +68,7 @@ from canopy_broker.core.messages import (
     OpenLink,
     PeerFailed,
     PeerMessage,
+    Placed,
     Publish,
     RecMsg,
     Relay,
@@ -301,6 +302,8 @@ class BrokerCore:
             self._link_failed(inp.peer, out)
         elif isinstance(inp, StandbyLinks):
             self.cycles.set_standby(inp.peers)
+        elif isinstance(inp, Placed):
+            self.neighbour_lists.own = (inp.zone, inp.node)
         elif isinstance(inp, FindCycles):
             for peer, probe in self.cycles.start(inp.round, inp.bound, self._tree_links()):
                 self.to_peer(peer, probe, out)
@@ -530,6 +533,11 @@ class BrokerCore:
         # collects it for the replay.
         self.routing.freeze(peer)
         self._ghosts.add(peer)
+        earlier = self._holding.pop(peer, None)
+        if earlier is not None:  # it was in the chain of a repair still under way
+            out.extend(earlier.end_died(peer))
+            if earlier.complete:
+                self._finish_repair(earlier, out)
         chain, targets = self.neighbour_lists.chain_for(peer)
         opened: list[str] = []
         for t in targets:

@@ -230,10 +230,15 @@ class Moved:
 
 @dataclass(frozen=True, slots=True)
 class Neighbours:
-    """Broker → each neighbour, whenever its set of neighbours changes: the ordered list the
-    neighbours need to repair the overlay around this broker if it dies (paper 001's NL_j)."""
+    """Broker → each neighbour, whenever its set of neighbours or its placement changes: the
+    ordered list the neighbours need to repair the overlay around this broker if it dies
+    (paper 001's NL_j), in the order of the repair chain, and where the sender runs (its
+    ``zone`` and ``node``, "" when unknown), from which its neighbours order their own lists
+    so that the standby links a chain implies cross failure domains (paper 003)."""
 
     names: tuple[str, ...]
+    zone: str = ""
+    node: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +384,16 @@ class StandbyLinks:
 
 
 @dataclass(frozen=True, slots=True)
+class Placed:
+    """Where this broker runs, learnt by the runtime (flags, or Kubernetes' downward API once
+    the pod is scheduled); "" when unknown. It orders the neighbour list the broker announces
+    and travels with it, so neighbours learn it too."""
+
+    zone: str
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
 class FindCycles:
     """Start detection round ``round`` for cycles of at most ``bound`` brokers (each a tree
     path closed by one standby link). The runtime sends it on a timer and after reshaping."""
@@ -507,6 +522,7 @@ Input = (
     | PeerFailed
     | LinkFailed
     | StandbyLinks
+    | Placed
     | FindCycles
     | FromLink
     | FromPeer

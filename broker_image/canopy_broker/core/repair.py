@@ -6,10 +6,18 @@ replay what it may have swallowed.
 
 **The chain.** When a neighbour is declared dead (the runtime's failure detector,
 :class:`PeerFailed`), each of the dead broker's neighbours links to its predecessor and successor
-in the dead broker's last list, sorted by name: the survivors form a chain through all of the dead
-broker's former neighbours, so the overlay is one tree again. Every survivor computes the chain
-from the same list, so both ends of each new link open it on their own. Removing the dead link
-withdraws its routes; each new link advertises what its end holds, as an added link does.
+in the dead broker's last list, in the order that broker gave it: the survivors form a chain
+through all of the dead broker's former neighbours, so the overlay is one tree again. Every
+survivor computes the chain from the same list, so both ends of each new link open it on their
+own. Removing the dead link withdraws its routes; each new link advertises what its end holds, as
+an added link does.
+
+**Placement.** The order is the announcing broker's choice (:func:`chain_order`), and it decides
+which standby links its neighbours keep warm (the chain links of its death). Where the brokers know
+their zone and node, the order puts the neighbours outside the announcer's failure domain first and
+alternates zones and nodes along the chain, so a standby link's far end is, where the cluster has
+one, on another node or zone than the broker that would die (paper 003: the alternate path shares
+no underlay element with the one it replaces). Knowing nothing, the order is by name.
 
 **Custody and replay.** Each broker keeps, per neighbour, the notifications it forwarded there in
 the last ``window`` (at most ``limit`` of them): the :class:`Retention`. A dead neighbour may have
@@ -33,10 +41,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Final
+from typing import Final, TypeVar
 
 from canopy_broker.core.errors import ProtocolError
 from canopy_broker.core.events import Event
@@ -49,16 +57,78 @@ from canopy_broker.core.messages import (
     SendToLink,
 )
 
+K = TypeVar("K", int, str)
+Where = tuple[str, str]
+"""A broker's (zone, node); "" for what is not known."""
+NOWHERE: Final[Where] = ("", "")
+
+
+def chain_order(
+    own: Where, neighbours: Iterable[str], where: Mapping[str, Where]
+) -> tuple[str, ...]:
+    """The order in which a broker at ``own`` announces ``neighbours`` (placed by ``where``):
+    the repair chain of its death, so each neighbour's chain partners are its standby peers.
+
+    Neighbours in another zone than ``own`` come first, then those in its zone on another node,
+    then those on its node: whatever takes the announcer down (its node, its zone) takes the
+    fewest chain partners with it, and the survivors of a zone failure sit next to each other
+    in the chain. Within each group, consecutive brokers (a standby link) are in different
+    zones, and in a zone on different nodes, wherever the counts allow it. Unknown placement
+    counts as nowhere in particular: with none known the order is by name."""
+
+    def group(n: str) -> int:
+        zone, node = where.get(n, NOWHERE)
+        if own[1] and node == own[1]:
+            return 2
+        return 1 if own[0] and zone == own[0] else 0
+
+    def zone(n: str) -> str:
+        return where.get(n, NOWHERE)[0]
+
+    def node(n: str) -> str:
+        return where.get(n, NOWHERE)[1]
+
+    out: list[str] = []
+    for _, members in sorted(_bucket(sorted(set(neighbours)), group).items()):
+        by_zone = _bucket(members, zone)
+        out.extend(_apart({z: _apart(_bucket(ns, node)) for z, ns in by_zone.items()}))
+    return tuple(out)
+
+
+def _bucket(names: Iterable[str], key: Callable[[str], K]) -> dict[K, list[str]]:
+    out: dict[K, list[str]] = {}
+    for n in names:
+        out.setdefault(key(n), []).append(n)
+    return out
+
+
+def _apart(buckets: Mapping[str, Sequence[str]]) -> list[str]:
+    """All members of ``buckets`` (each bucket's in its order) with as few neighbours from
+    the same bucket as possible: always the next of the fullest bucket other than the last
+    one taken (ties by key). This greedy is optimal: the pairs left are those the largest
+    bucket forces, ``max(0, 2 * largest - total - 1)``."""
+    left = {k: list(v) for k, v in buckets.items() if v}
+    out: list[str] = []
+    last: str | None = None
+    while left:
+        order = sorted(left, key=lambda k: (-len(left[k]), k))
+        k = next((c for c in order if c != last), order[0])
+        out.append(left[k].pop(0))
+        if not left[k]:
+            del left[k]
+        last = k
+    return out
+
 
 def chain_links(dead_neighbours: Sequence[str], me: str) -> tuple[str, ...]:
     """The brokers ``me`` links to when the broker whose neighbours were ``dead_neighbours``
-    dies: its predecessor and successor in that list, sorted (a chain through all of them).
-    Empty if ``me`` is not in the list (it learnt a stale one, or none)."""
-    chain = sorted(set(dead_neighbours))
+    dies: its predecessor and successor in that list, in the list's order (a chain through all
+    of them). Empty if ``me`` is not in the list (it learnt a stale one, or none)."""
+    chain = list(dict.fromkeys(dead_neighbours))
     if me not in chain:
         return ()
     i = chain.index(me)
-    return tuple(chain[j] for j in (i - 1, i + 1) if 0 <= j < len(chain))
+    return tuple(sorted(chain[j] for j in (i - 1, i + 1) if 0 <= j < len(chain)))
 
 
 def standby_peers(
@@ -83,8 +153,10 @@ class NeighbourLists:
     def __init__(self, name: str) -> None:
         self.name = name
         self.lists: dict[str, tuple[str, ...]] = {}
-        self._announced: tuple[str, ...] | None = None
-        self._told: dict[str, tuple[str, ...]] = {}  # what each neighbour last heard from us
+        self.where: dict[str, Where] = {}  # each neighbour's placement, as it last said
+        self.own: Where = NOWHERE
+        self._announced: Neighbours | None = None
+        self._told: dict[str, Neighbours] = {}  # what each neighbour last heard from us
         self._pending = False  # a neighbour (behind a frozen link) has not heard the list yet
 
     def heard(self, peer: str, msg: Neighbours) -> None:
@@ -94,37 +166,40 @@ class NeighbourLists:
                 "and not itself"
             )
         self.lists[peer] = msg.names
+        self.where[peer] = (msg.zone, msg.node)
 
     def announce(
         self, neighbours: Sequence[str], out: list[Effect], frozen: Callable[[str], bool]
     ) -> None:
-        """Tell every neighbour the current list if it has not heard it yet. Not over a
-        ``frozen`` link: a reconfiguration's new link carries nothing before both its ends have
-        it (the other end would refuse it), so the list goes once the link is in use."""
-        names = tuple(neighbours)
-        if names == self._announced and not self._pending:
+        """Tell every neighbour the current list (in :func:`chain_order`) and this broker's
+        placement if it has not heard them yet. Not over a ``frozen`` link: a reconfiguration's
+        new link carries nothing before both its ends have it (the other end would refuse it),
+        so the list goes once the link is in use."""
+        msg = Neighbours(chain_order(self.own, neighbours, self.where), *self.own)
+        if msg == self._announced and not self._pending:
             return
-        if names != self._announced:
-            self._announced = names
-            self._told = {p: t for p, t in self._told.items() if p in names}
-        msg = Neighbours(names)
+        if msg != self._announced:
+            self._announced = msg
+            self._told = {p: t for p, t in self._told.items() if p in msg.names}
         self._pending = False
-        for n in names:
-            if self._told.get(n) == names:
+        for n in msg.names:
+            if self._told.get(n) == msg:
                 continue
             if frozen(n):
                 self._pending = True
                 continue
-            self._told[n] = names
+            self._told[n] = msg
             out.append(SendToLink(n, msg))
 
     def chain_for(self, dead: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(the dead broker's last known neighbours, the ones this broker links to)."""
-        chain = tuple(sorted(self.lists.pop(dead, ())))
+        """(the dead broker's last known neighbours in its order, the ones this broker links
+        to)."""
+        chain = tuple(dict.fromkeys(self.lists.pop(dead, ())))
         return chain, chain_links(chain, self.name)
 
     def forget(self, peer: str) -> None:
         self.lists.pop(peer, None)
+        self.where.pop(peer, None)
 
 
 class Retention:
@@ -286,6 +361,28 @@ class RepairRun:
             out.append(SendToLink(self.next, RepairSweep(self.dead, forward=True)))
         if self.next is None and self.previous is not None:
             out.append(SendToLink(self.previous, RepairSweep(self.dead, forward=False)))
+        return out
+
+    def end_died(self, peer: str) -> list[Effect]:
+        """``peer``, this broker's neighbour in the chain, died too before its sweep came (a
+        node or zone failure takes several brokers at once): this broker is that end of the
+        chain now, and starts the sweep the dead end would have started, so the repair
+        completes on the survivors instead of waiting for its timer."""
+        out: list[Effect] = []
+        if self.phase is not Phase.WAITING:
+            return out
+        if peer == self.next:
+            self.next = None
+            if Step.SWEEP_FROM_NEXT not in self.swept:
+                self.swept.add(Step.SWEEP_FROM_NEXT)
+                if self.previous is not None:
+                    out.append(SendToLink(self.previous, RepairSweep(self.dead, forward=False)))
+        if peer == self.previous:
+            self.previous = None
+            if Step.SWEEP_FROM_PREVIOUS not in self.swept:
+                self.swept.add(Step.SWEEP_FROM_PREVIOUS)
+                if self.next is not None:
+                    out.append(SendToLink(self.next, RepairSweep(self.dead, forward=True)))
         return out
 
     def on_sweep(self, peer: str, sweep: RepairSweep, out: list[Effect]) -> None:

@@ -51,3 +51,8 @@ class BrokerConfig:
     # allows only with --insecure) and the client policy file, re-read when it changes.
     tls: TlsFiles | None = None
     policy_file: str | None = None
+    # Placement (runtime/placement.py): fixed zone and node, and a downward-API directory the
+    # zone is read from when no zone is given.
+    zone: str = ""
+    node: str = ""
+    placement_dir: str | None = None

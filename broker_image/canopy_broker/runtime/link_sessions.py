@@ -177,6 +177,8 @@ class LinkHost(ConnOwner, Protocol):
 
     def unpressure(self, dest: Link) -> None: ...
 
+    async def probe(self, address: str) -> float | None: ...
+
 
 def str_field(hello: dict[str, Any], key: str) -> str:
     value = hello.get(key)
@@ -205,6 +207,7 @@ class LinkSessions:
         self._learned: dict[str, str] = {}  # addresses told by neighbours (F_PEERS)
         self.repairs: list[dict[str, Any]] = []  # the last few, for the admin API
         self.standby: dict[str, Link] = {}  # standby links by peer, dialed or accepted
+        self._probing: set[str] = set()  # unconnected repair links whose peer is being probed
         # How the core's last OpenLink to each peer was carried out, for its Repaired record:
         # "promoted" (a standby link taken over) or "dialed" (a new connection).
         self._opened_how: dict[str, str] = {}
@@ -990,6 +993,34 @@ class LinkSessions:
             sorted(asked),
         )
 
+    def _probe_unconnected(self, link: Link, now: float) -> None:
+        """A repair link that has never connected: its peer may have died with the dead broker
+        (a node or zone failure), or be alive and not have dialed yet (its own detection comes
+        later, its heartbeat may be slower). A hello on a fresh connection to its address
+        tells them apart: no answer within the handshake timeout is a death (refused: the
+        process is gone; silent: its node, or a paused process, which is fenced as usual)."""
+        if link.peer in self._probing:
+            return
+        address = self.host.peers.get(link.peer) or link.address
+        if not address:
+            self._declare_dead(link, now - (link.down_since or now))
+            return
+        self._probing.add(link.peer)
+
+        async def probe() -> None:
+            try:
+                rtt = await self.host.probe(address)
+            finally:
+                self._probing.discard(link.peer)
+            if self.links.get(link.peer) is not link or link.conn is not None:
+                return  # connected (or gone) meanwhile
+            if rtt is None:
+                self._declare_dead(link, self.host.now() - (link.down_since or now))
+            else:  # alive: give its dial another detection timeout
+                link.down_since = self.host.now()
+
+        self.host.tasks.spawn(probe(), f"probe {link.peer}")
+
     def _answer(self, conn: Conn, nonce: str, peer: str) -> None:
         """A neighbour or standby peer asks whether this broker hears ``peer``: its link or
         standby link to ``peer`` has a connection and a frame came over it within the detection
@@ -1212,6 +1243,14 @@ class LinkSessions:
         dialed = [p for p in links if how[p] != "promoted"]
         self.host.metrics.repairs.inc(len(links))
         self.host.metrics.repair_links_promoted.inc(len(promoted))
+        now = self.host.now()
+        for p in dialed:
+            link = self.links.get(p)
+            if link is not None and link.conn is None and link.down_since is None:
+                # Its far end may have died with the dead one (a node or zone failure): a
+                # repair link that never connects is suspected like one that lost its
+                # connection, so that death is detected and repaired too.
+                link.down_since = now
         log.warning(
             "%s: repair around %s: its neighbours %s form a chain; linking to %s "
             "(standby links promoted: %s)",
@@ -1288,7 +1327,10 @@ class LinkSessions:
         for link in list(self.links.values()) if cfg.repair else ():
             since = link.down_since
             if since is not None and link.conn is None and now - since > timeout:
-                self._suspect(link, now - since, now)
+                if link.connects == 0:
+                    self._probe_unconnected(link, now)
+                else:
+                    self._suspect(link, now - since, now)
         for peer, check in list(self._checks.items()):
             if now > check.deadline:  # the unanswered say nothing: no one heard it
                 del self._checks[peer]

@@ -42,6 +42,7 @@ from canopy_broker.core.messages import (
     LinkRepair,
     OpenLink,
     Ordering,
+    Placed,
     Publish,
     Repaired,
     RepairFinished,
@@ -77,6 +78,7 @@ from canopy_broker.runtime.framing import (
 from canopy_broker.runtime.link_sessions import LinkSessions
 from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.metrics import BrokerMetrics, Gauges
+from canopy_broker.runtime.placement import PlacementSource
 from canopy_broker.runtime.security import (
     AccessError,
     Policy,
@@ -208,6 +210,7 @@ class Broker:
         self._tls_stamp = config.tls.stamp() if config.tls is not None else None
         self.client_sessions = ClientSessions(self, self._unacknowledged)
         self.clients = self.client_sessions.clients
+        self.placement = PlacementSource(config.zone, config.node, config.placement_dir)
         # Gray notifications' waits at the new link of an exchange, taken from the core.
         self._delays = [0, 0.0, 0.0]  # count, sum, max (seconds)
 
@@ -227,6 +230,7 @@ class Broker:
         self.advertised = self.config.advertise or f"{sock[0]}:{sock[1]}"
         self._ticker = self.tasks.spawn(self._tick(), "ticker", forever=True)
         self.tasks.spawn(self._acknowledge(), "publish acks", forever=True)
+        self._update_placement()
         log.info(
             "broker %s listening on %s:%d (%s)",
             self.name,
@@ -308,6 +312,7 @@ class Broker:
             self._check_conns(now)
             self._reload_policy()
             self._reload_tls()
+            self._update_placement()
             for client in [*self._over, *self._lagging]:
                 if (
                     isinstance(client, Client)
@@ -317,6 +322,7 @@ class Broker:
                     self._slow_consumer(client, "stayed above high water")
             if now >= next_snapshot:
                 next_snapshot = now + cfg.telemetry_interval
+                self.telemetry.placement(self.placement.current)  # kept in every window
                 for link in self.links.values():
                     st = link.status()
                     self.telemetry.link(
@@ -632,6 +638,19 @@ class Broker:
         self.client_sessions.policy_changed(self.policy)
         log.info("%s: policy reloaded from %s", self.name, self.config.policy_file)
 
+    def _update_placement(self) -> None:
+        """Tell the core (which orders and announces the neighbour list by it) and the
+        telemetry where this broker runs, when that is first known or changes."""
+        placed = self.placement.poll()
+        if placed is None:
+            return
+        log.info("%s: placement: %s", self.name, placed.describe())
+        self.telemetry.placement(placed)
+        try:
+            self.apply(self.core.handle(Placed(placed.zone, placed.node), self.now()))
+        except CoreFailedError as exc:
+            self.fail(str(exc))
+
     def _reload_tls(self) -> None:
         """Certificate rotation without a restart and without losing a notification: when
         the TLS files change, the live contexts load them (new connections use them), then
@@ -776,15 +795,16 @@ class Broker:
             targets = [
                 (p, a) for p, a in self.peers.items() if p != self.name and p not in self.links
             ]
-            results = await asyncio.gather(*(self._probe(a) for _, a in targets))
+            results = await asyncio.gather(*(self.probe(a) for _, a in targets))
             for (peer, _), rtt_ms in zip(targets, results, strict=True):
                 if rtt_ms is not None:
                     self.telemetry.rtt(peer, rtt_ms, via="probe")
         finally:
             self._probing = None
 
-    async def _probe(self, address: str) -> float | None:
-        """Round trip of a hello on a fresh connection (so it never queues behind data)."""
+    async def probe(self, address: str) -> float | None:
+        """Round trip of a hello on a fresh connection (so it never queues behind data); None
+        when nothing answers within the handshake timeout."""
         writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(self.config.handshake_timeout):
@@ -959,6 +979,7 @@ class Broker:
             "incarnation": self.incarnation,
             "address": f"{self.address[0]}:{self.address[1]}" if self.address else None,
             "advertised": self.advertised,
+            "placement": {"zone": self.placement.current.zone, "node": self.placement.current.node},
             "uptime_s": round(time.monotonic() - self.started, 3),
             "ready": self.ready,
             "neighbours": [self.links[p].status() for p in sorted(self.links)],

@@ -12,6 +12,8 @@ Record types:
   to), ``forwarded_to`` (neighbours), ``attrs``.
 * ``link``: a snapshot of one link's counters (``peer``, ``state``, ``msgs_in``, ``msgs_out``,
   ``bytes_in``, ``bytes_out``, ``rtt_ms``).
+* ``placement``: where the broker runs (``zone``, ``node``; "" when unknown), when it is first
+  known or changes and with every round of link snapshots, so any window of records has it.
 * ``rtt``: one round trip (``peer``, ``rtt_ms``, ``via``): ``heartbeat`` on a link to a
   neighbour, or ``probe``, a fresh connection to a broker of the address book that is not a
   neighbour (underlay distances for the miner's network-distance matrix).
@@ -38,6 +40,7 @@ import orjson
 
 from canopy_broker.core.events import Event, is_sampled
 from canopy_broker.core.messages import Deliver, Effect, SendToLink
+from canopy_broker.runtime.placement import Placement
 
 SCHEMA = "canopy.telemetry/v1"
 log = logging.getLogger("canopy.telemetry")
@@ -98,6 +101,11 @@ class Telemetry:
     def rtt(self, peer: str, rtt_ms: float, via: str = "heartbeat") -> None:
         rec = self._base("rtt")
         rec.update(peer=peer, rtt_ms=round(rtt_ms, 4), via=via)
+        self._add(rec)
+
+    def placement(self, where: Placement) -> None:
+        rec = self._base("placement")
+        rec.update(zone=where.zone, node=where.node)
         self._add(rec)
 
     def link(self, peer: str, fields: dict[str, Any]) -> None:
