@@ -120,8 +120,9 @@ def test_local_up_apply_status_graph_down(tmp_path: Path) -> None:
     desired = tmp_path / "desired.yaml"
     desired.write_text(
         "apiVersion: canopy.dev/v1alpha1\nkind: BrokerOverlay\nmetadata: {name: trading}\n"
-        "spec:\n  maxFanOut: 3\n  brokers: [{name: hub}, {name: east}, {name: west},"
-        " {name: north}, {name: edge-2}, {name: edge-1}]\n"
+        "spec:\n  maxFanOut: 3\n  brokers: [{name: hub, zone: zone-a}, {name: east, zone: zone-a},"
+        " {name: west, zone: zone-b}, {name: north, zone: zone-b}, {name: edge-2},"
+        " {name: edge-1, zone: zone-b}]\n"
         "  links: [[hub, east], [east, west], [west, north], [north, edge-1], [hub, edge-2]]\n"
     )
     try:
@@ -148,6 +149,17 @@ def test_local_up_apply_status_graph_down(tmp_path: Path) -> None:
         )
         status = canopy("status", "--state-dir", str(state), "--json")
         assert status.returncode == 0 and "south" not in last_json(status.stdout)["brokers"]
+        # Each broker runs with the zone its manifest declares (and no roll-out was needed).
+        zones = {n: b["zone"] for n, b in last_json(status.stdout)["brokers"].items()}  # type: ignore[attr-defined]
+        assert zones == {
+            "hub": "zone-a",
+            "east": "zone-a",
+            "west": "zone-b",
+            "north": "zone-b",
+            "edge-1": "zone-b",
+            "edge-2": "",
+        }, zones
+        assert "broker configuration changed" not in applied.stdout
         graph = canopy("graph", "--state-dir", str(state), "-o", str(tmp_path / "g.png"))
         assert graph.returncode == 0 and (tmp_path / "g.png").stat().st_size > 0
 

@@ -19,6 +19,7 @@ import pytest
 import yaml
 from prometheus_client.metrics_core import Metric
 
+from canopy_broker.cli import build_parser as broker_parser
 from canopy_broker.runtime.metrics import BrokerMetrics, Gauges
 from canopy_operator.backends import k8s
 from canopy_operator.cli import build_parser
@@ -152,6 +153,45 @@ def test_every_rendered_object_passes_its_schema(
     rendered: dict[str, list[dict[str, Any]]], variant: str, version: str, tmp_path: Path
 ) -> None:
     validate_rendered(rendered[variant], version, tmp_path)
+
+
+@pytest.mark.parametrize("version", ["1.29.0", "1.33.0"])
+def test_the_broker_pod_passes_its_schema_and_its_program_takes_its_flags(
+    version: str, tmp_path: Path
+) -> None:
+    """The pod the operator creates for a broker (spread constraints, downward API, probes) is
+    a valid Pod, and ``canopy-broker serve`` accepts its arguments, placement ones included."""
+    pod = broker_pod("trading")
+    validate_rendered([pod], version, tmp_path)
+    (container,) = pod["spec"]["containers"]
+    args = broker_parser().parse_args(container["args"])
+    assert args.placement_dir == k8s.PLACEMENT_DIR
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "placement"]
+    assert {i["fieldRef"]["fieldPath"] for i in volume["downwardAPI"]["items"]} == {
+        "metadata.labels",
+        "metadata.annotations",
+    }
+
+
+def test_spread_constraints_default_to_zones_and_nodes_and_are_the_specs_when_given() -> None:
+    default = k8s.spread_constraints("o", None)
+    assert [(c["topologyKey"], c["whenUnsatisfiable"]) for c in default] == [
+        ("topology.kubernetes.io/zone", "ScheduleAnyway"),
+        ("kubernetes.io/hostname", "ScheduleAnyway"),
+    ]
+    assert all(c["labelSelector"] == {"matchLabels": {k8s.LABEL_OVERLAY: "o"}} for c in default)
+    assert k8s.spread_constraints("o", []) == []
+    strict = {"maxSkew": 2, "topologyKey": "rack", "whenUnsatisfiable": "DoNotSchedule"}
+    (given,) = k8s.spread_constraints("o", [strict])
+    assert given == {**strict, "labelSelector": {"matchLabels": {k8s.LABEL_OVERLAY: "o"}}}
+    # Asking for another spread is a template change: the brokers are rolled onto it.
+    pod = broker_pod("trading")
+    other = copy.deepcopy(pod)
+    other["spec"]["topologySpreadConstraints"] = [given]
+    assert k8s.template_hash(pod) != k8s.template_hash(other)
+    moved = copy.deepcopy(pod)
+    moved["spec"]["affinity"] = {}
+    assert k8s.template_hash(pod) == k8s.template_hash(moved)  # affinity follows the links
 
 
 def test_the_validation_catches_broken_objects(

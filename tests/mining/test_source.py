@@ -10,6 +10,7 @@ from pyspark.sql import SparkSession
 
 from canopy_broker.core.events import Event
 from canopy_broker.core.messages import Deliver
+from canopy_broker.runtime.placement import Placement
 from canopy_broker.runtime.telemetry import Telemetry
 from canopy_operator.mining.propose import terminal_sets
 from canopy_operator.mining.source import TelemetryError, read_telemetry
@@ -72,6 +73,24 @@ def test_brokers_own_files_are_read_as_written(spark: SparkSession, tmp_path: Pa
     assert json.loads(files[0].read_text().splitlines()[0])["schema"] == "canopy.telemetry/v1"
     tel = read_telemetry(spark, tmp_path, ["a", "b"])
     assert tel.skipped == {} and tel.events.count() == 1 and tel.rtts.count() == 1
+    assert tel.zones == {}  # a broker that said nothing of its placement
+
+
+def test_the_zone_a_broker_reports_last_is_its_zone(spark: SparkSession, tmp_path: Path) -> None:
+    """Placement records as brokers write them (runtime/telemetry.py): the latest non-empty
+    zone per broker; a broker that knows none ("") or never said is left to the manifest."""
+    t = Telemetry("a", sample_rate=1.0, directory=tmp_path)
+    event = Event("p", 1, {"k": 1})
+    t.event(event, "client", "p", [Deliver("c1", event, ("s1",))])
+    t.placement(Placement("", "n1"))  # not scheduled yet
+    t.placement(Placement("zone-x", "n1"))
+    t.placement(Placement("zone-y", "n2"))  # rescheduled elsewhere
+    b = Telemetry("b", sample_rate=1.0, directory=tmp_path)
+    b.placement(Placement("", "n3"))
+    t._write_pending(t._pending)
+    b._write_pending(b._pending)
+    tel = read_telemetry(spark, tmp_path, ["a", "b"])
+    assert tel.skipped == {} and tel.zones == {"a": "zone-y"}
 
 
 def test_events_missing_their_publishers_record_are_counted_partial(

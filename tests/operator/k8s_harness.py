@@ -23,6 +23,7 @@ import base64
 import contextlib
 import datetime
 import itertools
+import json
 import random
 import threading
 import time
@@ -290,6 +291,8 @@ class Kubelet:
         self.broker_args: tuple[str, ...] = ()  # extra `canopy-broker serve` flags for new pods
         # Per pod: its --tls-dir (None: --insecure) and --policy flags, from its spec.
         self.security: dict[str, tuple[Path | None, tuple[str, ...]]] = {}
+        # Per pod: its downward-API directory (--placement-dir) and its node (CANOPY_NODE).
+        self.placement: dict[str, tuple[str, ...]] = {}
 
     def resolve(self, namespace: str, service: str, pod: str) -> Endpoints:
         if pod in self.cut_off:  # the operator cannot reach this broker's admin API
@@ -343,6 +346,30 @@ class Kubelet:
             policy = ("--policy", str(target))
         return tls_dir, policy
 
+    def _downward(self, pod: dict[str, Any]) -> tuple[str, ...]:
+        """The pod's downward-API volume (behind ``--placement-dir``) as the kubelet keeps it:
+        ``labels`` and ``annotations`` files, rewritten when they change; and the node the pod
+        is bound to, which the kubelet puts in ``$CANOPY_NODE`` at the container's start."""
+        (container,) = pod["spec"]["containers"]
+        args = list(container["args"])
+        if "--placement-dir" not in args:
+            return ()
+        volume = self._volume_at(pod, args[args.index("--placement-dir") + 1])["downwardAPI"]
+        fields = {item["fieldRef"]["fieldPath"]: item["path"] for item in volume["items"]}
+        target = self.log_dir / "volumes" / pod["metadata"]["name"] / "placement"
+        target.mkdir(parents=True, exist_ok=True)
+        for field, path in fields.items():
+            values = pod["metadata"].get(field.removeprefix("metadata.")) or {}
+            text = "".join(f"{k}={json.dumps(v)}\n" for k, v in sorted(values.items()))
+            file = target / path
+            if not file.exists() or file.read_text() != text:
+                tmp = target / f".{path}.tmp"
+                tmp.write_text(text)
+                tmp.replace(file)
+        (env,) = [e for e in container["env"] if e["name"] == "CANOPY_NODE"]
+        assert env["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+        return ("--placement-dir", str(target), "--node", pod["spec"].get("nodeName", ""))
+
     def credentials(self, overlay: str, namespace: str = NS) -> Credentials:
         """The overlay's client Secret, as a user would take it out of the cluster."""
         secret = self._object("secrets", namespace, client_secret_name(overlay))
@@ -360,13 +387,14 @@ class Kubelet:
             tls_dir=tls_dir,
             token=token,
             log_dir=self.log_dir,
-            extra_args=(*policy, *self.broker_args),
+            extra_args=(*policy, *self.placement.get(pod, ()), *self.broker_args),
         )
 
     async def _start(self, key: Any, pod: dict[str, Any]) -> None:
         labels = pod["metadata"]["labels"]
         name = pod["metadata"]["name"]
         self.security[name] = self._mount(pod)
+        self.placement[name] = self._downward(pod)
         proc = await self._spawn(name, labels[LABEL_BROKER], self.token(labels[LABEL_OVERLAY]))
         self.procs[name] = proc
         self.endpoints[name] = Endpoints(proc.listen, proc.admin_address)
@@ -389,6 +417,8 @@ class Kubelet:
                     continue
                 name = key[2]
                 seen.add(name)
+                if name in self.procs:
+                    self._downward(obj.raw)  # labels and annotations, as they are now
                 if name not in self._starting:
                     self._starting[name] = asyncio.create_task(self._start(key, obj.raw))
             for name in [n for n in self._starting if n not in seen]:

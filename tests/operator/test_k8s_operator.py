@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import os
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -326,7 +326,10 @@ async def test_security_off_runs_the_brokers_insecure(cluster: Cluster) -> None:
         (c,) = pod["spec"]["containers"]
         assert "--insecure" in c["args"] and "--tls-dir" not in c["args"]
         assert c["livenessProbe"]["httpGet"]["scheme"] == "HTTP"
-        assert [v["name"] for v in pod["spec"]["volumes"]] == ["admin-token"]
+        assert [v["name"] for v in pod["spec"]["volumes"]] == [
+            "admin-token",
+            "placement",
+        ]  # no TLS Secret
     proc = cluster.kubelet.procs["open-a"]
     assert proc.admin.url.startswith("http://")
     client = await connect(proc.listen, "anyone", credentials=Credentials())  # plaintext
@@ -365,6 +368,20 @@ async def test_changing_the_spec_runs_the_plan_on_real_brokers(cluster: Cluster)
     cluster.start_operator()
     await cluster.apply(overlay_manifest("demo", ["a", "b", "c", "d", "e"], CHAIN))
     await cluster.ready("demo")
+    # The scheduler binds a to a node of zone-1: the heal tells its pod (and so its broker).
+    await cluster.api.create(
+        "/api/v1/nodes",
+        {"metadata": {"name": "node-1", "labels": {"topology.kubernetes.io/zone": "zone-1"}}},
+    )
+    await cluster.api.patch(
+        f"/api/v1/namespaces/{NS}/pods/demo-a", {"spec": {"nodeName": "node-1"}}
+    )
+
+    def zone_of_a() -> str | None:
+        (pod,) = [p for p in objects(cluster.emulator, "pods") if p["metadata"]["name"] == "demo-a"]
+        return (pod["metadata"].get("annotations") or {}).get("canopy.dev/zone")
+
+    assert await until(zone_of_a, 20, "a's pod annotated with its zone") == "zone-1"
     new_spec = overlay_manifest("demo", ["a", "b", "c", "d", "f"], RESHAPED)["spec"]
     new_spec["security"] = {"policy": POLICY}  # and a client policy of its own
     await cluster.api.patch(overlay_path(NS, "demo"), {"spec": new_spec})
@@ -882,3 +899,68 @@ async def test_a_deleted_broker_pod_is_recreated_and_relinked(cluster: Cluster) 
     await until(relinked, 20, "c's new pod re-linked to b")
     pod = next(p for p in objects(cluster.emulator, "pods") if p["metadata"]["name"] == "demo-c")
     assert pod["metadata"]["ownerReferences"][0]["name"] == "demo"
+
+
+HUB = [("h", "a"), ("h", "b"), ("h", "c")]
+
+
+async def test_brokers_learn_their_zone_from_their_node_and_keep_standby_links_across_zones(
+    cluster: Cluster,
+) -> None:
+    """Broker pods spread over zones and nodes by default; once the scheduler has bound them,
+    the operator annotates each pod with its node's zone, the kubelet's downward-API files carry
+    it into the broker, and the brokers order their repair chains by it: the hub h (zone-1)
+    announces c (zone-2) before a and b (its own zone), so a's standby links go to c and b
+    where, by name, they would go to b only."""
+    cluster.start_operator()
+    await cluster.apply(overlay_manifest("demo", ["h", "a", "b", "c"], HUB))
+    obj = await cluster.ready("demo")
+    assert sorted(map(tuple, obj["status"]["links"])) == sorted(map(norm, HUB))
+    pods = {
+        p["metadata"]["labels"]["canopy.dev/broker"]: p for p in objects(cluster.emulator, "pods")
+    }
+    assert [c["topologyKey"] for c in pods["a"]["spec"]["topologySpreadConstraints"]] == [
+        "topology.kubernetes.io/zone",
+        "kubernetes.io/hostname",
+    ]
+    view = BrokerView(cluster.kubelet, "demo", HUB)
+
+    async def standby(broker: str) -> set[str]:
+        st = await view[broker].admin.status()
+        return {s["peer"] for s in st["standby"] if s["state"] == "up"}
+
+    await until(lambda: _equal(standby("a"), {"b"}), 20, "standby links by name")
+
+    # The scheduler binds the pods; the nodes carry their zones.
+    zone = {"h": "zone-1", "a": "zone-1", "b": "zone-1", "c": "zone-2"}
+    for b, z in zone.items():
+        await cluster.api.create(
+            "/api/v1/nodes",
+            {"metadata": {"name": f"node-{b}", "labels": {"topology.kubernetes.io/zone": z}}},
+        )
+        await cluster.api.patch(
+            f"/api/v1/namespaces/{NS}/pods/demo-{b}", {"spec": {"nodeName": f"node-{b}"}}
+        )
+
+    async def placed() -> bool:
+        for b, z in zone.items():
+            if (await view[b].admin.status())["placement"]["zone"] != z:
+                return False
+        return True
+
+    await until(placed, 30, "every broker told its zone")
+    annotated = {
+        p["metadata"]["labels"]["canopy.dev/broker"]: p["metadata"]["annotations"][
+            "canopy.dev/zone"
+        ]
+        for p in objects(cluster.emulator, "pods")
+    }
+    assert annotated == zone
+    assert events(cluster.emulator, "BrokersPlaced")
+    await until(lambda: _equal(standby("a"), {"b", "c"}), 20, "standby links across zones")
+    assert await standby("c") == {"a"}
+    assert all(cluster.kubelet.started.count(f"demo-{b}") == 1 for b in zone)  # no restart
+
+
+async def _equal(value: Awaitable[set[str]], want: set[str]) -> bool:
+    return await value == want

@@ -5,6 +5,7 @@ by name, which is what brokers that know nothing (and every test before placemen
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from hypothesis import given
@@ -16,7 +17,7 @@ from canopy_broker.core.repair import NOWHERE, Where, chain_links, chain_order, 
 
 
 def same_zone_pairs(order: tuple[str, ...], where: dict[str, Where]) -> int:
-    return sum(where[a][0] == where[b][0] for a, b in zip(order, order[1:], strict=False))
+    return sum(where[a][0] == where[b][0] for a, b in itertools.pairwise(order))
 
 
 def test_knowing_nothing_the_order_is_by_name() -> None:

@@ -117,10 +117,11 @@ matchExpressions:
 - apiGroups: [canopy.dev]
   resources: [topologyproposals/status]
   verbs: [patch]
-# One Pod per broker: created, checked for readiness, listed per overlay, deleted on removal.
+# One Pod per broker: created, checked for readiness, listed per overlay, deleted on removal,
+# annotated with its node's zone (canopy.dev/zone, read by the broker via the downward API).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, create, delete]
+  verbs: [get, list, create, delete, patch]
 # The headless Service for broker DNS (created once; owner references clean it up).
 - apiGroups: [""]
   resources: [services]
@@ -130,8 +131,10 @@ matchExpressions:
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [create]
-# Cordoned nodes (spec.unschedulable), to move brokers off them before a drain. A Role cannot
-# grant this (nodes are cluster-scoped): with overlayNamespaces, drains wait for an admin.
+# Nodes: the cordoned ones (spec.unschedulable), to move brokers off them before a drain, and
+# each broker's node's zone label. A Role cannot grant this (nodes are cluster-scoped): with
+# overlayNamespaces, drains wait for an admin and brokers learn their zone only from Kubernetes'
+# own pod topology labels (1.33+).
 - apiGroups: [""]
   resources: [nodes]
   verbs: [list]

@@ -83,6 +83,11 @@ TOKEN_DIR = "/var/run/canopy"  # where the broker image expects its token
 TLS_DIR = "/etc/canopy/tls"  # the broker's TLS Secret (ca.crt, tls.crt, tls.key): --tls-dir
 POLICY_DIR = "/etc/canopy/policy"  # the client policy ConfigMap (policy.yaml): --policy
 POLICY_KEY = "policy.yaml"
+PLACEMENT_DIR = "/etc/canopy/placement"  # downward API: the pod's labels and annotations
+ZONE_LABEL = "topology.kubernetes.io/zone"  # on nodes (and on pods, with Kubernetes 1.33+)
+ZONE_ANNOTATION = "canopy.dev/zone"
+"""Pod annotation: the zone of the node the pod is bound to, set by the operator (a pod cannot
+read its node's labels); the broker reads it through the downward API (--placement-dir)."""
 CLIENT_PRINCIPAL = LOCAL_CLIENT  # the principal of the overlay's client Secret (any client id)
 DEFAULT_IMAGE = "canopy:0.1.0"  # the Dockerfile's image: broker, CLI and operator
 
@@ -382,9 +387,13 @@ def pod_manifest(
     *,
     resources: Mapping[str, Any] | None = None,
     tls: bool = True,
+    spread: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One broker's Pod: stable name, labels (the broker's own too), owner reference, probes,
-    anti-affinity, resources (the broker's, else the overlay's ``spec.broker.resources``).
+    anti-affinity, spread over zones and nodes (``spread``: the overlay's
+    ``spec.broker.topologySpreadConstraints``; None: :func:`spread_constraints`' default),
+    resources (the broker's, else the overlay's ``spec.broker.resources``), and its placement
+    through the downward API (node in ``$CANOPY_NODE``, zone in ``--placement-dir``).
     ``tls``: the broker's TLS Secret at ``--tls-dir`` and the policy ConfigMap at ``--policy``
     (its admin API, probes included, speaks HTTPS); else ``--insecure``."""
     overlay = spec.name
@@ -446,9 +455,21 @@ def pod_manifest(
     }
     scheme = "HTTPS" if tls else "HTTP"  # the kubelet does not verify a probe's certificate
     probe = {"periodSeconds": 5}
-    mounts: list[dict[str, Any]] = [{"name": "admin-token", "mountPath": TOKEN_DIR}]
+    mounts: list[dict[str, Any]] = [
+        {"name": "admin-token", "mountPath": TOKEN_DIR},
+        {"name": "placement", "mountPath": PLACEMENT_DIR, "readOnly": True},
+    ]
     volumes: list[dict[str, Any]] = [
-        {"name": "admin-token", "secret": {"secretName": secret_name(overlay)}}
+        {"name": "admin-token", "secret": {"secretName": secret_name(overlay)}},
+        {
+            "name": "placement",
+            "downwardAPI": {
+                "items": [
+                    {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+                    {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
+                ]
+            },
+        },
     ]
     if tls:
         security = ["--tls-dir", TLS_DIR, "--policy", f"{POLICY_DIR}/{POLICY_KEY}"]
@@ -475,6 +496,7 @@ def pod_manifest(
             "hostname": pod_name(overlay, broker),
             "subdomain": service_name(overlay),
             "affinity": affinity,
+            "topologySpreadConstraints": spread_constraints(overlay, spread),
             "containers": [
                 {
                     "name": "broker",
@@ -496,8 +518,16 @@ def pod_manifest(
                         spec.routing,
                         "--token-file",
                         f"{TOKEN_DIR}/token",
+                        "--placement-dir",
+                        PLACEMENT_DIR,
                         *security,
                         *spec.broker_args(),
+                    ],
+                    "env": [
+                        {
+                            "name": "CANOPY_NODE",
+                            "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+                        }
                     ],
                     "ports": [
                         {"name": "broker", "containerPort": BROKER_PORT},
@@ -529,11 +559,31 @@ def pod_manifest(
     return pod
 
 
+def spread_constraints(
+    overlay: str, given: Sequence[Mapping[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """The broker pods' topologySpreadConstraints: ``given`` (``[]``: none), else one broker
+    per zone and per node at a time where the cluster allows (maxSkew 1, ScheduleAnyway: a
+    small cluster still schedules every broker). A constraint without a labelSelector
+    counts the overlay's broker pods (without one it would count none)."""
+    if given is None:
+        given = [
+            {"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": "ScheduleAnyway"}
+            for key in (ZONE_LABEL, "kubernetes.io/hostname")
+        ]
+    selector = {"matchLabels": {LABEL_OVERLAY: overlay}}
+    return [{**c, "labelSelector": c.get("labelSelector") or selector} for c in given]
+
+
 def template_hash(pod: Mapping[str, Any]) -> str:
-    """What a broker pod runs, hashed: containers, volumes, security context — not its
-    placement (affinity follows the declared links, and a reshape must not replace brokers)."""
+    """What a broker pod runs, hashed: containers, volumes, security context and the spread
+    the spec asks for — not its affinity (it follows the declared links, and a reshape must
+    not replace brokers)."""
     spec = pod.get("spec") or {}
-    what = {k: spec.get(k) for k in ("containers", "volumes", "securityContext")}
+    what = {
+        k: spec.get(k)
+        for k in ("containers", "volumes", "securityContext", "topologySpreadConstraints")
+    }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -562,10 +612,13 @@ class KubernetesBackend:
         poll: float = 0.2,
         resources: Mapping[str, Mapping[str, Any]] | None = None,
         authority: Authority | None = None,
+        spread: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """``authority``: the overlay's CA; it issues each broker's TLS Secret and verifies
-        the brokers' admin APIs (HTTPS). None: the overlay runs ``--insecure``."""
+        the brokers' admin APIs (HTTPS). None: the overlay runs ``--insecure``. ``spread``:
+        the pods' topologySpreadConstraints (None: the default, see :func:`pod_manifest`)."""
         self.resources = dict(resources or {})
+        self.spread = spread
         self.api, self.spec, self.namespace, self.owner = api, spec, namespace, owner
         self.token, self.image, self.resolver, self.poll = token, image, resolver, poll
         self.authority = authority
@@ -616,6 +669,7 @@ class KubernetesBackend:
             self.image,
             resources=self.resources.get(name),
             tls=self.authority is not None,
+            spread=self.spread,
         )
 
     async def create_broker(self, name: str) -> None:
@@ -638,21 +692,55 @@ class KubernetesBackend:
         )
         return old, draining
 
-    async def cordoned_nodes(self) -> set[str]:
-        """Nodes marked unschedulable (``kubectl cordon``/``drain``, node upgrades). Without
-        the right to list nodes (a namespaced install), none: drains then wait for an admin."""
+    async def _nodes(self, query: str, why: str) -> list[dict[str, Any]]:
+        """Nodes (cluster-scoped); none without the right to list them (a namespaced install),
+        saying what then does not happen (``why``)."""
         try:
-            nodes = await self.api.items("/api/v1/nodes?fieldSelector=spec.unschedulable%3Dtrue")
+            return await self.api.items(f"/api/v1/nodes{query}")
         except KubeError as exc:
             if exc.status != 403:
                 raise
-            log.warning("cannot list nodes (403): brokers on drained nodes are not moved")
-            return set()
+            log.warning("cannot list nodes (403): %s", why)
+            return []
+
+    async def cordoned_nodes(self) -> set[str]:
+        """Nodes marked unschedulable (``kubectl cordon``/``drain``, node upgrades). Without
+        the right to list nodes (a namespaced install), none: drains then wait for an admin."""
+        nodes = await self._nodes(
+            "?fieldSelector=spec.unschedulable%3Dtrue", "brokers on drained nodes are not moved"
+        )
         return {
             str((n.get("metadata") or {}).get("name"))
             for n in nodes
             if (n.get("spec") or {}).get("unschedulable")
         }
+
+    async def annotate_zones(self) -> dict[str, str]:
+        """Give each bound broker pod that lacks it the zone of its node (annotation
+        ``canopy.dev/zone``), which its broker reads through the downward API and uses to
+        order its repair chain and report in telemetry. Returns what was annotated."""
+        todo = {
+            b: str(spec["nodeName"])
+            for b, pod in (await self.pods()).items()
+            if (spec := pod.get("spec") or {}).get("nodeName")
+            and ZONE_ANNOTATION not in ((pod.get("metadata") or {}).get("annotations") or {})
+        }
+        if not todo:
+            return {}
+        zones = {
+            str((n.get("metadata") or {}).get("name")): str(labels[ZONE_LABEL])
+            for n in await self._nodes("", "brokers are not told their zone")
+            if ZONE_LABEL in (labels := (n.get("metadata") or {}).get("labels") or {})
+        }
+        done: dict[str, str] = {}
+        for broker, node in sorted(todo.items()):
+            if node in zones:
+                await self.api.patch(
+                    self._pod_path(broker),
+                    {"metadata": {"annotations": {ZONE_ANNOTATION: zones[node]}}},
+                )
+                done[broker] = zones[node]
+        return done
 
     async def _forget_admin(self, name: str) -> None:
         client = self._admins.pop(name, None)
@@ -1036,6 +1124,7 @@ class Reconciler:
         raw = self.obj.get("spec") or {}
         image = str((raw.get("broker") or {}).get("image") or "")
         shared = (raw.get("broker") or {}).get("resources") or {}
+        spread = (raw.get("broker") or {}).get("topologySpreadConstraints")
         resources = {
             str(b.get("name")): b.get("resources") or shared
             for b in raw.get("brokers") or []
@@ -1052,6 +1141,7 @@ class Reconciler:
             poll=self.config.poll,
             resources=resources,
             authority=access.authority,
+            spread=spread if isinstance(spread, list) else None,
         )
 
     async def run(self) -> None:
@@ -1415,6 +1505,13 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
         await asyncio.gather(
             *(backend.wait_ready(b, config.ready_within) for b in spec.broker_names)
         )
+        placed = await backend.annotate_zones()
+        if placed:
+            r.event(
+                "BrokersPlaced",
+                "zones from the brokers' nodes: "
+                + ", ".join(f"{b} in {z}" for b, z in placed.items()),
+            )
         await _relink_restarted(r, backend, spec, await backend.neighbours(spec.broker_names))
         restored = await _restore(r, backend, spec)
         if restored:  # a roll-out a restart of the operator or a failed step left unfinished

@@ -56,10 +56,12 @@ class LocalBackend:
         routing: str = "covering",
         host: str = "127.0.0.1",
         broker_args: Sequence[str] = (),
+        zones: Mapping[str, str] | None = None,
         insecure: bool = False,
     ):
         """``insecure``: a new overlay runs in plaintext (an existing one keeps what it was
-        created with: ``state.json`` remembers)."""
+        created with: ``state.json`` remembers). ``zones``: the zone the overlay declares for
+        each broker, passed as ``--zone`` (all brokers share this machine, so no node)."""
         self.dir = state_dir
         self.host = host
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -67,8 +69,9 @@ class LocalBackend:
         # How new brokers are started. Given: this overlay's from now on (apply, the demo).
         # Not given (status, the supervisor, roll): what the overlay was last configured with,
         # so that a broker restored or replaced runs like its peers.
-        self._explicit = bool(broker_args) or routing != "covering"
+        self._explicit = bool(broker_args) or routing != "covering" or zones is not None
         self.routing, self.broker_args = routing, tuple(broker_args)
+        self.zones = {b: z for b, z in (zones or {}).items() if z}
         self._adopt_config()
         self.state.setdefault("token", secrets.token_urlsafe(18))
         self.state.setdefault("brokers", {})
@@ -93,16 +96,26 @@ class LocalBackend:
             return data
         return {}
 
-    def configure(self, routing: str, broker_args: Sequence[str]) -> None:
-        """Start new brokers with ``routing`` and ``broker_args`` (remembered in state.json)."""
+    def configure(
+        self, routing: str, broker_args: Sequence[str], zones: Mapping[str, str] | None = None
+    ) -> None:
+        """Start new brokers with ``routing``, ``broker_args`` and their ``zones``
+        (remembered in state.json)."""
         self.routing = routing
         self.broker_args = tuple(broker_args)  # e.g. telemetry sampling for the miner
-        self.state["config"] = {"routing": routing, "args": list(self.broker_args)}
+        if zones is not None:
+            self.zones = {b: z for b, z in zones.items() if z}
+        self.state["config"] = {
+            "routing": routing,
+            "args": list(self.broker_args),
+            "zones": dict(self.zones),
+        }
 
-    @property
-    def config_key(self) -> list[str]:
-        """What a broker started now runs with: a broker recorded with another one is rolled."""
-        return [self.routing, *self.broker_args]
+    def config_of(self, name: str) -> list[str]:
+        """What broker ``name`` started now runs with (its arguments after the name): one
+        recorded with another configuration is rolled."""
+        zone = self.zones.get(name)
+        return [self.routing, *self.broker_args, *(("--zone", zone) if zone else ())]
 
     def reload(self) -> None:
         """Read ``state.json`` again: another process (the supervisor, an ``apply``) may have
@@ -119,6 +132,7 @@ class LocalBackend:
         else:
             self.routing = str(configured["routing"])
             self.broker_args = tuple(configured["args"])
+            self.zones = dict(configured.get("zones") or {})
 
     @contextlib.asynccontextmanager
     async def locked(self, within: float = 600.0) -> AsyncIterator[None]:
@@ -178,7 +192,7 @@ class LocalBackend:
                     pki=self.pki,
                     host=self.host,
                     routing=self.routing,
-                    extra_args=self.broker_args,
+                    extra_args=self.config_of(name)[1:],
                 ),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -197,7 +211,7 @@ class LocalBackend:
                         "listen": addr["listen"],
                         "admin": addr["admin"],
                         "log": str(log),
-                        "config": self.config_key,
+                        "config": self.config_of(name),
                     }
                     self.save()
                     return

@@ -201,6 +201,7 @@ def run_apply(args: argparse.Namespace) -> int:
             args.state_dir / spec.name,
             routing=spec.routing,
             broker_args=spec.broker_args(),
+            zones=spec.zone_of(),
             insecure=getattr(args, "insecure", False),
         )
         try:
@@ -212,7 +213,7 @@ def run_apply(args: argparse.Namespace) -> int:
                 try:
                     p, _executor, wall = await apply(spec, manifest, backend)
                     configs = {n: b.get("config") for n, b in backend.brokers.items()}
-                    changed = rollout.stale(configs, backend.config_key)
+                    changed = rollout.stale(configs, backend.config_of)
                     if changed:
                         print(f"broker configuration changed: rolling {len(changed)} brokers")
                         rolled = await roll(spec, backend, changed)
@@ -303,6 +304,8 @@ def run_status(args: argparse.Namespace) -> int:
                 "address": backend.address(n),
                 "clients": s.get("clients"),
                 "neighbours": [x["peer"] for x in neighbours],
+                "zone": (s.get("placement") or {}).get("zone", ""),
+                "standby": [x["peer"] for x in s.get("standby", []) if x.get("state") == "up"],
                 "restarts": int((backend.state.get("restarts") or {}).get(n, 0)),
                 **({"why": h["why"]} if "why" in h else {}),
             }
@@ -336,7 +339,9 @@ def run_status(args: argparse.Namespace) -> int:
     for n, b in data["brokers"].items():
         print(
             f"{n:<12} {b['state']:<12} {b['address']:<22} clients {b['clients']!s:<4} "
-            f"restarts {b['restarts']:<3} neighbours {', '.join(b['neighbours']) or '-'}"
+            f"restarts {b['restarts']:<3} zone {b['zone'] or '-':<8} "
+            f"neighbours {', '.join(b['neighbours']) or '-'}"
+            + (f" (standby {', '.join(b['standby'])})" if b["standby"] else "")
         )
     verdict = "healthy" if data["healthy"] else "DEGRADED"
     print(

@@ -58,6 +58,7 @@ class MiningResult:
     combined: propose.Replayed | None
     combined_links: list[Edge]
     timings: dict[str, float] = field(default_factory=dict)
+    zones: dict[str, str] = field(default_factory=dict)  # as used: reported, else declared
     frames: dict[str, DataFrame] = field(default_factory=dict, repr=False)
 
     @property
@@ -163,7 +164,6 @@ def mine(
             f"the current links of {spec.name} are not one tree over its brokers: "
             + "; ".join(problems)
         )
-    zones = spec.zone_of()
     if isinstance(telemetry, Telemetry):
         tel = telemetry
     else:
@@ -171,6 +171,14 @@ def mine(
         tel = read_telemetry(spark, telemetry, brokers, since_ts=since_ts)
     lap("read")
     say(f"{tel.records:,} records, {tel.skipped_total:,} skipped {tel.skipped or ''}".rstrip())
+    # The zones the brokers report (their nodes') win over those the manifest declares.
+    zones = {**spec.zone_of(), **tel.zones}
+    if tel.zones:
+        moved = sorted(b for b, z in tel.zones.items() if spec.zone_of().get(b, z) != z)
+        say(
+            f"placement reported by {len(tel.zones)} brokers"
+            + (f"; not where declared: {', '.join(moved)}" if moved else "")
+        )
 
     traffic = metrics.traffic(tel.events)
     pairs = metrics.associativity(tel.events).cache()
@@ -241,6 +249,7 @@ def mine(
         combined=combined,
         combined_links=combined_links,
         timings=timings,
+        zones={b: z for b, z in zones.items() if z},
         frames={
             "associativity": pairs,
             "distance": with_dist,

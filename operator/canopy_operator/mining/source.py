@@ -58,6 +58,7 @@ _FIELDS: tuple[tuple[str, str], ...] = (
     ("msgs_out", "double"),
     ("bytes_in", "double"),
     ("bytes_out", "double"),
+    ("zone", "string"),
     (CORRUPT, "string"),
 )
 
@@ -73,6 +74,7 @@ class Telemetry:
     rtts: DataFrame  # broker, peer, rtt_ms, via
     links: DataFrame  # broker, peer, msgs_in, msgs_out, bytes_in, bytes_out (latest snapshot)
     records: int = 0
+    zones: dict[str, str] = field(default_factory=dict)  # broker -> zone it last reported
     skipped: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -126,7 +128,7 @@ def read_telemetry(
         )
         .when((F.col("type") == "link") & F.col("peer").isNull(), "incomplete")
         .when(~F.col("broker").isin(known), "unknown_broker")
-        .when(~F.col("type").isin("event", "rtt", "link"), "unknown_type")
+        .when(~F.col("type").isin("event", "rtt", "link", "placement"), "unknown_type")
         .otherwise("ok")
     )
     # One parse of the files: the classified, narrowed records are cached and everything below
@@ -189,10 +191,26 @@ def read_telemetry(
             ),
         )
     )
+    # Where each broker runs, as it last said (the zone its node is in; a broker that knows
+    # none says ""): real placement, which the manifest's declared zones only stand in for.
+    placed = (
+        good.where((F.col("type") == "placement") & (F.coalesce("zone", F.lit("")) != ""))
+        .groupBy("broker")
+        .agg(F.max(F.struct("ts", "cursor", "zone")).alias("s"))
+        .select("broker", F.col("s.zone").alias("zone"))
+        .collect()
+    )
     rtts, links = rtts.persist(), links.persist()
     rtts.count(), links.count()  # materialised: the wide cache can go
     narrow.unpersist()
-    return Telemetry(events=events, rtts=rtts, links=links, records=total, skipped=skipped)
+    return Telemetry(
+        events=events,
+        rtts=rtts,
+        links=links,
+        records=total,
+        skipped=skipped,
+        zones={str(r["broker"]): str(r["zone"]) for r in placed},
+    )
 
 
 # -- pulling from brokers ---------------------------------------------------------------------

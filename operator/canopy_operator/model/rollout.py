@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from canopy_operator.model.topology import Edge, OverlaySpec, adjacency, norm
 
@@ -40,11 +40,13 @@ def without(spec: OverlaySpec, links: Iterable[Edge], broker: str) -> OverlaySpe
     return dataclasses.replace(spec, brokers=brokers, links=tuple(kept + chain))
 
 
-def stale(brokers: Mapping[str, Sequence[str] | None], wanted: Sequence[str]) -> list[str]:
-    """Brokers started with another configuration than ``wanted`` (``brokers``: each one's
-    recorded configuration; None: unknown, e.g. started before configurations were recorded —
-    replaced too, to be sure)."""
-    return sorted(b for b, have in brokers.items() if have is None or list(have) != list(wanted))
+def stale(
+    brokers: Mapping[str, Sequence[str] | None], wanted: Callable[[str], Sequence[str]]
+) -> list[str]:
+    """Brokers started with another configuration than ``wanted`` gives for them (``brokers``:
+    each one's recorded configuration; None: unknown, e.g. started before configurations were
+    recorded — replaced too, to be sure)."""
+    return sorted(b for b, have in brokers.items() if have is None or list(have) != list(wanted(b)))
 
 
 def order(links: Iterable[Edge], todo: Iterable[str]) -> list[str]:
