@@ -12,12 +12,16 @@ from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.messages import (
     AddLink,
     FromLink,
+    Input,
     Neighbours,
     PeerFailed,
+    PeerFeatures,
+    Placed,
     RepairFinished,
     RepairSweep,
     SendToLink,
 )
+from canopy_broker.runtime.framing import decode_link_message, encode_generic
 from canopy_broker.runtime.placement import Placement, PlacementSource, parse_downward
 from tests.unit.test_runtime_broker import MakeBroker, eventually, link, make_broker
 
@@ -62,6 +66,7 @@ async def test_a_broker_picks_up_its_zone_from_the_downward_api_and_tells_its_ne
     await link(a, b)
     await eventually(lambda: b.core.neighbour_lists.where.get("a") == ("", "n1"))
     assert a.core.neighbour_lists.where["b"] == ("z2", "n2")
+    assert not a.core.neighbour_lists.legacy and not b.core.neighbour_lists.legacy  # hellos
     write_downward(tmp_path, {}, {"canopy.dev/zone": "z1"})
     await eventually(lambda: b.core.neighbour_lists.where.get("a") == ("z1", "n1"))
     assert a.status()["placement"] == {"zone": "z1", "node": "n1"}
@@ -83,3 +88,33 @@ def test_a_repair_ends_at_a_survivor_when_its_chain_neighbour_died_too() -> None
     done = core.handle(FromLink("a", RepairSweep("x", forward=True)))
     assert any(isinstance(e, RepairFinished) and e.dead == "x" and not e.timed_out for e in done)
     assert "w" not in core.neighbours and "x" not in core.neighbours
+
+
+def test_a_neighbour_of_an_older_version_gets_the_list_by_name_and_without_placement() -> None:
+    """During a roll-out from a version before placement, an old neighbour would refuse the
+    zone and node fields and sort the list it hears: while one is a neighbour, the broker
+    announces by name (so every neighbour reads the same chain) and sends it the bare list."""
+    core = BrokerCore("n", announce_neighbours=True)
+    last: dict[str, object] = {}
+
+    def feed(inp: Input) -> None:
+        last.update((e.peer, e.message) for e in core.handle(inp) if isinstance(e, SendToLink))
+
+    feed(Placed("z1", "n1"))
+    feed(PeerFeatures("old", placement=False))  # its hello said nothing of placement
+    for peer in ("a", "old", "c"):
+        feed(AddLink(peer))
+    feed(FromLink("a", Neighbours(("n",), "z1", "n1")))  # a shares n's node
+    feed(FromLink("c", Neighbours(("n",), "z2", "n3")))
+    assert last["old"] == Neighbours(("a", "c", "old"))  # sorted, no placement fields
+    assert last["a"] == Neighbours(("a", "c", "old"), "z1", "n1")
+    assert encode_generic(last["old"]) == b'[3,{"$":"Neighbours","names":["a","c","old"]}]'
+    # Rolled to the new version: the chain order comes back.
+    out = core.handle(PeerFeatures("old", placement=True))
+    names = {e.message.names for e in out if isinstance(e, SendToLink)}  # type: ignore[union-attr]
+    assert names == {("old", "c", "a")}  # old (placement unknown) and c apart from n, a last
+
+
+def test_fields_a_newer_broker_adds_are_ignored_not_refused() -> None:
+    frame = [3, {"$": "Neighbours", "names": ["a", "b"], "zone": "z", "rack": "r7"}]
+    assert decode_link_message(frame) == Neighbours(("a", "b"), "z", "")

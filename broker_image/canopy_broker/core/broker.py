@@ -67,6 +67,7 @@ from canopy_broker.core.messages import (
     Neighbours,
     OpenLink,
     PeerFailed,
+    PeerFeatures,
     PeerMessage,
     Placed,
     Publish,
@@ -304,6 +305,11 @@ class BrokerCore:
             self.cycles.set_standby(inp.peers)
         elif isinstance(inp, Placed):
             self.neighbour_lists.own = (inp.zone, inp.node)
+        elif isinstance(inp, PeerFeatures):
+            if inp.placement:
+                self.neighbour_lists.legacy.discard(inp.peer)
+            else:
+                self.neighbour_lists.legacy.add(inp.peer)
         elif isinstance(inp, FindCycles):
             for peer, probe in self.cycles.start(inp.round, inp.bound, self._tree_links()):
                 self.to_peer(peer, probe, out)

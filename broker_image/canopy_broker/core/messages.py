@@ -384,6 +384,17 @@ class StandbyLinks:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerFeatures:
+    """What a peer broker's software understands, from its hello. ``placement``: neighbour
+    lists in chain order with the sender's zone and node. A peer without it (an older version,
+    met during a roll-out) sorts the lists it hears by name and refuses fields it does not
+    know, so while one is a neighbour this broker announces in name order, without them."""
+
+    peer: str
+    placement: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Placed:
     """Where this broker runs, learnt by the runtime (flags, or Kubernetes' downward API once
     the pod is scheduled); "" when unknown. It orders the neighbour list the broker announces
@@ -522,6 +533,7 @@ Input = (
     | PeerFailed
     | LinkFailed
     | StandbyLinks
+    | PeerFeatures
     | Placed
     | FindCycles
     | FromLink

@@ -155,7 +155,8 @@ class NeighbourLists:
         self.lists: dict[str, tuple[str, ...]] = {}
         self.where: dict[str, Where] = {}  # each neighbour's placement, as it last said
         self.own: Where = NOWHERE
-        self._announced: Neighbours | None = None
+        self.legacy: set[str] = set()  # neighbours that take neither order nor placement
+        self._announced: tuple[object, ...] | None = None
         self._told: dict[str, Neighbours] = {}  # what each neighbour last heard from us
         self._pending = False  # a neighbour (behind a frozen link) has not heard the list yet
 
@@ -175,14 +176,21 @@ class NeighbourLists:
         placement if it has not heard them yet. Not over a ``frozen`` link: a reconfiguration's
         new link carries nothing before both its ends have it (the other end would refuse it),
         so the list goes once the link is in use."""
-        msg = Neighbours(chain_order(self.own, neighbours, self.where), *self.own)
-        if msg == self._announced and not self._pending:
+        old = self.legacy.intersection(neighbours)
+        if old:  # they would sort it: everybody must read the same chain from it
+            names = tuple(sorted(set(neighbours)))
+        else:
+            names = chain_order(self.own, neighbours, self.where)
+        key = (names, self.own, frozenset(old))
+        if key == self._announced and not self._pending:
             return
-        if msg != self._announced:
-            self._announced = msg
-            self._told = {p: t for p, t in self._told.items() if p in msg.names}
+        if key != self._announced:
+            self._announced = key
+            self._told = {p: t for p, t in self._told.items() if p in names}
+        full, bare = Neighbours(names, *self.own), Neighbours(names)
         self._pending = False
-        for n in msg.names:
+        for n in names:
+            msg = bare if n in old else full
             if self._told.get(n) == msg:
                 continue
             if frozen(n):
@@ -200,6 +208,7 @@ class NeighbourLists:
     def forget(self, peer: str) -> None:
         self.lists.pop(peer, None)
         self.where.pop(peer, None)
+        self.legacy.discard(peer)
 
 
 class Retention:

@@ -48,6 +48,10 @@ from canopy_broker.core.messages import (
 )
 
 PROTOCOL_VERSION: Final = 1
+FEATURES: Final = ("placement",)
+"""What this broker's link protocol understands beyond version 1, told in every hello (a peer
+without a feature is not sent what it would refuse): ``placement``, neighbour lists with the
+sender's zone and node, in chain order."""
 MAX_FRAME: Final = 8 * 1024 * 1024
 """Largest accepted payload; a bigger length prefix closes the connection before any is read."""
 BATCH_BYTES: Final = 256 * 1024
@@ -376,7 +380,10 @@ def to_wire(obj: object) -> Any:
     if _WIRE_TYPES.get(name) is type(obj) and dataclasses.is_dataclass(obj):
         out: dict[str, Any] = {"$": name}
         for f in dataclasses.fields(obj):
-            out[f.name] = to_wire(getattr(obj, f.name))
+            value = getattr(obj, f.name)
+            if f.default is not dataclasses.MISSING and value == f.default:
+                continue  # a field added later, at its default: what older brokers read
+            out[f.name] = to_wire(value)
         return out
     raise TypeError(f"{name} cannot be put on the wire")
 
@@ -394,8 +401,9 @@ def from_wire(obj: object, depth: int = 0) -> Any:
             cls = _WIRE_TYPES.get(obj["$"]) if isinstance(obj["$"], str) else None
             if cls is None or not dataclasses.is_dataclass(cls):
                 raise FrameError(f"unknown message type {obj['$']!r}", "unknown-type")
-            fields = {k: from_wire(v, depth + 1) for k, v in obj.items() if k != "$"}
             hints = _FIELD_TYPES[cls.__name__]
+            # Fields this version does not know (a newer broker's) are left out, not refused.
+            fields = {k: from_wire(v, depth + 1) for k, v in obj.items() if k in hints}
             for key, value in fields.items():
                 hint = hints.get(key)
                 if hint is not None and not conforms(value, hint):

@@ -85,6 +85,7 @@ from canopy_broker.core.messages import (
     LinkRepair,
     Neighbours,
     PeerFailed,
+    PeerFeatures,
     Publish,
     RemoveLink,
     RepairFinished,
@@ -105,6 +106,7 @@ from canopy_broker.runtime.framing import (
     F_PONG,
     F_PRESSURE,
     F_PROMOTE,
+    FEATURES,
     PROTOCOL_VERSION,
     FrameError,
     FrameProtocol,
@@ -670,6 +672,7 @@ class LinkSessions:
                 "detour": link.detoured,
                 "address": self.host.advertised,
                 "incarnation": self.host.incarnation,
+                "features": list(FEATURES),
             },
         )
 
@@ -694,6 +697,11 @@ class LinkSessions:
         link.last_heard = host.now()
         link.down_since = None
         link.connects += 1
+        if "v" in hello:  # a peer's own hello (not a standby link's, taken over)
+            features = hello.get("features")
+            placement = isinstance(features, list) and "placement" in features
+            if (link.peer in host.core.neighbour_lists.legacy) == placement:  # news
+                host.apply(host.core.handle(PeerFeatures(link.peer, placement), host.now()))
         if link.kind == "link":
             self._checks.pop(link.peer, None)  # it answered for itself
             if not link.detoured:

@@ -65,6 +65,7 @@ from canopy_broker.runtime.framing import (
     F_HELLO,
     F_MSGS,
     F_PRESSURE,
+    FEATURES,
     PROTOCOL_VERSION,
     FrameError,
     FrameProtocol,
@@ -688,6 +689,7 @@ class Broker:
                     "name": self.name,
                     "incarnation": self.incarnation,
                     "routing": self.core.mode.value,
+                    "features": list(FEATURES),
                     **fields,
                 },
             )
