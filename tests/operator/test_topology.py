@@ -142,7 +142,13 @@ def test_custody_and_client_limits_reach_the_broker_command_line() -> None:
         manifest(
             ["a"],
             [],
-            failureDetection={"standbyLinks": False, "retentionSeconds": 5, "retentionLimit": 9},
+            failureDetection={
+                "standbyLinks": False,
+                "retentionSeconds": 5,
+                "retentionLimit": 9,
+                "cycleBound": 6,
+                "cyclePeriodSeconds": 0.5,
+            },
             clients={
                 "slowConsumer": "backpressure",
                 "queueLimit": 1000,
@@ -153,8 +159,21 @@ def test_custody_and_client_limits_reach_the_broker_command_line() -> None:
     )
     args = broker_parser().parse_args(["serve", "--name", "a", *spec.broker_args()])
     assert (args.standby, args.retention, args.retention_limit) == (False, 5.0, 9)
+    assert (args.cycle_bound, args.cycle_period) == (6, 0.5)
+    assert (default.cycle_bound, default.cycle_period) == (4, 2.0)
     assert (args.slow_consumer, args.client_queue_limit) == ("backpressure", 1000)
     assert (args.max_subscriptions, args.max_connections_per_source) == (7, 3)
+
+
+def test_cycle_settings_out_of_range_are_named() -> None:
+    spec = parse_overlay(
+        manifest(["a"], [], failureDetection={"cycleBound": 40, "cyclePeriodSeconds": -1})
+    )
+    problems = " ".join(validate(spec))
+    assert "failureDetection.cycleBound must be between 0" in problems
+    assert "failureDetection.cyclePeriodSeconds must be between 0" in problems
+    with pytest.raises(SpecError, match="cyclePeriodSeconds must be a number"):
+        parse_overlay(manifest(["a"], [], failureDetection={"cyclePeriodSeconds": "often"}))
 
 
 def test_find_cycle_names_the_cycle() -> None:

@@ -68,6 +68,8 @@ class OverlaySpec:
     standby: bool = True  # spec.failureDetection.standbyLinks
     retention_seconds: float = 15.0  # spec.failureDetection.retentionSeconds (custody)
     retention_limit: int = 100_000  # spec.failureDetection.retentionLimit (per link)
+    cycle_bound: int = 4  # spec.failureDetection.cycleBound: link-failure repair (paper 004)
+    cycle_period: float = 2.0  # spec.failureDetection.cyclePeriodSeconds
     slow_consumer: str = "disconnect"  # spec.clients.slowConsumer
     client_queue_limit: int = 200_000  # spec.clients.queueLimit
     max_subscriptions: int = 10_000  # spec.clients.maxSubscriptions
@@ -101,6 +103,10 @@ class OverlaySpec:
             "--retention-limit",
             str(self.retention_limit),
             *(() if self.standby else ("--no-standby",)),
+            "--cycle-bound",
+            str(self.cycle_bound),
+            "--cycle-period",
+            repr(self.cycle_period),
             "--slow-consumer",
             self.slow_consumer,
             "--client-queue-limit",
@@ -179,6 +185,11 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         raise SpecError(
             f"spec.failureDetection.retentionSeconds must be a number, got {retention!r}"
         )
+    period = detection.get("cyclePeriodSeconds", 2.0)
+    if isinstance(period, bool) or not isinstance(period, int | float):
+        raise SpecError(
+            f"spec.failureDetection.cyclePeriodSeconds must be a number, got {period!r}"
+        )
     clients = _get(spec, "clients", dict, {}, "spec")
     status = manifest.get("metadata", {}) or {}
     return OverlaySpec(
@@ -199,6 +210,8 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         standby=_get(detection, "standbyLinks", bool, True, "spec.failureDetection"),
         retention_seconds=float(retention),
         retention_limit=_get(detection, "retentionLimit", int, 100_000, "spec.failureDetection"),
+        cycle_bound=_get(detection, "cycleBound", int, 4, "spec.failureDetection"),
+        cycle_period=float(period),
         slow_consumer=_get(clients, "slowConsumer", str, "disconnect", "spec.clients"),
         client_queue_limit=_get(clients, "queueLimit", int, 200_000, "spec.clients"),
         max_subscriptions=_get(clients, "maxSubscriptions", int, 10_000, "spec.clients"),
@@ -261,6 +274,16 @@ def validate(spec: OverlaySpec) -> list[str]:
         problems.append(
             "failureDetection.retentionSeconds must be between 0 (custody off) and 3600, "
             f"got {spec.retention_seconds}"
+        )
+    if not 0 <= spec.cycle_bound <= 16:
+        problems.append(
+            "failureDetection.cycleBound must be between 0 (link-failure repair off) and 16, "
+            f"got {spec.cycle_bound}"
+        )
+    if not 0.0 <= spec.cycle_period <= 3600.0:
+        problems.append(
+            "failureDetection.cyclePeriodSeconds must be between 0 (no detection rounds) and "
+            f"3600, got {spec.cycle_period}"
         )
     for count, low, where in (
         (spec.retention_limit, 1, "failureDetection.retentionLimit"),
