@@ -64,7 +64,7 @@ def test_a_valid_tree_and_managed_links_pass() -> None:
             ["a"],
             [],
             {"failureDetection": {"retentionSeconds": -1}},
-            "retentionSeconds must be between 0 (custody off) and 3600",
+            "retentionSeconds must be between 0 and 3600 (0: custody off), got -1",
         ),
         (["a"], [], {"clients": {"queueLimit": 5}}, "clients.queueLimit must be at least 100"),
         (

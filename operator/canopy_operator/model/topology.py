@@ -257,34 +257,23 @@ def validate(spec: OverlaySpec) -> list[str]:
             "reconfiguration.algorithm 'path' needs routing 'identity' or 'simple' "
             "(covering overlays use 'coordinated')"
         )
-    if not 0.0 <= spec.telemetry_sample <= 1.0:
-        problems.append(f"telemetry.sample must be between 0 and 1, got {spec.telemetry_sample}")
+    ranges: tuple[tuple[float, float, float, str], ...] = (
+        (spec.telemetry_sample, 0, 1, "telemetry.sample"),
+        (spec.heartbeat_interval, 0.05, 60, "failureDetection.heartbeatSeconds"),
+        (spec.dead_after, 2, 100, "failureDetection.deadAfter"),
+        (spec.retention_seconds, 0, 3600, "failureDetection.retentionSeconds (0: custody off)"),
+        (spec.cycle_bound, 0, 16, "failureDetection.cycleBound (below 3: off)"),
+        (spec.cycle_period, 0, 3600, "failureDetection.cyclePeriodSeconds (0: no rounds)"),
+    )
+    for number, low, high, what in ranges:
+        if not low <= number <= high:
+            field_name, _, note = what.partition(" ")
+            problems.append(
+                f"{field_name} must be between {low:g} and {high:g} {note}".rstrip()
+                + f", got {number}"
+            )
     if spec.telemetry_history < 0:
         problems.append(f"telemetry.history must not be negative, got {spec.telemetry_history}")
-    if not 0.05 <= spec.heartbeat_interval <= 60.0:
-        problems.append(
-            "failureDetection.heartbeatSeconds must be between 0.05 and 60, "
-            f"got {spec.heartbeat_interval}"
-        )
-    if not 2 <= spec.dead_after <= 100:
-        problems.append(
-            f"failureDetection.deadAfter must be between 2 and 100, got {spec.dead_after}"
-        )
-    if not 0.0 <= spec.retention_seconds <= 3600.0:
-        problems.append(
-            "failureDetection.retentionSeconds must be between 0 (custody off) and 3600, "
-            f"got {spec.retention_seconds}"
-        )
-    if not 0 <= spec.cycle_bound <= 16:
-        problems.append(
-            "failureDetection.cycleBound must be between 0 (link-failure repair off) and 16, "
-            f"got {spec.cycle_bound}"
-        )
-    if not 0.0 <= spec.cycle_period <= 3600.0:
-        problems.append(
-            "failureDetection.cyclePeriodSeconds must be between 0 (no detection rounds) and "
-            f"3600, got {spec.cycle_period}"
-        )
     for count, low, where in (
         (spec.retention_limit, 1, "failureDetection.retentionLimit"),
         (spec.client_queue_limit, 100, "clients.queueLimit"),
