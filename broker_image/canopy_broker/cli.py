@@ -25,6 +25,7 @@ from pathlib import Path
 from aiohttp import web
 
 from canopy_broker.core.messages import RoutingMode
+from canopy_broker.gateway import make_gateway_app
 from canopy_broker.runtime.admin import make_admin_app
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import parse_address
@@ -147,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         "re-read when they change",
     )
     s.add_argument(
+        "--gateway",
+        metavar="HOST:PORT",
+        help="also serve the HTTP gateway here (publish by POST, subscribe over Server-Sent "
+        "Events or WebSocket; canopy_broker/gateway.py): HTTPS with the broker's certificate "
+        "when TLS is on, clients authenticated by the broker as any client",
+    )
+    s.add_argument(
         "--probe-interval",
         type=float,
         default=10.0,
@@ -263,6 +271,23 @@ async def serve(args: argparse.Namespace) -> int:
     await site.start()
     assert broker.address is not None
     admin_sock = runner.addresses[0]
+    runners = [runner]
+    gateway: str | None = None
+    if args.gateway:
+        gw_host, gw_port = parse_address(args.gateway)
+        host = "127.0.0.1" if broker.address[0] in ("0.0.0.0", "::") else broker.address[0]
+        own = f"{host}:{broker.address[1]}"
+        # Open streams end with the broker: a short grace, not aiohttp's 60 s.
+        gw = web.AppRunner(
+            make_gateway_app(own, tls.ca if tls is not None else None),
+            access_log=None,
+            shutdown_timeout=1.0,
+        )
+        await gw.setup()
+        await web.TCPSite(gw, gw_host, gw_port, ssl_context=admin_tls).start()
+        runners.append(gw)
+        gw_sock = gw.addresses[0]
+        gateway = f"{gw_sock[0]}:{gw_sock[1]}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -274,14 +299,16 @@ async def serve(args: argparse.Namespace) -> int:
         "routing": broker.core.mode.value,
         "tls": tls is not None,
         "pid": os.getpid(),
+        **({"gateway": gateway} if gateway else {}),
     }
     print(READY_PREFIX + json.dumps(ready), flush=True)
     try:
         await stop.wait()
     finally:
         logging.getLogger("canopy.broker").info("stopping %s", broker.name)
+        for r in reversed(runners):  # the gateway's clients first, while the broker is up
+            await r.cleanup()
         await broker.stop()
-        await runner.cleanup()
     return 0
 
 

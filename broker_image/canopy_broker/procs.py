@@ -127,6 +127,7 @@ class BrokerProc:
     token: str
     log_path: Path | None
     tls: ssl.SSLContext | None = None  # verifies the admin API's certificate
+    gateway: str | None = None  # the HTTP gateway's HOST:PORT (--gateway)
     admin: AdminClient = field(init=False)
     _log: IO[bytes] | None = None
 
@@ -213,7 +214,15 @@ async def spawn_broker(
         else:
             tls = pki.verify_context() if pki is not None else None
         proc = BrokerProc(
-            name, process, info["listen"], info["admin"], token, log_path, tls, _log=log
+            name,
+            process,
+            info["listen"],
+            info["admin"],
+            token,
+            log_path,
+            tls,
+            gateway=info.get("gateway"),
+            _log=log,
         )
         async with asyncio.timeout(ready_within):
             while not await proc.admin.readyz():  # noqa: ASYNC110 - polling another process

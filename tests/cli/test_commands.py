@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -372,3 +375,34 @@ def test_bench_peers_refuses_a_fanout_that_does_not_divide_the_subscribers() -> 
     result = canopy("bench", "peers", "--subscribers", "50", "--fanout", "7")
     assert result.returncode == 2
     assert "--fanout 7 must be at least 1 and divide --subscribers 50" in result.stderr
+
+
+def test_local_up_serves_the_http_gateway_when_the_spec_asks(tmp_path: Path) -> None:
+    """``spec.gateway.enabled``: every broker ``canopy up`` starts serves the HTTP gateway on a
+    free port, ``canopy status`` says where, and it answers (here: no token, so 401 with the
+    reason; tests/integration/test_gateway.py has the traffic)."""
+    manifest = tmp_path / "gw.yaml"
+    manifest.write_text(
+        "apiVersion: canopy.dev/v1alpha1\nkind: BrokerOverlay\nmetadata: {name: gw}\n"
+        "spec:\n  brokers: [{name: a}, {name: b}]\n  links: [[a, b]]\n"
+        "  gateway: {enabled: true}\n"
+    )
+    state = tmp_path / "state"
+    try:
+        up = canopy("up", str(manifest), "--state-dir", str(state), "--no-supervisor")
+        assert up.returncode == 0, up.stderr
+        status = canopy("status", "--state-dir", str(state), "--json")
+        brokers = last_json(status.stdout)["brokers"]
+        urls = {n: b["gateway"] for n, b in brokers.items()}  # type: ignore[attr-defined]
+        assert all(str(u).startswith("https://127.0.0.1:") for u in urls.values()), urls
+        assert "gateway https://" in canopy("status", "--state-dir", str(state)).stdout
+        ca = state / "gw" / "pki" / "ca.pem"
+        ctx = ssl.create_default_context(cafile=str(ca))
+        ctx.check_hostname = False
+        request = urllib.request.Request(f"{urls['a']}/v1/publish", data=b"{}", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, context=ctx, timeout=10)
+        assert refused.value.code == 401
+        assert "bearer token" in json.loads(refused.value.read())["error"]
+    finally:
+        assert canopy("down", "--state-dir", str(state)).returncode == 0

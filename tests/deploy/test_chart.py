@@ -173,6 +173,22 @@ def test_the_broker_pod_passes_its_schema_and_its_program_takes_its_flags(
     }
 
 
+def test_the_gateway_is_a_flag_and_a_named_port_when_the_spec_asks_for_it() -> None:
+    plain = broker_pod("trading")
+    assert "--gateway" not in plain["spec"]["containers"][0]["args"]
+    spec = parse_overlay(
+        {
+            "kind": k8s.KIND,
+            "metadata": {"name": "trading"},
+            "spec": {"brokers": [{"name": "hub"}], "gateway": {"enabled": True}},
+        }
+    )
+    (container,) = k8s.pod_manifest(spec, "hub", "ns", {}, "img")["spec"]["containers"]
+    args = broker_parser().parse_args(container["args"])
+    assert args.gateway == f"0.0.0.0:{k8s.GATEWAY_PORT}"
+    assert {"name": "gateway", "containerPort": k8s.GATEWAY_PORT} in container["ports"]
+
+
 def test_spread_constraints_default_to_zones_and_nodes_and_are_the_specs_when_given() -> None:
     default = k8s.spread_constraints("o", None)
     assert [(c["topologyKey"], c["whenUnsatisfiable"]) for c in default] == [
@@ -543,6 +559,8 @@ def test_network_policy_admits_the_admin_port_only_from_operator_and_miner(
         assert not admits(policy, client, admin) and not admits(policy, stranger, admin)
         assert admits(policy, neighbour, overlay) and admits(policy, client, overlay)
         assert not admits(policy, stranger, overlay)  # overlayPort.allowFromAnywhere: false
+        gateway = k8s.GATEWAY_PORT  # the HTTP gateway's clients, as the overlay port's
+        assert admits(policy, client, gateway) and not admits(policy, stranger, gateway)
         assert not admits(policy, operator, 9999)
 
 

@@ -72,7 +72,7 @@ from canopy_operator.model.topology import OverlaySpec, SpecError, norm, parse_o
 
 GROUP, VERSION, PLURAL, KIND = "canopy.dev", "v1alpha1", "brokeroverlays", "BrokerOverlay"
 PROPOSALS = "topologyproposals"
-BROKER_PORT, ADMIN_PORT = 7000, 8080
+BROKER_PORT, ADMIN_PORT, GATEWAY_PORT = 7000, 8080, 8081
 LABEL_OVERLAY, LABEL_BROKER = "canopy.dev/overlay", "canopy.dev/broker"
 TEMPLATE_HASH = "canopy.dev/template-hash"
 """Pod annotation: a hash of what the broker runs (image, arguments, resources, mounts). A pod
@@ -522,6 +522,7 @@ def pod_manifest(
                         PLACEMENT_DIR,
                         *security,
                         *spec.broker_args(),
+                        *(("--gateway", f"0.0.0.0:{GATEWAY_PORT}") if spec.gateway else ()),
                     ],
                     "env": [
                         {
@@ -532,6 +533,11 @@ def pod_manifest(
                     "ports": [
                         {"name": "broker", "containerPort": BROKER_PORT},
                         {"name": "admin", "containerPort": ADMIN_PORT},
+                        *(
+                            [{"name": "gateway", "containerPort": GATEWAY_PORT}]
+                            if spec.gateway
+                            else []
+                        ),
                     ],
                     "readinessProbe": {
                         **probe,

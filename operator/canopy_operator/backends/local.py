@@ -57,11 +57,13 @@ class LocalBackend:
         host: str = "127.0.0.1",
         broker_args: Sequence[str] = (),
         zones: Mapping[str, str] | None = None,
+        gateway: bool | None = None,
         insecure: bool = False,
     ):
         """``insecure``: a new overlay runs in plaintext (an existing one keeps what it was
         created with: ``state.json`` remembers). ``zones``: the zone the overlay declares for
-        each broker, passed as ``--zone`` (all brokers share this machine, so no node)."""
+        each broker, passed as ``--zone`` (all brokers share this machine, so no node).
+        ``gateway``: each broker serves the HTTP gateway on a free port."""
         self.dir = state_dir
         self.host = host
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -72,6 +74,7 @@ class LocalBackend:
         self._explicit = bool(broker_args) or routing != "covering" or zones is not None
         self.routing, self.broker_args = routing, tuple(broker_args)
         self.zones = {b: z for b, z in (zones or {}).items() if z}
+        self.gateway = bool(gateway)
         self._adopt_config()
         self.state.setdefault("token", secrets.token_urlsafe(18))
         self.state.setdefault("brokers", {})
@@ -109,13 +112,19 @@ class LocalBackend:
             "routing": routing,
             "args": list(self.broker_args),
             "zones": dict(self.zones),
+            "gateway": self.gateway,
         }
 
     def config_of(self, name: str) -> list[str]:
         """What broker ``name`` started now runs with (its arguments after the name): one
         recorded with another configuration is rolled."""
         zone = self.zones.get(name)
-        return [self.routing, *self.broker_args, *(("--zone", zone) if zone else ())]
+        return [
+            self.routing,
+            *self.broker_args,
+            *(("--zone", zone) if zone else ()),
+            *(("--gateway", f"{self.host}:0") if self.gateway else ()),
+        ]
 
     def reload(self) -> None:
         """Read ``state.json`` again: another process (the supervisor, an ``apply``) may have
@@ -133,6 +142,7 @@ class LocalBackend:
             self.routing = str(configured["routing"])
             self.broker_args = tuple(configured["args"])
             self.zones = dict(configured.get("zones") or {})
+            self.gateway = bool(configured.get("gateway"))
 
     @contextlib.asynccontextmanager
     async def locked(self, within: float = 600.0) -> AsyncIterator[None]:
@@ -210,6 +220,7 @@ class LocalBackend:
                         "pid": proc.pid,
                         "listen": addr["listen"],
                         "admin": addr["admin"],
+                        **({"gateway": addr["gateway"]} if "gateway" in addr else {}),
                         "log": str(log),
                         "config": self.config_of(name),
                     }

@@ -202,6 +202,7 @@ def run_apply(args: argparse.Namespace) -> int:
             routing=spec.routing,
             broker_args=spec.broker_args(),
             zones=spec.zone_of(),
+            gateway=spec.gateway,
             insecure=getattr(args, "insecure", False),
         )
         try:
@@ -305,6 +306,7 @@ def run_status(args: argparse.Namespace) -> int:
                 "clients": s.get("clients"),
                 "neighbours": [x["peer"] for x in neighbours],
                 "zone": (s.get("placement") or {}).get("zone", ""),
+                "gateway": _gateway_url(backend, n),
                 "standby": [x["peer"] for x in s.get("standby", []) if x.get("state") == "up"],
                 "restarts": int((backend.state.get("restarts") or {}).get(n, 0)),
                 **({"why": h["why"]} if "why" in h else {}),
@@ -342,6 +344,7 @@ def run_status(args: argparse.Namespace) -> int:
             f"restarts {b['restarts']:<3} zone {b['zone'] or '-':<8} "
             f"neighbours {', '.join(b['neighbours']) or '-'}"
             + (f" (standby {', '.join(b['standby'])})" if b["standby"] else "")
+            + (f" gateway {b['gateway']}" if b["gateway"] else "")
         )
     verdict = "healthy" if data["healthy"] else "DEGRADED"
     print(
@@ -421,3 +424,11 @@ def run_down(args: argparse.Namespace) -> int:
     asyncio.run(backend.down())  # the supervisor first, then every broker
     print(f"stopped overlay {backend.dir.name} (its supervisor and brokers)")
     return 0
+
+
+def _gateway_url(backend: LocalBackend, broker: str) -> str | None:
+    """Where broker ``broker``'s HTTP gateway answers (None: the overlay has none)."""
+    where = (backend.brokers.get(broker) or {}).get("gateway")
+    if not where:
+        return None
+    return f"{'http' if backend.state.get('insecure') else 'https'}://{where}"

@@ -70,6 +70,7 @@ class OverlaySpec:
     retention_limit: int = 100_000  # spec.failureDetection.retentionLimit (per link)
     cycle_bound: int = 4  # spec.failureDetection.cycleBound: link-failure repair (paper 004)
     cycle_period: float = 2.0  # spec.failureDetection.cyclePeriodSeconds
+    gateway: bool = False  # spec.gateway.enabled: the brokers' HTTP gateway (canopy_broker.gateway)
     slow_consumer: str = "disconnect"  # spec.clients.slowConsumer
     client_queue_limit: int = 200_000  # spec.clients.queueLimit
     max_subscriptions: int = 10_000  # spec.clients.maxSubscriptions
@@ -191,6 +192,7 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
             f"spec.failureDetection.cyclePeriodSeconds must be a number, got {period!r}"
         )
     clients = _get(spec, "clients", dict, {}, "spec")
+    gateway = _get(spec, "gateway", dict, {}, "spec")
     status = manifest.get("metadata", {}) or {}
     return OverlaySpec(
         name=name,
@@ -212,6 +214,7 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         retention_limit=_get(detection, "retentionLimit", int, 100_000, "spec.failureDetection"),
         cycle_bound=_get(detection, "cycleBound", int, 4, "spec.failureDetection"),
         cycle_period=float(period),
+        gateway=_get(gateway, "enabled", bool, False, "spec.gateway"),
         slow_consumer=_get(clients, "slowConsumer", str, "disconnect", "spec.clients"),
         client_queue_limit=_get(clients, "queueLimit", int, 200_000, "spec.clients"),
         max_subscriptions=_get(clients, "maxSubscriptions", int, 10_000, "spec.clients"),

@@ -1,0 +1,214 @@
+"""The HTTP gateway on real processes: two brokers, TLS, a client policy with bearer tokens.
+An application with nothing but HTTP subscribes over Server-Sent Events on one broker and over
+a WebSocket on the other, publishes by POST and over its WebSocket, and gets every matching
+notification once, in order; a native client sees the gateway's publications the same way.
+The policy holds for HTTP exactly as for native clients: an unknown token is 401, a filter or a
+publication it does not allow 403; bad bodies and filters are 400 with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ssl
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from canopy_broker.client import connect
+from canopy_broker.procs import BrokerProc, env_pki, spawn_broker, wait_settled
+
+pytestmark = pytest.mark.integration
+
+WRITER, READER = "writer-token-0123456789", "reader-token-0123456789"
+
+
+def sha(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+POLICY = f"""\
+default: deny
+principals:
+  - name: canopy
+    clients: ["*"]
+  - name: writer
+    tokenSha256: {sha(WRITER)}
+    clients: ["writer", "writer/*"]
+    publish: ["kind = 'temp'"]
+    subscribe: []
+  - name: reader
+    tokenSha256: {sha(READER)}
+    clients: ["reader", "reader/*"]
+    publish: []
+    subscribe: ["kind = 'temp'"]
+"""
+
+
+async def start(tmp_path: Path) -> tuple[BrokerProc, BrokerProc, ssl.SSLContext]:
+    pki = env_pki()
+    assert pki is not None, "the test session runs brokers with TLS ($CANOPY_PKI)"
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY)
+    extra = ("--policy", str(policy), "--gateway", "127.0.0.1:0")
+    a, b = await asyncio.gather(
+        *(spawn_broker(n, log_dir=tmp_path, extra_args=extra) for n in ("a", "b"))
+    )
+    assert (await a.admin.add_link("b", b.listen, wait=10))["up"]
+    ctx = ssl.create_default_context(cafile=str(pki.ca_path))
+    ctx.check_hostname = False  # the brokers' certificates name canopy identities, not hosts
+    return a, b, ctx
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def read_sse(response: aiohttp.ClientResponse, into: list[dict[str, Any]]) -> None:
+    event: dict[str, str] = {}
+    async for raw in response.content:
+        line = raw.decode().rstrip("\n")
+        if not line:
+            if event.get("event") == "notification":
+                into.append(orjson.loads(event["data"]))
+            event = {}
+        elif not line.startswith(":"):
+            key, _, value = line.partition(": ")
+            event[key] = value
+
+
+async def test_http_clients_publish_and_subscribe_with_the_brokers_guarantees(
+    tmp_path: Path,
+) -> None:
+    a, b, ctx = await start(tmp_path)
+    native = None
+    reading: asyncio.Task[None] | None = None
+    try:
+        assert a.gateway and b.gateway
+        await wait_settled([a, b])
+        base_a, base_b = f"https://{a.gateway}", f"https://{b.gateway}"
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
+            # SSE on b for "temp" events above 20; a WebSocket on a for all "temp" events.
+            sse = await http.get(
+                f"{base_b}/v1/subscribe",
+                params={"filter": "kind = 'temp' and value > 20"},
+                headers={**bearer(READER), "X-Canopy-Client-Id": "reader/sse"},
+            )
+            assert sse.status == 200, await sse.text()
+            assert sse.headers["X-Canopy-Client-Id"] == "reader/sse"
+            got_sse: list[dict[str, Any]] = []
+            reading = asyncio.create_task(read_sse(sse, got_sse))
+            ws = await http.ws_connect(
+                f"{base_a}/v1/ws",
+                params={"filter": "kind = 'temp'", "client_id": "reader/ws"},
+                headers=bearer(READER),
+            )
+            native = await connect(a.listen, "canopy/native")
+            await native.subscribe("kind = 'temp'")
+            await wait_settled([a, b])  # the routes reached both brokers
+
+            # 200 events by POST on a, in batches of 20.
+            for first in range(0, 200, 20):
+                batch = [{"kind": "temp", "value": v} for v in range(first, first + 20)]
+                r = await http.post(
+                    f"{base_a}/v1/publish",
+                    data=orjson.dumps(batch),
+                    headers={**bearer(WRITER), "X-Canopy-Client-Id": "writer/post"},
+                )
+                assert r.status == 200, await r.text()
+                body = await r.json()
+                assert body["published"] == 20 and body["last_seq"] == first + 20
+                assert body["client_id"] == "writer/post"
+            # A reader's WebSocket may not publish: the broker refuses, the reply says so.
+            wpub = await http.ws_connect(
+                f"{base_b}/v1/ws",
+                params={"filter": "kind = 'temp' and value < 0", "client_id": "reader/ws2"},
+                headers=bearer(READER),
+            )
+            await wpub.send_str(orjson.dumps({"publish": {"kind": "temp", "value": 1}}).decode())
+            refused = orjson.loads(await wpub.receive_bytes())
+            assert "error" in refused, refused  # the reader may not publish: the broker says so
+            await wpub.close()
+
+            async def ws_all(n: int) -> list[dict[str, Any]]:
+                out = []
+                while len(out) < n:
+                    out.append(orjson.loads(await ws.receive_bytes()))
+                return out
+
+            over_ws = await asyncio.wait_for(ws_all(200), 20)
+            assert [m["attrs"]["value"] for m in over_ws] == list(range(200))
+            assert {(m["publisher"], m["hops"]) for m in over_ws} == {("writer/post", 0)}
+            assert [m["seq"] for m in over_ws] == list(range(1, 201))
+            async with asyncio.timeout(20):
+                while len(got_sse) < 179:  # noqa: ASYNC110 - filled by the reading task
+                    await asyncio.sleep(0.05)
+            assert [m["attrs"]["value"] for m in got_sse] == list(range(21, 200))
+            assert {m["hops"] for m in got_sse} == {1}  # from a, over the link
+            mine = await native.receive(1000, timeout=5)
+            while len(mine) < 200:
+                more = await native.receive(1000, timeout=5)
+                assert more, f"the native client got {len(mine)} of 200"
+                mine += more
+            assert [n.seq for n in mine] == list(range(1, 201))
+
+            await ws.close()
+            sse.close()
+    finally:
+        if reading is not None:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+        if native is not None:
+            await native.close()
+        await asyncio.gather(a.stop(), b.stop())
+
+
+async def test_the_gateway_refuses_what_the_policy_or_the_request_gets_wrong(
+    tmp_path: Path,
+) -> None:
+    a, b, ctx = await start(tmp_path)
+    try:
+        base = f"https://{a.gateway}"
+        temp = orjson.dumps({"kind": "temp", "value": 1})
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
+
+            async def status(method: str, path: str, **kw: Any) -> tuple[int, str]:
+                async with http.request(method, f"{base}{path}", **kw) as r:
+                    return r.status, (await r.json())["error"]
+
+            code, why = await status("POST", "/v1/publish", data=temp)
+            assert code == 401 and "bearer token" in why
+            code, why = await status("POST", "/v1/publish", data=temp, headers=bearer("nope"))
+            assert code == 401 and "unknown bearer token" in why
+            code, why = await status(
+                "POST", "/v1/publish", data=orjson.dumps({"kind": "alarm"}), headers=bearer(WRITER)
+            )
+            assert code == 403, why  # the writer may publish temp events only
+            code, why = await status("POST", "/v1/publish", data=b"{oops", headers=bearer(WRITER))
+            assert code == 400 and "not JSON" in why
+            code, why = await status("POST", "/v1/publish", data=b"[1, 2]", headers=bearer(WRITER))
+            assert code == 400 and "JSON object" in why
+            code, why = await status(
+                "POST",
+                "/v1/publish",
+                data=temp,
+                headers={**bearer(WRITER), "X-Canopy-Client-Id": "someone-else"},
+            )
+            assert code == 403 and "may not use client id" in why
+            code, why = await status("GET", "/v1/subscribe", headers=bearer(READER))
+            assert code == 400 and "filter" in why
+            code, why = await status(
+                "GET", "/v1/subscribe", params={"filter": "value >"}, headers=bearer(READER)
+            )
+            assert code == 400, why
+            code, why = await status(
+                "GET", "/v1/subscribe", params={"filter": "kind = 'alarm'"}, headers=bearer(READER)
+            )
+            assert code == 403, why  # not covered by the reader's subscribe filters
+            # The broker is unharmed: a good request still works.
+            r = await http.post(f"{base}/v1/publish", data=temp, headers=bearer(WRITER))
+            assert r.status == 200, await r.text()
+    finally:
+        await asyncio.gather(a.stop(), b.stop())
