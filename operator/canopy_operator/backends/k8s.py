@@ -1096,6 +1096,9 @@ class Reconciler:
                     "ports": [
                         {"name": "broker", "port": BROKER_PORT},
                         {"name": "admin", "port": ADMIN_PORT},
+                        # Headless: DNS names the pods; the port only documents (and gives an
+                        # SRV record to) the gateway of brokers that serve one.
+                        {"name": "gateway", "port": GATEWAY_PORT},
                     ],
                 },
             },
