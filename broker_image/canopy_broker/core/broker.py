@@ -397,7 +397,7 @@ class BrokerCore:
         peers: list[str] = []
         local: dict[str, list[str]] = {}
         for d in dests:
-            if isinstance(d, str):
+            if type(d) is str:  # a neighbour (else a (client, subscription) pair)
                 if d != source:
                     peers.append(d)
             else:
@@ -426,7 +426,10 @@ class BrokerCore:
                         keep(eff.peer, self.now, copy.event)
         if deliver:
             for client in sorted(local):
-                out.append(Deliver(client, event, tuple(sorted(local[client]))))
+                subs = local[client]
+                out.append(
+                    Deliver(client, event, (subs[0],) if len(subs) == 1 else tuple(sorted(subs)))
+                )
         elif deliver is None:
             now = self.now
             for client in sorted(local):

@@ -48,7 +48,14 @@ def check_attributes(attrs: Mapping[str, object]) -> dict[str, Value]:
     for name, value in attrs.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"attribute names must be non-empty strings, got {name!r}")
-        if kind_of(value) is None:
+        t = type(value)  # the common exact types without a call; kind_of decides the rest
+        if (
+            t is not str
+            and t is not int
+            and t is not bool
+            and (t is not float or value != value)  # noqa: PLR0124 - NaN is not itself
+            and kind_of(value) is None
+        ):
             raise ValueError(
                 f"attribute {name!r} has value {value!r} of type {type(value).__name__}; "
                 "allowed: str, int, float (not NaN), bool"
