@@ -45,6 +45,7 @@ log = logging.getLogger("canopy.gateway")
 KEEPALIVE_SECONDS = 15.0
 MAX_BODY = 4 * 1024 * 1024
 MAX_BATCH = 10_000
+MAX_PUBLISHERS = 256  # publishing connections kept open between requests
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -77,11 +78,18 @@ class Gateway:
         return await connect(self.broker, client_id, credentials=creds, failover_within=0)
 
     async def publisher(self, creds: Credentials, client_id: str | None) -> Client:
+        """The kept connection for (token, client id), made if missing or closed. At most
+        ``MAX_PUBLISHERS`` are kept: the least recently used one is closed for a new one."""
         key = (creds.token, client_id)
         async with self._locks.setdefault(key, asyncio.Lock()):
-            client = self._publishers.get(key)
+            client = self._publishers.pop(key, None)
             if client is None or client.closed:
-                client = self._publishers[key] = await self._connect(creds, client_id)
+                while len(self._publishers) >= MAX_PUBLISHERS:
+                    oldest = next(iter(self._publishers))
+                    self._locks.pop(oldest, None)
+                    await self._publishers.pop(oldest).close()
+                client = await self._connect(creds, client_id)
+            self._publishers[key] = client  # last: the most recently used
             return client
 
     async def close(self) -> None:

@@ -17,7 +17,8 @@ import aiohttp
 import orjson
 import pytest
 
-from canopy_broker.client import connect
+from canopy_broker import gateway as gw
+from canopy_broker.client import Credentials, connect
 from canopy_broker.procs import BrokerProc, env_pki, spawn_broker, wait_settled
 
 pytestmark = pytest.mark.integration
@@ -212,3 +213,36 @@ async def test_the_gateway_refuses_what_the_policy_or_the_request_gets_wrong(
             assert r.status == 200, await r.text()
     finally:
         await asyncio.gather(a.stop(), b.stop())
+
+
+async def test_the_gateway_keeps_a_bounded_number_of_publishing_connections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One kept connection per (token, client id), the least recently used closed beyond the
+    bound, so callers inventing client ids cannot make the gateway hold connections without
+    end."""
+
+    class Fake:
+        def __init__(self, cid: str | None) -> None:
+            self.client_id, self.closed = cid, False
+
+        async def close(self) -> None:
+            self.closed = True
+
+    made: list[Fake] = []
+
+    async def fake_connect(self: gw.Gateway, creds: Credentials, cid: str | None) -> Fake:
+        made.append(Fake(cid))
+        return made[-1]
+
+    monkeypatch.setattr(gw, "MAX_PUBLISHERS", 2)
+    monkeypatch.setattr(gw.Gateway, "_connect", fake_connect)
+    g = gw.Gateway("127.0.0.1:1", None)
+    creds = Credentials(token="t")
+    a = await g.publisher(creds, "a")
+    b = await g.publisher(creds, "b")
+    assert await g.publisher(creds, "a") is a  # kept, and now the most recent
+    await g.publisher(creds, "c")  # over the bound: b, the least recently used, goes
+    assert b.closed and not a.closed and len(made) == 3
+    await g.close()
+    assert all(f.closed for f in made)
