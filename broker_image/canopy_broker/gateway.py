@@ -73,6 +73,13 @@ class Gateway:
     def client_id(request: web.Request) -> str | None:
         return request.headers.get("X-Canopy-Client-Id") or request.query.get("client_id") or None
 
+    def _broker_error(self, exc: ClientError | OSError) -> web.Response:
+        """What the broker said (its error frame's code as an HTTP status), or that it could
+        not be reached."""
+        if isinstance(exc, ClientError):
+            return _error(_status(exc), str(exc))
+        return _error(502, f"the broker at {self.broker} cannot be reached: {exc}")
+
     async def _connect(self, creds: Credentials, client_id: str | None) -> Client:
         # One broker, no failover: the gateway runs beside it, and goes with it.
         return await connect(self.broker, client_id, credentials=creds, failover_within=0)
@@ -119,10 +126,8 @@ class Gateway:
                 return _error(504, "the broker did not acknowledge the events within 10 s")
         except ValueError as exc:
             return _error(400, str(exc))
-        except ClientError as exc:
-            return _error(_status(exc), str(exc))
-        except OSError as exc:
-            return _error(502, f"the broker at {self.broker} cannot be reached: {exc}")
+        except (ClientError, OSError) as exc:
+            return self._broker_error(exc)
         return web.json_response(
             {
                 "client_id": client.client_id,
@@ -143,20 +148,10 @@ class Gateway:
         if not filters:
             yield _error(400, "give at least one filter: ?filter=...")
             return
-        gaps: list[Gap] = []
         try:
-            client = await connect(
-                self.broker,
-                self.client_id(request),
-                credentials=creds,
-                failover_within=0,
-                on_gap=gaps.append,
-            )
-        except ClientError as exc:
-            yield _error(_status(exc), str(exc))
-            return
-        except OSError as exc:
-            yield _error(502, f"the broker at {self.broker} cannot be reached: {exc}")
+            client = await self._connect(creds, self.client_id(request))
+        except (ClientError, OSError) as exc:
+            yield self._broker_error(exc)
             return
         try:
             for i, f in enumerate(filters):

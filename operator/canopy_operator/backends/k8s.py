@@ -44,6 +44,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_broker.client.credentials import LOCAL_CLIENT
 from canopy_broker.pki import Authority, permissive_policy
+from canopy_broker.runtime.placement import ZONE_ANNOTATION, ZONE_LABEL
 from canopy_broker.runtime.security import BROKER, CLIENT, Identity, Policy, SecurityError
 from canopy_operator.backends.leader import Elector, LeaseConfig, run_as_leader
 from canopy_operator.executor import Executor, ProgressStore, StepError, replace_broker
@@ -84,10 +85,9 @@ TLS_DIR = "/etc/canopy/tls"  # the broker's TLS Secret (ca.crt, tls.crt, tls.key
 POLICY_DIR = "/etc/canopy/policy"  # the client policy ConfigMap (policy.yaml): --policy
 POLICY_KEY = "policy.yaml"
 PLACEMENT_DIR = "/etc/canopy/placement"  # downward API: the pod's labels and annotations
-ZONE_LABEL = "topology.kubernetes.io/zone"  # on nodes (and on pods, with Kubernetes 1.33+)
-ZONE_ANNOTATION = "canopy.dev/zone"
-"""Pod annotation: the zone of the node the pod is bound to, set by the operator (a pod cannot
-read its node's labels); the broker reads it through the downward API (--placement-dir)."""
+# ZONE_LABEL (on nodes, and on pods with Kubernetes 1.33+) and ZONE_ANNOTATION (the zone of the
+# node a pod is bound to, set by the operator since a pod cannot read its node's labels) are the
+# broker's own names for what it reads through the downward API (--placement-dir).
 CLIENT_PRINCIPAL = LOCAL_CLIENT  # the principal of the overlay's client Secret (any client id)
 DEFAULT_IMAGE = "canopy:0.1.0"  # the Dockerfile's image: broker, CLI and operator
 

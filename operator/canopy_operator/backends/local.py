@@ -99,15 +99,11 @@ class LocalBackend:
             return data
         return {}
 
-    def configure(
-        self, routing: str, broker_args: Sequence[str], zones: Mapping[str, str] | None = None
-    ) -> None:
-        """Start new brokers with ``routing``, ``broker_args`` and their ``zones``
-        (remembered in state.json)."""
+    def configure(self, routing: str, broker_args: Sequence[str]) -> None:
+        """Start new brokers with ``routing``, ``broker_args`` and the zones and gateway this
+        backend was made with (all remembered in state.json)."""
         self.routing = routing
         self.broker_args = tuple(broker_args)  # e.g. telemetry sampling for the miner
-        if zones is not None:
-            self.zones = {b: z for b, z in zones.items() if z}
         self.state["config"] = {
             "routing": routing,
             "args": list(self.broker_args),
