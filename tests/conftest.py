@@ -1,6 +1,8 @@
 """Test-wide settings.
 
 * Hypothesis profiles: CI runs ``default``; ``HYPOTHESIS_PROFILE=thorough`` runs more examples.
+* Tests that wait on timeouts and heartbeats run on looptime's fake loop clock
+  (``@pytest.mark.looptime``): sleeps take no real time and their order is exact.
 * Async tests must not leak asyncio tasks: a task still pending when the test ends is a bug
   (a forgotten reader, an unawaited close), so the fixture below cancels it and fails the test.
 * Security is on in every test (issue 14): one CA for the session, named by ``$CANOPY_PKI``,
@@ -54,6 +56,11 @@ _PKI_ROOT = tempfile.mkdtemp(prefix="canopy-test-pki-")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    # No implicit event loop for this thread: asking for the current loop outside a running one
+    # raises (as from Python 3.14) instead of creating a loop that nobody closes. looptime's
+    # plugin asks for it before every test, sync ones too, and an implicit loop made there
+    # would be garbage-collected unclosed in some later test (a ResourceWarning, an error here).
+    asyncio.set_event_loop(None)
     os.environ[ENV_PKI] = str(LocalPki(os.path.join(_PKI_ROOT, "pki")).ensure().dir)
 
 

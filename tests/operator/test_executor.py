@@ -33,7 +33,7 @@ class ScriptedExecutor(Executor):
                 self.fail_once.discard(i)
                 await asyncio.sleep(0.01)
                 raise StepError(i, step, "the broker refused")
-            await asyncio.sleep(0.2 if i == 1 else 0)
+            await asyncio.sleep(3600 if i == 1 else 0)  # loop time: looptime makes it free
         except asyncio.CancelledError:
             self.log.append(f"cancelled {i}")
             raise
@@ -50,12 +50,16 @@ def plan() -> Plan:
     return Plan(steps, ())
 
 
+@pytest.mark.looptime
 async def test_a_failed_step_cancels_its_siblings_and_a_rerun_resumes() -> None:
     store = Store()
     ex = ScriptedExecutor(backend=None, store=store, overlay="ov")  # type: ignore[arg-type]
     ex.fail_once, ex.log = {0}, []
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
     with pytest.raises(StepError, match="the broker refused"):
         await ex.run(plan(), generation=3)
+    assert loop.time() - t0 == pytest.approx(0.01)  # the sibling was cancelled, not waited for
     assert ex.log == ["start 0", "start 1", "cancelled 1"]  # batch 1 never started
     assert store.saved == {}  # nothing completed
     await ex.run(plan(), generation=3, progress=store.saved)

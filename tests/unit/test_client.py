@@ -21,6 +21,8 @@ from tests.unit.test_runtime_broker import (
     make_broker,
 )
 
+pytestmark = pytest.mark.looptime  # timeouts and heartbeats on the loop's clock, faked
+
 __all__ = ["make_broker"]
 
 

@@ -395,6 +395,7 @@ async def test_resume_of_an_unknown_session_is_refused(make_broker: MakeBroker) 
     assert b'"unknown-session"' in await closed_by_peer(reader, writer)
 
 
+@pytest.mark.looptime
 async def test_heartbeats_measure_rtt_and_detect_a_dead_peer(make_broker: MakeBroker) -> None:
     a = await make_broker("a")
     await eventually(lambda: a.ready)
@@ -601,6 +602,7 @@ async def test_a_slow_consumer_never_stalls_another_subscriber(make_broker: Make
         await hang_up(writer)
 
 
+@pytest.mark.looptime
 async def test_silent_and_stalled_connections_are_closed(make_broker: MakeBroker) -> None:
     b = await make_broker("b", handshake_timeout=0.3, frame_timeout=0.3)
     async with await connect(addr(b)) as honest:

@@ -22,6 +22,8 @@ from canopy_broker.runtime.server import Broker
 from canopy_broker.sim.checker import check_routing
 from tests.unit.test_runtime_broker import MakeBroker, addr, eventually, link, make_broker, settled
 
+pytestmark = pytest.mark.looptime  # timeouts and heartbeats on the loop's clock, faked
+
 __all__ = ["make_broker"]
 
 

@@ -25,6 +25,8 @@ from canopy_broker.runtime.server import Broker
 from tests.unit.test_runtime_broker import MakeBroker, addr, collect, eventually, make_broker
 from tests.unit.test_runtime_standby import standby_up, star
 
+pytestmark = pytest.mark.looptime  # timeouts and heartbeats on the loop's clock, faked
+
 __all__ = ["make_broker"]  # the fixture, imported for pytest
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from canopy_broker.client import Client, connect
 from canopy_broker.runtime.links import Link
 from canopy_broker.runtime.server import Broker
@@ -24,6 +26,8 @@ from tests.unit.test_runtime_broker import (
 )
 
 __all__ = ["make_broker"]  # the fixture, imported for pytest
+
+pytestmark = pytest.mark.looptime  # timeouts and heartbeats on the loop's clock, faked
 
 
 async def star(make_broker: MakeBroker, **config: Any) -> dict[str, Broker]:

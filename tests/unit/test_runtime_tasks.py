@@ -22,6 +22,7 @@ from tests.unit.test_runtime_broker import MakeBroker, make_broker
 __all__ = ["make_broker", "serve"]  # fixtures, re-exported for pytest
 
 
+@pytest.mark.looptime
 async def test_a_failed_task_is_logged_by_name_and_reported(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -44,6 +44,11 @@ class ConnOwner(Protocol):
     def fail(self, why: str) -> None: ...
 
 
+def _outcome_seen(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class Conn(FrameProtocol):
     """A framed connection owned by a broker process; routes frames to it by role."""
 
@@ -57,6 +62,9 @@ class Conn(FrameProtocol):
         self.opened_at = 0.0  # accepted: when (the loop's clock), for the hello timeout
         self.source = ""  # accepted: the remote address, for the per-source limit
         self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # A dialer that gave up (its hello timed out, the broker stops) no longer awaits the
+        # outcome; the failure is logged where the connection fails, so mark it seen here.
+        self.handshake.add_done_callback(_outcome_seen)
         self.identity: Identity | None = None  # what the peer's TLS certificate proved
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:

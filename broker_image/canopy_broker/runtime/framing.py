@@ -551,9 +551,12 @@ class FrameProtocol(asyncio.Protocol):
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self.transport: asyncio.Transport | None = None
         self.splitter = FrameSplitter(max_frame)
-        self.partial_since: float | None = None  # a frame has begun and is not complete yet
+        # A frame has begun and is not complete yet: since when, on the loop's clock (the clock
+        # every timeout of the runtime reads, so that tests can fake it with looptime).
+        self.partial_since: float | None = None
         self.writing_paused = False
-        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self.lost: asyncio.Future[None] = self._loop.create_future()
         self._drained: asyncio.Future[None] | None = None
         self.pending: deque[list[Any]] = deque()
         self.deadline = math.inf  # when the current turn's budget runs out
@@ -577,7 +580,7 @@ class FrameProtocol(asyncio.Protocol):
             return
         if self.splitter.partial:  # the owner closes a connection that stalls mid-frame
             if self.partial_since is None:
-                self.partial_since = time.monotonic()
+                self.partial_since = self._loop.time()
         elif self.partial_since is not None:
             self.partial_since = None
         if not self._continuing and not self._holds:
@@ -600,7 +603,7 @@ class FrameProtocol(asyncio.Protocol):
                 if pending and time.perf_counter() >= self.deadline:
                     self.pause("busy")
                     self._continuing = True
-                    asyncio.get_running_loop().call_soon(self._work)
+                    self._loop.call_soon(self._work)
                     return
             self.resume("busy")
         except FrameError as exc:
@@ -637,7 +640,7 @@ class FrameProtocol(asyncio.Protocol):
         if not self._pauses and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
             if self.partial_since is not None:  # the wait was ours: the peer's clock restarts
-                self.partial_since = time.monotonic()
+                self.partial_since = self._loop.time()
 
     def hold(self, reason: str, frame: list[Any]) -> None:
         """Handle nothing more (``frame``, given back unhandled, and everything after it) until
@@ -656,7 +659,7 @@ class FrameProtocol(asyncio.Protocol):
         self.resume(reason)
         if not self._holds and self.pending and not self._continuing:
             self._continuing = True
-            asyncio.get_running_loop().call_soon(self._work)
+            self._loop.call_soon(self._work)
 
     @property
     def held(self) -> bool:
@@ -712,7 +715,7 @@ class FrameProtocol(asyncio.Protocol):
         """Wait until the transport accepts writes again (or the connection is gone)."""
         while self.writing_paused and not self.is_closing():
             if self._drained is None:
-                self._drained = asyncio.get_running_loop().create_future()
+                self._drained = self._loop.create_future()
             await asyncio.shield(self._drained)
 
     def _wake_drain(self) -> None:

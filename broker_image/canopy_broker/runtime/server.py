@@ -394,7 +394,7 @@ class Broker:
         the handshake timeout, or a frame begun and not finished within the frame timeout
         (two bytes of a header, then nothing)."""
         cfg = self.config
-        stalled_before = time.monotonic() - cfg.frame_timeout
+        stalled_before = now - cfg.frame_timeout
         for conn in list(self._conns):
             if conn.dialing or conn.is_closing():
                 continue
