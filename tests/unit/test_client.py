@@ -12,6 +12,7 @@ from canopy_broker.client import ClientError, ConnectionLost, Notification, conn
 from canopy_broker.client.connection import BrokerConnection
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.core.filters import Filter
+from canopy_broker.core.messages import ClientSubscribe, ClientUnsubscribe
 from tests.unit.test_runtime_broker import (
     MakeBroker,
     addr,
@@ -161,3 +162,46 @@ async def test_a_lost_connection_is_named_by_how_it_ended(
     assert conn.error is not None and str(conn.error) == expected
     with pytest.raises(ClientError):
         conn.ready.result()
+
+
+def broker_dies_on(b: Any, request: type, sub_id: str) -> None:
+    """``b`` drops the client's connection, unanswered, when ``request`` for ``sub_id``
+    arrives: to the client, its broker died between the request and the answer."""
+    real = b.core.handle
+
+    def handle(inp: Any, now: float = 0.0) -> list[object]:
+        if isinstance(inp, request) and inp.sub_id == sub_id:
+            b.core.handle = real  # once
+            b.clients[inp.client].conn.transport.abort()
+            return []
+        return real(inp, now)  # type: ignore[no-any-return]
+
+    b.core.handle = handle
+
+
+@pytest.mark.parametrize("failover", [True, False])
+async def test_a_broker_lost_mid_subscribe_is_failed_over_and_the_subscription_stands(
+    make_broker: MakeBroker, failover: bool
+) -> None:
+    """subscribe() waits for the failover, which subscribes everything at the next broker, this
+    request too; without a failover it raises ConnectionLost and keeps nothing."""
+    a, b = await make_broker("a"), await make_broker("b")
+    await link(a, b)
+    sub = await connect([addr(a), addr(b)], "s", failover_within=5.0 if failover else 0)
+    await sub.subscribe("n = 1", "first")
+    broker_dies_on(a, ClientSubscribe, "late")
+    if not failover:
+        with pytest.raises(ConnectionLost, match="broker a"):
+            await sub.subscribe("n = 2", "late")
+        assert set(sub.subscriptions) == {"first"}
+        await sub.close()
+        return
+    assert await sub.subscribe("n = 2", "late") == "late"
+    assert sub.broker == "b" and sub.failovers == 1 and set(sub.subscriptions) == {"first", "late"}
+    broker_dies_on(b, ClientUnsubscribe, "first")
+    async with await connect(addr(b), "p") as pub:
+        await pub.publish({"n": 2})
+        assert [(n.id, n.sub_ids) for n in await collect(sub, 1)] == [("p:1", ("late",))]
+        await asyncio.wait_for(sub.unsubscribe("first"), 5)  # b drops it: back to a, again
+        assert sub.broker == "a" and set(sub.subscriptions) == {"late"}
+    await sub.close()

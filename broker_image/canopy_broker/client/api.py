@@ -287,7 +287,10 @@ class Client(FailingOver, Migrating, AsyncClosing):
         return conn
 
     async def _open_now(self) -> BrokerConnection:
-        """The connection, once a failover under way has found one."""
+        """The connection, once a failover under way (or about to start: asyncio reports a
+        loss a loop turn after the close) has found one; else why there is none."""
+        if self._being_lost() and self._conn is not None:
+            await asyncio.shield(self._conn.lost)  # resolved as the loss is handled
         if self.failing_over:
             assert self._failover is not None
             await asyncio.shield(self._failover)
@@ -366,8 +369,15 @@ class Client(FailingOver, Migrating, AsyncClosing):
             raise ValueError(f"subscription id {sub_id!r} is in use")
         self.subscriptions[sub_id] = f
         try:
-            async with self._lock:  # a migration re-subscribes from this dict: not meanwhile
-                await self._check_open().request(B_SUBSCRIBED, sub_id, subscribe_message(sub_id, f))
+            try:
+                async with self._lock:  # a migration re-subscribes from this dict: not meanwhile
+                    conn = self._check_open()
+                    await conn.request(B_SUBSCRIBED, sub_id, subscribe_message(sub_id, f))
+            except ConnectionLostError:
+                # The broker went before it answered. The failover re-subscribes everything in
+                # self.subscriptions at the broker that takes over, this one included: once it
+                # is done the subscription stands there.
+                await self._open_now()
         except BaseException:
             self.subscriptions.pop(sub_id, None)
             raise
@@ -377,10 +387,17 @@ class Client(FailingOver, Migrating, AsyncClosing):
         await self._open_now()
         if sub_id not in self.subscriptions:
             raise ValueError(f"no subscription {sub_id!r}")
-        async with self._lock:
-            msg = orjson.dumps([C_UNSUBSCRIBE, sub_id])
-            await self._check_open().request(B_UNSUBSCRIBED, sub_id, msg)
-            del self.subscriptions[sub_id]
+        msg = orjson.dumps([C_UNSUBSCRIBE, sub_id])
+        while True:
+            try:
+                async with self._lock:
+                    await self._check_open().request(B_UNSUBSCRIBED, sub_id, msg)
+                    del self.subscriptions[sub_id]
+                    return
+            except ConnectionLostError:
+                # The failover re-subscribes it at the next broker (it is still ours until an
+                # answer says otherwise): ask that broker again.
+                await self._open_now()
 
     def _being_lost(self) -> bool:
         """The broker closed the connection and its loss is not handled yet (asyncio reports
