@@ -177,6 +177,8 @@ class Executor:
             return await self._add_leaf(step)
         if step.kind == "exchange":
             return await self._exchange(self.step_id(generation, i), step, i)
+        if step.kind == "join":
+            return await self._join(step)
         return await self._remove_leaf(step, i)
 
     async def _add_leaf(self, step: Step) -> dict[str, Any]:
@@ -189,6 +191,19 @@ class Executor:
         if not result.get("up"):
             raise aiohttp.ClientError(f"link {new}-{anchor} did not come up")
         return {"broker": new, "attached_to": anchor}
+
+    async def _join(self, step: Step) -> dict[str, Any]:
+        """Link two brokers of separate trees (a split left by a correlated failure): the
+        link's hello exchanges their routing tables as a leaf's does, and no path existed
+        between them, so nothing can arrive twice or out of order. Adding a link that exists
+        is a no-op, so a step run again after a restart is harmless."""
+        assert step.add is not None
+        a, b = step.add
+        await self.backend.admin(a).set_peers({b: self.backend.address(b)})
+        result = await self.backend.admin(a).add_link(b, self.backend.address(b))
+        if not result.get("up"):
+            raise aiohttp.ClientError(f"link {a}-{b} did not come up")
+        return {"joined": [a, b]}
 
     async def _exchange(self, xid: str, step: Step, i: int) -> dict[str, Any]:
         assert step.remove is not None

@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 
 from canopy_broker.sim.topology import random_tree
 from canopy_operator.model.planner import Cause, LiveOverlay, Plan, decide, plan
-from canopy_operator.model.topology import Broker, OverlaySpec, adjacency, norm, tree_path, validate
+from canopy_operator.model.topology import (
+    Broker,
+    OverlaySpec,
+    adjacency,
+    components,
+    norm,
+    tree_path,
+    validate,
+)
 
 
 def spec(
@@ -56,6 +64,11 @@ def replay(live: LiveOverlay, p: Plan, f: int) -> tuple[set[str], set[tuple[str,
             assert step.broker not in nodes and step.add is not None
             nodes.add(step.broker)  # type: ignore[arg-type]
             edges.add(norm(step.add))
+        elif step.kind == "join":  # two trees of a split forest become one: never a cycle
+            assert step.add is not None and set(step.add) <= nodes
+            assert not any(set(step.add) <= part for part in components(nodes, edges))
+            edges.add(norm(step.add))
+            continue  # a forest until the last join (checked by the steps after it)
         elif step.kind == "exchange":
             assert step.add is not None and step.remove is not None
             path = tree_path(adjacency(edges), step.add[0], step.add[1])

@@ -23,7 +23,7 @@ ALIVE = [n for n in NAMES if n != "b3"]
 
 def test_a_repaired_tree_gets_the_dead_broker_back_as_a_leaf_then_exchanges() -> None:
     declared = spec(NAMES, EDGES, f=3)
-    r = restore(declared, ALIVE, REPAIRED)
+    r = restore(declared, ALIVE, REPAIRED, ())
     assert not r.wait and r.needed and r.absent == ("b3",)
     assert r.plan is not None
     kinds = [s.kind for s in r.plan.steps]
@@ -35,24 +35,64 @@ def test_a_repaired_tree_gets_the_dead_broker_back_as_a_leaf_then_exchanges() ->
 
 
 def test_it_waits_while_a_survivor_still_links_to_the_dead_broker() -> None:
-    r = restore(spec(NAMES, EDGES), ALIVE, [*REPAIRED[:2], ("b3", "b4"), ("b5", "b6")])
+    r = restore(spec(NAMES, EDGES), ALIVE, [*REPAIRED[:2], ("b3", "b4"), ("b5", "b6")], ())
     assert r.plan is None and "still names b3" in r.wait and "repair in progress" in r.wait
 
 
-def test_it_waits_while_the_survivors_are_split() -> None:
-    torn = [("b0", "b1"), ("b1", "b2"), ("b4", "b5"), ("b5", "b6")]  # b1-b4 not linked yet
-    r = restore(spec(NAMES, EDGES), ALIVE, torn)
-    assert r.plan is None and "form 2 trees" in r.wait
+TORN = [("b0", "b1"), ("b1", "b2"), ("b4", "b5"), ("b5", "b6")]  # b1-b4 not linked
+
+
+def test_it_waits_while_the_survivors_are_split_and_a_repair_runs() -> None:
+    r = restore(spec(NAMES, EDGES), ALIVE, TORN, ["b4", "b3"])  # b3 is dead: not counted
+    assert r.plan is None and "form 2 trees (3, 3): repair in progress at b4" in r.wait
+
+
+def test_a_split_that_no_repair_will_close_is_joined_then_restored() -> None:
+    """Every repair is over and the survivors are still in two trees (a repair chain's
+    partner died too): the plan joins them by the declared link that crosses (b1-b3 is not
+    one, b3 being dead: none crosses, so the least loaded pair), brings b3 back, and ends in
+    the declared tree through trees only."""
+    r = restore(spec(NAMES, EDGES, f=3), ALIVE, TORN, [])
+    assert not r.wait and r.plan is not None and r.absent == ("b3",)
+    kinds = [s.kind for s in r.plan.steps]
+    assert kinds[0] == "join" and kinds.count("join") == 1 and "remove-leaf" not in kinds
+    assert r.plan.steps[0].add == ("b0", "b4")  # the least loaded pair across
+    assert "split in 2 trees" in r.plan.notes[0]
+    nodes, edges, _ = replay(LiveOverlay(tuple(ALIVE), tuple(TORN)), r.plan, 3)
+    assert nodes == set(NAMES) and edges == {norm(e) for e in EDGES}
+
+
+def test_a_join_takes_a_declared_link_that_crosses() -> None:
+    """Two dead brokers leave a split with no declared link across (joined by load); where a
+    declared link crosses, the join is that link and nothing else is needed."""
+    alive = ["b0", "b1", "b2", "b4", "b5"]  # b3 and b6 died
+    torn = [("b0", "b1"), ("b1", "b2"), ("b4", "b5")]
+    declared = spec(
+        NAMES,
+        [
+            *EDGES,
+        ],
+        f=3,
+    )
+    r = restore(declared, alive, torn, [])
+    assert r.plan is not None and r.plan.steps[0].kind == "join"
+    nodes, edges, _ = replay(LiveOverlay(tuple(alive), tuple(torn)), r.plan, 3)
+    assert nodes == set(NAMES) and edges == {norm(e) for e in EDGES}
+    crossing = spec(["a", "b", "c", "d"], [("a", "b"), ("b", "c"), ("c", "d")])
+    r = restore(crossing, ["a", "b", "c", "d"], [("a", "b"), ("c", "d")], [])
+    assert r.plan is not None and [s.describe() for s in r.plan.steps] == [
+        "join the parts of b and c (link b-c)"
+    ]
 
 
 def test_it_waits_while_an_exchange_holds_a_cycle() -> None:
     cycle = [*EDGES, ("b0", "b2")]
-    r = restore(spec(NAMES, EDGES), NAMES, cycle)
+    r = restore(spec(NAMES, EDGES), NAMES, cycle, ())
     assert r.plan is None and "cycle" in r.wait
 
 
 def test_the_declared_shape_needs_nothing() -> None:
-    r = restore(spec(NAMES, EDGES), NAMES, [(b, a) for a, b in EDGES])  # either order
+    r = restore(spec(NAMES, EDGES), NAMES, [(b, a) for a, b in EDGES], ())  # either order
     assert not r.wait and not r.needed and r.absent == ()
     assert describe(r, NAMES) == "as declared (7 brokers)"
 
@@ -60,26 +100,32 @@ def test_the_declared_shape_needs_nothing() -> None:
 def test_a_broker_that_restarted_unlinked_is_linked_again_as_a_leaf() -> None:
     """A Kubernetes pod re-created under the same name answers but has no link: it counts as
     absent and the plan's leaf add links it (creating a broker that exists is a no-op)."""
-    r = restore(spec(NAMES, EDGES), NAMES, REPAIRED)
+    r = restore(spec(NAMES, EDGES), NAMES, REPAIRED, ())
     assert r.absent == ("b3",) and r.plan is not None
     assert r.plan.steps[0].kind == "add-leaf" and r.plan.steps[0].broker == "b3"
 
 
 def test_a_lone_survivor_is_a_tree_of_one() -> None:
-    r = restore(spec(["a", "b", "c"], [("a", "b"), ("b", "c")]), ["b"], [])
+    r = restore(spec(["a", "b", "c"], [("a", "b"), ("b", "c")]), ["b"], [], ())
     assert r.plan is not None and r.absent == ("a", "c")
     nodes, edges, _ = replay(LiveOverlay(("b",), ()), r.plan, 4)
     assert nodes == {"a", "b", "c"} and edges == {("a", "b"), ("b", "c")}
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(4, 14), seed=st.integers(0, 10_000), kills=st.integers(1, 3))
+@given(
+    n=st.integers(4, 14),
+    seed=st.integers(0, 10_000),
+    kills=st.integers(1, 3),
+    cuts=st.integers(0, 2),
+)
 def test_any_crash_and_repair_is_restored_to_the_declared_tree(
-    n: int, seed: int, kills: int
+    n: int, seed: int, kills: int, cuts: int
 ) -> None:
     """Declared tree; some brokers die; the survivors repaired into *some* tree over
-    themselves (any: the planner must not depend on which): the plan ends in the declared
-    tree and every intermediate state is a tree."""
+    themselves (any: the planner must not depend on which), or into a forest when a repair
+    could not close (``cuts`` links missing): the plan ends in the declared tree and every
+    intermediate state is a tree (a forest only until the joins are done)."""
     rng = random.Random(seed)
     names = [f"b{i}" for i in range(n)]
     declared_links = [norm(e) for e in random_tree(n, rng, max_fanout=n)]
@@ -90,10 +136,13 @@ def test_any_crash_and_repair_is_restored_to_the_declared_tree(
     shuffled = rng.sample(alive, len(alive))
     rename = {f"b{i}": b for i, b in enumerate(shuffled)}
     repaired = [norm((rename[a], rename[b])) for a, b in random_tree(len(alive), rng, n)]
+    del repaired[: min(cuts, len(repaired) - 1)]
     declared = spec(names, declared_links, f=n)
-    r = restore(declared, alive, repaired)
-    assert not r.wait and r.plan is not None and set(r.absent) == dead
-    nodes, edges, _ = replay(LiveOverlay(tuple(alive), tuple(repaired)), r.plan, n)
+    r = restore(declared, alive, repaired, ())
+    # A survivor a cut left without any link counts as absent too: a leaf add links it.
+    linked = {b for e in repaired for b in e} or set(sorted(alive)[:1])
+    assert not r.wait and r.plan is not None and set(r.absent) == set(names) - linked
+    nodes, edges, _ = replay(LiveOverlay(tuple(sorted(linked)), tuple(repaired)), r.plan, n)
     assert nodes == set(names) and edges == set(declared_links)
     assert all(len(adjacency(edges)[b]) > 0 for b in names)
 
@@ -102,7 +151,7 @@ def test_managed_links_restore_brokers_not_links() -> None:
     """With managed links only an absent broker is restored (by the bounded fan-out walk): the
     links a repair or an applied proposal chose are not "fixed" back."""
     managed = spec(NAMES, None, f=3)
-    assert not restore(managed, [*ALIVE, "b3"], [*REPAIRED, ("b3", "b6")]).needed
-    r = restore(managed, ALIVE, REPAIRED)
+    assert not restore(managed, [*ALIVE, "b3"], [*REPAIRED, ("b3", "b6")], ()).needed
+    r = restore(managed, ALIVE, REPAIRED, ())
     assert r.absent == ("b3",) and r.plan is not None
     assert [s.kind for s in r.plan.steps] == ["add-leaf"]

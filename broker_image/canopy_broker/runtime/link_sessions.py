@@ -346,6 +346,18 @@ class LinkSessions:
             )
             self.drop(ch, bye=None)
 
+    def moved(self, peer: str) -> None:
+        """``peer`` is at a new address: an outgoing channel that is down, with a session
+        begun with the process at the old one, can only resume that session, which the new
+        process refuses, losing what was queued on it meanwhile (an exchange's transfer, which
+        then stalls until its lease ends). Drop it; the next message dials afresh. A channel
+        that is up talks to a live process and stays; incoming channels are the peer's to
+        manage; links are left to their failure detector and fencing."""
+        ch = self.channels_out.get(peer)
+        if ch is not None and ch.conn is None and ch.incarnation:
+            log.info("%s: %s moved; its outgoing channel's old session dropped", self.name, peer)
+            self.drop(ch, bye=None)
+
     def send_to_peer(self, peer: str, msg: object) -> None:
         """Queue an out-of-band message on the channel to ``peer`` (dialed on first use)."""
         ch = self.channels_out.get(peer)
@@ -1321,7 +1333,10 @@ class LinkSessions:
                 continue
             # An address the operator gave wins; one learnt from a neighbour may be updated.
             if name not in peers or peers[name] == self._learned.get(name):
+                old = peers.get(name)
                 peers[name] = self._learned[name] = address
+                if old is not None and old != address:
+                    self.moved(name)
 
     # ------------------------------------------------------------------ heartbeats
 

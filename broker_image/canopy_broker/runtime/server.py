@@ -846,9 +846,13 @@ class Broker:
     def set_peers(self, peers: dict[str, str]) -> None:
         """Merge ``name -> HOST:PORT`` into the address book used for exchange links and
         out-of-band channels (brokers that are not neighbours yet)."""
+        for address in peers.values():
+            parse_address(address)  # all or nothing
         for name, address in peers.items():
-            parse_address(address)
+            old = self.peers.get(name)
             self.peers[name] = address
+            if old is not None and old != address:  # a restored broker gets a new port
+                self.sessions.moved(name)  # before an exchange queues on a stale channel
 
     def start_exchange(
         self,

@@ -68,7 +68,14 @@ from canopy_operator.model.proposals import (
     from_manifest,
     lifecycle,
 )
-from canopy_operator.model.restore import describe, mutual, reported_links, restore
+from canopy_operator.model.restore import (
+    describe,
+    mutual,
+    repairs_under_way,
+    reported_links,
+    restore,
+    status_neighbours,
+)
 from canopy_operator.model.topology import OverlaySpec, SpecError, norm, parse_overlay, validate
 
 GROUP, VERSION, PLURAL, KIND = "canopy.dev", "v1alpha1", "brokeroverlays", "BrokerOverlay"
@@ -805,13 +812,12 @@ class KubernetesBackend:
                 out[str(labels[LABEL_BROKER])] = pod
         return out
 
-    async def neighbours(self, brokers: Sequence[str]) -> dict[str, set[str]]:
-        async def one(b: str) -> set[str]:
-            status = await self.admin(b).status()
-            return {str(n["peer"]) for n in status.get("neighbours", []) if not n.get("closing")}
-
-        found = await asyncio.gather(*(one(b) for b in brokers))
+    async def statuses(self, brokers: Sequence[str]) -> dict[str, dict[str, Any]]:
+        found = await asyncio.gather(*(self.admin(b).status() for b in brokers))
         return dict(zip(brokers, found, strict=True))
+
+    async def neighbours(self, brokers: Sequence[str]) -> dict[str, set[str]]:
+        return status_neighbours(await self.statuses(brokers))
 
     async def close(self) -> None:
         for client in self._admins.values():
@@ -1566,8 +1572,9 @@ async def _relink_restarted(
 async def _restore(r: Reconciler, backend: KubernetesBackend, spec: OverlaySpec) -> bool:
     """Run the restore plan if one is due (the heal holds the overlay's lock, so no reconcile
     plans at the same time); True when the live shape is the declared one."""
-    links, one_sided = mutual(await backend.neighbours(spec.broker_names))
-    decision = restore(spec, spec.broker_names, links)
+    statuses = await backend.statuses(spec.broker_names)
+    links, one_sided = mutual(status_neighbours(statuses))
+    decision = restore(spec, spec.broker_names, links, repairs_under_way(statuses))
     if one_sided or decision.wait:
         return False
     if not decision.needed:

@@ -30,6 +30,7 @@ from canopy_broker.cli import READY_PREFIX
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.pki import LocalPki
 from canopy_broker.procs import broker_env, serve_command
+from canopy_operator.model.restore import status_neighbours
 
 
 class BrokerDownError(Exception):
@@ -320,11 +321,7 @@ class LocalBackend:
     def reported_neighbours(health: Mapping[str, Mapping[str, Any]]) -> dict[str, set[str]]:
         """What each broker that is up reports as its neighbours, closing links left out (the
         shape of ``KubernetesBackend.neighbours``), from :meth:`health`'s answer."""
-        return {
-            n: {str(x["peer"]) for x in h["status"].get("neighbours", []) if not x.get("closing")}
-            for n, h in health.items()
-            if h["state"] == "up"
-        }
+        return status_neighbours({n: h["status"] for n, h in health.items() if h["state"] == "up"})
 
     async def close(self) -> None:
         for client in self._admins.values():

@@ -37,7 +37,7 @@ from typing import Any
 from canopy_operator.backends.local import BrokerDownError, LocalBackend
 from canopy_operator.commands.local import overlay_dir, run_own_plan
 from canopy_operator.executor import StepError
-from canopy_operator.model.restore import describe, mutual, restore
+from canopy_operator.model.restore import describe, mutual, repairs_under_way, restore
 from canopy_operator.model.topology import parse_overlay
 
 log = logging.getLogger("canopy.supervisor")
@@ -143,7 +143,8 @@ async def restore_once(
         a, b = min(one_sided)
         log(f"waiting: link {a}-{b} is known at one end only (being set up or closed)")
         return None
-    decision = restore(spec, alive, links)
+    statuses = {n: h["status"] for n, h in health.items() if h["state"] == "up"}
+    decision = restore(spec, alive, links, repairs_under_way(statuses))
     if decision.wait:
         log(describe(decision, spec.broker_names))
         return None

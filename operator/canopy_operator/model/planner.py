@@ -36,7 +36,7 @@ from typing import Any, Literal
 from canopy_operator.model.phases import OverlayPhase
 from canopy_operator.model.topology import Edge, OverlaySpec, adjacency, norm, tree_path
 
-StepKind = Literal["add-leaf", "exchange", "remove-leaf"]
+StepKind = Literal["add-leaf", "exchange", "remove-leaf", "join"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,10 @@ class Step:
             return f"add leaf {self.broker} at {self.add[0]}"
         if self.kind == "remove-leaf":
             return f"remove leaf {self.broker}"
+        if self.kind == "join":
+            assert self.add is not None
+            a, b = self.add
+            return f"join the parts of {a} and {b} (link {a}-{b})"
         assert self.remove is not None and self.add is not None
         cycle = (
             f"cycle {' → '.join(self.cycle)}, {len(self.cycle)} links"

@@ -3,9 +3,16 @@
 Pure: the supervisor (local) and the heal timer (Kubernetes) ask :func:`restore` *what* to do
 and carry it out with the shared executor. The answer is one of three:
 
-* **wait** — the survivors are still repairing (a link still names a dead broker, or the live
-  links do not yet join the survivors into one tree). Planning from a torn view would "fix" a
-  state the brokers are about to change themselves; the next tick asks again.
+* **wait** — the survivors are still repairing (a link still names a dead broker, a broker
+  reports a repair under way, or the live links close a cycle). Planning from a torn view would
+  "fix" a state the brokers are about to change themselves; the next tick asks again.
+* **plan**, from several trees — the repairs are over and the survivors are still split: a
+  correlated failure (a node or zone lost with several brokers) took a repair chain's link
+  partner too, so the chain could not close. Waiting would wait for ever; the plan first *joins*
+  the parts, one link from each smaller part to what is joined so far (a declared link where one
+  crosses, else between the least loaded brokers), which keeps the overlay a forest and then a
+  tree. Across parts nothing was delivered while they were apart (their subscribers were told
+  of the gap by their brokers); inside each part nothing changes.
 * **plan** — the survivors form one tree: the plan that takes that tree to the declared shape,
   made by the ordinary planner. A dead broker is simply absent from the live overlay, so it
   comes back as a *new* member through the loss-free elementary steps: a leaf add (a new
@@ -22,10 +29,11 @@ and loses nothing (the executor's guarantees), which is the whole point of resto
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from canopy_operator.model.planner import LiveOverlay, Plan, plan
-from canopy_operator.model.topology import Edge, OverlaySpec, components, norm
+from canopy_operator.model.planner import LiveOverlay, Plan, Step, plan
+from canopy_operator.model.topology import Edge, OverlaySpec, adjacency, components, norm
 
 
 @dataclass(frozen=True)
@@ -42,9 +50,12 @@ class Restore:
         return self.plan is not None and bool(self.plan.steps)
 
 
-def restore(spec: OverlaySpec, alive: Iterable[str], links: Iterable[Edge]) -> Restore:
+def restore(
+    spec: OverlaySpec, alive: Iterable[str], links: Iterable[Edge], repairing: Iterable[str]
+) -> Restore:
     """``alive``: brokers whose process runs and answers; ``links``: the links they report
-    (each once, either order). See the module docstring for the three answers."""
+    (each once, either order); ``repairing``: brokers that report a repair not finished yet
+    (:func:`repairs_under_way`). See the module docstring for the answers."""
     up = set(alive)
     edges = {norm(e) for e in links}
     dangling = sorted(e for e in edges if not set(e) <= up)
@@ -55,21 +66,84 @@ def restore(spec: OverlaySpec, alive: Iterable[str], links: Iterable[Edge]) -> R
     linked = {b for e in edges for b in e}
     # A lone survivor is a tree of one; otherwise unlinked brokers are (re)joined as leaves.
     members = linked or set(sorted(up)[:1])
+    busy = sorted(set(repairing) & up)
     parts = components(members, edges)
-    if len(parts) > 1:
+    if len(parts) > 1 and busy:
         sizes = ", ".join(str(len(p)) for p in sorted(parts, key=len, reverse=True))
         return Restore(
-            wait=f"the live brokers form {len(parts)} trees ({sizes}): repair in progress"
+            wait=f"the live brokers form {len(parts)} trees ({sizes}): repair in progress "
+            f"at {', '.join(busy)}"
         )
-    if len(edges) != len(members) - 1:
+    if sum(len(p) - 1 for p in parts) != len(edges):
         return Restore(wait="the live links close a cycle: an exchange is under way")
+    joins = _joins(parts, edges, spec)
+    edges |= {j.add for j in joins if j.add is not None}
     absent = tuple(b for b in spec.broker_names if b not in members)
     if spec.links is None and not absent:
         # Managed links: the declared shape is the broker set within maxFanOut, which the
         # repair keeps; the rest is the miner's and the proposals' business, not a restore's.
         return Restore(plan=None)
     the_plan = plan(LiveOverlay(tuple(sorted(members)), tuple(sorted(edges))), spec)
+    if joins:
+        later = tuple(replace(st, batch=st.batch + len(joins)) for st in the_plan.steps)
+        notes = (f"the survivors were split in {len(parts)} trees: joined first", *the_plan.notes)
+        the_plan = Plan((*joins, *later), the_plan.final_links, notes)
     return Restore(plan=the_plan, absent=absent)
+
+
+def _joins(parts: list[set[str]], edges: set[Edge], spec: OverlaySpec) -> tuple[Step, ...]:
+    """One link per part beyond the largest, joining it to what is joined so far: a declared
+    link that crosses if there is one (fewer exchanges after), else the pair of least loaded
+    brokers (no broker pushed over maxFanOut if it can be helped). One step per batch: each
+    join changes the loads the next one is chosen by."""
+    if len(parts) < 2:
+        return ()
+    ordered = sorted(parts, key=lambda p: (-len(p), min(p)))
+    joined = set(ordered[0])
+    degree = {b: len(ns) for b, ns in adjacency(edges).items()}
+    declared = {norm(e) for e in spec.links or ()}
+    f = spec.max_fan_out
+    out: list[Step] = []
+    for part in ordered[1:]:
+        crossing = sorted(
+            e
+            for e in declared
+            if (e[0] in part and e[1] in joined) or (e[1] in part and e[0] in joined)
+        )
+
+        def load(pair: tuple[str, str]) -> tuple[bool, int, str, str]:
+            a, b = pair
+            da, db = degree.get(a, 0), degree.get(b, 0)
+            return (max(da, db) >= f, da + db, *norm(pair))
+
+        pairs = crossing or [(a, b) for a in sorted(part) for b in sorted(joined)]
+        a, b = min(pairs, key=load)
+        link = norm((a, b))
+        out.append(Step("join", len(out), add=link))
+        degree[a], degree[b] = degree.get(a, 0) + 1, degree.get(b, 0) + 1
+        joined |= part
+    return tuple(out)
+
+
+def status_neighbours(statuses: Mapping[str, Mapping[str, Any]]) -> dict[str, set[str]]:
+    """What each broker reports as its neighbours in its ``/status``, closing links left out
+    (a closing link is on its way out; counting it would show a cycle or a link that is gone)."""
+    return {
+        name: {str(x["peer"]) for x in status.get("neighbours") or () if not x.get("closing")}
+        for name, status in statuses.items()
+    }
+
+
+def repairs_under_way(statuses: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The brokers whose ``/status`` lists a crash repair that has not completed (its sweep
+    has not come back, nor its timer run out): while one runs, a split is not final."""
+    return sorted(
+        name
+        for name, status in statuses.items()
+        if any(
+            isinstance(r, Mapping) and "complete_at" not in r for r in status.get("repairs") or ()
+        )
+    )
 
 
 def reported_links(neighbours: Mapping[str, Iterable[str]]) -> set[Edge]:
