@@ -20,7 +20,6 @@ import yaml
 from prometheus_client.metrics_core import Metric
 
 from canopy_broker.cli import build_parser as broker_parser
-from canopy_broker.runtime.metrics import BrokerMetrics, Gauges
 from canopy_operator.backends import k8s
 from canopy_operator.cli import build_parser
 from canopy_operator.model.topology import parse_overlay
@@ -33,6 +32,7 @@ from tests.tools import (
     rbac_rules,
     value_keys,
 )
+from tests.unit.test_metric_conventions import families
 
 ALL_ON = CHART / "ci" / "all-on-values.yaml"
 LEASE_VERBS = ("get", "create", "patch")
@@ -628,12 +628,7 @@ def exported(families: Sequence[Metric]) -> dict[str, set[str]]:
 
 
 def canopy_metrics() -> dict[str, set[str]]:
-    gauges = Gauges(0, 0, False, {"p": 0}, {"p": True}, 0, 0)
-    broker = BrokerMetrics(lambda: gauges)
-    families = list(broker.registry.collect())
-    for metric in (k8s.RECONCILE_SECONDS, k8s.STEPS, k8s.PLAN_LENGTH):
-        families += metric.collect()
-    return exported(families)
+    return exported(families())
 
 
 def dashboard_names(dashboard: Mapping[str, Any]) -> set[str]:

@@ -29,7 +29,7 @@ class Gauges:
     link_queue_depth: dict[str, int]
     link_up: dict[str, bool]
     client_queue_depth_max: int
-    client_queue_depth_total: int
+    client_queued_messages: int
     retention_depth: int = 0
     retention_full: bool = False
     retention_dropped: int = 0
@@ -73,9 +73,9 @@ class _StateCollector(Collector):
             value=g.client_queue_depth_max,
         )
         yield GaugeMetricFamily(
-            "canopy_client_queue_depth_total",
-            "Sum of client outbound queues",
-            value=g.client_queue_depth_total,
+            "canopy_client_queued_messages",
+            "Messages waiting in all client outbound queues (a gauge: no _total suffix)",
+            value=g.client_queued_messages,
         )
         yield GaugeMetricFamily(
             "canopy_retention_depth",

@@ -1042,7 +1042,7 @@ class Broker:
             link_queue_depth={p: lk.depth for p, lk in self.links.items()},
             link_up={p: lk.conn is not None for p, lk in self.links.items()},
             client_queue_depth_max=max(depths, default=0),
-            client_queue_depth_total=sum(depths),
+            client_queued_messages=sum(depths),
             retention_depth=self.core.retention.depth(),
             retention_full=self.custody_full,
             retention_dropped=self.core.retention.dropped,
