@@ -24,6 +24,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from canopy_broker import logs
 from canopy_broker.core.messages import RoutingMode
 from canopy_broker.gateway import make_gateway_app
 from canopy_broker.runtime.admin import make_admin_app
@@ -179,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run without TLS: anybody who reaches a port may link, publish and subscribe",
     )
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    logs.add_argument(s)
+    s.add_argument(
+        "--overlay",
+        default=os.environ.get("CANOPY_OVERLAY", ""),
+        help="the overlay this broker belongs to, for its logs (default: $CANOPY_OVERLAY)",
+    )
     return parser
 
 
@@ -326,11 +333,7 @@ def tune_gc() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(args.log_level, args.log_format, overlay=args.overlay, broker=args.name)
     tune_gc()
     profile = os.environ.get(PROFILE_ENV)
     with contextlib.suppress(KeyboardInterrupt):

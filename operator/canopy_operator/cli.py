@@ -12,6 +12,8 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from canopy_broker import logs
+
 
 def build_parser() -> argparse.ArgumentParser:
     from canopy_operator.commands import demo, local, mine, plan, sim, supervise
@@ -74,19 +76,19 @@ def _add_operator_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
         help="this replica's name in the Lease (default: $POD_NAME, else the host name)",
     )
     p.add_argument("--lease-duration", type=float, default=15.0, help="seconds")
+    logs.add_argument(p)
     p.set_defaults(func=_run_operator)
 
 
 def _run_operator(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
 
     from prometheus_client import start_http_server
 
     from canopy_operator.backends import k8s
     from canopy_operator.backends.leader import LeaseConfig, LostLeadershipError
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logs.configure("INFO", args.log_format)
     config = k8s.OperatorConfig(
         server=args.server,
         token=args.token,

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from canopy_broker.admin_client import AdminClient, AdminError
+from canopy_broker.logs import log_context
 from canopy_operator.model.planner import LiveOverlay, Plan, Step, plan
 from canopy_operator.model.rollout import without
 from canopy_operator.model.topology import OverlaySpec
@@ -140,15 +141,26 @@ class Executor:
     async def _run_step(
         self, generation: int, i: int, step: Step, state: dict[str, Any], done: set[int]
     ) -> None:
-        started = time.perf_counter()
-        self.on_event("StepStarted", f"step {i + 1}/{len(state['steps'])}: {step.describe()}")
-        detail = await self._retrying(lambda: self._do(generation, i, step), step, i)
-        done.add(i)
-        state["completed"] = sorted(done)
-        await self.store.save(dict(state))
-        seconds = time.perf_counter() - started
-        self.results.append(StepResult(i, step.kind, seconds, detail))
-        self.on_event("StepDone", f"step {i + 1}: {step.describe()} in {seconds:.2f}s")
+        # Every line logged while this step runs (its Events, the backend's, the supervisor's
+        # progress lines) names it, as the brokers' lines about its exchange do
+        # (canopy_broker.logs).
+        with log_context(
+            overlay=self.overlay,
+            generation=generation,
+            step=i + 1,
+            reconfiguration=self.step_id(generation, i),
+        ):
+            started = time.perf_counter()
+            begun = f"step {i + 1}/{len(state['steps'])}: {step.describe()}"
+            self.on_event("StepStarted", begun)
+            detail = await self._retrying(lambda: self._do(generation, i, step), step, i)
+            done.add(i)
+            state["completed"] = sorted(done)
+            await self.store.save(dict(state))
+            seconds = time.perf_counter() - started
+            self.results.append(StepResult(i, step.kind, seconds, detail))
+            ended = f"step {i + 1}: {step.describe()} in {seconds:.2f}s"
+            self.on_event("StepDone", ended)
 
     async def _retrying(
         self, action: Callable[[], Awaitable[dict[str, Any]]], step: Step, i: int

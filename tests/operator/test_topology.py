@@ -73,6 +73,7 @@ def test_a_valid_tree_and_managed_links_pass() -> None:
             {"clients": {"slowConsumer": "ignore"}},
             "clients.slowConsumer must be one of disconnect, backpressure",
         ),
+        (["a"], [], {"broker": {"logFormat": "xml"}}, "broker.logFormat must be one of text, json"),
     ],
 )
 def test_problems_name_what_is_wrong(
@@ -155,6 +156,7 @@ def test_custody_and_client_limits_reach_the_broker_command_line() -> None:
                 "maxSubscriptions": 7,
                 "maxConnectionsPerSource": 3,
             },
+            broker={"logFormat": "json"},
         )
     )
     args = broker_parser().parse_args(["serve", "--name", "a", *spec.broker_args()])
@@ -163,6 +165,7 @@ def test_custody_and_client_limits_reach_the_broker_command_line() -> None:
     assert (default.cycle_bound, default.cycle_period) == (4, 2.0)
     assert (args.slow_consumer, args.client_queue_limit) == ("backpressure", 1000)
     assert (args.max_subscriptions, args.max_connections_per_source) == (7, 3)
+    assert (args.log_format, args.overlay) == ("json", spec.name)
 
 
 def test_cycle_settings_out_of_range_are_named() -> None:

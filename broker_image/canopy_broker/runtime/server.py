@@ -882,6 +882,14 @@ class Broker:
         except (ProtocolError, ValueError) as exc:
             del self.exchanges[xid]
             raise ValueError(str(exc)) from None
+        log.info(
+            "%s: exchange %s started: remove %s-%s, cycle %s",
+            self.name,
+            xid,
+            *remove,
+            "-".join(path),
+            extra={"reconfiguration": xid},
+        )
         return rec
 
     def _count_reconfiguration_message(self, msg: object) -> None:
@@ -983,7 +991,14 @@ class Broker:
         self.metrics.exchanges.labels(rec.state).inc()
         if rec.started:
             self.metrics.exchange_seconds.observe(rec.finished - rec.started)
-        log.info("%s: exchange %s %s %s", self.name, eff.xid, rec.state, eff.reason)
+        log.info(
+            "%s: exchange %s %s %s",
+            self.name,
+            eff.xid,
+            rec.state,
+            eff.reason,
+            extra={"reconfiguration": eff.xid, "outcome": rec.state},
+        )
 
     # ------------------------------------------------------------------ views for the admin API
 

@@ -903,6 +903,18 @@ def post_event(obj: Mapping[str, Any], reason: str, message: str, warning: bool 
     plain dict body is all it reads."""
     kind = "Warning" if warning else "Normal"
     kopf.event(cast(kopf.Body, obj), type=kind, reason=reason, message=message)
+    # The same in the operator's log: with --log-format json it carries the overlay, and the
+    # step and reconfiguration ids when a plan's step posts it (canopy_broker.logs).
+    meta = obj.get("metadata") or {}
+    log.log(
+        logging.WARNING if warning else logging.INFO,
+        "%s/%s %s: %s",
+        meta.get("namespace", ""),
+        meta.get("name", ""),
+        reason,
+        message,
+        extra={"event": reason, "overlay": meta.get("name", "")},
+    )
 
 
 # -- the operator -----------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from canopy_broker import logs
 from canopy_operator.backends.local import BrokerDownError, LocalBackend
 from canopy_operator.commands.local import overlay_dir, run_own_plan
 from canopy_operator.executor import StepError
@@ -51,12 +52,13 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--overlay", help="overlay name (default: the only one in the state dir)")
     p.add_argument("--state-dir", type=Path, default=Path(".canopy"))
     p.add_argument("--interval", type=float, default=0.5, help="seconds between checks")
+    logs.add_argument(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     where = overlay_dir(args.state_dir, args.overlay)
+    logs.configure("INFO", args.log_format, overlay=where.name)
     asyncio.run(supervise(where, args.interval))
     return 0
 

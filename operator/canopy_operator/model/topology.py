@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from canopy_broker.logs import FORMATS as LOG_FORMATS
 from canopy_broker.sim.topology import Edge, adjacency, norm
 from canopy_broker.sim.topology import path_between as tree_path
 
@@ -75,6 +76,7 @@ class OverlaySpec:
     client_queue_limit: int = 200_000  # spec.clients.queueLimit
     max_subscriptions: int = 10_000  # spec.clients.maxSubscriptions
     max_connections_per_source: int = 256  # spec.clients.maxConnectionsPerSource
+    log_format: str = "text"  # spec.broker.logFormat: text, or JSON lines (canopy_broker.logs)
 
     @property
     def broker_names(self) -> list[str]:
@@ -116,6 +118,10 @@ class OverlaySpec:
             str(self.max_subscriptions),
             "--max-connections-per-source",
             str(self.max_connections_per_source),
+            "--log-format",
+            self.log_format,
+            "--overlay",
+            self.name,
         )
 
 
@@ -193,6 +199,7 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         )
     clients = _get(spec, "clients", dict, {}, "spec")
     gateway = _get(spec, "gateway", dict, {}, "spec")
+    broker = _get(spec, "broker", dict, {}, "spec")
     status = manifest.get("metadata", {}) or {}
     return OverlaySpec(
         name=name,
@@ -221,6 +228,7 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         max_connections_per_source=_get(
             clients, "maxConnectionsPerSource", int, 256, "spec.clients"
         ),
+        log_format=_get(broker, "logFormat", str, "text", "spec.broker"),
     )
 
 
@@ -285,6 +293,10 @@ def validate(spec: OverlaySpec) -> list[str]:
     ):
         if count < low:
             problems.append(f"{where} must be at least {low}, got {count}")
+    if spec.log_format not in LOG_FORMATS:
+        problems.append(
+            f"broker.logFormat must be one of {', '.join(LOG_FORMATS)}, got {spec.log_format!r}"
+        )
     if spec.slow_consumer not in SLOW_CONSUMER_POLICIES:
         problems.append(
             f"clients.slowConsumer must be one of {', '.join(SLOW_CONSUMER_POLICIES)}, "
