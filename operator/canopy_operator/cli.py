@@ -113,7 +113,14 @@ def _run_operator(args: argparse.Namespace) -> int:
 
 def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Client and benchmark commands that live with the broker package."""
-    from canopy_broker import bench, bench_faults, bench_peers, bench_subscriptions, clients_cli
+    from canopy_broker import (
+        bench,
+        bench_faults,
+        bench_peers,
+        bench_scale,
+        bench_subscriptions,
+        clients_cli,
+    )
     from canopy_operator.commands import mine
 
     clients_cli.add_pubsub_arguments(sub)
@@ -152,6 +159,13 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     bench_peers.add_arguments(peers)
     peers.set_defaults(func=bench_peers.run_args)
+    bench_scale.add_arguments(
+        bench_sub.add_parser(
+            "broker",
+            help="one broker at 1k, 10k and 100k filters: notifications/s, CPU per "
+            "notification, memory",
+        )
+    )
     mine.add_bench_arguments(bench_sub)
     from canopy_operator.commands import bench_day2
 

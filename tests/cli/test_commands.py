@@ -377,6 +377,30 @@ def test_bench_peers_refuses_a_fanout_that_does_not_divide_the_subscribers() -> 
     assert "--fanout 7 must be at least 1 and divide --subscribers 50" in result.stderr
 
 
+@pytest.mark.integration
+def test_bench_broker_quick_measures_each_filter_count() -> None:
+    """A small run of the one-broker scale benchmark: one point per filter count, each with
+    the filters really held by the broker (its routing table), every notification delivered,
+    CPU and memory measured."""
+    result = canopy("bench", "broker", "--quick", "--json", timeout=180)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    data = last_json(result.stdout)
+    points = data["points"]
+    assert isinstance(points, list) and [p["filters"] for p in points] == [200, 2000]
+    for p in points:
+        assert p["routing_table_entries"] == p["filters"], p
+        assert p["delivered"] == p["expected"] == 2_000, p  # 1,000 events/s x 1 s x 2
+        assert p["us_per_notification"] > 0 and p["notif_per_s"] > 0, p
+        assert p["rss_mb"]["filters"] >= p["rss_mb"]["before"] > 0, p
+    assert "capacity/core" in result.stdout
+
+
+def test_bench_broker_refuses_fewer_filters_than_subscribers() -> None:
+    result = canopy("bench", "broker", "--filters", "5", "--subscribers", "10", "--fanout", "2")
+    assert result.returncode == 2
+    assert "every --filters count must be at least --subscribers" in result.stderr
+
+
 def test_local_up_serves_the_http_gateway_when_the_spec_asks(tmp_path: Path) -> None:
     """``spec.gateway.enabled``: every broker ``canopy up`` starts serves the HTTP gateway on a
     free port, ``canopy status`` says where, and it answers (here: no token, so 401 with the
