@@ -137,6 +137,8 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
                 *(["--insecure"] if a.insecure else []),
                 "--duration",
                 str(a.duration),
+                "--loads",
+                a.loads,
             ]
         )
     )

@@ -378,6 +378,30 @@ def test_bench_peers_refuses_a_fanout_that_does_not_divide_the_subscribers() -> 
 
 
 @pytest.mark.integration
+def test_bench_dataplane_reports_latency_percentiles_at_each_load() -> None:
+    result = canopy(
+        "bench", "dataplane", "--duration", "0.5", "--loads", "0.25,0.5", "--json", timeout=180
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    data = last_json(result.stdout)
+    detail = data["detail"]
+    assert isinstance(detail, dict)
+    for where in ("single", "chain3"):
+        points = detail[where]["latency"]
+        assert [p["load"] for p in points] == [0.25, 0.5], points
+        for p in points:
+            assert p["samples"] > 0 and 0 < p["p50_ms"] <= p["p99_ms"] <= p["p999_ms"], p
+        assert detail[where]["p99_ms"] == points[1]["p99_ms"]  # the half-load figure
+    assert "latency at 25% load, chain of 3, p50 / p99 / p99.9 ms" in result.stdout
+
+
+def test_bench_dataplane_refuses_a_load_that_is_not_a_fraction() -> None:
+    result = canopy("bench", "dataplane", "--loads", "0.5,2")
+    assert result.returncode == 2
+    assert "--loads must be fractions in (0, 1], got '0.5,2'" in result.stderr
+
+
+@pytest.mark.integration
 def test_bench_broker_quick_measures_each_filter_count() -> None:
     """A small run of the one-broker scale benchmark: one point per filter count, each with
     the filters really held by the broker (its routing table), every notification delivered,
