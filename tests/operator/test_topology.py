@@ -179,6 +179,28 @@ def test_cycle_settings_out_of_range_are_named() -> None:
         parse_overlay(manifest(["a"], [], failureDetection={"cyclePeriodSeconds": "often"}))
 
 
+def test_the_exchange_lease_is_read_and_must_outlast_failure_detection() -> None:
+    """A paused broker must be declared dead (and fenced) before any exchange lease gives up
+    on it; otherwise it wakes and finishes a lock try for part of the cycle only."""
+    default = parse_overlay(manifest(["a"], []))
+    assert default.lease_seconds == 30.0 and validate(default) == []
+    spec = parse_overlay(manifest(["a"], [], reconfiguration={"leaseSeconds": 12}))
+    assert spec.lease_seconds == 12.0 and validate(spec) == []
+    short = parse_overlay(
+        manifest(
+            ["a"],
+            [],
+            reconfiguration={"leaseSeconds": 5},
+            failureDetection={"heartbeatSeconds": 2, "deadAfter": 3},
+        )
+    )
+    problems = " ".join(validate(short))
+    assert "leaseSeconds (5) must exceed the failure detection time" in problems, problems
+    assert "(6 s)" in problems
+    with pytest.raises(SpecError, match="leaseSeconds must be a number"):
+        parse_overlay(manifest(["a"], [], reconfiguration={"leaseSeconds": True}))
+
+
 def test_find_cycle_names_the_cycle() -> None:
     assert set(find_cycle([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")])) == {"a", "b", "c"}
     assert find_cycle([("a", "b"), ("b", "c")]) == []

@@ -161,8 +161,8 @@ def test_initiator_gives_up_after_bounded_attempts() -> None:
     init.handle(AddLink("b1"))
     init.handle(StartExchange("x2", ("b9", "b1", "b2"), ("b1", "b2")))
     results = []
-    for _ in range(200):
-        out = init.handle(FromLink("b1", LockRefused("x2", "busy")))
+    for attempt in range(200):  # each retry is a new try: the refusal answers that one
+        out = init.handle(FromLink("b1", LockRefused("x2", "busy", attempt)))
         results += [e for e in out if isinstance(e, ExchangeFinished)]
         if results:
             break

@@ -37,6 +37,7 @@ from canopy_broker.core.messages import (
     RoutingMode,
     Separator,
     StartExchange,
+    TimerFired,
     Transfer,
 )
 
@@ -105,6 +106,35 @@ def test_granted_twice_and_refusal_after_grant_are_refused() -> None:
     refused(core, FromLink("r1", LockRefused("x1", "late")), "LockRefused is not expected")
     core.handle(FromLink("r1", Separator("x1", 2)))  # the other side's separator passes up
     refused(core, FromLink("r1", Separator("x1", 2)), "again")
+
+
+def test_a_retry_takes_over_an_ungranted_lock_and_late_answers_to_the_old_try_are_dropped() -> None:
+    """A1's lease ran out while its lock was held up (a paused broker on the path): it retries
+    under the same exchange id. The retry's lock replaces the old one, and the old try's
+    Granted, when it finally comes, must not be taken for the new try's."""
+    core = locked_middle()
+    assert core.exchange is not None and core.exchange.attempt == 0
+    core.handle(FromLink("a", Lock("x1", PATH, K, attempt=1)))
+    assert core.exchange is not None and core.exchange.attempt == 1
+    before = state_of(core)
+    assert core.handle(FromLink("r1", Granted("x1", attempt=0))) == []
+    assert core.handle(FromLink("r1", LockRefused("x1", "late", attempt=0))) == []
+    assert state_of(core) == before and core.exchange.phase is Phase.LOCKED
+    refused(core, FromLink("r1", Granted("x1", attempt=2)), "try 2, but this broker is locked")
+    core.handle(FromLink("r1", Granted("x1", attempt=1)))
+    assert core.exchange.phase is Phase.BLACK
+
+
+def test_a1_drops_the_late_answer_to_a_try_its_lease_gave_up_on() -> None:
+    core = a1_locked()
+    effects = core.handle(TimerFired("lease:x1"))  # the lock never came back in time
+    assert core.exchange is None and "x1" in core.attempts
+    assert any(getattr(e, "key", "").startswith("lock:x1") for e in effects)  # retry planned
+    assert core.handle(FromLink("m", Granted("x1", attempt=0))) == []
+    assert core.handle(FromLink("m", LockRefused("x1", "late", attempt=0))) == []
+    retry = core.handle(TimerFired("lock:x1"))
+    locks = [getattr(e, "message", None) for e in retry]
+    assert any(isinstance(m, Lock) and m.attempt == 1 for m in locks), retry
 
 
 def test_done_for_another_exchange_is_checked_before_it_is_applied() -> None:

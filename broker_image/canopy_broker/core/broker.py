@@ -688,6 +688,19 @@ class BrokerCore:
         is in before anything changes."""
         ex = self.ex
         xid = getattr(msg, "xid", None)
+        if isinstance(msg, LockRefused | Granted):
+            if ex is not None and ex.xid == xid and msg.attempt != ex.attempt:
+                if msg.attempt < ex.attempt:
+                    return  # the answer to a try A1 gave up on; the new try holds the lock
+                raise ProtocolError(
+                    f"{self.name}: {type(msg).__name__} of {xid} for try {msg.attempt}, "
+                    f"but this broker is locked for try {ex.attempt}"
+                )
+            if (ex is None or ex.xid != xid) and (xid in self.left or xid in self.attempts):
+                # The answer to a try this broker no longer holds (its lease gave up on it: a
+                # path broker was paused, or the path is slow): A1 has retried or will. Acting
+                # on it would take an old try's grant for a new one's.
+                return
         if ex is None or ex.xid != xid:
             if xid in self.left:
                 # A late message of an exchange we finished by lease. The other A end's Done

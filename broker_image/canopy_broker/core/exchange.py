@@ -188,6 +188,7 @@ class Exchange:
     marks: set[Mark] = field(default_factory=set)
     queue: list[tuple[float, FromLink]] = field(default_factory=list)
     queued_total: int = 0
+    attempt: int = 0  # A1's try this lock belongs to (see Lock.attempt)
 
     def expect(self, step: Step) -> Phase:
         """The phase ``step`` leads to; raises (changing nothing) if it is not allowed now."""
@@ -349,11 +350,11 @@ def start(core: BrokerCore, req: StartExchange, out: list[Effect]) -> None:
 
 
 def try_lock(core: BrokerCore, xid: str, out: list[Effect]) -> None:
-    req, _ = core.attempts[xid]
+    req, attempt = core.attempts[xid]
     k = validate_path(req.path, req.remove)
     problem = lock_problem(core, req.path, 0)
     if problem is None:
-        lock = Lock(req.xid, req.path, k, req.ordering, req.lease)
+        lock = Lock(req.xid, req.path, k, req.ordering, req.lease, attempt)
         lock_here(core, lock, 0, out)
         out.append(SendToLink(req.path[1], lock))
     else:
@@ -387,7 +388,7 @@ def lease_expired(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     gone. Before phase 1 nothing has changed, so roll back; after it the new link may carry
     traffic, so roll forward — finish this broker's part without the missing messages."""
     if not ex.granted and not ex.gray:
-        undo_lock(core, ex, out)
+        undo_lock(core, ex, out, by_lease=True)
         if ex.me == 0:
             retry_later(core, ex.xid, "lease expired while locking", out)
         return
@@ -427,7 +428,7 @@ def lock_problem(core: BrokerCore, path: tuple[str, ...], i: int) -> str | None:
 
 
 def lock_here(core: BrokerCore, lock: Lock, i: int, out: list[Effect]) -> None:
-    ex = Exchange(lock.xid, lock.path, lock.k, i, lock.ordering, lock.lease)
+    ex = Exchange(lock.xid, lock.path, lock.k, i, lock.ordering, lock.lease, attempt=lock.attempt)
     core.ex = ex
     out.append(StartTimer(f"lease:{ex.xid}", ex.lease))
     a = ex.a_peer
@@ -462,9 +463,14 @@ def on_lock(core: BrokerCore, peer: str, msg: Lock, out: list[Effect]) -> None:
     i = path.index(core.name)
     if i == 0 or path[i - 1] != peer:
         raise ProtocolError(f"{core.name}: lock {msg.xid} arrived from {peer}, not path[{i - 1}]")
+    held = core.ex
+    if held is not None and held.xid == msg.xid and held.attempt < msg.attempt and not held.granted:
+        # A1 gave up on the try that locked us (its lease ran out first) and tries again: the
+        # old lock changed nothing yet (never granted), so the new one takes its place.
+        undo_lock(core, held, out)
     problem = lock_problem(core, path, i)
     if problem is not None:
-        out.append(SendToLink(peer, LockRefused(msg.xid, problem)))
+        out.append(SendToLink(peer, LockRefused(msg.xid, problem, msg.attempt)))
         return
     lock_here(core, msg, i, out)
     if i == len(path) - 1:
@@ -474,14 +480,15 @@ def on_lock(core: BrokerCore, peer: str, msg: Lock, out: list[Effect]) -> None:
         out.append(SendToLink(path[i + 1], msg))
 
 
-def undo_lock(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
-    """Leave an exchange that never started phase 1 (only an A end has changed anything)."""
+def undo_lock(core: BrokerCore, ex: Exchange, out: list[Effect], *, by_lease: bool = False) -> None:
+    """Leave an exchange that never started phase 1 (only an A end has changed anything);
+    ``by_lease``: on the lease's word, so late answers to this try are expected and dropped."""
     a = ex.a_peer
     routing = core.routing
     if a is not None and routing.has_link(a) and routing.is_frozen(a):
         routing.remove_link(a, out)
         out.append(CloseLink(a))
-    core.leave_exchange(ex, by_lease=False)
+    core.leave_exchange(ex, by_lease=by_lease)
 
 
 def on_refused(core: BrokerCore, ex: Exchange, msg: LockRefused, out: list[Effect]) -> None:
@@ -500,7 +507,7 @@ def on_granted(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     # Granted goes on before this broker's own phase-1 work, so the broker behind it is
     # granted before anything of phase 1 (e.g. this R end's separator over r) reaches it.
     if ex.me > 0:
-        out.append(SendToLink(ex.path[ex.me - 1], Granted(ex.xid)))
+        out.append(SendToLink(ex.path[ex.me - 1], Granted(ex.xid, ex.attempt)))
     if ex.is_r:
         r = ex.r_peer
         assert r is not None

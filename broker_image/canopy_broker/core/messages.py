@@ -118,6 +118,9 @@ class Lock:
     k: int
     ordering: Ordering = Ordering.FIFO
     lease: float = 30.0  # seconds a broker stays locked without hearing from the exchange
+    # A1's try number: a retry reuses the exchange id, so this is what tells a late answer to an
+    # abandoned try (A1's lease ran out while the lock travelled) from the answer to this one.
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,7 @@ class LockRefused:
 
     xid: str
     reason: str
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,7 @@ class Granted:
     """Travels A2 → A1: every broker is locked; the R ends start phase 1 when it passes."""
 
     xid: str
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)

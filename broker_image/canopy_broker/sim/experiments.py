@@ -42,8 +42,8 @@ class ExchangeRun:
         return self.report.ok and not self.routing_problems and not self.leftovers
 
 
-def pattern_filter(p: str) -> Filter:
-    return Filter.of([Constraint("p", Op.EQ, p)])
+def pattern_filter(p: str, *, contains: bool = False) -> Filter:
+    return Filter.of([Constraint("p", Op.CONTAINS if contains else Op.EQ, p)])
 
 
 def run_exchanges(
@@ -64,41 +64,92 @@ def run_exchanges(
     wide_filters: bool = True,
     record_traffic: bool = False,
     publishers_subscribe: bool = True,
+    patterns: tuple[int, int] = (1, 10),
+    event_chars: int = 0,
+    publisher_per_broker: bool = False,
+    strawman_gap: float = 0.0,
+    dedicated: int = 0,
+    link_delay: tuple[float, float] = (1.0, 10.0),
+    poisson: bool = False,
+    settle: float = 200.0,
+    quiet: float = 100.0,
+    timer_scale: float = 100.0,
 ) -> ExchangeRun:
+    """One run; the defaults are the test workload, the extra knobs reproduce the papers'.
+
+    ``patterns`` is the inclusive range of one-character patterns each subscriber takes.
+    ``event_chars`` = 0 publishes events naming one pattern (``p = c``); k > 0 publishes k-character
+    strings matched by ``p contains c``, as paper 002 does (an event then matches several patterns).
+    ``publisher_per_broker`` puts one publisher on every broker (paper 002: every dispatcher
+    publishes). ``strawman_gap`` is how long the strawman leaves the tree cut before the new link
+    appears (paper 002: 0.1 s = 100 units). ``dedicated`` > 0 replaces the pattern subscribers by
+    paper 000's workload: each publisher has that many subscribers, on random brokers, that take
+    all of its notifications and nothing else. ``poisson`` draws the gaps between publications
+    from an exponential distribution (mean ``publish_interval``) instead of a uniform one.
+    ``settle`` is when the first round may start (the initial subscriptions must have spread) and
+    ``quiet`` the least time between one round's request and the next: with slow links both
+    must grow, or one exchange's messages would be counted in the next one's window.
+    ``timer_scale`` is clock units per second of the cores' timers (1000 when a unit is a ms).
+    """
     rng = random.Random(seed)
     edges = random_tree(n, rng, max_fanout=max_fanout)
     brokers = [f"b{i}" for i in range(n)]
-    sim = Simulator(brokers, edges, mode=mode, seed=seed, record_traffic=record_traffic)
+    sim = Simulator(
+        brokers,
+        edges,
+        mode=mode,
+        seed=seed,
+        record_traffic=record_traffic,
+        link_delay=link_delay,
+        timer_scale=timer_scale,
+    )
 
-    subscribers = rng.sample(brokers, max(1, round(density * n)))
     subs: list[tuple[str, str]] = []
+    subscribers = [] if dedicated else rng.sample(brokers, max(1, round(density * n)))
     for i, b in enumerate(subscribers):
         client = f"s{i}"
         sim.attach(client, b, at=0)
-        for k, pattern in enumerate(rng.sample(PATTERNS, rng.randint(1, 10))):
-            sim.subscribe(client, f"f{k}", pattern_filter(pattern), at=1)
+        for k, pattern in enumerate(rng.sample(PATTERNS, rng.randint(*patterns))):
+            sim.subscribe(client, f"f{k}", pattern_filter(pattern, contains=event_chars > 0), at=1)
             subs.append((client, f"f{k}"))
         if wide_filters and rng.random() < 0.2:  # something for covering to chew on
             wide = Filter.of([Constraint("p", Op.GE, rng.choice(PATTERNS))])
             sim.subscribe(client, "wide", wide, at=1)
             subs.append((client, "wide"))
+    if publisher_per_broker:
+        publishers = n
     pubs = [f"p{i}" for i in range(publishers)]
-    for p in pubs:
+    for i, p in enumerate(pubs):
         # Publishers also subscribe, so what they publish may causally follow what they saw.
-        sim.attach(p, rng.choice(brokers), at=0)
+        sim.attach(p, brokers[i] if publisher_per_broker else rng.choice(brokers), at=0)
+        for j in range(dedicated):
+            client = f"s{i}.{j}"
+            sim.attach(client, rng.choice(brokers), at=0)
+            sim.subscribe(client, "all", Filter.of([Constraint("src", Op.EQ, p)]), at=1)
+            subs.append((client, "all"))
         if publishers_subscribe:
             for k, pattern in enumerate(rng.sample(PATTERNS, 20)):
                 sim.subscribe(p, f"f{k}", pattern_filter(pattern), at=1)
 
-    start = 200.0
+    start = settle
     sim.run(until=start)  # the initial subscriptions settle
     clock = start
 
     def publish_until(t_end: float) -> None:
         nonlocal clock
         while clock < t_end:
-            sim.publish(rng.choice(pubs), {"p": rng.choice(PATTERNS)}, at=clock)
-            clock += publish_interval * rng.uniform(0.5, 1.5)
+            if dedicated:
+                pub = rng.choice(pubs)
+                sim.publish(pub, {"src": pub}, at=clock)
+            elif event_chars:
+                text = "".join(rng.choices(PATTERNS, k=event_chars))
+                sim.publish(rng.choice(pubs), {"p": text}, at=clock)
+            else:
+                sim.publish(rng.choice(pubs), {"p": rng.choice(PATTERNS)}, at=clock)
+            if poisson:
+                clock += rng.expovariate(1.0 / publish_interval)
+            else:
+                clock += publish_interval * rng.uniform(0.5, 1.5)
 
     # The exchanges are planned up front with their own random source, so that every algorithm
     # run with the same seed performs the same exchanges at the same offsets.
@@ -130,7 +181,7 @@ def run_exchanges(
                     )
                 )
             else:
-                sim.strawman_exchange(spec.remove, spec.add, at=at)
+                sim.strawman_exchange(spec.remove, spec.add, at=at, gap=strawman_gap)
             specs.append(spec)
             requested_at.append(at)
         renewed = []
@@ -148,7 +199,7 @@ def run_exchanges(
             horizon = max(sim.now, clock) + round_spacing / 3
             publish_until(horizon)
             sim.run(until=horizon)
-            if sim.now > base + 100 and all(sim.exchanges[x].finished_at for x in xids):
+            if sim.now > base + quiet and all(sim.exchanges[x].finished_at for x in xids):
                 break
     publish_until(clock + 100)
     sim.run()

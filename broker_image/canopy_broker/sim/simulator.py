@@ -423,15 +423,22 @@ class Simulator:
         self._apply(initiator, req)
 
     def strawman_exchange(
-        self, remove: tuple[str, str], add: tuple[str, str], at: float | None = None
+        self,
+        remove: tuple[str, str],
+        add: tuple[str, str],
+        at: float | None = None,
+        gap: float = 0.0,
     ) -> None:
-        """The uncoordinated baseline: drop r and add a at once, at both ends.
+        """The uncoordinated baseline: drop r, and add a ``gap`` later, at both ends.
 
         Routing messages and notifications in flight on r are lost; the ends withdraw and
-        re-advertise their routes concurrently (unsubscribe/resubscribe).
+        re-advertise their routes (unsubscribe/resubscribe). With ``gap`` = 0 the two waves race
+        and partly cancel; paper 002 replaces the broken link 0.1 s later, so its unsubscription
+        wave has mostly run its course before the subscriptions start.
         """
-        self.remove_link(*remove, at=at)
-        self.add_link(*add, at=at)
+        t = self.now if at is None else at
+        self.remove_link(*remove, at=t)
+        self.add_link(*add, at=t + gap)
 
     @property
     def finished(self) -> bool:

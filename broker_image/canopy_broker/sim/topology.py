@@ -95,7 +95,7 @@ def random_exchange(
     adj = adjacency(edges)
     for _ in range(50):
         r = rng.choice(edges)
-        side1 = _component(adj, r[0], r[1])
+        side1 = component(adj, r[0], r[1])
         side2 = set(adj) - side1
         a1 = rng.choice(sorted(side1))
         a2 = rng.choice(sorted(side2))
@@ -110,7 +110,8 @@ def random_exchange(
     return None
 
 
-def _component(adj: dict[str, set[str]], start: str, cut: str) -> set[str]:
+def component(adj: dict[str, set[str]], start: str, cut: str) -> set[str]:
+    """The brokers on ``start``'s side of the link ``start``-``cut`` (as if it were removed)."""
     seen = {start}
     stack = [start]
     while stack:

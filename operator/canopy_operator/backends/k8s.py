@@ -1251,6 +1251,7 @@ class Reconciler:
             _StatusStore(self, the_plan),
             spec.name,
             ordering=spec.ordering,
+            lease=spec.lease_seconds,
             on_event=self._on_step_event,
             on_degraded=self._on_degraded,
         )
@@ -1315,6 +1316,7 @@ class Reconciler:
             store,
             spec.name,
             ordering=spec.ordering,
+            lease=spec.lease_seconds,
             on_event=self._on_step_event,
             label=label,
         )
@@ -1824,6 +1826,7 @@ class ProposalKeeper:
             _ProposalStore(self, the_plan),
             f"{self.name}-{uid}",  # exchange ids unique to this proposal object
             ordering=spec.ordering,
+            lease=spec.lease_seconds,
             on_event=lambda reason, message: post_event(self.obj, reason, message),
             on_degraded=r._on_degraded,
         )

@@ -111,9 +111,7 @@ async def apply(
         if reason == "StepDone":
             log(f"  [{len(executor.results)}/{total}] {message}")
 
-    executor = Executor(
-        backend, ProgressFile(backend), spec.name, ordering=spec.ordering, on_event=event
-    )
+    executor = local_executor(spec, backend, event)
     started = time.perf_counter()
     await executor.run(p, generation)
     wall = time.perf_counter() - started
@@ -154,6 +152,19 @@ async def roll(
     return results
 
 
+def local_executor(spec: OverlaySpec, backend: LocalBackend, on_event: Any) -> Executor:
+    """The executor of a local overlay's plans: its progress in the state dir, the spec's
+    ordering and exchange lease."""
+    return Executor(
+        backend,
+        ProgressFile(backend),
+        spec.name,
+        ordering=spec.ordering,
+        lease=spec.lease_seconds,
+        on_event=on_event,
+    )
+
+
 async def run_own_plan(
     spec: OverlaySpec, backend: LocalBackend, the_plan: Plan, log: Any, indent: str = "  "
 ) -> None:
@@ -168,9 +179,7 @@ async def run_own_plan(
         if reason in ("StepDone", "StepFailed"):
             log(f"{indent}{message}")
 
-    executor = Executor(
-        backend, ProgressFile(backend), spec.name, ordering=spec.ordering, on_event=event
-    )
+    executor = local_executor(spec, backend, event)
     await executor.run(the_plan, generation)
 
 

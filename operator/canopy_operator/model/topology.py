@@ -60,6 +60,7 @@ class OverlaySpec:
     algorithm: str = "coordinated"
     ordering: str = "fifo"
     max_concurrent: int = 1
+    lease_seconds: float = 30.0  # spec.reconfiguration.leaseSeconds: a locked broker's patience
     self_organization: str = "off"
     generation: int = 0
     telemetry_sample: float = 0.1  # the CRD's default: one event in ten kept for the miner
@@ -136,6 +137,16 @@ def _get(obj: Mapping[str, Any], key: str, kind: type, default: Any, where: str)
     return value
 
 
+def _number(obj: Mapping[str, Any], key: str, default: float, where: str) -> float:
+    """An int or float field (YAML writes 1 and 1.0 alike; a boolean is not a number)."""
+    value = obj.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SpecError(f"{where}.{key} must be a number, got {value!r}")
+    return float(value)
+
+
 def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
     """Read a BrokerOverlay manifest (apiVersion canopy.dev/v1alpha1); raise SpecError naming
     the first field that has the wrong shape. Semantic checks are :func:`validate`'s job."""
@@ -178,25 +189,11 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
     reconf = _get(spec, "reconfiguration", dict, {}, "spec")
     selforg = _get(spec, "selfOrganization", dict, {}, "spec")
     telemetry = _get(spec, "telemetry", dict, {}, "spec")
-    sample = telemetry.get("sample", 0.1)
-    if isinstance(sample, bool) or not isinstance(sample, int | float):
-        raise SpecError(f"spec.telemetry.sample must be a number, got {sample!r}")
+    sample = _number(telemetry, "sample", 0.1, "spec.telemetry")
     detection = _get(spec, "failureDetection", dict, {}, "spec")
-    heartbeat = detection.get("heartbeatSeconds", 1.0)
-    if isinstance(heartbeat, bool) or not isinstance(heartbeat, int | float):
-        raise SpecError(
-            f"spec.failureDetection.heartbeatSeconds must be a number, got {heartbeat!r}"
-        )
-    retention = detection.get("retentionSeconds", 15.0)
-    if isinstance(retention, bool) or not isinstance(retention, int | float):
-        raise SpecError(
-            f"spec.failureDetection.retentionSeconds must be a number, got {retention!r}"
-        )
-    period = detection.get("cyclePeriodSeconds", 2.0)
-    if isinstance(period, bool) or not isinstance(period, int | float):
-        raise SpecError(
-            f"spec.failureDetection.cyclePeriodSeconds must be a number, got {period!r}"
-        )
+    heartbeat = _number(detection, "heartbeatSeconds", 1.0, "spec.failureDetection")
+    retention = _number(detection, "retentionSeconds", 15.0, "spec.failureDetection")
+    period = _number(detection, "cyclePeriodSeconds", 2.0, "spec.failureDetection")
     clients = _get(spec, "clients", dict, {}, "spec")
     gateway = _get(spec, "gateway", dict, {}, "spec")
     broker = _get(spec, "broker", dict, {}, "spec")
@@ -210,6 +207,7 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         algorithm=_get(reconf, "algorithm", str, "coordinated", "spec.reconfiguration"),
         ordering=_get(reconf, "ordering", str, "fifo", "spec.reconfiguration"),
         max_concurrent=_get(reconf, "maxConcurrent", int, 1, "spec.reconfiguration"),
+        lease_seconds=_number(reconf, "leaseSeconds", 30.0, "spec.reconfiguration"),
         self_organization=_get(selforg, "mode", str, "off", "spec.selfOrganization"),
         generation=int(status.get("generation", 0) or 0),
         telemetry_sample=float(sample),
@@ -283,6 +281,19 @@ def validate(spec: OverlaySpec) -> list[str]:
                 f"{field_name} must be between {low:g} and {high:g} {note}".rstrip()
                 + f", got {number}"
             )
+    detection = spec.heartbeat_interval * spec.dead_after
+    if not 1 <= spec.lease_seconds <= 3600:
+        problems.append(
+            f"reconfiguration.leaseSeconds must be between 1 and 3600, got {spec.lease_seconds}"
+        )
+    elif spec.lease_seconds <= detection:
+        # A broker silent for longer than the lease must already be dead (and fenced) to the
+        # overlay: otherwise a paused broker on an exchange's path wakes up and finishes a lock
+        # try that A1's lease has given up on, for part of the cycle only.
+        problems.append(
+            f"reconfiguration.leaseSeconds ({spec.lease_seconds:g}) must exceed the failure "
+            f"detection time, failureDetection.heartbeatSeconds x deadAfter ({detection:g} s)"
+        )
     if spec.telemetry_history < 0:
         problems.append(f"telemetry.history must not be negative, got {spec.telemetry_history}")
     for count, low, where in (
