@@ -149,6 +149,26 @@ def test_a_pause_past_detection_is_a_death_and_the_broker_is_fenced() -> None:
     assert judge_overlay(sim) == []
 
 
+@pytest.mark.parametrize(("dead", "at"), [("b1", 201), ("b2", 209), ("b3", 201)])
+def test_a_death_on_a_locking_exchange_path_is_repaired_at_once(dead: str, at: float) -> None:
+    """A broker on the path dies while the exchange is still locking (no grant yet): its
+    neighbours give the try up as a refusal would and repair at once, instead of waiting for the
+    lease; the exchange is reported failed (its path is gone) and nobody else loses anything."""
+    sim = chain(6, detection_time=60.0)
+    for p in ("pb0", "pb5"):
+        publish_steadily(sim, p, 150, 1500)
+    x = sim.exchange(("b0", "b1", "b2", "b3", "b4"), ("b2", "b3"), at=200, lease=30.0)
+    sim.crash(dead, at=at)
+    sim.detect_failure(dead, at=at + 60)
+    sim.run()
+    assert at + 60 <= sim.repaired[dead] < at + 120  # not a lease (3000) later
+    assert not sim.exchanges[x].ok  # its path is gone: the executor replans
+    report = judge_deliveries(sim)
+    assert report.survivors.ok and report.survivors.owed == 2 * 5 * 1350, str(report)
+    problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]
+    assert problems == [], problems
+
+
 def test_the_planner_spares_what_the_core_does_not_support() -> None:
     """No death on a running exchange's path, none while a repair runs; drops stay shorter
     than detection (see the module docstring of canopy_broker.sim.faults)."""

@@ -12,6 +12,7 @@ import pytest
 from canopy_broker.core.filters import Op
 from canopy_broker.core.messages import RoutingMode
 from canopy_broker.sim.experiments import run_exchanges
+from canopy_broker.sim.topology import adjacency, component, random_exchange, random_tree
 from canopy_operator.commands import report
 
 QUICK = argparse.Namespace(quick=True, seeds=None, sizes=None, exchanges=None, rate_scale=None)
@@ -141,6 +142,24 @@ def test_quick_runs_of_both_papers_keep_the_coordinated_guarantees() -> None:
         assert d["duplicated"] == d["reordered"] == 0
     assert len(r0["control"]["strawman"]) == params["p000"]["exchanges"]
     assert r0["delay"]["fifo"], "no notification was queued at a new link"
+
+
+def test_min_side_draws_only_links_that_cut_off_that_many_brokers() -> None:
+    """The sensitivity run the report uses to test its explanation of the strawman's cost."""
+    rng = random.Random(5)
+    edges = random_tree(200, rng, max_fanout=4)
+    adj = adjacency(edges)
+
+    def cut(spec: object) -> int:
+        a, b = spec.remove  # type: ignore[attr-defined]
+        side = len(component(adj, a, b))
+        return min(side, 200 - side)
+
+    plain = [random_exchange(edges, rng, 4) for _ in range(200)]
+    inner = [random_exchange(edges, rng, 4, min_side=20) for _ in range(200)]
+    found = [x for x in inner if x is not None]  # 50 tries may find none, now and then
+    assert len(found) > 180 and all(cut(x) >= 20 for x in found)
+    assert sum(cut(x) < 20 for x in plain if x is not None) > 150  # most links cut off little
 
 
 def test_one_seed_is_refused() -> None:

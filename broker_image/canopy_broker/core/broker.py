@@ -533,10 +533,15 @@ class BrokerCore:
         link advertises what this end holds, as an added link does."""
         if not self.routing.has_link(peer) or peer in self._ghosts:
             raise ProtocolError(f"{self.name}: no link to {peer!r}")
-        if self.ex is not None and peer in self.ex.cycle_peers():
-            raise ProtocolError(
-                f"{self.name}: link to {peer!r} is on the cycle of exchange {self.ex.xid}"
-            )
+        ex = self.ex
+        if ex is not None and peer in ex.cycle_peers():
+            if ex.granted or ex.gray:
+                # Phase 1 has begun: the exchange's lease rolls it forward first (the runtime
+                # defers the repair until then).
+                raise ProtocolError(
+                    f"{self.name}: link to {peer!r} is on the cycle of exchange {ex.xid}"
+                )
+            coordinated.abandon_lock(self, ex, peer, out)
         # The dead link stays in the tables, frozen (nothing is sent to it), until the new
         # routes are in: its routes keep this side's traffic coming here, and the repair
         # collects it for the replay.

@@ -491,6 +491,19 @@ def undo_lock(core: BrokerCore, ex: Exchange, out: list[Effect], *, by_lease: bo
     core.leave_exchange(ex, by_lease=by_lease)
 
 
+def abandon_lock(core: BrokerCore, ex: Exchange, dead: str, out: list[Effect]) -> None:
+    """A cycle neighbour of this broker died while it held an ungranted lock. Nothing has changed
+    here but the lock (and an A end's frozen link), so the try is given up as a refusal would
+    give it up — at once, rather than at the lease's end — and the repair can run now. Answers
+    to the try that still come are dropped (see ``Lock.attempt``)."""
+    reason = f"{dead} died on the path"
+    undo_lock(core, ex, out, by_lease=True)
+    if ex.me == 0:
+        retry_later(core, ex.xid, reason, out)
+    elif ex.path[ex.me - 1] != dead:
+        out.append(SendToLink(ex.path[ex.me - 1], LockRefused(ex.xid, reason, ex.attempt)))
+
+
 def on_refused(core: BrokerCore, ex: Exchange, msg: LockRefused, out: list[Effect]) -> None:
     if ex.granted:
         raise ProtocolError(f"{core.name}: lock of {ex.xid} refused after it was granted")

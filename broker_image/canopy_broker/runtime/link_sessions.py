@@ -953,7 +953,7 @@ class LinkSessions:
             return  # not a link of the core's tree (yet, or any more): nothing to repair
         try:
             effects = host.core.handle(PeerFailed(peer), host.now())
-        except ProtocolError as exc:  # on a running exchange's cycle: its lease ends it first
+        except ProtocolError as exc:  # on the cycle of an exchange past its grant: lease first
             log.info("%s: %s looks dead, repair deferred: %s", self.name, peer, exc)
             return
         link.established = False  # the core has dropped it already

@@ -74,6 +74,7 @@ def run_exchanges(
     settle: float = 200.0,
     quiet: float = 100.0,
     timer_scale: float = 100.0,
+    min_side: int = 0,
 ) -> ExchangeRun:
     """One run; the defaults are the test workload, the extra knobs reproduce the papers'.
 
@@ -90,6 +91,7 @@ def run_exchanges(
     ``quiet`` the least time between one round's request and the next: with slow links both
     must grow, or one exchange's messages would be counted in the next one's window.
     ``timer_scale`` is clock units per second of the cores' timers (1000 when a unit is a ms).
+    ``min_side`` > 0 removes only links that leave at least that many brokers on either side.
     """
     rng = random.Random(seed)
     edges = random_tree(n, rng, max_fanout=max_fanout)
@@ -157,7 +159,7 @@ def run_exchanges(
     plan: list[list[tuple[ExchangeSpec, float]]] = []
     current = list(edges)
     for _ in range(rounds):
-        group = random_group(current, plan_rng, group_size, max_fanout)
+        group = random_group(current, plan_rng, group_size, max_fanout, min_side)
         plan.append([(spec, plan_rng.uniform(0, 30)) for spec in group])
         for spec in group:
             current = spec.apply(current)

@@ -89,14 +89,23 @@ class ExchangeSpec:
 
 
 def random_exchange(
-    edges: list[Edge], rng: random.Random, max_fanout: int | None = None, max_cycle: int = 0
+    edges: list[Edge],
+    rng: random.Random,
+    max_fanout: int | None = None,
+    max_cycle: int = 0,
+    min_side: int = 0,
 ) -> ExchangeSpec | None:
-    """A random valid exchange on the tree (None if none was found in a few tries)."""
+    """A random valid exchange on the tree (None if none was found in a few tries).
+
+    ``min_side``: only remove links that leave at least that many brokers on either side (most
+    links of a randomly grown tree cut off a leaf or two; this draws among the inner ones)."""
     adj = adjacency(edges)
     for _ in range(50):
         r = rng.choice(edges)
         side1 = component(adj, r[0], r[1])
         side2 = set(adj) - side1
+        if min(len(side1), len(side2)) < min_side:
+            continue
         a1 = rng.choice(sorted(side1))
         a2 = rng.choice(sorted(side2))
         if norm((a1, a2)) == norm(r) or a2 in adj[a1]:
@@ -134,14 +143,18 @@ def compatible(x: ExchangeSpec, y: ExchangeSpec) -> bool:
 
 
 def random_group(
-    edges: list[Edge], rng: random.Random, size: int, max_fanout: int | None = None
+    edges: list[Edge],
+    rng: random.Random,
+    size: int,
+    max_fanout: int | None = None,
+    min_side: int = 0,
 ) -> list[ExchangeSpec]:
     """Up to ``size`` mutually compatible exchanges on one tree (they may share brokers)."""
     group: list[ExchangeSpec] = []
     for _ in range(size * 5):
         if len(group) == size:
             break
-        x = random_exchange(edges, rng, max_fanout)
+        x = random_exchange(edges, rng, max_fanout, min_side=min_side)
         if x is not None and all(compatible(x, y) for y in group):
             group.append(x)
     return group
