@@ -239,6 +239,15 @@ def test_sim_report_quick_writes_figures(tmp_path: Path) -> None:
     ):
         assert (tmp_path / name).stat().st_size > 0
     assert (tmp_path / "control_vs_cycle.png").read_bytes()[:4] == b"\x89PNG"
+    md = (tmp_path / "report.md").read_text()
+    assert "## Comparison with the papers" in md and "95% CI" in md
+    assert "\u201cwe assume that each broken link is replaced by a new one in 0.1s.\u201d" in md
+    assert "[report] 1/" in result.stderr and "s left" in result.stderr  # progress shown
+    # The runs are saved: redrawing from them gives the same tables (all but the wall time).
+    again = canopy("sim", "report", "--quick", "--replot", "--out", str(tmp_path))
+    assert again.returncode == 0, again.stderr
+    body = lambda text: text.split("## Comparison with the papers", 1)[1]  # noqa: E731
+    assert body((tmp_path / "report.md").read_text()) == body(md)
 
 
 def test_plan_prints_steps_and_json(tmp_path: Path) -> None:
