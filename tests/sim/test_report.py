@@ -162,7 +162,18 @@ def test_min_side_draws_only_links_that_cut_off_that_many_brokers() -> None:
     assert sum(cut(x) < 20 for x in plain if x is not None) > 150  # most links cut off little
 
 
-def test_one_seed_is_refused() -> None:
-    args = argparse.Namespace(**{**vars(QUICK), "seeds": 1})
-    with pytest.raises(SystemExit, match="at least 2"):
+@pytest.mark.parametrize(
+    ("flag", "value", "match"),
+    [
+        ("seeds", 1, "at least 2"),
+        ("sizes", "25,lots", "numbers of brokers"),
+        ("sizes", "3,50", "at least 6 brokers"),
+        ("exchanges", 0, "at least 1"),
+        ("rate_scale", 0.0, r"in \(0, 1\]"),
+        ("rate_scale", 2.0, r"in \(0, 1\]"),
+    ],
+)
+def test_bad_flags_are_refused_by_name(flag: str, value: object, match: str) -> None:
+    args = argparse.Namespace(**{**vars(QUICK), flag: value})
+    with pytest.raises(SystemExit, match=match):
         report.parameters(args)

@@ -163,7 +163,6 @@ QUICK: dict[str, Any] = {
     "seeds": 2,
     "reconfigurations": 4,
     "brokers_000": 30,
-    "exchanges": 6,
 }
 
 
@@ -209,17 +208,33 @@ def progress(msg: str) -> None:
 
 
 def parameters(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's parameters: the papers' values, or the quick ones, with the flags applied; a
+    bad flag is refused with a message that names it."""
     quick = bool(args.quick)
-    seeds = args.seeds or (QUICK["seeds"] if quick else 10)
+
+    def refuse(msg: str) -> SystemExit:
+        return SystemExit(f"canopy sim report: {msg}")
+
+    seeds = args.seeds if args.seeds is not None else QUICK["seeds"] if quick else 10
     if seeds < 2:
-        raise SystemExit("canopy sim report: --seeds must be at least 2 (confidence intervals)")
-    sizes = (
-        tuple(int(x) for x in args.sizes.split(","))
-        if args.sizes
-        else QUICK["sizes"]
-        if quick
-        else PAPER_002["brokers"][0]
-    )
+        raise refuse("--seeds must be at least 2 (confidence intervals need two)")
+    if args.sizes:
+        try:
+            sizes = tuple(int(x) for x in args.sizes.split(","))
+        except ValueError:
+            raise refuse(
+                f"--sizes takes numbers of brokers like 25,50,100, not {args.sizes!r}"
+            ) from None
+        if min(sizes) < 6:
+            raise refuse("--sizes: a tree needs at least 6 brokers to exchange links in")
+    else:
+        sizes = QUICK["sizes"] if quick else PAPER_002["brokers"][0]
+    exchanges = args.exchanges if args.exchanges is not None else 6 if quick else 100
+    if exchanges < 1:
+        raise refuse("--exchanges must be at least 1")
+    rate_scale = args.rate_scale if args.rate_scale is not None else CHOICES["rate_scale_000"]
+    if not 0 < rate_scale <= 1:
+        raise refuse(f"--rate-scale must be in (0, 1], got {rate_scale}")
     return {
         "seeds": seeds,
         "p002": {
@@ -238,11 +253,11 @@ def parameters(args: argparse.Namespace) -> dict[str, Any]:
         },
         "p000": {
             "brokers": QUICK["brokers_000"] if quick else PAPER_000["brokers"][0],
-            "exchanges": args.exchanges or (QUICK["exchanges"] if quick else 100),
+            "exchanges": exchanges,
             "publishers": PAPER_000["publishers"][0],
             "subscribers_per_publisher": PAPER_000["subscribers_per_publisher"][0],
             "publish_interval_ms": PAPER_000["publish_interval_ms"][0],
-            "rate_scale": args.rate_scale or CHOICES["rate_scale_000"],
+            "rate_scale": rate_scale,
             "max_link_delay_ms": PAPER_000["max_link_delay_ms"][0],
             "max_fanout": CHOICES["fanout_000"],
             "replace_delay_ms": 1000 * CHOICES["strawman_gap_000_s"],
