@@ -11,15 +11,22 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from canopy_broker import logs
+
+
+def as_kubectl_plugin() -> bool:
+    """Run by kubectl as `kubectl canopy ...` (the executable kubectl-canopy): then `status`
+    speaks of the cluster, as every kubectl command does."""
+    return Path(sys.argv[0]).name == "kubectl-canopy"
 
 
 def build_parser() -> argparse.ArgumentParser:
     from canopy_operator.commands import demo, local, mine, plan, sim, supervise
 
     parser = argparse.ArgumentParser(
-        prog="canopy",
+        prog="kubectl canopy" if as_kubectl_plugin() else "canopy",
         description="Canopy: a content-based publish/subscribe overlay that reshapes itself live.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -32,7 +39,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_operator_command(sub)
     _add_proposal_commands(sub)
     _add_broker_commands(sub)
+    p = sub.add_parser(
+        "completion",
+        help="print a shell completion script: source <(canopy completion bash)",
+    )
+    p.add_argument("shell", choices=("bash", "zsh", "tcsh"))
+    p.set_defaults(func=_completion)
     return parser
+
+
+def _completion(args: argparse.Namespace) -> int:
+    """The completion script, generated from the parser itself (shtab), so it never drifts
+    from the commands and flags."""
+    import shtab
+
+    print(shtab.complete(build_parser(), shell=args.shell))
+    return 0
 
 
 def _add_proposal_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -185,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if as_kubectl_plugin() and args.command == "status":
+        args.cluster = True
     try:
         result = args.func(args)
     except KeyboardInterrupt:

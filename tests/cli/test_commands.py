@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 
 def canopy(
@@ -41,6 +42,34 @@ def canopy(
 
 def last_json(out: str) -> dict[str, object]:
     return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("words", "expected"),
+    [
+        ("canopy sta", "status"),
+        ("canopy status --kube", "--kubeconfig"),
+        ("canopy sim rep", "report"),
+    ],
+)
+def test_bash_completion_completes_commands_and_flags(
+    tmp_path: Path, words: str, expected: str
+) -> None:
+    result = canopy("completion", "bash")
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "canopy.bash"
+    script.write_text(result.stdout)
+    argv = words.split()
+    probe = (
+        f"source {script}; COMP_WORDS=({words}); COMP_CWORD={len(argv) - 1}; "
+        f'COMP_LINE="{words}"; COMP_POINT={len(words)}; '
+        f"_shtab_canopy canopy {argv[-1]} {argv[-2]}; echo ${{COMPREPLY[@]}}"
+    )
+    done = subprocess.run(
+        ["bash", "-c", probe], check=False, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert expected in done.stdout.split(), done.stdout
 
 
 def test_help_lists_the_commands() -> None:
@@ -152,6 +181,8 @@ def test_local_up_apply_status_graph_down(tmp_path: Path) -> None:
         )
         status = canopy("status", "--state-dir", str(state), "--json")
         assert status.returncode == 0 and "south" not in last_json(status.stdout)["brokers"]
+        as_yaml = yaml.safe_load(canopy("status", "--state-dir", str(state), "-o", "yaml").stdout)
+        assert as_yaml["brokers"].keys() == last_json(status.stdout)["brokers"].keys()  # type: ignore[attr-defined]
         # Each broker runs with the zone its manifest declares (and no roll-out was needed).
         zones = {n: b["zone"] for n, b in last_json(status.stdout)["brokers"].items()}  # type: ignore[attr-defined]
         assert zones == {

@@ -603,4 +603,9 @@ def test_list_shows_the_proposals_of_a_directory(
     assert len(rows) == 2
     assert rows[1].split()[:4] == [proposal_name("trading", MOVE_NORTH), "trading", "1", "-"]
     assert "hub-north => west-north" in rows[1]
+    code, out, _ = canopy(capsys, "proposal", "list", str(tmp_path), "-o", "json")
+    listed = json.loads(out)
+    assert code == 0 and listed["kind"] == "List" and len(listed["items"]) == 2
+    code, out, _ = canopy(capsys, "proposal", "list", str(tmp_path), "-o", "yaml")
+    assert yaml.safe_load(out)["items"] == listed["items"]
     assert canopy(capsys, "proposal", "list", str(tmp_path / "nowhere"))[0] == 2

@@ -127,14 +127,22 @@ class KubeApi:
         ca_path: str | None = None,
         insecure: bool = False,
         user_agent: str = "canopy-operator",
+        cert_path: str | None = None,
+        key_path: str | None = None,
     ) -> None:
         self.server = server.rstrip("/")
         self._headers = {"User-Agent": user_agent}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
         self._ssl: ssl.SSLContext | bool = True
-        if ca_path:
-            self._ssl = ssl.create_default_context(cafile=ca_path)
+        if ca_path or cert_path:
+            ctx = ssl.create_default_context(cafile=ca_path)
+            if insecure:
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+            if cert_path:  # a kubeconfig user with a client certificate
+                ctx.load_cert_chain(cert_path, key_path)
+            self._ssl = ctx
         elif insecure:
             self._ssl = False
         self._session: aiohttp.ClientSession | None = None

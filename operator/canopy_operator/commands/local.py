@@ -19,6 +19,12 @@ from typing import Any, TypeVar
 import yaml
 
 from canopy_operator.backends.local import BrokerDownError, LocalBackend
+from canopy_operator.commands.cluster import (
+    add_cluster_arguments,
+    add_output_argument,
+    dump,
+    run_cluster_status,
+)
 from canopy_operator.commands.plan import load_overlay
 from canopy_operator.draw import draw
 from canopy_operator.executor import Executor, StepError, replace_broker
@@ -61,7 +67,14 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         p.add_argument("--overlay", help="overlay name (default: the only one in the state dir)")
         p.add_argument("--state-dir", type=Path, default=DEFAULT_STATE)
         if name == "status":
-            p.add_argument("--json", action="store_true")
+            p.add_argument("--json", action="store_true", help="the table, then one JSON object")
+            add_output_argument(p)
+            p.add_argument(
+                "--cluster",
+                action="store_true",
+                help="the cluster's BrokerOverlays instead (what `kubectl canopy status` shows)",
+            )
+            add_cluster_arguments(p, all_namespaces=True)
         if name == "graph":
             p.add_argument("-o", "--output", type=Path, default=Path("overlay.png"))
         p.set_defaults(func={"status": run_status, "down": run_down, "graph": run_graph}[name])
@@ -297,7 +310,11 @@ DEGRADED = 3
 
 def run_status(args: argparse.Namespace) -> int:
     """Every broker's state and links; exit 0 when all are up and linked, :data:`DEGRADED`
-    otherwise. A dead or hanging broker is named, never a traceback."""
+    otherwise. A dead or hanging broker is named, never a traceback. ``--cluster``: the
+    cluster's overlays instead. ``-o json|yaml``: the data alone; the local table already has
+    every column, so ``-o wide`` prints it as it is."""
+    if args.cluster:
+        return run_cluster_status(args)
 
     async def query(backend: LocalBackend) -> dict[str, Any]:
         health = await backend.health()
@@ -347,6 +364,9 @@ def run_status(args: argparse.Namespace) -> int:
         }
 
     data = with_backend(args, query)
+    if args.output in ("json", "yaml"):
+        dump(data, args.output)
+        return 0 if data["healthy"] else DEGRADED
     for n, b in data["brokers"].items():
         print(
             f"{n:<12} {b['state']:<12} {b['address']:<22} clients {b['clients']!s:<4} "

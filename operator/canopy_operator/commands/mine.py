@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import base64
 import json
-import os
 import ssl
 import sys
 import tempfile
@@ -31,8 +30,6 @@ import yaml
 from canopy_operator.commands.plan import load_overlay
 from canopy_operator.model.phases import OverlayPhase, ProposalPhase
 from canopy_operator.model.topology import Edge, OverlaySpec, SpecError, norm
-
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -66,7 +63,9 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--driver-memory", help="Spark driver memory, e.g. 4g (local mode)")
     p.add_argument("-n", "--namespace", action="append", default=[], help="--cluster: only here")
     p.add_argument("--history-limit", type=int, default=10, help="--cluster: closed proposals kept")
-    p.add_argument("--server", help="--cluster: API server URL (default: in-cluster)")
+    p.add_argument("--kubeconfig", help="--cluster: kubeconfig (default: $KUBECONFIG, in-cluster)")
+    p.add_argument("--context", help="--cluster: kubeconfig context (default: the current one)")
+    p.add_argument("--server", help="--cluster: API server URL (instead of a kubeconfig)")
     p.add_argument("--token", help="--cluster: bearer token for --server")
     p.add_argument("--insecure", action="store_true", help="--cluster: skip TLS verification")
     p.set_defaults(func=run_mine)
@@ -249,24 +248,20 @@ def _mine_one(
 
 
 def _kube(args: argparse.Namespace) -> Any:
+    """The API client: --server, else a kubeconfig (--kubeconfig, --context), else the pod's
+    service account (the CronJob's case), read by the official client's loaders."""
     from canopy_operator.backends.k8s import KubeApi
+    from canopy_operator.commands.cluster import CommandError, load_credentials
 
     if args.server:
         return KubeApi(
             args.server, token=args.token, insecure=args.insecure, user_agent="canopy-miner"
         )
-    host, port = (
-        os.environ.get("KUBERNETES_SERVICE_HOST"),
-        os.environ.get("KUBERNETES_SERVICE_PORT"),
-    )
-    if not host or not (SA_DIR / "token").exists():
-        raise SystemExit("error: not in a cluster: pass --server (and --token)")
-    return KubeApi(
-        f"https://{host}:{port or 443}",
-        token=(SA_DIR / "token").read_text().strip(),
-        ca_path=str(SA_DIR / "ca.crt"),
-        user_agent="canopy-miner",
-    )
+    try:
+        creds = load_credentials(args.kubeconfig, args.context)
+    except CommandError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return KubeApi(user_agent="canopy-miner", **creds)
 
 
 async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:

@@ -18,20 +18,21 @@ import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
+from canopy_operator.commands.cluster import (
+    API,
+    CommandError,
+    add_cluster_arguments,
+    add_output_argument,
+    get,
+    kube_api,
+    list_objects,
+    show_list,
+)
 from canopy_operator.model.proposals import ProposalError, exported_overlay, from_manifest
-
-if TYPE_CHECKING:
-    from canopy_operator.backends.k8s import KubeApi
-
-API = "/apis/canopy.dev/v1alpha1"
-
-
-class CommandError(Exception):
-    """Reported as ``error: ...`` with exit code 2."""
 
 
 def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -47,21 +48,13 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="the BrokerOverlay manifest (required with a file; default: the cluster's)",
     )
     export.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
-    _add_cluster_arguments(export)
+    add_cluster_arguments(export)
     export.set_defaults(func=run_export)
     listing = psub.add_parser("list", help="the proposals of a directory or of the cluster")
     listing.add_argument("dir", nargs="?", type=Path, help="proposal files (default: cluster)")
-    _add_cluster_arguments(listing, all_namespaces=True)
+    add_cluster_arguments(listing, all_namespaces=True)
+    add_output_argument(listing)
     listing.set_defaults(func=run_list)
-
-
-def _add_cluster_arguments(p: argparse.ArgumentParser, *, all_namespaces: bool = False) -> None:
-    p.add_argument("-n", "--namespace", default="default", help="namespace (default: default)")
-    if all_namespaces:
-        p.add_argument("-A", "--all-namespaces", action="store_true")
-    p.add_argument("--server", help="API server URL (default: kubeconfig or service account)")
-    p.add_argument("--token", help="bearer token for --server")
-    p.add_argument("--insecure", action="store_true", help="do not verify --server's TLS")
 
 
 def _documents(path: Path) -> list[Any]:
@@ -87,44 +80,13 @@ def _one(path: Path, kind: str) -> dict[str, Any]:
     return found[0]
 
 
-def _kube_api(args: argparse.Namespace) -> KubeApi:
-    # The Kubernetes client pulls in kopf (a second to import): only for cluster commands.
-    import kopf  # noqa: PLC0415
-
-    from canopy_operator.backends.k8s import KubeApi  # noqa: PLC0415
-
-    if args.server:
-        return KubeApi(
-            args.server, token=args.token, insecure=args.insecure, user_agent="canopy-cli"
-        )
-    settings = kopf.OperatorSettings()
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-        settings=settings
-    )
-    if info is None:
-        raise CommandError("no cluster: give --server, or a kubeconfig ($KUBECONFIG)")
-    return KubeApi.from_connection(info)
-
-
-async def _get(api: KubeApi, path: str, what: str) -> dict[str, Any]:
-    from canopy_operator.backends.k8s import KubeError  # noqa: PLC0415
-
-    try:
-        obj = await api.get(path)
-    except (KubeError, OSError) as exc:
-        raise CommandError(f"cannot read {what}: {exc}") from None
-    if obj is None:
-        raise CommandError(f"{what} not found")
-    return obj
-
-
 async def _from_cluster(
     args: argparse.Namespace, name: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    api = _kube_api(args)
+    api = await kube_api(args)
     try:
         ns = args.namespace
-        proposal = await _get(
+        proposal = await get(
             api,
             f"{API}/namespaces/{ns}/topologyproposals/{name}",
             f"topologyproposal {name} in namespace {ns}",
@@ -134,7 +96,7 @@ async def _from_cluster(
         overlay = str((proposal.get("spec") or {}).get("overlay") or "")
         if not overlay:
             raise CommandError(f"topologyproposal {name} names no overlay (spec.overlay)")
-        obj = await _get(
+        obj = await get(
             api,
             f"{API}/namespaces/{ns}/brokeroverlays/{overlay}",
             f"brokeroverlay {overlay} in namespace {ns}",
@@ -196,16 +158,6 @@ def _row(obj: Mapping[str, Any]) -> list[str]:
     ]
 
 
-async def _list_cluster(args: argparse.Namespace) -> list[dict[str, Any]]:
-    api = _kube_api(args)
-    try:
-        where = "" if args.all_namespaces else f"/namespaces/{args.namespace}"
-        data = await _get(api, f"{API}{where}/topologyproposals", "topologyproposals")
-    finally:
-        await api.close()
-    return list(data.get("items") or [])
-
-
 def run_list(args: argparse.Namespace) -> int:
     try:
         if args.dir is not None:
@@ -219,17 +171,10 @@ def run_list(args: argparse.Namespace) -> int:
                 if isinstance(d, dict) and d.get("kind") == "TopologyProposal"
             ]
         else:
-            items = asyncio.run(_list_cluster(args))
+            items = asyncio.run(list_objects(args, "topologyproposals"))
     except CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rows = [["NAMESPACE", "NAME", "OVERLAY", "GEN", "PHASE", "GAIN", "CHANGES"]]
     rows += sorted(_row(obj) for obj in items)
-    if not any(r[0] for r in rows[1:]):
-        rows = [r[1:] for r in rows]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    if len(rows) == 1:
-        print("no proposals", file=sys.stderr)
-    return 0
+    return show_list(items, args.output, rows, "no proposals")
