@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from canopy_operator.commands.progress import Progress
 
 
 def canopy(
@@ -70,6 +73,31 @@ def test_bash_completion_completes_commands_and_flags(
     )
     assert done.returncode == 0, done.stderr
     assert expected in done.stdout.split(), done.stdout
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("CANOPY_PROGRESS", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    plain, tty = io.StringIO(), Tty()
+    for stream in (plain, tty):
+        with Progress("test", 2, stream=stream) as shown:
+            shown.step("first")
+            shown.note("by the way")
+            shown.step("second")
+    assert plain.getvalue().splitlines() == [
+        "[test] 1/2 first",
+        "[test] by the way",
+        "[test] 2/2 second",
+    ]
+    assert "2/2" in tty.getvalue() and "\u2501" in tty.getvalue()  # the bar's own characters
+    assert "[test] 1/2" not in tty.getvalue()
 
 
 def test_help_lists_the_commands() -> None:

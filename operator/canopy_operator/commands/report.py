@@ -41,6 +41,7 @@ from canopy_broker.sim.overhead import measure
 from canopy_broker.sim.topology import adjacency, component, random_tree
 from canopy_broker.sim.underlay import mean_ci95
 from canopy_operator.commands import standby
+from canopy_operator.commands.progress import Progress
 
 ALGORITHMS = ("coordinated", "path", "strawman")
 Cell = tuple[float, float]  # mean, half-width of the 95% interval
@@ -402,28 +403,26 @@ def run_000(seed: int, p: dict[str, Any]) -> dict[str, Any]:
 def run_all(
     tasks: list[tuple[Callable[..., dict[str, Any]], tuple[Any, ...]]], jobs: int
 ) -> list[dict[str, Any]]:
-    """Run every task (in ``jobs`` processes), printing progress and an estimate of time left."""
+    """Run every task (in ``jobs`` processes), showing progress and an estimate of time left."""
     start = time.perf_counter()
     results: list[dict[str, Any]] = []
+    with Progress("report", len(tasks)) as shown:
 
-    def done(r: dict[str, Any]) -> None:
-        results.append(r)
-        elapsed = time.perf_counter() - start
-        left = elapsed / len(results) * (len(tasks) - len(results))
-        what = f"{r['n']} brokers, {r['density']}" if "n" in r else "paper 000"
-        progress(
-            f"{len(results)}/{len(tasks)} runs ({what}, seed {r['seed']}); "
-            f"{elapsed:.0f} s so far, ~{left:.0f} s left"
-        )
+        def done(r: dict[str, Any]) -> None:
+            results.append(r)
+            elapsed = time.perf_counter() - start
+            left = elapsed / len(results) * (len(tasks) - len(results))
+            what = f"{r['n']} brokers, {r['density']}" if "n" in r else "paper 000"
+            shown.step(f"{what}, seed {r['seed']}; {elapsed:.0f} s so far, ~{left:.0f} s left")
 
-    if jobs <= 1:
-        for fn, a in tasks:
-            done(fn(*a))
-        return results
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
-        futures: list[Future[dict[str, Any]]] = [pool.submit(fn, *a) for fn, a in tasks]
-        for f in as_completed(futures):
-            done(f.result())
+        if jobs <= 1:
+            for fn, a in tasks:
+                done(fn(*a))
+            return results
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures: list[Future[dict[str, Any]]] = [pool.submit(fn, *a) for fn, a in tasks]
+            for f in as_completed(futures):
+                done(f.result())
     return results
 
 
