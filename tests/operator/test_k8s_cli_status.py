@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +159,35 @@ async def test_kubectl_canopy_plugin_speaks_of_the_cluster(
         subprocess.run, [str(plugin), "--help"], capture_output=True, text=True, timeout=60
     )
     assert helped.stdout.startswith("usage: kubectl canopy")
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="needs the kubectl client")
+async def test_the_real_kubectl_runs_the_plugin(
+    kmock: kmock.KubernetesEmulator, tmp_path: Path
+) -> None:
+    await an_overlay(kmock)
+    config = kubeconfig(tmp_path, server_url(kmock))
+    env = {
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+        "HOME": str(tmp_path),
+        "KUBECONFIG": str(config),  # kubectl hands its environment to the plugin
+    }
+    listed = await asyncio.to_thread(
+        subprocess.run,
+        ["kubectl", "plugin", "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert "kubectl-canopy" in listed.stdout, listed.stdout + listed.stderr
+    done = await asyncio.to_thread(
+        subprocess.run,
+        ["kubectl", "canopy", "status", "-n", NS, "--context", "good", "-o", "yaml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [o["metadata"]["name"] for o in yaml.safe_load(done.stdout)["items"]] == ["trading"]
