@@ -82,6 +82,13 @@ def _add_operator_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--liveness", help="kopf's liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
     p.add_argument("--heal-interval", type=float, default=30.0, help="seconds between checks")
     p.add_argument(
+        "--renew-interval",
+        type=float,
+        default=3600.0,
+        help="seconds between looks at the brokers' certificates (renewed in the last third of "
+        "their validity)",
+    )
+    p.add_argument(
         "--leader-election",
         action="store_true",
         help="act only while holding a coordination.k8s.io Lease (for several replicas)",
@@ -116,6 +123,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         token=args.token,
         insecure=args.insecure,
         heal_interval=args.heal_interval,
+        renew_interval=args.renew_interval,
     )
     if args.broker_image:
         config.image = args.broker_image

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import dataclasses
+import datetime
 import os
 import shutil
 from collections.abc import AsyncIterator, Awaitable
@@ -19,11 +22,14 @@ from prometheus_client import REGISTRY
 
 from canopy_broker.admin_client import AdminClient
 from canopy_broker.client import ClientError, Credentials, connect
+from canopy_broker.pki import Authority
+from canopy_broker.runtime.security import BROKER, Identity
 from canopy_broker.sim.checker import check_deliveries
 from canopy_operator.backends.k8s import (
     LABEL_OVERLAY,
     PAUSE_ROLLOUT,
     KubeApi,
+    needs_renewal,
     overlay_path,
     secret_bytes,
 )
@@ -59,8 +65,9 @@ class Cluster:
         self.emulator, self.kubelet, self.api = emulator, kubelet, api
         self.operator: OperatorThread | None = None
 
-    def start_operator(self) -> OperatorThread:
-        self.operator = OperatorThread(make_config(self.emulator, self.kubelet)).start()
+    def start_operator(self, **settings: Any) -> OperatorThread:
+        config = dataclasses.replace(make_config(self.emulator, self.kubelet), **settings)
+        self.operator = OperatorThread(config).start()
         return self.operator
 
     async def stop_operator(self) -> None:
@@ -309,6 +316,60 @@ async def test_brokers_run_tls_with_the_overlays_own_ca(cluster: Cluster) -> Non
     finally:
         await sub.close()
         await pub.close()
+
+
+async def test_certificates_due_for_renewal_are_issued_anew(cluster: Cluster) -> None:
+    """A broker certificate in the last third of its validity is issued anew by the heal, with
+    an Event; the others are left as they are. (The broker re-reads rewritten files and resumes
+    its links on new connections: tests/unit/test_security.py.)"""
+    cluster.start_operator(renew_interval=0.2)
+    await cluster.apply(overlay_manifest("ren", ["a", "b"], [("a", "b")]))
+    await cluster.ready("ren")
+    secrets = {x["metadata"]["name"]: x for x in objects(cluster.emulator, "secrets")}
+    ca = Authority.from_pem(
+        secret_bytes(secrets["ren-ca"], "ca.crt"), secret_bytes(secrets["ren-ca"], "ca.key")
+    )
+    b_before = secret_bytes(secrets["ren-b-tls"], "tls.crt")
+    assert not needs_renewal(b_before)
+    due, key = ca.issue(Identity(BROKER, "a"), days=0)  # expiring now
+    assert needs_renewal(due)
+    old = secrets["ren-a-tls"]
+    path = f"/api/v1/namespaces/{NS}/secrets/ren-a-tls"
+    await cluster.api.delete(path)
+    data = {**old["data"], "tls.crt": base64.b64encode(due).decode()}
+    data["tls.key"] = base64.b64encode(key).decode()
+    body = {k: v for k, v in old.items() if k in ("apiVersion", "kind", "type")}
+    body["metadata"] = {k: old["metadata"][k] for k in ("name", "namespace", "labels")}
+    await cluster.api.create(f"/api/v1/namespaces/{NS}/secrets", {**body, "data": data})
+
+    async def renewed() -> bytes | None:
+        secret = await cluster.api.get(path)
+        cert = secret_bytes(secret, "tls.crt")
+        return cert if cert and cert != due else None
+
+    fresh = await until(renewed, 20, "the due certificate to be issued anew")
+    cert = x509.load_pem_x509_certificate(fresh)
+    cert.verify_directly_issued_by(ca.cert)
+    assert not needs_renewal(fresh) and cert.not_valid_after_utc - cert.not_valid_before_utc > (
+        datetime.timedelta(days=300)
+    )
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["canopy://broker/a"]
+    said = [e["message"] for e in events(cluster.emulator, "CertificateRenewed")]
+    assert any("broker a" in m for m in said) and not any("broker b" in m for m in said)
+    assert (
+        secret_bytes(await cluster.api.get(f"/api/v1/namespaces/{NS}/secrets/ren-b-tls"), "tls.crt")
+        == b_before
+    )
+
+
+def test_needs_renewal_in_the_last_third_of_the_validity() -> None:
+    ca = Authority.create()
+    cert, _ = ca.issue(Identity(BROKER, "x"), days=30)
+    start = datetime.datetime.now(datetime.UTC)
+    assert not needs_renewal(cert, start + datetime.timedelta(days=19))
+    assert needs_renewal(cert, start + datetime.timedelta(days=21))
+    assert needs_renewal(b"not a certificate")
 
 
 async def test_security_off_runs_the_brokers_insecure(cluster: Cluster) -> None:

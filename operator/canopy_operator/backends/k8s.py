@@ -364,21 +364,44 @@ def tls_secret(
     }
 
 
+def needs_renewal(cert_pem: bytes, now: datetime.datetime | None = None) -> bool:
+    """Whether a certificate is in the last third of its validity, when cert-manager renews by
+    default: months before a one-year certificate expires, so missed checks (an operator down
+    for a week) still leave plenty of time. An unreadable one is renewed too."""
+    from cryptography import x509  # noqa: PLC0415
+
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError:
+        return True
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    return (now or datetime.datetime.now(datetime.UTC)) >= end - (end - start) / 3
+
+
 async def ensure_tls_secret(
     api: KubeApi, namespace: str, name: str, make: Callable[[], dict[str, Any]], ca_pem: bytes
-) -> None:
-    """Create the Secret ``make()`` builds, or replace its material if it was issued by
-    another CA (the CA Secret was deleted and made anew); a Secret once made is otherwise kept
-    as it is (its certificate is issued once)."""
+) -> str:
+    """Create the Secret ``make()`` builds, or make it anew when it was issued by another CA
+    (the CA Secret was deleted and made anew) or its certificate is due for renewal; otherwise
+    keep it as it is. Returns what was done ("" for nothing). A broker re-reads its rewritten
+    files and resumes its links on new connections, losing nothing (docs/security.md)."""
     path = core_path(namespace, "secrets", name)
     current = await api.get(path)
     if current is None:
         if await api.create(core_path(namespace, "secrets"), make()):
-            return
+            return "created"
         current = await api.get(path)
-    if current is not None and secret_bytes(current, "ca.crt") != ca_pem:
-        await api.delete(path)  # made anew, not patched: the operator never edits a Secret
-        await api.create(core_path(namespace, "secrets"), make())
+    if current is None:
+        return ""
+    if secret_bytes(current, "ca.crt") != ca_pem:
+        why = "issued anew by the overlay's new CA"
+    elif needs_renewal(secret_bytes(current, "tls.crt")):
+        why = "renewed: its certificate was in the last third of its validity"
+    else:
+        return ""
+    await api.delete(path)  # made anew, not patched: the operator never edits a Secret
+    await api.create(core_path(namespace, "secrets"), make())
+    return why
 
 
 def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -654,17 +677,18 @@ class KubernetesBackend:
             self.namespace, service_name(self.spec.name), pod_name(self.spec.name, broker)
         )
 
-    async def ensure_broker_secret(self, name: str) -> None:
-        """The broker's TLS Secret (``canopy://broker/NAME``, for its DNS names too)."""
+    async def ensure_broker_secret(self, name: str) -> str:
+        """The broker's TLS Secret (``canopy://broker/NAME``, for its DNS names too); returns
+        what :func:`ensure_tls_secret` did."""
         authority = self.authority
         if authority is None:
-            return
+            return ""
         overlay, pod = self.spec.name, pod_name(self.spec.name, name)
         host = dns_resolver(self.namespace, service_name(overlay), pod).listen.rpartition(":")[0]
         hosts = (host, f"{host}.cluster.local", f"{pod}.{service_name(overlay)}", "localhost")
         sname = tls_secret_name(overlay, name)
         labels = {LABEL_OVERLAY: overlay, LABEL_BROKER: name, "app.kubernetes.io/part-of": "canopy"}
-        await ensure_tls_secret(
+        return await ensure_tls_secret(
             self.api,
             self.namespace,
             sname,
@@ -940,6 +964,7 @@ class OperatorConfig:
     ready_within: float = 120.0
     poll: float = 0.2
     heal_interval: float = 30.0
+    renew_interval: float = 3600.0  # how often the heal looks at the brokers' certificates
     retry_delay: float = 10.0  # before a reconcile that failed (brokers not ready, a step) again
     api: KubeApi | None = None
     stopping: bool = False
@@ -947,6 +972,7 @@ class OperatorConfig:
     leader: LeaseConfig | None = None  # leader election (several replicas): the Lease to hold
     # Crash repairs the brokers did on their own, already told as Events (per overlay).
     reported: dict[tuple[str, str], set[tuple[str, ...]]] = field(default_factory=dict)
+    renewal_checked: dict[tuple[str, str], float] = field(default_factory=dict)  # monotonic
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -1041,7 +1067,7 @@ class Reconciler:
             ca = await self.api.get(ca_path)  # whoever created it first: theirs is the CA
         authority = Authority.from_pem(secret_bytes(ca, "ca.crt"), secret_bytes(ca, "ca.key"))
         client = client_secret_name(spec.name)
-        await ensure_tls_secret(
+        done = await ensure_tls_secret(
             self.api,
             self.namespace,
             client,
@@ -1055,6 +1081,8 @@ class Reconciler:
             ),
             authority.cert_pem,
         )
+        if done and done != "created":
+            self.event("CertificateRenewed", f"client Secret {client} {done}")
         cm_path = core_path(self.namespace, "configmaps", policy_name(spec.name))
         cm = await self.api.get(cm_path)
         if cm is None:
@@ -1512,6 +1540,21 @@ def _repair_condition(r: Reconciler) -> bool:
     )
 
 
+async def _renew_certificates(
+    r: Reconciler, backend: KubernetesBackend, brokers: Sequence[str], config: OperatorConfig
+) -> None:
+    """Every ``renew_interval``, re-issue the brokers' certificates that are due (the client
+    Secret is looked at with the overlay's other objects, at every heal)."""
+    key = (r.namespace, r.name)
+    if time.monotonic() - config.renewal_checked.get(key, -float("inf")) < config.renew_interval:
+        return
+    config.renewal_checked[key] = time.monotonic()
+    for b in brokers:
+        done = await backend.ensure_broker_secret(b)
+        if done and done != "created":
+            r.event("CertificateRenewed", f"broker {b}'s TLS Secret {done}")
+
+
 async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) -> None:
     """Compare the live brokers with the declared ones and bring the declared shape back:
     re-create a missing pod; re-link a broker that restarted before its neighbours declared it
@@ -1542,6 +1585,7 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
         await asyncio.gather(
             *(backend.wait_ready(b, config.ready_within) for b in spec.broker_names)
         )
+        await _renew_certificates(r, backend, with_pods, config)
         placed = await backend.annotate_zones()
         if placed:
             r.event(
