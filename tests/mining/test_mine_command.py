@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from pyspark.sql import SparkSession
 
 from canopy_operator.cli import main
 from canopy_operator.commands.mine import since_time
+from canopy_operator.mining.source import PARQUET_DIR, json_files
 from tests.mining.telemetry import write
 from tests.mining.test_metrics import fixture_records, overlay_manifest
 
@@ -109,3 +112,23 @@ def test_since_drops_older_events(
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["measured"]["events"] == 7
     assert main([*args, "--since", "2"]) == 2  # nothing left to mine: said so
     assert "no usable event records" in capsys.readouterr().err
+
+
+def test_compact_then_mine_gives_the_same_answer(
+    spark: SparkSession, tmp_path: Path, overlay_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--compact` turns closed JSON files into Parquet first; this run and the next, which
+    reads only Parquet, find what the JSON said."""
+    telemetry = write(tmp_path / "telemetry", fixture_records())
+    old = time.time() - 2 * 3600
+    for f in json_files(telemetry):
+        os.utime(f, (old, old))
+    argv = ["mine", "--telemetry", str(telemetry), "--overlay", str(overlay_file), "--json"]
+    argv += ["--spark-master", "local[2]"]
+    for run in ([*argv, "--compact"], argv):
+        assert main(run) == 0
+        out = capsys.readouterr().out
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["measured"]["events"] == 7 and summary["associativity"]["total"] == 2.0
+        assert [(p["remove"], p["add"]) for p in summary["proposals"]] == [(["a", "c"], ["d", "e"])]
+        assert json_files(telemetry) == [] and (telemetry / PARQUET_DIR).is_dir()

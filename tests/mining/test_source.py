@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,14 @@ from canopy_broker.core.messages import Deliver
 from canopy_broker.runtime.placement import Placement
 from canopy_broker.runtime.telemetry import Telemetry
 from canopy_operator.mining.propose import terminal_sets
-from canopy_operator.mining.source import TelemetryError, read_telemetry
-from tests.mining.telemetry import event_records, record, write
+from canopy_operator.mining.source import (
+    PARQUET_DIR,
+    TelemetryError,
+    compact_telemetry,
+    json_files,
+    read_telemetry,
+)
+from tests.mining.telemetry import event_records, record, rtt, write
 from tests.mining.test_metrics import LINKS, SPEC
 
 
@@ -129,3 +137,36 @@ def test_counters_written_as_floats_are_still_read(spark: SparkSession, tmp_path
     ]
     tel = read_telemetry(spark, write(tmp_path, recs), SPEC.broker_names)
     assert tel.skipped == {} and tel.events.count() == len(recs)
+
+
+def test_compacted_telemetry_reads_as_the_json_did(spark: SparkSession, tmp_path: Path) -> None:
+    """Closed JSON files become Parquet (hidden, not deleted); the reader finds the same
+    records, damaged ones included, in a directory compacted in part or in whole."""
+    good = [*event_records(LINKS, "E1", "d", ["d", "e"]), rtt("a", "b", 3.0)]
+    root = write(tmp_path / "tel", good, ["not json at all"])
+    before = read_telemetry(spark, root, SPEC.broker_names)
+    expected = (before.records, before.skipped, sorted(map(tuple, before.events.collect())))
+    assert before.rtts.count() == 1
+    files = json_files(root)
+    assert len(files) == len({r["broker"] for r in good})
+    # Only closed files: one a broker is still appending to stays JSON.
+    fresh = files[0]
+    old = time.time() - 2 * 3600
+    for f in files[1:]:
+        os.utime(f, (old, old))
+    assert compact_telemetry(spark, root) == len(files) - 1
+    assert json_files(root) == [fresh]
+    assert sorted(p.name for p in (root / PARQUET_DIR).iterdir() if p.is_dir()) == [
+        "hour=1970-01-01T00"
+    ]
+    hidden = [f.with_name("." + f.name) for f in files[1:]]
+    assert all(h.exists() for h in hidden)  # kept, but no reader sees them
+    mixed = read_telemetry(spark, root, SPEC.broker_names)
+    mixed_seen = (mixed.records, mixed.skipped, sorted(map(tuple, mixed.events.collect())))
+    assert mixed_seen == expected and mixed.rtts.count() == 1
+    assert compact_telemetry(spark, root, everything=True) == 1
+    assert json_files(root) == []
+    whole = read_telemetry(spark, root, SPEC.broker_names)
+    assert compact_telemetry(spark, root, everything=True) == 0  # nothing left to do
+    assert (whole.records, whole.skipped, sorted(map(tuple, whole.events.collect()))) == expected
+    assert whole.rtts.count() == 1

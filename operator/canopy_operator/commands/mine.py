@@ -45,6 +45,12 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--overlay", type=Path, help="the BrokerOverlay manifest (not with --cluster)")
     p.add_argument("--state-dir", type=Path, default=Path(".canopy"), help="for --pull")
     p.add_argument("--out", type=Path, help="write tables, summary and proposal YAML here")
+    p.add_argument(
+        "--compact",
+        action="store_true",
+        help="--telemetry DIR: first turn its closed JSON files (untouched for an hour) into "
+        "Parquet under DIR/_parquet, which this and later runs read much faster",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object on the last line")
     p.add_argument("--top", type=_positive, default=3, help="proposals to emit (default 3)")
     p.add_argument(
@@ -111,6 +117,13 @@ def add_bench_arguments(bench_sub: argparse._SubParsersAction[argparse.ArgumentP
     p.add_argument("--driver-memory", default="6g", help="Spark driver memory (local mode)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--data-dir", type=Path, default=Path(".canopy/bench-mining"))
+    p.add_argument(
+        "--format",
+        choices=("parquet", "json"),
+        default="parquet",
+        help="mine the telemetry compacted to Parquet (default; the compaction is timed apart, "
+        "as the generation is) or the brokers' JSON lines as written",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object on the last line")
     p.set_defaults(func=_run_bench)
 
@@ -225,6 +238,11 @@ def _mine_one(
     from canopy_operator.mining.session import spark_session
 
     spark = spark_session(args.spark_master, driver_memory=args.driver_memory)
+    if getattr(args, "compact", False) and "://" not in where and Path(where).is_dir():
+        from canopy_operator.mining.source import compact_telemetry
+
+        files = compact_telemetry(spark, Path(where))
+        _say(f"compacted {files} closed JSON file(s) into Parquet under {where}")
     try:
         result = mine(
             spark, where, spec, links, settings_for(args, manifest), progress=_say, since_ts=since

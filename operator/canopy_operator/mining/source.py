@@ -5,6 +5,12 @@ Telemetry (schema ``canopy.telemetry/v1``) is read as JSON lines from a director
 read (``s3a://…``), or pulled first from the brokers' admin APIs (``GET /telemetry``) into a
 staging directory of the same layout, so that one reader serves every source.
 
+JSON lines are cheap for a broker to append, and costly for Spark to read (the parse is most of a
+mining run). :func:`compact_telemetry` turns closed JSON files (an hour a broker no longer
+appends to) into Parquet under ``_parquet/`` (the explicit schema below, partitioned by the hour
+of the record), and hides the JSON files it compacted (a leading dot: Spark skips them) without
+deleting them. The reader reads both, so a directory may be compacted in part, or not at all.
+
 The reader is strict about meaning and lenient about damage: every record is classified once
 (ok, malformed JSON, another schema version, missing fields, a broker the overlay does not
 have), the bad ones are counted and skipped, and an input with no usable event at all is an
@@ -35,6 +41,8 @@ if TYPE_CHECKING:
 
 SCHEMA_V1 = "canopy.telemetry/v1"
 CORRUPT = "_corrupt_record"
+PARQUET_DIR = "_parquet"  # Spark's file listing skips names starting with "_" or "."
+CLOSED_AFTER_S = 3600.0  # a JSON file untouched this long has no broker appending to it
 
 # Columns the miner reads; anything else in a record (``attrs``, …) is never parsed. Counters
 # are read as numbers of either kind (another writer may emit ``1.0``) and cast where used.
@@ -86,6 +94,69 @@ def schema_ddl() -> str:
     return ", ".join(f"`{name}` {kind}" for name, kind in _FIELDS)
 
 
+def _json(spark: SparkSession, where: str | list[str]) -> DataFrame:
+    """JSON lines with the explicit schema (no inference pass); a damaged line becomes a row
+    with only ``_corrupt_record`` set, for the classification to count."""
+    reader = (
+        spark.read.schema(schema_ddl())
+        .option("mode", "PERMISSIVE")
+        .option("columnNameOfCorruptRecord", CORRUPT)
+    )
+    if isinstance(where, list):
+        return reader.json(where)
+    return (
+        reader.option("recursiveFileLookup", "true")  # broker=… folders are data, not partitions
+        .option("pathGlobFilter", "*.json*")  # .jsonl from brokers, .json from Spark
+        .json(where)
+    )
+
+
+def json_files(root: Path) -> list[Path]:
+    """The JSON telemetry files under ``root`` that a reader sees (not hidden, not compacted)."""
+    return sorted(
+        p
+        for p in root.rglob("*.json*")
+        if p.is_file()
+        and not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)
+    )
+
+
+def compact_telemetry(
+    spark: SparkSession,
+    root: Path,
+    *,
+    into: Path | None = None,
+    everything: bool = False,
+    now: float | None = None,
+) -> int:
+    """Write the closed JSON files under ``root`` as Parquet into ``into/_parquet`` (default:
+    ``root``), partitioned by hour, and hide them; returns how many files were compacted.
+
+    ``everything``: every file, closed or not (a directory nobody writes to any more). With
+    ``into`` elsewhere, the JSON files stay as they are (a copy, e.g. for the benchmark). A
+    crash between the write and the renames leaves records in both forms; the reader keeps one
+    of each (broker, event), and the link snapshots take the latest.
+    """
+    import time  # noqa: PLC0415
+
+    cutoff = (now if now is not None else time.time()) - CLOSED_AFTER_S
+    files = [p for p in json_files(root) if everything or p.stat().st_mtime < cutoff]
+    if not files:
+        return 0
+    hour = F.date_format(F.from_unixtime(F.col("ts")), "yyyy-MM-dd'T'HH")
+    (
+        _json(spark, [str(p) for p in files])
+        .withColumn("hour", F.coalesce(hour, F.lit("unknown")))
+        .write.mode("append")
+        .partitionBy("hour")
+        .parquet(str((into or root) / PARQUET_DIR))
+    )
+    if into is None:
+        for p in files:
+            p.rename(p.with_name("." + p.name))
+    return len(files)
+
+
 def read_telemetry(
     spark: SparkSession,
     path: str | Path,
@@ -99,14 +170,14 @@ def read_telemetry(
     where = str(path)
     if "://" not in where and not Path(where).exists():
         raise TelemetryError(f"no telemetry at {where}: the path does not exist")
-    raw = (
-        spark.read.schema(schema_ddl())
-        .option("mode", "PERMISSIVE")
-        .option("columnNameOfCorruptRecord", CORRUPT)
-        .option("recursiveFileLookup", "true")  # broker=… folders are data, not partitions
-        .option("pathGlobFilter", "*.json*")  # .jsonl from brokers, .json from Spark
-        .json(where)
-    )
+    # Spark remembers a directory's listing per session: files compacted (renamed) or written
+    # since an earlier read of the same path would be missed or looked for in vain.
+    spark.catalog.refreshByPath(where)
+    raw = _json(spark, where)
+    compacted = Path(where) / PARQUET_DIR
+    if "://" not in where and compacted.is_dir():
+        columnar = spark.read.schema(schema_ddl()).parquet(str(compacted)).drop("hour")
+        raw = raw.unionByName(columnar)
     known = sorted(set(brokers))  # `isin` with many values becomes a hash-set lookup
     is_event = F.col("type") == "event"
     status = (
