@@ -175,9 +175,13 @@ def read_telemetry(
     spark.catalog.refreshByPath(where)
     raw = _json(spark, where)
     compacted = Path(where) / PARQUET_DIR
+    columnar_only = False
     if "://" not in where and compacted.is_dir():
         columnar = spark.read.schema(schema_ddl()).parquet(str(compacted)).drop("hour")
-        raw = raw.unionByName(columnar)
+        if json_files(Path(where)):
+            raw = raw.unionByName(columnar)
+        else:
+            raw, columnar_only = columnar, True
     known = sorted(set(brokers))  # `isin` with many values becomes a hash-set lookup
     is_event = F.col("type") == "event"
     status = (
@@ -202,10 +206,14 @@ def read_telemetry(
         .when(~F.col("type").isin("event", "rtt", "link", "placement"), "unknown_type")
         .otherwise("ok")
     )
-    # One parse of the files: the classified, narrowed records are cached and everything below
+    # One parse of JSON files: the classified, narrowed records are cached and everything below
     # (the counts, the events, the small rtt and link tables) is computed from that cache.
+    # Parquet alone is not cached: each query below reads only the columns it needs, which is
+    # cheaper than building a cache of all of them.
     keep = [name for name, _ in _FIELDS if name not in (CORRUPT, "schema")]
-    narrow = raw.select(status.alias("_status"), *keep).persist(StorageLevel.MEMORY_AND_DISK)
+    narrow = raw.select(status.alias("_status"), *keep)
+    if not columnar_only:
+        narrow = narrow.persist(StorageLevel.MEMORY_AND_DISK)
     counts = {
         r["_status"]: r["n"]
         for r in narrow.groupBy("_status").agg(F.count("*").alias("n")).collect()
