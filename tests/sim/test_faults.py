@@ -162,7 +162,11 @@ def test_a_death_on_a_locking_exchange_path_is_repaired_at_once(dead: str, at: f
     sim.detect_failure(dead, at=at + 60)
     sim.run()
     assert at + 60 <= sim.repaired[dead] < at + 120  # not a lease (3000) later
-    assert not sim.exchanges[x].ok  # its path is gone: the executor replans
+    # Its path is gone: the refusal is final, A1 reports the exchange failed at once and says
+    # why (its caller re-plans), instead of retrying a broken path 60 times.
+    record = sim.exchanges[x]
+    assert not record.ok and record.reason == f"{dead} died on the path", record
+    assert record.finished_at is not None and record.finished_at < at + 60 + 100, record
     report = judge_deliveries(sim)
     assert report.survivors.ok and report.survivors.owed == 2 * 5 * 1350, str(report)
     problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]

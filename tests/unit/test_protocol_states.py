@@ -24,6 +24,7 @@ from canopy_broker.core.messages import (
     Done,
     Echo,
     End,
+    ExchangeFinished,
     FlushMsg,
     FromLink,
     FromPeer,
@@ -135,6 +136,17 @@ def test_a1_drops_the_late_answer_to_a_try_its_lease_gave_up_on() -> None:
     retry = core.handle(TimerFired("lock:x1"))
     locks = [getattr(e, "message", None) for e in retry]
     assert any(isinstance(m, Lock) and m.attempt == 1 for m in locks), retry
+
+
+def test_a1_gives_up_at_once_on_a_final_refusal() -> None:
+    """A broker of the path died: retrying the same path cannot succeed, so A1 reports the
+    exchange failed at once (its caller re-plans) instead of backing off and retrying."""
+    core = a1_locked()
+    effects = core.handle(FromLink("m", LockRefused("x1", "r1 died on the path", final=True)))
+    (finished,) = [e for e in effects if isinstance(e, ExchangeFinished)]
+    assert not finished.ok and finished.reason == "r1 died on the path"
+    assert not any(getattr(e, "key", "").startswith("lock:") for e in effects)
+    assert core.exchange is None and "x1" not in core.attempts
 
 
 def test_done_for_another_exchange_is_checked_before_it_is_applied() -> None:

@@ -361,14 +361,17 @@ def try_lock(core: BrokerCore, xid: str, out: list[Effect]) -> None:
         retry_later(core, xid, problem, out)
 
 
+def give_up(core: BrokerCore, xid: str, reason: str, out: list[Effect]) -> None:
+    """At A1: the exchange failed for good before it changed anything."""
+    _req, attempt = core.attempts.pop(xid)
+    out.append(ExchangeFinished(xid, False, reason, attempt + 1))
+
+
 def retry_later(core: BrokerCore, xid: str, reason: str, out: list[Effect]) -> None:
     req, attempt = core.attempts[xid]
     attempt += 1
     if attempt >= MAX_LOCK_ATTEMPTS:
-        del core.attempts[xid]
-        out.append(
-            ExchangeFinished(xid, False, f"gave up after {attempt} attempts: {reason}", attempt)
-        )
+        give_up(core, xid, f"gave up after {attempt} attempts: {reason}", out)
         return
     core.attempts[xid] = (req, attempt)
     out.append(StartTimer(f"lock:{xid}", backoff(xid, attempt)))
@@ -494,14 +497,17 @@ def undo_lock(core: BrokerCore, ex: Exchange, out: list[Effect], *, by_lease: bo
 def abandon_lock(core: BrokerCore, ex: Exchange, dead: str, out: list[Effect]) -> None:
     """A cycle neighbour of this broker died while it held an ungranted lock. Nothing has changed
     here but the lock (and an A end's frozen link), so the try is given up as a refusal would
-    give it up — at once, rather than at the lease's end — and the repair can run now. Answers
-    to the try that still come are dropped (see ``Lock.attempt``)."""
+    give it up — at once, rather than at the lease's end — and the repair can run now. The
+    refusal is final: the path has lost a broker, so A1 reports the exchange failed instead of
+    retrying it, and its caller re-plans from the live tree. Answers to the try that still
+    come are dropped (see ``Lock.attempt``)."""
     reason = f"{dead} died on the path"
     undo_lock(core, ex, out, by_lease=True)
     if ex.me == 0:
-        retry_later(core, ex.xid, reason, out)
+        give_up(core, ex.xid, reason, out)
     elif ex.path[ex.me - 1] != dead:
-        out.append(SendToLink(ex.path[ex.me - 1], LockRefused(ex.xid, reason, ex.attempt)))
+        refusal = LockRefused(ex.xid, reason, ex.attempt, final=True)
+        out.append(SendToLink(ex.path[ex.me - 1], refusal))
 
 
 def on_refused(core: BrokerCore, ex: Exchange, msg: LockRefused, out: list[Effect]) -> None:
@@ -509,7 +515,9 @@ def on_refused(core: BrokerCore, ex: Exchange, msg: LockRefused, out: list[Effec
         raise ProtocolError(f"{core.name}: lock of {ex.xid} refused after it was granted")
     ex.fire(Step.REFUSED)
     undo_lock(core, ex, out)
-    if ex.me == 0:
+    if ex.me == 0 and msg.final:
+        give_up(core, ex.xid, msg.reason, out)
+    elif ex.me == 0:
         retry_later(core, ex.xid, msg.reason, out)
     else:
         out.append(SendToLink(ex.path[ex.me - 1], msg))

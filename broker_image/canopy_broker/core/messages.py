@@ -130,6 +130,9 @@ class LockRefused:
     xid: str
     reason: str
     attempt: int = 0
+    # The path itself is broken (a broker on it died): trying the same path again cannot
+    # succeed, so A1 gives up at once and its caller re-plans from the live tree.
+    final: bool = False
 
 
 @dataclass(frozen=True, slots=True)
