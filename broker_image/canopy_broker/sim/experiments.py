@@ -36,6 +36,7 @@ class ExchangeRun:
     routing_problems: list[str]
     leftovers: list[str] = field(default_factory=list)
     requested_at: list[float] = field(default_factory=list)  # per spec, in order
+    initial_edges: list[Edge] = field(default_factory=list)  # the tree before the first exchange
 
     @property
     def ok(self) -> bool:
@@ -219,4 +220,4 @@ def run_exchanges(
         for rec in sim.exchanges.values()
         if not rec.ok
     ]
-    return ExchangeRun(sim, current, specs, report, problems, leftovers, requested_at)
+    return ExchangeRun(sim, current, specs, report, problems, leftovers, requested_at, edges)

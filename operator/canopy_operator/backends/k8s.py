@@ -39,6 +39,7 @@ from typing import Any, cast
 import aiohttp
 import kopf
 import yaml
+from cryptography import x509
 from prometheus_client import Counter, Gauge, Histogram
 
 from canopy_broker.admin_client import AdminClient, AdminError
@@ -368,8 +369,6 @@ def needs_renewal(cert_pem: bytes, now: datetime.datetime | None = None) -> bool
     """Whether a certificate is in the last third of its validity, when cert-manager renews by
     default: months before a one-year certificate expires, so missed checks (an operator down
     for a week) still leave plenty of time. An unreadable one is renewed too."""
-    from cryptography import x509  # noqa: PLC0415
-
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)
     except ValueError:
@@ -383,13 +382,14 @@ async def ensure_tls_secret(
 ) -> str:
     """Create the Secret ``make()`` builds, or make it anew when it was issued by another CA
     (the CA Secret was deleted and made anew) or its certificate is due for renewal; otherwise
-    keep it as it is. Returns what was done ("" for nothing). A broker re-reads its rewritten
-    files and resumes its links on new connections, losing nothing (docs/security.md)."""
+    keep it as it is. Returns why an existing Secret was made anew ("" when it was created or
+    kept), for an Event. A broker re-reads its rewritten files and resumes its links on new
+    connections, losing nothing (docs/security.md)."""
     path = core_path(namespace, "secrets", name)
     current = await api.get(path)
     if current is None:
         if await api.create(core_path(namespace, "secrets"), make()):
-            return "created"
+            return ""
         current = await api.get(path)
     if current is None:
         return ""
@@ -679,7 +679,7 @@ class KubernetesBackend:
 
     async def ensure_broker_secret(self, name: str) -> str:
         """The broker's TLS Secret (``canopy://broker/NAME``, for its DNS names too); returns
-        what :func:`ensure_tls_secret` did."""
+        why it was made anew, as :func:`ensure_tls_secret` does."""
         authority = self.authority
         if authority is None:
             return ""
@@ -1081,7 +1081,7 @@ class Reconciler:
             ),
             authority.cert_pem,
         )
-        if done and done != "created":
+        if done:
             self.event("CertificateRenewed", f"client Secret {client} {done}")
         cm_path = core_path(self.namespace, "configmaps", policy_name(spec.name))
         cm = await self.api.get(cm_path)
@@ -1551,7 +1551,7 @@ async def _renew_certificates(
     config.renewal_checked[key] = time.monotonic()
     for b in brokers:
         done = await backend.ensure_broker_secret(b)
-        if done and done != "created":
+        if done:
             r.event("CertificateRenewed", f"broker {b}'s TLS Secret {done}")
 
 

@@ -81,16 +81,15 @@ def load_credentials(kubeconfig: str | None, context: str | None) -> dict[str, A
     }
 
 
-async def kube_api(args: argparse.Namespace) -> KubeApi:
-    """An API client for the command's cluster flags."""
+async def kube_api(args: argparse.Namespace, user_agent: str = "canopy-cli") -> KubeApi:
+    """An API client for the command's cluster flags (--server, else a kubeconfig, else the
+    pod's service account)."""
     from canopy_operator.backends.k8s import KubeApi  # noqa: PLC0415
 
     if args.server:
-        return KubeApi(
-            args.server, token=args.token, insecure=args.insecure, user_agent="canopy-cli"
-        )
+        return KubeApi(args.server, token=args.token, insecure=args.insecure, user_agent=user_agent)
     creds = await asyncio.to_thread(load_credentials, args.kubeconfig, args.context)
-    return KubeApi(user_agent="canopy-cli", **creds)
+    return KubeApi(user_agent=user_agent, **creds)
 
 
 async def get(api: KubeApi, path: str, what: str) -> dict[str, Any]:

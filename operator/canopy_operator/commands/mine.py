@@ -265,23 +265,6 @@ def _mine_one(
 # -- cluster ----------------------------------------------------------------------------------
 
 
-def _kube(args: argparse.Namespace) -> Any:
-    """The API client: --server, else a kubeconfig (--kubeconfig, --context), else the pod's
-    service account (the CronJob's case), read by the official client's loaders."""
-    from canopy_operator.backends.k8s import KubeApi
-    from canopy_operator.commands.cluster import CommandError, load_credentials
-
-    if args.server:
-        return KubeApi(
-            args.server, token=args.token, insecure=args.insecure, user_agent="canopy-miner"
-        )
-    try:
-        creds = load_credentials(args.kubeconfig, args.context)
-    except CommandError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    return KubeApi(user_agent="canopy-miner", **creds)
-
-
 async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:
     """The CronJob: every self-organising overlay → pull → mine → file proposals.
 
@@ -290,8 +273,12 @@ async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:
     ``resolver`` maps (namespace, service, pod) to a broker's endpoints: the cluster DNS by
     default, local processes in tests (as for the operator)."""
     from canopy_operator.backends import k8s
+    from canopy_operator.commands.cluster import CommandError, kube_api
 
-    api = _kube(args)
+    try:
+        api = await kube_api(args, user_agent="canopy-miner")
+    except CommandError as exc:
+        raise SystemExit(f"error: {exc}") from None
     failures = 0
     try:
         paths = [k8s.overlay_path(ns) for ns in args.namespace] or [

@@ -21,11 +21,11 @@ and its counts are reported next to the costs.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import multiprocessing
 import os
-import random
 import statistics
 import sys
 import time
@@ -38,10 +38,11 @@ from typing import Any
 from canopy_broker.core.messages import Ordering, Publish, RoutingMode
 from canopy_broker.sim.experiments import ExchangeRun, run_exchanges
 from canopy_broker.sim.overhead import measure
-from canopy_broker.sim.topology import adjacency, component, random_tree
+from canopy_broker.sim.topology import adjacency, component
 from canopy_broker.sim.underlay import mean_ci95
 from canopy_operator.commands import standby
 from canopy_operator.commands.progress import Progress
+from canopy_operator.commands.standby import pm
 
 ALGORITHMS = ("coordinated", "path", "strawman")
 Cell = tuple[float, float]  # mean, half-width of the 95% interval
@@ -280,20 +281,18 @@ def overhead(run: ExchangeRun) -> float:
 def per_exchange_control(run: ExchangeRun) -> list[tuple[int, int]]:
     """(cycle length, control messages) for each exchange of a one-at-a-time run."""
     assert run.sim.traffic is not None
-    bounds = [*run.requested_at, float("inf")]
+    bounds = run.requested_at  # ascending: exchanges run one at a time
     counts = [0] * len(run.specs)
     for t, _s, _r, msg in run.sim.traffic:
         if isinstance(msg, Publish) or t < bounds[0]:
             continue
-        i = next(j for j in range(len(run.specs)) if bounds[j] <= t < bounds[j + 1])
-        counts[i] += 1
+        counts[bisect.bisect_right(bounds, t) - 1] += 1
     return [(len(spec.path), c) for spec, c in zip(run.specs, counts, strict=True)]
 
 
-def cut_sizes(n: int, seed: int, max_fanout: int, run: ExchangeRun) -> list[int]:
+def cut_sizes(run: ExchangeRun) -> list[int]:
     """Brokers on the smaller side of each removed link: what a strawman's waves must cover."""
-    edges = random_tree(n, random.Random(seed), max_fanout=max_fanout)  # as run_exchanges drew it
-    out = []
+    n, edges, out = len(run.sim.cores), run.initial_edges, []
     for spec in run.specs:
         side = len(component(adjacency(edges), *spec.remove))
         out.append(min(side, n - side))
@@ -334,7 +333,7 @@ def run_002(n: int, density: str, seed: int, p: dict[str, Any]) -> dict[str, Any
         cost[algorithm] = overhead(run) / max(1, len(run.specs))
         delivery[algorithm] = run.report.summary()
         if algorithm == "strawman":
-            cuts = cut_sizes(n, seed, p["max_fanout"], run)
+            cuts = cut_sizes(run)
     return {
         "n": n,
         "density": density,
@@ -607,7 +606,7 @@ def comparisons(
             verdict = "no closer to the paper's value, so the link choice does not explain it."
         return (
             f" Tested: the same {density} runs at {top} brokers removing only links that cut off "
-            f"at least {inner['min_side']} brokers: {what} {_pm(now, fmt)}; {verdict}"
+            f"at least {inner['min_side']} brokers: {what} {pm(now, fmt)}; {verdict}"
         )
 
     scope = (
@@ -626,7 +625,7 @@ def comparisons(
                 "figure": figure,
                 "point": point,
                 "paper": f"{fmt.format(paper)} (\u201c{text}\u201d)",
-                "ours": f"{fmt.format(ours[0])} ± {fmt.format(ours[1])}",
+                "ours": pm(ours, fmt),
                 "note": why if gap else "Within our interval.",
             }
         )
@@ -825,10 +824,6 @@ def plot(data: dict[str, Any], out: Path) -> list[Path]:
 # ---------------------------------------------------------------- report.md
 
 
-def _pm(cell: Sequence[float], fmt: str = "{:.1f}") -> str:
-    return f"{fmt.format(cell[0])} ± {fmt.format(cell[1])}" if cell else ""
-
-
 def _parameter_rows(paper: dict[str, tuple[Any, str]], ours: dict[str, Any]) -> list[str]:
     lines = ["| parameter | ours | the paper |", "|---|---|---|"]
     for key, (value, sentence) in paper.items():
@@ -905,10 +900,10 @@ def markdown(data: dict[str, Any]) -> str:
         d = d2[density]
         for n in p2["sizes"]:
             lines.append(
-                f"| {n} | {density} | {_pm(d['improvement_percent']['coordinated'][n])} | "
-                f"{_pm(d['improvement_percent']['path'][n])} | "
-                f"{_pm(d['strawman_per_reconfiguration'][n], '{:,.0f}')} | "
-                f"{_pm(d['cost']['path'][n], '{:,.0f}')} | {_pm(d['cut_side'][n])} |"
+                f"| {n} | {density} | {pm(d['improvement_percent']['coordinated'][n])} | "
+                f"{pm(d['improvement_percent']['path'][n])} | "
+                f"{pm(d['strawman_per_reconfiguration'][n], '{:,.0f}')} | "
+                f"{pm(d['cost']['path'][n], '{:,.0f}')} | {pm(d['cut_side'][n])} |"
             )
     lines += [
         "",
@@ -952,8 +947,8 @@ def markdown(data: dict[str, Any]) -> str:
     ctl, dl = d0["control"], d0["delay"]
     lengths = sorted({k for rows in (*ctl.values(), *dl.values()) for k in rows}, key=int)
     for k in lengths:
-        cells = [_pm(ctl[a].get(k, ())) for a in ALGORITHMS]
-        cells += [_pm(dl[o].get(k, ())) for o in ("fifo", "causal")]
+        cells = [pm(ctl[a].get(k, ())) for a in ALGORITHMS]
+        cells += [pm(dl[o].get(k, ())) for o in ("fifo", "causal")]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     lines += ["", "Points with fewer than 5 exchanges are left out. Delivery check:", ""]
     lines += [f"* {a}: {s}" for a, s in d0["delivery"].items()]

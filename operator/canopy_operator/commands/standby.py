@@ -218,8 +218,9 @@ def plot(data: dict[str, Any], out: Path) -> Path:
     return path
 
 
-def _pm(cell: Sequence[float]) -> str:
-    return f"{cell[0]:.1f} ± {cell[1]:.1f}"
+def pm(cell: Sequence[float], fmt: str = "{:.1f}") -> str:
+    """A mean and the half-width of its interval, "m ± h" ("" for a point with no data)."""
+    return f"{fmt.format(cell[0])} ± {fmt.format(cell[1])}" if cell else ""
 
 
 def _pct(cell: Sequence[float]) -> str:
@@ -302,9 +303,9 @@ def section(data: dict[str, Any], plot_name: str = PLOT) -> str:
             gap = d["gap"][k]
             note = _note(gap, d["seeds_more_less"][k], p["seeds"], int(k))
             lines.append(
-                f"| {k} | aware > plain, gap grows | {_pm(d['plain'][k])} | "
-                f"{_pm(d['standby'][k])} | {_pm(gap)} | {_pm(d['blind'][k])} | "
-                f"{_pm(d['graph'][k])} | {note} |"
+                f"| {k} | aware > plain, gap grows | {pm(d['plain'][k])} | "
+                f"{pm(d['standby'][k])} | {pm(gap)} | {pm(d['blind'][k])} | "
+                f"{pm(d['graph'][k])} | {note} |"
             )
         if "gap_growth" in d:
             lo, hi, gm, gh = d["gap_growth"]
@@ -342,7 +343,7 @@ def section(data: dict[str, Any], plot_name: str = PLOT) -> str:
         "### Differences, and why",
         "",
         "* **Underlay-aware vs blind.** The largest difference between the two choices of "
-        f"standby links among survivors is {_pm(worst)} points: "
+        f"standby links among survivors is {pm(worst)} points: "
         + (
             "within the interval, so on this underlay the gain over the plain tree comes "
             "from having standby links at all, not from their disjointness. With "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,8 +138,6 @@ def compact_telemetry(
     crash between the write and the renames leaves records in both forms; the reader keeps one
     of each (broker, event), and the link snapshots take the latest.
     """
-    import time  # noqa: PLC0415
-
     cutoff = (now if now is not None else time.time()) - CLOSED_AFTER_S
     files = [p for p in json_files(root) if everything or p.stat().st_mtime < cutoff]
     if not files:
