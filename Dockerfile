@@ -46,15 +46,15 @@ FROM runtime AS app
 COPY --from=build /opt/canopy /opt/canopy
 USER 10001:10001
 
-# -- broker: `canopy-broker serve` (links and clients on 7000; admin API, /metrics, probes on 8080)
+# -- broker: `canopy-broker serve` (clients on 7000, links on 7001; admin API, /metrics, probes on 8080)
 FROM app AS broker
-EXPOSE 7000 8080
+EXPOSE 7000 7001 8080
 # The admin API speaks HTTPS once the broker has TLS material (the default CMD expects it mounted
 # at /etc/canopy/tls, a TLS Secret's layout); the probe only asks whether it answers.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s \
     CMD ["python", "-c", "import ssl, urllib.request as u; u.urlopen('https://127.0.0.1:8080/healthz', timeout=2, context=ssl._create_unverified_context())"]
 ENTRYPOINT ["canopy-broker"]
-CMD ["serve", "--name", "broker", "--listen", "0.0.0.0:7000", "--admin", "0.0.0.0:8080", "--token-file", "/var/run/canopy/token", "--tls-dir", "/etc/canopy/tls"]
+CMD ["serve", "--name", "broker", "--listen", "0.0.0.0:7000", "--link-listen", "0.0.0.0:7001", "--admin", "0.0.0.0:8080", "--token-file", "/var/run/canopy/token", "--tls-dir", "/etc/canopy/tls"]
 
 # -- operator: `canopy operator` (metrics on 8000, kopf's liveness endpoint on 8081) ------------
 FROM app AS operator

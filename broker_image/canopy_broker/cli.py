@@ -46,10 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--listen",
         default="127.0.0.1:7400",
-        help="HOST:PORT for links and clients (port 0: any free port)",
+        help="HOST:PORT for clients, and for links too without --link-listen (port 0: any free)",
+    )
+    s.add_argument(
+        "--link-listen",
+        help="HOST:PORT for overlay links only (brokers; with TLS a certificate is required);"
+        " the --listen port then refuses brokers and this one refuses clients",
     )
     s.add_argument("--admin", default="127.0.0.1:7401", help="HOST:PORT of the admin HTTP API")
-    s.add_argument("--advertise", help="HOST:PORT other brokers dial (default: --listen's)")
+    s.add_argument(
+        "--advertise",
+        help="HOST:PORT other brokers dial (default: --link-listen's, else --listen's)",
+    )
+    s.add_argument(
+        "--client-advertise",
+        help="HOST:PORT clients are sent to when they fail over or their broker drains"
+        " (default: --advertise's host, --listen's port)",
+    )
     s.add_argument("--routing", choices=[m.value for m in RoutingMode], default="covering")
     tok = s.add_mutually_exclusive_group()
     tok.add_argument("--token", help=f"admin bearer token (or ${TOKEN_ENV})")
@@ -170,6 +183,15 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-cert", help="this broker's certificate (PEM, canopy://broker/NAME)")
     sec.add_argument("--tls-key", help="this broker's private key (PEM)")
     sec.add_argument(
+        "--client-tls-dir",
+        help="ca.crt, tls.crt, tls.key for the client port only (e.g. a certificate clients"
+        " already trust, and the CA of their certificates); default: the overlay's (--tls-dir)",
+    )
+    sec.add_argument(
+        "--admin-tls-dir",
+        help="ca.crt, tls.crt, tls.key for the admin port only; default: the overlay's",
+    )
+    sec.add_argument(
         "--policy",
         help="client policy (YAML): principals, their client ids, publish and subscribe filters;"
         " re-read when it changes",
@@ -216,6 +238,20 @@ def resolve_tls(args: argparse.Namespace) -> TlsFiles | None:
         sys.exit(f"canopy-broker: {exc}")
 
 
+def own_tls(directory: str | None, overlay: TlsFiles | None, flag: str) -> TlsFiles | None:
+    """A listener's own TLS material (a Kubernetes TLS Secret's layout), or None to use the
+    overlay's; refused without the overlay's (plaintext has no listener with TLS of its own)."""
+    if not directory:
+        return None
+    if overlay is None:
+        sys.exit(f"canopy-broker: {flag} needs TLS for the overlay too (--tls-dir), not --insecure")
+    d = Path(directory)
+    try:
+        return TlsFiles(d / "ca.crt", d / "tls.crt", d / "tls.key").check()
+    except SecurityError as exc:
+        sys.exit(f"canopy-broker: {flag}: {exc}")
+
+
 def resolve_token(args: argparse.Namespace) -> str | None:
     """The admin token from the flags or environment; exits if none and not explicitly insecure."""
     if args.token_file:
@@ -235,12 +271,17 @@ async def serve(args: argparse.Namespace) -> int:
     token = resolve_token(args)
     tls = resolve_tls(args)
     host, port = parse_address(args.listen)
+    link_host, link_port = parse_address(args.link_listen) if args.link_listen else (None, None)
     admin_host, admin_port = parse_address(args.admin)
+    client_tls = own_tls(args.client_tls_dir, tls, "--client-tls-dir")
+    admin_files = own_tls(args.admin_tls_dir, tls, "--admin-tls-dir") or tls
     config = BrokerConfig(
         name=args.name,
         routing=RoutingMode(args.routing),
         host=host,
         port=port,
+        link_host=link_host,
+        link_port=link_port,
         heartbeat_interval=args.heartbeat,
         dead_after=args.dead_after,
         repair=args.repair,
@@ -253,12 +294,14 @@ async def serve(args: argparse.Namespace) -> int:
         history=args.history,
         telemetry_dir=args.telemetry_dir,
         advertise=args.advertise,
+        client_advertise=args.client_advertise,
         probe_interval=args.probe_interval,
         slow_consumer_policy=args.slow_consumer,
         client_hard_cap=args.client_queue_limit,
         max_subscriptions=args.max_subscriptions,
         max_connections_per_source=args.max_connections_per_source,
         tls=tls,
+        client_tls=client_tls,
         policy_file=args.policy,
         zone=args.zone,
         node=args.node,
@@ -272,8 +315,10 @@ async def serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(make_admin_app(broker, token), access_log=None)
     await runner.setup()
     # The admin API speaks HTTPS with the broker's certificate when TLS is on (bearer token
-    # inside); clients are not asked for a certificate there.
-    admin_tls = tls.server_context() if tls is not None else None
+    # inside); clients are not asked for a certificate there. The HTTP gateway is for clients:
+    # it presents the client port's certificate. Both are reloaded with the broker's files.
+    admin_tls = broker.reloaded_context(admin_files) if admin_files is not None else None
+    client_files = client_tls or tls
     site = web.TCPSite(runner, admin_host, admin_port, ssl_context=admin_tls)
     await site.start()
     assert broker.address is not None
@@ -286,12 +331,13 @@ async def serve(args: argparse.Namespace) -> int:
         own = f"{host}:{broker.address[1]}"
         # Open streams end with the broker: a short grace, not aiohttp's 60 s.
         gw = web.AppRunner(
-            make_gateway_app(own, tls.ca if tls is not None else None),
+            make_gateway_app(own, client_files.ca if client_files is not None else None),
             access_log=None,
             shutdown_timeout=1.0,
         )
         await gw.setup()
-        await web.TCPSite(gw, gw_host, gw_port, ssl_context=admin_tls).start()
+        gw_tls = broker.reloaded_context(client_files) if client_files is not None else None
+        await web.TCPSite(gw, gw_host, gw_port, ssl_context=gw_tls).start()
         runners.append(gw)
         gw_sock = gw.addresses[0]
         gateway = f"{gw_sock[0]}:{gw_sock[1]}"
@@ -302,6 +348,7 @@ async def serve(args: argparse.Namespace) -> int:
     ready = {
         "name": broker.name,
         "listen": f"{broker.address[0]}:{broker.address[1]}",
+        **({"link": "{}:{}".format(*broker.link_address)} if broker.link_address else {}),
         "admin": f"{admin_sock[0]}:{admin_sock[1]}",
         "routing": broker.core.mode.value,
         "tls": tls is not None,

@@ -56,8 +56,9 @@ def serve_command(
     extra_args: Sequence[str] = (),
     tls_dir: Path | None = None,
 ) -> list[str]:
-    """`canopy-broker serve` on free ports of ``host`` (it reports them on stdout when ready),
-    with its credentials from ``pki`` (None: ``--insecure``, plaintext), or from ``tls_dir``
+    """`canopy-broker serve` on free ports of ``host`` (it reports them on stdout when ready):
+    one for clients, one for links (brokers only), one for the admin API; with its credentials
+    from ``pki`` (None: ``--insecure``, plaintext), or from ``tls_dir``
     (``--tls-dir``: a Kubernetes TLS Secret's files) when given."""
     if tls_dir is not None:
         security = ["--tls-dir", str(tls_dir)]
@@ -71,6 +72,8 @@ def serve_command(
         "--name",
         name,
         "--listen",
+        f"{host}:0",
+        "--link-listen",
         f"{host}:0",
         "--admin",
         f"{host}:0",
@@ -122,17 +125,19 @@ class BrokerProc:
 
     name: str
     process: asyncio.subprocess.Process
-    listen: str
+    listen: str  # HOST:PORT for clients
     admin_address: str
     token: str
     log_path: Path | None
     tls: ssl.SSLContext | None = None  # verifies the admin API's certificate
     gateway: str | None = None  # the HTTP gateway's HOST:PORT (--gateway)
+    link_address: str = ""  # HOST:PORT other brokers dial (--link-listen; default: listen)
     admin: AdminClient = field(init=False)
     _log: IO[bytes] | None = None
 
     def __post_init__(self) -> None:
         self.admin = AdminClient(self.admin_address, self.token, tls=self.tls)
+        self.link_address = self.link_address or self.listen
 
     @property
     def pid(self) -> int:
@@ -222,6 +227,7 @@ async def spawn_broker(
             log_path,
             tls,
             gateway=info.get("gateway"),
+            link_address=info.get("link", ""),
             _log=log,
         )
         async with asyncio.timeout(ready_within):
@@ -329,7 +335,7 @@ class Overlay:
                 if isinstance(p, BaseException):
                     raise p
             # Every broker learns every address: exchanges dial brokers that are not neighbours.
-            book = {name: p.listen for name, p in self.brokers.items()}
+            book = {name: p.link_address for name, p in self.brokers.items()}
             await asyncio.gather(*(p.admin.set_peers(book) for p in self.brokers.values()))
             for a, b in list(self.edges):
                 await self.link(a, b)
@@ -361,10 +367,14 @@ class Overlay:
         proc = await self._spawn(name)
         self.brokers[name] = proc
         self.names.append(name)
-        book = {n: p.listen for n, p in self.brokers.items()}
+        book = {n: p.link_address for n, p in self.brokers.items()}
         await asyncio.gather(
             proc.admin.set_peers(book),
-            *(p.admin.set_peers({name: proc.listen}) for n, p in self.brokers.items() if n != name),
+            *(
+                p.admin.set_peers({name: proc.link_address})
+                for n, p in self.brokers.items()
+                if n != name
+            ),
         )
         await self.link(name, attach_to, within)
         return proc
@@ -394,7 +404,7 @@ class Overlay:
 
     async def link(self, a: str, b: str, within: float = 10.0) -> None:
         """``a`` dials ``b``; returns once the link is up on both ends."""
-        result = await self.brokers[a].admin.add_link(b, self.brokers[b].listen, wait=within)
+        result = await self.brokers[a].admin.add_link(b, self.brokers[b].link_address, wait=within)
         if not result["up"]:
             raise RuntimeError(f"link {a}-{b} did not come up within {within}s")
         if not any(set(e) == {a, b} for e in self.edges):

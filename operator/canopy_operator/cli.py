@@ -105,6 +105,14 @@ def _add_operator_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
         help="this replica's name in the Lease (default: $POD_NAME, else the host name)",
     )
     p.add_argument("--lease-duration", type=float, default=15.0, help="seconds")
+    p.add_argument(
+        "--network-policy-namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="a namespace whose broker pods a NetworkPolicy isolates (the chart's): give each"
+        " overlay there a policy admitting its link port from its own brokers (repeatable)",
+    )
     logs.add_argument(p)
     p.set_defaults(func=_run_operator)
 
@@ -124,6 +132,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         heal_interval=args.heal_interval,
         renew_interval=args.renew_interval,
+        network_policy_namespaces=frozenset(args.network_policy_namespace),
     )
     if args.broker_image:
         config.image = args.broker_image

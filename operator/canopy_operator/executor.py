@@ -45,7 +45,11 @@ class Backend(Protocol):
     async def wait_ready(self, name: str, within: float) -> None: ...
 
     def address(self, name: str) -> str:
-        """HOST:PORT other brokers and clients reach the broker at."""
+        """HOST:PORT clients reach the broker at."""
+        ...
+
+    def link_address(self, name: str) -> str:
+        """HOST:PORT other brokers link to (its link port: brokers only)."""
         ...
 
     def admin(self, name: str) -> AdminClient: ...
@@ -199,7 +203,7 @@ class Executor:
         anchor = step.add[0] if step.add[1] == new else step.add[1]
         await self.backend.create_broker(new)
         await self.backend.wait_ready(new, 30.0)
-        result = await self.backend.admin(new).add_link(anchor, self.backend.address(anchor))
+        result = await self.backend.admin(new).add_link(anchor, self.backend.link_address(anchor))
         if not result.get("up"):
             raise aiohttp.ClientError(f"link {new}-{anchor} did not come up")
         return {"broker": new, "attached_to": anchor}
@@ -211,8 +215,8 @@ class Executor:
         is a no-op, so a step run again after a restart is harmless."""
         assert step.add is not None
         a, b = step.add
-        await self.backend.admin(a).set_peers({b: self.backend.address(b)})
-        result = await self.backend.admin(a).add_link(b, self.backend.address(b))
+        await self.backend.admin(a).set_peers({b: self.backend.link_address(b)})
+        result = await self.backend.admin(a).add_link(b, self.backend.link_address(b))
         if not result.get("up"):
             raise aiohttp.ClientError(f"link {a}-{b} did not come up")
         return {"joined": [a, b]}
@@ -221,7 +225,7 @@ class Executor:
         assert step.remove is not None
         cycle = list(step.cycle)
         # Out-of-band channels: every broker of the cycle must be able to reach the others.
-        book = {b: self.backend.address(b) for b in cycle}
+        book = {b: self.backend.link_address(b) for b in cycle}
         await asyncio.gather(*(self.backend.admin(b).set_peers(book) for b in cycle))
         admin = self.backend.admin(cycle[0])
         rec = await admin.start_exchange(
@@ -243,7 +247,7 @@ class Executor:
         admin = self.backend.admin(leaf)
         with contextlib.suppress(AdminError):  # a leaf that is already gone has no clients
             if other is not None:
-                await admin.set_peers({other: self.backend.address(other)})
+                await admin.set_peers({other: self.backend.link_address(other)})
                 deadline = time.monotonic() + 60.0
                 while not (await admin.drain(other, self.backend.address(other), wait=5.0)).get(
                     "drained"

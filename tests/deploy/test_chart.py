@@ -21,6 +21,7 @@ from prometheus_client.metrics_core import Metric
 
 from canopy_broker.cli import build_parser as broker_parser
 from canopy_operator.backends import k8s
+from canopy_operator.backends.certs import SCRAPE_NAME
 from canopy_operator.cli import build_parser
 from canopy_operator.model.topology import parse_overlay
 from tests.tools import (
@@ -515,7 +516,7 @@ def admits(policy: Mapping[str, Any], pod: Mapping[str, Any], port: int) -> bool
         if port not in [p["port"] for p in rule.get("ports") or [{"port": port}]]:
             continue
         peers = rule.get("from")
-        if peers is None or any(
+        if not peers or any(  # no "from", or an empty one: every source
             peer_admits(p, policy["metadata"]["namespace"], pod, ns_labels) for p in peers
         ):
             return True
@@ -529,6 +530,18 @@ def pod_in(
         "metadata": {"namespace": namespace, "labels": dict(labels)},
         "namespaceLabels": dict(ns_labels or {}),
     }
+
+
+def link_policies(docs: Sequence[dict[str, Any]], namespace: str) -> list[dict[str, Any]]:
+    """The policies the operator the chart runs writes for overlay "trading" in ``namespace``
+    (none unless the chart told it that namespace is isolated)."""
+    (container,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    told = {args[i + 1] for i, a in enumerate(args) if a == "--network-policy-namespace"}
+    if namespace not in told:
+        return []
+    labels = {k8s.LABEL_OVERLAY: "trading"}
+    return [k8s.link_network_policy("trading", namespace, labels, {"name": "trading"})]
 
 
 def test_network_policy_admits_the_admin_port_only_from_operator_and_miner(
@@ -548,20 +561,29 @@ def test_network_policy_admits_the_admin_port_only_from_operator_and_miner(
         assert selects(policy["spec"]["podSelector"], broker["metadata"]["labels"])
         assert not selects(policy["spec"]["podSelector"], operator["metadata"]["labels"])
         neighbour = pod_in(ns, broker["metadata"]["labels"])
-        admin, overlay = k8s.ADMIN_PORT, k8s.BROKER_PORT
+        other_overlay = pod_in(ns, {**broker["metadata"]["labels"], k8s.LABEL_OVERLAY: "other"})
+        admin, overlay, link = k8s.ADMIN_PORT, k8s.BROKER_PORT, k8s.LINK_PORT
         assert {p["containerPort"] for p in broker["spec"]["containers"][0]["ports"]} == {
             admin,
             overlay,
+            link,
         }
         assert admits(policy, operator, admin) and admits(policy, miner, admin)
         assert admits(policy, prometheus, admin)  # networkPolicy.adminPort.from
         assert not admits(policy, neighbour, admin)
         assert not admits(policy, client, admin) and not admits(policy, stranger, admin)
-        assert admits(policy, neighbour, overlay) and admits(policy, client, overlay)
+        assert admits(policy, client, overlay)
         assert not admits(policy, stranger, overlay)  # overlayPort.allowFromAnywhere: false
+        assert not admits(policy, neighbour, overlay)  # brokers link on the link port
         gateway = k8s.GATEWAY_PORT  # the HTTP gateway's clients, as the overlay port's
         assert admits(policy, client, gateway) and not admits(policy, stranger, gateway)
         assert not admits(policy, operator, 9999)
+        # The link port: the overlay's own brokers only, through the operator's policy.
+        together = [policy, *link_policies(docs, ns)]
+        assert selects(together[-1]["spec"]["podSelector"], broker["metadata"]["labels"])
+        assert any(admits(p, neighbour, link) for p in together)
+        for outsider in (other_overlay, operator, client, stranger):
+            assert not any(admits(p, outsider, link) for p in together)
 
 
 def test_network_policy_defaults(tmp_path: Path) -> None:
@@ -581,6 +603,21 @@ def test_network_policy_defaults(tmp_path: Path) -> None:
     assert not admits(policy, would_be_miner, k8s.ADMIN_PORT)  # the miner is off
     assert not admits(policy, stranger, k8s.ADMIN_PORT)
     assert admits(policy, stranger, k8s.BROKER_PORT)  # clients from anywhere by default
+    assert not admits(policy, stranger, k8s.LINK_PORT)
+    (link,) = link_policies(docs, "trading")
+    assert not admits(link, stranger, k8s.LINK_PORT)
+    # Nothing isolated, nothing written: the operator would isolate pods no policy admits.
+    assert not link_policies(helm_template(), "default")
+
+
+def test_no_client_peers_admits_no_client(tmp_path: Path) -> None:
+    """An empty "from" admits every source in Kubernetes: no peers must mean no rule."""
+    values = {
+        "overlayNamespaces": ["trading"],
+        "networkPolicy": {"overlayPort": {"allowFromAnywhere": False, "from": []}},
+    }
+    policy = one(helm_template(values_file(tmp_path, values)), "NetworkPolicy")
+    assert not admits(policy, pod_in("apps", {"app": "curious"}), k8s.BROKER_PORT)
 
 
 # -- monitoring ---------------------------------------------------------------------------------
@@ -604,6 +641,11 @@ def test_the_monitors_scrape_what_the_code_serves(
     # The brokers' admin port speaks HTTPS (security on by default), as their probes know.
     probe = broker["spec"]["containers"][0]["readinessProbe"]["httpGet"]
     assert endpoint["scheme"] == probe["scheme"].lower() == "https"
+    # Verified against the CA named, and the name every broker certificate carries.
+    assert endpoint["tlsConfig"] == {
+        "ca": {"secret": {"name": "corp-ca", "key": "tls.crt"}},
+        "serverName": SCRAPE_NAME,
+    }
     relabel = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
     assert relabel == {
         "overlay": [prometheus_label(k8s.LABEL_OVERLAY)],
@@ -615,6 +657,13 @@ def test_the_monitors_scrape_what_the_code_serves(
     assert service_monitor["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
     defaults = rendered["defaults"]
     assert not [d for d in defaults if d["apiVersion"].startswith("monitoring.coreos.com")]
+
+
+def test_without_a_ca_the_scrape_is_not_verified(tmp_path: Path) -> None:
+    values = {"monitoring": {"podMonitor": {"enabled": True}}}
+    pod_monitor = one(helm_template(values_file(tmp_path, values)), "PodMonitor")
+    (endpoint,) = pod_monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["tlsConfig"] == {"insecureSkipVerify": True}
 
 
 def exported(families: Sequence[Metric]) -> dict[str, set[str]]:

@@ -161,7 +161,9 @@ def test_the_checks_catch_a_broken_dockerfile(edit: object, problem: str) -> Non
 def test_the_broker_image_serves_the_ports_the_operator_uses(stages: dict[str, Stage]) -> None:
     broker = stages["broker"]
     (expose,) = broker.all("EXPOSE")
-    assert sorted(map(int, expose.split())) == sorted([k8s.BROKER_PORT, k8s.ADMIN_PORT])
+    assert sorted(map(int, expose.split())) == sorted(
+        [k8s.BROKER_PORT, k8s.LINK_PORT, k8s.ADMIN_PORT]
+    )
     (entrypoint,) = broker.all("ENTRYPOINT")
     (cmd,) = broker.all("CMD")
     # The operator's pods run the same program with their own arguments.
@@ -181,6 +183,7 @@ def test_the_broker_image_serves_the_ports_the_operator_uses(stages: dict[str, S
     assert exec_form(entrypoint) == pod["spec"]["containers"][0]["command"]
     args = broker_parser().parse_args(exec_form(cmd))
     assert args.admin.endswith(f":{k8s.ADMIN_PORT}") and args.listen.endswith(f":{k8s.BROKER_PORT}")
+    assert args.link_listen.endswith(f":{k8s.LINK_PORT}")
     (health,) = broker.all("HEALTHCHECK")
     assert f"127.0.0.1:{k8s.ADMIN_PORT}/healthz" in health
 

@@ -40,7 +40,7 @@ async def start(
     )
     brokers = {p.name: p for p in procs}
     for a, b in EDGES:
-        result = await brokers[a].admin.add_link(b, brokers[b].listen, wait=10)
+        result = await brokers[a].admin.add_link(b, brokers[b].link_address, wait=10)
         assert result["up"], (a, b)
     return brokers
 

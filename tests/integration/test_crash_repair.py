@@ -126,7 +126,7 @@ async def test_a_paused_broker_that_comes_back_is_fenced(tmp_path: Path) -> None
     brokers = {p.name: p for p in procs}
     try:
         for x in ("a", "c", "d"):  # b1 dials all three: it would resume them when it wakes
-            result = await brokers["b1"].admin.add_link(x, brokers[x].listen, wait=10)
+            result = await brokers["b1"].admin.add_link(x, brokers[x].link_address, wait=10)
             assert result["up"]
         await wait_settled(brokers.values())
         os.kill(brokers["b1"].pid, signal.SIGSTOP)

@@ -57,7 +57,7 @@ async def start(tmp_path: Path) -> tuple[BrokerProc, BrokerProc, ssl.SSLContext]
     a, b = await asyncio.gather(
         *(spawn_broker(n, log_dir=tmp_path, extra_args=extra) for n in ("a", "b"))
     )
-    assert (await a.admin.add_link("b", b.listen, wait=10))["up"]
+    assert (await a.admin.add_link("b", b.link_address, wait=10))["up"]
     ctx = ssl.create_default_context(cafile=str(pki.ca_path))
     ctx.check_hostname = False  # the brokers' certificates name canopy identities, not hosts
     return a, b, ctx

@@ -77,11 +77,11 @@ async def test_a_broker_process_logs_json_with_its_identity_and_exchange_ids(
     args = ("--log-format", "json", "--overlay", "trading")
     a, b, c = [await spawn_broker(n, log_dir=tmp_path, extra_args=args) for n in ("a", "b", "c")]
     try:
-        book = {p.name: p.listen for p in (a, b, c)}
+        book = {p.name: p.link_address for p in (a, b, c)}
         for x in (a, b, c):
             await x.admin.set_peers(book)
-        assert (await a.admin.add_link("b", b.listen))["up"]
-        assert (await b.admin.add_link("c", c.listen))["up"]
+        assert (await a.admin.add_link("b", b.link_address))["up"]
+        assert (await b.admin.add_link("c", c.link_address))["up"]
         rec = await a.admin.start_exchange(
             ["a", "b", "c"], ("b", "c"), xid="trading-g1-s1", wait=20.0
         )

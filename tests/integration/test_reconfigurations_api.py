@@ -17,10 +17,12 @@ async def test_leaf_and_exchange_through_one_endpoint() -> None:
     async with Overlay(["a", "b", "c"], [("a", "b"), ("b", "c")]) as ov:
         d = await spawn_broker("d", token=ov.token, log_dir=ov.log_dir)
         ov.brokers["d"] = d
-        step = await d.admin.reconfigure("add-d", "add-leaf", peer="c", address=ov["c"].listen)
+        step = await d.admin.reconfigure(
+            "add-d", "add-leaf", peer="c", address=ov["c"].link_address
+        )
         assert step["state"] == "finished"
         assert await d.admin.reconfigure("add-d", "add-leaf", peer="c", address="x") == step
-        book = {n: p.listen for n, p in ov.brokers.items()}
+        book = {n: p.link_address for n, p in ov.brokers.items()}
         for p in ov.brokers.values():
             await p.admin.set_peers(book)
         # Exchange b-c for a-c (cycle a-b-c), idempotent by id, with message counts.

@@ -105,18 +105,23 @@ async def test_strangers_are_refused_while_honest_traffic_flows(
                 await asyncio.sleep(0.01)
 
     publishing = asyncio.create_task(publish())
-    b2 = ov["b2"].listen
+    b2, b2_link = ov["b2"].listen, ov["b2"].link_address
+    assert b2 != b2_link  # separate listeners: clients here, brokers there
     assert ov.pki is not None
     plain_ca = TlsFiles(ov.pki.ca_path).client_context()  # verifies the broker, shows nothing
 
-    # 1. No certificate at all, claiming to be neighbour b1.
-    assert refusal(await said(plain_ca, b2, LINK_HELLO)) == [7, "unauthenticated"]
+    # 1. No certificate at all, claiming to be neighbour b1: the link port wants one (the
+    # handshake fails), and the client port takes no brokers.
+    assert await answer_or_nothing(plain_ca, b2_link) == b""
+    assert refusal(await said(plain_ca, b2, LINK_HELLO)) == [7, "wrong-port"]
     # 2. A client's certificate, claiming to be a broker.
     client_ctx = context_as(ov, CLIENT, "mallory")
-    assert refusal(await said(client_ctx, b2, LINK_HELLO)) == [7, "wrong-identity"]
-    # 3. A real broker certificate of this overlay, but for another name than the hello's.
+    assert refusal(await said(client_ctx, b2_link, LINK_HELLO)) == [7, "wrong-identity"]
+    # 3. A real broker certificate of this overlay, but for another name than the hello's; and
+    # the right one, on the client port.
     evil = context_as(ov, BROKER, "evil")
-    assert refusal(await said(evil, b2, LINK_HELLO)) == [7, "wrong-identity"]
+    assert refusal(await said(evil, b2_link, LINK_HELLO)) == [7, "wrong-identity"]
+    assert refusal(await said(context_as(ov, BROKER, "b1"), b2, LINK_HELLO)) == [7, "wrong-port"]
     # 4. A certificate from another CA: the TLS handshake fails, no hello is read.
     other = Authority.create("somebody else's CA")
     d = tmp_path / "other"
@@ -126,8 +131,10 @@ async def test_strangers_are_refused_while_honest_traffic_flows(
     (d / "b1.pem").write_bytes(cert)
     (d / "b1.key").write_bytes(key)
     foreign = TlsFiles(ov.pki.ca_path, d / "b1.pem", d / "b1.key").client_context()
+    assert await answer_or_nothing(foreign, b2_link) == b""
     assert await answer_or_nothing(foreign, b2) == b""
     # 5. Plaintext: not even TLS. The broker's TLS layer drops it.
+    assert await answer_or_nothing(None, b2_link) == b""
     assert await answer_or_nothing(None, b2) == b""
     # 6. A client without a certificate or token.
     with pytest.raises(ClientError, match="unauthenticated"):
@@ -135,6 +142,9 @@ async def test_strangers_are_refused_while_honest_traffic_flows(
     # 7. A client claiming another principal's id.
     with pytest.raises(ClientError, match="forbidden"):
         await connect(b2, "sensors", credentials=creds(ov, "mallory"), failover_within=0)
+    # 8. An honest client on the link port: refused, told where clients go.
+    with pytest.raises(ClientError, match=f"wrong-port.*clients connect to {b2}"):
+        await connect(b2_link, "honest-2", credentials=ov.credentials, failover_within=0)
 
     await publishing
     assert await pub.wait_acknowledged(10.0)
@@ -144,7 +154,7 @@ async def test_strangers_are_refused_while_honest_traffic_flows(
     assert [n.seq for n in got] == list(range(1, 2001))  # 0 lost, 0 duplicated, in order
     assert {n.publisher for n in got} == {"honest-pub"}
     metrics = await ov["b2"].admin.metrics()
-    for code in ("unauthenticated", "wrong-identity", "forbidden"):
+    for code in ("unauthenticated", "wrong-identity", "forbidden", "wrong-port"):
         assert f'code="{code}"' in metrics, code
     for c in (pub, sub):
         await c.close()

@@ -39,6 +39,7 @@ from kmock._internal import rendering
 from canopy_broker.client import Credentials
 from canopy_broker.procs import BrokerProc, spawn_broker
 from canopy_broker.sim.checker import DeliveryReport, check_deliveries
+from canopy_operator.backends.certs import secret_bytes
 from canopy_operator.backends.k8s import (
     LABEL_BROKER,
     LABEL_OVERLAY,
@@ -47,7 +48,6 @@ from canopy_operator.backends.k8s import (
     OperatorConfig,
     client_secret_name,
     run_operator,
-    secret_bytes,
     secret_name,
 )
 from tests.integration.test_overlay import random_filter
@@ -224,6 +224,12 @@ def declare_resources(emulator: kmock.KubernetesEmulator) -> None:
     emulator.resources["policy/v1/poddisruptionbudgets"] = kmock.ResourceInfo(
         kind="PodDisruptionBudget", singular="poddisruptionbudget", namespaced=True, verbs=every
     )
+    emulator.resources["cert-manager.io/v1/certificates"] = kmock.ResourceInfo(
+        kind="Certificate", singular="certificate", namespaced=True, verbs=every
+    )
+    emulator.resources["networking.k8s.io/v1/networkpolicies"] = kmock.ResourceInfo(
+        kind="NetworkPolicy", singular="networkpolicy", namespaced=True, verbs=every
+    )
     emulator.resources["coordination.k8s.io/v1/leases"] = kmock.ResourceInfo(
         kind="Lease", singular="lease", namespaced=True, verbs=every
     )
@@ -296,7 +302,8 @@ class Kubelet:
 
     def resolve(self, namespace: str, service: str, pod: str) -> Endpoints:
         if pod in self.cut_off:  # the operator cannot reach this broker's admin API
-            return Endpoints(self.endpoints[pod].listen, "127.0.0.1:1")
+            e = self.endpoints[pod]
+            return Endpoints(e.listen, "127.0.0.1:1", e.link)
         return self.endpoints[pod]
 
     def token(self, overlay: str) -> str:
@@ -397,7 +404,7 @@ class Kubelet:
         self.placement[name] = self._downward(pod)
         proc = await self._spawn(name, labels[LABEL_BROKER], self.token(labels[LABEL_OVERLAY]))
         self.procs[name] = proc
-        self.endpoints[name] = Endpoints(proc.listen, proc.admin_address)
+        self.endpoints[name] = Endpoints(proc.listen, proc.admin_address, proc.link_address)
         self.started.append(name)
         self.emulator.objects[key].patch(
             {
@@ -440,7 +447,7 @@ class Kubelet:
         await asyncio.sleep(after)
         new = await self._spawn(pod, proc.name, proc.token)
         self.procs[pod] = new
-        self.endpoints[pod] = Endpoints(new.listen, new.admin_address)
+        self.endpoints[pod] = Endpoints(new.listen, new.admin_address, new.link_address)
 
     async def __aenter__(self) -> Kubelet:
         self._task = asyncio.create_task(self._loop())

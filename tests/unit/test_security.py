@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from cryptography import x509
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from canopy_broker.client import Credentials, connect
+from canopy_broker.client import ClientError, Credentials, connect
 from canopy_broker.core.filters import Filter
 from canopy_broker.pki import Authority, LocalPki
 from canopy_broker.runtime.security import (
@@ -22,6 +23,7 @@ from canopy_broker.runtime.security import (
     Identity,
     Policy,
     SecurityError,
+    TlsFiles,
     authenticate_client,
     check_link_peer,
     identity_of,
@@ -225,3 +227,54 @@ async def test_rotated_certificates_rekey_the_links_without_losing_a_notificatio
 
     assert issuer(a, "z") == issuer(z, "a") == "rotated CA"
     assert a.links["z"].connects > 1
+
+
+# --------------------------------------------------------------------------- listeners
+
+
+async def test_separate_listeners_with_their_own_client_material(
+    make_broker: MakeBroker, tmp_path: Path
+) -> None:
+    """Links on a port of their own with the overlay's CA; z's client port shows a certificate
+    of another CA ("the one our clients trust") and takes client certificates of that CA. A
+    client with the overlay's credentials does not trust z's client port; one with the client
+    CA's does, and what it gets came over the link; rotating the client material reloads the
+    client port and leaves the links alone."""
+    pki = LocalPki(tmp_path / "pki").ensure()
+    public = Authority.create("client-facing CA")
+    d = tmp_path / "client-tls"
+    d.mkdir()
+    (d / "ca.crt").write_bytes(public.cert_pem)
+    cert, key = public.issue(Identity(BROKER, "z"), ("127.0.0.1",))
+    (d / "tls.crt").write_bytes(cert)
+    (d / "tls.key").write_bytes(key)
+    mine, my_key = public.issue(Identity(CLIENT, "canopy"))
+    (d / "me.pem").write_bytes(mine)
+    (d / "me.key").write_bytes(my_key)
+    client_tls = TlsFiles(d / "ca.crt", d / "tls.crt", d / "tls.key")
+    a = await make_broker("a", tls=pki.broker("a"), link_port=0)
+    z = await make_broker("z", tls=pki.broker("z"), link_port=0, client_tls=client_tls)
+    assert z.link_address is not None and z.address is not None
+    assert z.advertised == "{}:{}".format(*z.link_address) != addr(z)
+    a.add_link("z", z.advertised)
+    assert await a.wait_link_up("z", 5.0)
+    overlay_creds = Credentials.from_pki(pki.dir)
+    with pytest.raises((ssl.SSLError, ConnectionError, ClientError)):
+        await connect(addr(z), "sub", credentials=overlay_creds, failover_within=0)
+    creds = Credentials(d / "ca.crt", d / "me.pem", d / "me.key")
+    async with (
+        await connect(addr(z), "sub", credentials=creds) as sub,
+        await connect(addr(a), "pub", credentials=overlay_creds) as pub,
+    ):
+        await sub.subscribe("n >= 0")
+        await settled(a, z)
+        for n in range(1, 101):
+            pub.publish_nowait({"n": n})
+        got = await collect(sub, 100, within=10)
+        assert [n.seq for n in got] == list(range(1, 101))
+    connects = z.links["a"].connects
+    cert, key = public.issue(Identity(BROKER, "z"), ("127.0.0.1",))
+    (d / "tls.key").write_bytes(key)
+    (d / "tls.crt").write_bytes(cert)
+    await eventually(lambda: z.metrics.tls_reloads._value.get() == 1)
+    assert z.links["a"].connects == connects  # the links' material did not change

@@ -74,13 +74,13 @@ class ClientHost(Protocol):
     name: str
     incarnation: str
     core: BrokerCore
-    peers: dict[str, str]
+    client_peers: dict[str, str]  # neighbours' client addresses (what clients fail over to)
     links: dict[str, Link]
     metrics: BrokerMetrics
     resume_slack: float
-    max_subscriptions: int
     """Seconds added to a resuming client's outage: what its broker may have swallowed before
     the client noticed it was gone."""
+    max_subscriptions: int
 
     @property
     def publishers_paused(self) -> bool: ...
@@ -148,7 +148,7 @@ class ClientSessions:
         conn.role = "client"
         conn.client = client
         core = host.core
-        neighbours = {n: a for n, a in host.peers.items() if core.is_neighbour(n)}
+        neighbours = {n: a for n, a in host.client_peers.items() if core.is_neighbour(n)}
         # ``acks``: this broker acknowledges publications (the client keeps what is not acked
         # and sends it again after a failover); ``neighbours``: where to fail over to first.
         host.answer_hello(conn, client_id=cid, acks=True, neighbours=neighbours)
@@ -386,16 +386,16 @@ class ClientSessions:
     def drain(self, target: str, address: str | None = None) -> dict[str, Any]:
         """Empty this broker of clients before it is removed: every attached client (and any
         that attaches from now on) is asked to migrate to neighbour ``target`` at ``address``
-        (default: the address book's). The client library follows on its own; see
-        :meth:`drain_status` for when the broker is empty."""
+        (default: the client address ``target`` told). The client library follows on its own;
+        see :meth:`drain_status` for when the broker is empty."""
         host = self.host
         if not host.core.is_neighbour(target):
             raise ValueError(
                 f"{target} is not a neighbour of {host.name}: clients can only move one link"
             )
-        address = address or host.peers.get(target)
+        address = address or host.client_peers.get(target)
         if not address:
-            raise ValueError(f"no address known for {target}: pass one")
+            raise ValueError(f"no client address known for {target}: pass one")
         parse_address(address)
         self.drain_target = (target, address)
         self._drained.clear()

@@ -17,7 +17,11 @@ class BrokerConfig:
     name: str
     routing: RoutingMode | str = RoutingMode.COVERING
     host: str = "127.0.0.1"
-    port: int = 0
+    port: int = 0  # clients (and, without a link listener, links too)
+    # A separate listener for overlay links (brokers only, a certificate required): None keeps
+    # one shared port, as a test or a laptop wants; `canopy up` and the chart set it.
+    link_host: str | None = None
+    link_port: int | None = None
     heartbeat_interval: float = 1.0
     dead_after: int = 3
     high_water: int = 20_000
@@ -36,7 +40,8 @@ class BrokerConfig:
     reconnect_min: float = 0.05
     reconnect_max: float = 2.0
     handshake_timeout: float = 5.0
-    advertise: str | None = None  # HOST:PORT peers should dial (default: the listen address)
+    advertise: str | None = None  # HOST:PORT peers dial (default: the link listener's address)
+    client_advertise: str | None = None  # HOST:PORT clients are sent to (default: see server)
     probe_interval: float = 10.0  # RTT probes to non-neighbours in the address book (0: off)
     repair: bool = True  # declare silent neighbours dead and repair the tree around them
     standby: bool = True  # keep standby links to the brokers a repair would link (with repair)
@@ -50,6 +55,7 @@ class BrokerConfig:
     # Security (runtime/security.py): TLS material (None: plaintext, which `canopy-broker serve`
     # allows only with --insecure) and the client policy file, re-read when it changes.
     tls: TlsFiles | None = None
+    client_tls: TlsFiles | None = None  # the client listener's own material (default: tls)
     policy_file: str | None = None
     # Placement (runtime/placement.py): fixed zone and node, and a downward-API directory the
     # zone is read from when no zone is given.

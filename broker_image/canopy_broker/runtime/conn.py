@@ -52,9 +52,12 @@ def _outcome_seen(fut: asyncio.Future[None]) -> None:
 class Conn(FrameProtocol):
     """A framed connection owned by a broker process; routes frames to it by role."""
 
-    def __init__(self, broker: ConnOwner, dial: Link | None = None) -> None:
+    def __init__(self, broker: ConnOwner, dial: Link | None = None, listener: str = "") -> None:
         super().__init__(broker.max_frame)
         self.broker = broker
+        # Which port accepted it: "" (the one shared port), "client" or "link" (separate
+        # listeners: each takes only its own kind of hello).
+        self.listener = listener
         self.role: str | None = None  # "link" | "client" once the hello is done
         self.link: Link | None = dial
         self.client: Client | None = None

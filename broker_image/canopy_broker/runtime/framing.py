@@ -67,7 +67,9 @@ F_BYE: Final = 5  # [5, reason]                            link only: "removed" 
 F_MSGS: Final = 6  # [6, [client messages]]                 client connections, both directions
 F_ERROR: Final = 7  # [7, code, text]                        then the sender closes
 F_PRESSURE: Final = 8  # [8, true|false]                     link only: congestion on / off
-F_PEERS: Final = 9  # [9, {name: "HOST:PORT"}]               link only: addresses of my neighbours
+F_PEERS: Final = (
+    9  # [9, {name: "HOST:PORT"}, {name: client "HOST:PORT"}]  link only: neighbours' addresses
+)
 F_PROMOTE: Final = 10  # [10, session]                        standby only: now an overlay link
 F_HEARS: Final = 11  # [11, nonce, peer]                        standby only: do you hear peer?
 F_HEARD: Final = 12  # [12, nonce, peer, true|false|null]       the answer (null: not a neighbour)

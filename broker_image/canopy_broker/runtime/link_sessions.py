@@ -153,9 +153,11 @@ class LinkHost(ConnOwner, Protocol):
     name: str
     incarnation: str
     advertised: str
+    client_advertised: str
     config: BrokerConfig
     core: BrokerCore
     peers: dict[str, str]
+    client_peers: dict[str, str]
     metrics: BrokerMetrics
     telemetry: Telemetry
     tasks: TaskSet
@@ -180,6 +182,21 @@ class LinkHost(ConnOwner, Protocol):
     def unpressure(self, dest: Link) -> None: ...
 
     async def probe(self, address: str) -> float | None: ...
+
+
+def valid_addresses(book: dict[str, object], me: str) -> list[tuple[str, str]]:
+    """The (name, HOST:PORT) entries of an address book a neighbour sent that are about other
+    brokers and are addresses at all; the rest is ignored, not trusted."""
+    out = []
+    for name, address in book.items():
+        if name == me or not isinstance(address, str):
+            continue
+        try:
+            parse_address(address)
+        except ValueError:
+            continue
+        out.append((name, address))
+    return out
 
 
 def str_field(hello: dict[str, Any], key: str) -> str:
@@ -556,8 +573,8 @@ class LinkSessions:
             if link.remote_pressure != frame[1]:
                 link.remote_pressure = frame[1]
                 host.update_pressure()
-        elif ftype == F_PEERS and len(frame) == 2 and isinstance(frame[1], dict):
-            self._heard_peers(frame[1])
+        elif ftype == F_PEERS and len(frame) in {2, 3} and isinstance(frame[1], dict):
+            self._heard_peers(frame[1], frame[2] if len(frame) == 3 else {})
         elif ftype == F_PROMOTE and len(frame) == 2:
             self._promoted_by_peer(link, conn, frame[1])
         elif ftype == F_HEARS and len(frame) == 3 and _strs(frame[1], frame[2]):
@@ -683,6 +700,7 @@ class LinkSessions:
                 "opened": link.opened,
                 "detour": link.detoured,
                 "address": self.host.advertised,
+                "clients": self.host.client_advertised,
                 "incarnation": self.host.incarnation,
                 "features": list(FEATURES),
             },
@@ -767,6 +785,7 @@ class LinkSessions:
         address = hello.get("address")
         if isinstance(address, str) and address:
             host.peers.setdefault(peer, address)
+        self._heard_peers({}, {peer: hello.get("clients")})
         if kind == "standby":
             self._accept_standby(conn, hello, peer, session)
             return
@@ -1310,33 +1329,32 @@ class LinkSessions:
 
     def _tell_peers(self) -> None:
         """Tell every neighbour the addresses of all the others: a repair links brokers that
-        never talked, and each must be able to dial the other."""
+        never talked, and each must be able to dial the other; and their client addresses,
+        which a client fails over to (with separate listeners they are other ports)."""
         host = self.host
         book = {host.name: host.advertised}
+        clients = {host.name: host.client_advertised}
         for peer, link in self.links.items():
             address = link.address or host.peers.get(peer)
             if address:
                 book[peer] = address
-        frame = control_frame(F_PEERS, book)
+            if peer in host.client_peers:
+                clients[peer] = host.client_peers[peer]
+        frame = control_frame(F_PEERS, book, clients)
         for link in self.links.values():
             if link.conn is not None:
                 link.conn.write(frame)
 
-    def _heard_peers(self, book: dict[str, object]) -> None:
+    def _heard_peers(self, book: dict[str, object], clients: dict[str, object]) -> None:
         peers = self.host.peers
-        for name, address in book.items():
-            if name == self.name or not isinstance(address, str):
-                continue
-            try:
-                parse_address(address)
-            except ValueError:
-                continue
+        for name, address in valid_addresses(book, self.name):
             # An address the operator gave wins; one learnt from a neighbour may be updated.
             if name not in peers or peers[name] == self._learned.get(name):
                 old = peers.get(name)
                 peers[name] = self._learned[name] = address
                 if old is not None and old != address:
                     self.moved(name)
+        self.host.client_peers.update(valid_addresses(clients, self.name))
 
     # ------------------------------------------------------------------ heartbeats
 

@@ -1,10 +1,16 @@
 """The broker process: the asyncio shell that feeds a :class:`BrokerCore` and carries out its
 effects.
 
-One listening port serves both overlay links and clients; the first frame (the hello) says which
-a connection is. The core is called synchronously from ``data_received``, so a TCP read's worth of
-frames is decoded and routed without a task switch, and its effects are appended to per-destination
-queues that are flushed once per loop iteration (see :mod:`canopy_broker.runtime.links`).
+Listeners. Production runs two: a *link* port that only brokers of the overlay may use (TLS
+with a certificate required, so a stranger is refused at the handshake) and a *client* port
+(a certificate or a bearer token); each refuses the other's hello with ``wrong-port``, so a
+firewall or NetworkPolicy can admit links from the overlay's own brokers only. Without a link
+listener one port serves both, as tests and laptops like; the first frame (the hello) says
+which a connection is. The admin API is a third port (admin.py).
+
+The core is called synchronously from ``data_received``, so a TCP read's worth of frames is
+decoded and routed without a task switch, and its effects are appended to per-destination queues
+that are flushed once per loop iteration (see :mod:`canopy_broker.runtime.links`).
 
 Backpressure. Links are *never* paused for reading: two brokers that both stop reading until the
 other drains would deadlock. Instead, while any link's queue of unacknowledged messages is above
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -84,6 +91,7 @@ from canopy_broker.runtime.security import (
     AccessError,
     Policy,
     SecurityError,
+    TlsFiles,
     authenticate_client,
     check_link_peer,
     file_stamp,
@@ -95,7 +103,7 @@ __all__ = ["Broker", "BrokerConfig", "ExchangeRecord"]  # BrokerConfig: where ca
 
 log = logging.getLogger("canopy.broker")
 
-REFUSAL_CODES = frozenset({"unauthenticated", "wrong-identity", "forbidden"})
+REFUSAL_CODES = frozenset({"unauthenticated", "wrong-identity", "forbidden", "wrong-port"})
 """Error codes of security refusals (counted as refusals, not as malformed input)."""
 
 FLUSH_EVERY = 64
@@ -166,7 +174,8 @@ class Broker:
         self.incarnation = uuid.uuid4().hex[:8]
         self.resume_slack = max(2.0, detection)
         self.max_subscriptions = config.max_subscriptions
-        self.peers: dict[str, str] = {}  # address book: broker name -> HOST:PORT
+        self.peers: dict[str, str] = {}  # address book: broker name -> HOST:PORT (links)
+        self.client_peers: dict[str, str] = {}  # ... and where their clients connect
         self.exchanges: dict[str, ExchangeRecord] = {}
         self.reconfiguration_messages: dict[str, dict[str, int]] = {}
         # Leaf additions and removals asked for through POST /reconfigurations, by id.
@@ -180,11 +189,14 @@ class Broker:
             directory=config.telemetry_dir,
         )
         self.started = time.monotonic()
-        self.address: tuple[str, int] | None = None
-        self.advertised = ""
+        self.address: tuple[str, int] | None = None  # the client (or shared) listener's
+        self.link_address: tuple[str, int] | None = None  # the link listener's, if separate
+        self.advertised = ""  # HOST:PORT other brokers dial
+        self.client_advertised = ""  # HOST:PORT clients are sent to (failover, drains)
         self.stopping = False
         self._loop = asyncio.get_running_loop()
         self._server: asyncio.Server | None = None
+        self._link_server: asyncio.Server | None = None
         self._conns: set[Conn] = set()
         self._dirty: list[Link | Client] = []
         self._flush_scheduled = False
@@ -204,12 +216,28 @@ class Broker:
         self.sessions = LinkSessions(self)
         self.links = self.sessions.links  # the overlay links by peer (one table, shared)
         # Security: TLS contexts (None: plaintext) and the client policy (see security.py).
+        # The overlay's material (config.tls) serves links both ways; the client listener may
+        # have material of its own (config.client_tls). Each group is reloaded on rotation.
         self.secure = config.tls is not None
-        self.tls_server = config.tls.server_context() if config.tls is not None else None
-        self.tls_client = config.tls.client_context() if config.tls is not None else None
+        self._tls_groups: list[tuple[TlsFiles, list[ssl.SSLContext]]] = []
+        self.tls_server: ssl.SSLContext | None = None  # the client (or shared) listener's
+        self.tls_client: ssl.SSLContext | None = None  # for dialing peers
+        self.tls_link_server: ssl.SSLContext | None = None  # the link listener's
+        if config.tls is not None:
+            overlay = [config.tls.client_context()]
+            self.tls_client = overlay[0]
+            if config.link_port is not None:
+                self.tls_link_server = config.tls.server_context(require_certificate=True)
+                overlay.append(self.tls_link_server)
+            self.tls_server = (config.client_tls or config.tls).server_context()
+            if config.client_tls is None:
+                overlay.append(self.tls_server)
+            else:
+                self._tls_groups.append((config.client_tls, [self.tls_server]))
+            self._tls_groups.insert(0, (config.tls, overlay))
         self.policy = Policy.load(config.policy_file) if config.policy_file else Policy()
         self._policy_stamp = file_stamp(config.policy_file)
-        self._tls_stamp = config.tls.stamp() if config.tls is not None else None
+        self._tls_stamps = [files.stamp() for files, _ in self._tls_groups]
         self.client_sessions = ClientSessions(self, self._unacknowledged)
         self.clients = self.client_sessions.clients
         self.placement = PlacementSource(config.zone, config.node, config.placement_dir)
@@ -218,25 +246,46 @@ class Broker:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
-        self._server = await self._loop.create_server(
-            lambda: Conn(self),
-            self.config.host,
-            self.config.port,
+    async def _listen(
+        self, host: str, port: int, listener: str, tls: ssl.SSLContext | None
+    ) -> asyncio.Server:
+        return await self._loop.create_server(
+            lambda: Conn(self, listener=listener),
+            host,
+            port,
             reuse_address=True,
-            ssl=self.tls_server,
-            ssl_handshake_timeout=self.config.handshake_timeout if self.tls_server else None,
+            ssl=tls,
+            ssl_handshake_timeout=self.config.handshake_timeout if tls else None,
+        )
+
+    async def start(self) -> None:
+        cfg = self.config
+        separate = cfg.link_port is not None
+        self._server = await self._listen(
+            cfg.host, cfg.port, "client" if separate else "", self.tls_server
         )
         sock = self._server.sockets[0].getsockname()
         self.address = (sock[0], sock[1])
-        self.advertised = self.config.advertise or f"{sock[0]}:{sock[1]}"
+        if cfg.link_port is not None:
+            self._link_server = await self._listen(
+                cfg.link_host or cfg.host, cfg.link_port, "link", self.tls_link_server
+            )
+            sock = self._link_server.sockets[0].getsockname()
+            self.link_address = (sock[0], sock[1])
+        self.advertised = cfg.advertise or f"{sock[0]}:{sock[1]}"
+        # Clients reach the advertised host at the client port (--client-advertise otherwise).
+        host = self.advertised.rpartition(":")[0]
+        self.client_advertised = cfg.client_advertise or f"{host}:{self.address[1]}"
         self._ticker = self.tasks.spawn(self._tick(), "ticker", forever=True)
         self.tasks.spawn(self._acknowledge(), "publish acks", forever=True)
         self._update_placement()
         log.info(
-            "broker %s listening on %s:%d (%s)",
+            "broker %s listening on %s:%d%s (%s)",
             self.name,
             *self.address,
+            f", links on {self.link_address[0]}:{self.link_address[1]}"
+            if self.link_address
+            else "",
             "TLS" if self.secure else "PLAINTEXT: no TLS, no authentication",
         )
 
@@ -263,8 +312,9 @@ class Broker:
         if self.stopping:
             return
         self.stopping = True
-        if self._server is not None:
-            self._server.close()
+        servers = [s for s in (self._server, self._link_server) if s is not None]
+        for server in servers:
+            server.close()
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
@@ -286,8 +336,8 @@ class Broker:
                     conn.abort()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
-        if self._server is not None:
-            await self._server.wait_closed()
+        for server in servers:
+            await server.wait_closed()
         await self.telemetry.flush()
         log.info("broker %s stopped", self.name)
 
@@ -594,6 +644,7 @@ class Broker:
             )
         role = hello.get("role")
         try:
+            self._check_port(conn, role)
             if role == "client":
                 cid = hello.get("client_id")
                 principal = authenticate_client(
@@ -619,6 +670,22 @@ class Broker:
             raise FrameError(
                 f"hello role must be link, peer, standby, probe or client, got {role!r}",
                 "bad-hello",
+            )
+
+    def _check_port(self, conn: Conn, role: object) -> None:
+        """Separate listeners take only their own kind of hello: a client on the link port or
+        a broker on the client port is refused, with where it should have gone."""
+        if conn.listener == "link" and role == "client":
+            where = f"{self.address[0]}:{self.address[1]}" if self.address else "the client port"
+            raise AccessError(
+                f"this is broker {self.name}'s link port, for brokers only; "
+                f"clients connect to {where}",
+                "wrong-port",
+            )
+        if conn.listener == "client" and role != "client":
+            raise AccessError(
+                f"this is broker {self.name}'s client port; brokers link to {self.advertised}",
+                "wrong-port",
             )
 
     def refusal(self, role: str, conn: FrameProtocol, exc: AccessError) -> FrameError:
@@ -662,23 +729,43 @@ class Broker:
         except CoreFailedError as exc:
             self.fail(str(exc))
 
+    def reloaded_context(self, files: TlsFiles) -> ssl.SSLContext:
+        """A server context for another listener of this process (the admin API, the HTTP
+        gateway), loaded again whenever ``files`` are rewritten, like the broker's own."""
+        ctx = files.server_context()
+        for group, contexts in self._tls_groups:
+            if group == files:
+                contexts.append(ctx)
+                return ctx
+        self._tls_groups.append((files, [ctx]))
+        self._tls_stamps.append(files.stamp())
+        return ctx
+
     def _reload_tls(self) -> None:
         """Certificate rotation without a restart and without losing a notification: when
         the TLS files change, the live contexts load them (new connections use them), then
         every link connection is dropped once; each link resumes its session on a new
         connection, with the new certificates, and resends what was not acknowledged.
-        Clients keep their connections (they are re-keyed when they reconnect)."""
+        Clients keep their connections (they are re-keyed when they reconnect). The client
+        listener's own material, if it has some, is reloaded on its own."""
+        changed = False
+        for i, (files, contexts) in enumerate(self._tls_groups):
+            stamp = files.stamp()
+            if stamp == self._tls_stamps[i]:
+                continue
+            self._tls_stamps[i] = stamp
+            try:
+                files.check().reload(*contexts)
+            except SecurityError as exc:  # half-written files: the next change is tried again
+                log.error("%s: TLS material not reloaded, the previous stays: %s", self.name, exc)
+                continue
+            if i == 0:
+                changed = True
+            else:
+                self.metrics.tls_reloads.inc()
+                log.info("%s: listener TLS material reloaded from %s", self.name, files)
         tls = self.config.tls
-        if tls is None or self.tls_server is None or self.tls_client is None:
-            return
-        stamp = tls.stamp()
-        if stamp == self._tls_stamp:
-            return
-        self._tls_stamp = stamp
-        try:
-            tls.check().reload(self.tls_server, self.tls_client)
-        except SecurityError as exc:  # half-written files: the next change is tried again
-            log.error("%s: TLS material not reloaded, the previous stays: %s", self.name, exc)
+        if not changed or tls is None:
             return
         rekeyed = [peer for peer in list(self.links) if self.drop_link_connection(peer)]
         self.metrics.tls_reloads.inc()
@@ -1009,6 +1096,10 @@ class Broker:
             "incarnation": self.incarnation,
             "address": f"{self.address[0]}:{self.address[1]}" if self.address else None,
             "advertised": self.advertised,
+            "client_advertised": self.client_advertised,
+            "link_address": f"{self.link_address[0]}:{self.link_address[1]}"
+            if self.link_address
+            else None,
             "placement": {"zone": self.placement.current.zone, "node": self.placement.current.node},
             "uptime_s": round(time.monotonic() - self.started, 3),
             "ready": self.ready,

@@ -126,6 +126,16 @@ matchExpressions:
 - apiGroups: [""]
   resources: [services]
   verbs: [create]
+# cert-manager Certificates, for overlays whose spec.security.issuerRef names an Issuer: one
+# per broker and one for the client Secret, deleted with their broker.
+- apiGroups: [cert-manager.io]
+  resources: [certificates]
+  verbs: [create, delete]
+# Each overlay's NetworkPolicy for its link port (with networkPolicy.enabled; created once,
+# owner-referenced).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [create]
 # The overlay's PodDisruptionBudget (maxUnavailable 0: no broker is evicted; the operator
 # moves a broker off a drained node itself, loss-free). Created once, owner-referenced.
 - apiGroups: [policy]

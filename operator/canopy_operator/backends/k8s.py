@@ -39,7 +39,6 @@ from typing import Any, cast
 import aiohttp
 import kopf
 import yaml
-from cryptography import x509
 from prometheus_client import Counter, Gauge, Histogram
 
 from canopy_broker.admin_client import AdminClient, AdminError
@@ -47,6 +46,18 @@ from canopy_broker.client.credentials import LOCAL_CLIENT
 from canopy_broker.pki import Authority, permissive_policy
 from canopy_broker.runtime.placement import ZONE_ANNOTATION, ZONE_LABEL
 from canopy_broker.runtime.security import BROKER, CLIENT, Identity, Policy, SecurityError
+from canopy_operator.backends.certs import (
+    ISSUER_KINDS,
+    SCRAPE_NAME,
+    CertificatesPendingError,
+    CertManager,
+    IssuerRef,
+    Issuing,
+    OwnCa,
+    b64,
+    secret_bytes,
+    verify_context,
+)
 from canopy_operator.backends.leader import Elector, LeaseConfig, run_as_leader
 from canopy_operator.executor import Executor, ProgressStore, StepError, replace_broker
 from canopy_operator.model import rollout
@@ -81,7 +92,9 @@ from canopy_operator.model.topology import OverlaySpec, SpecError, norm, parse_o
 
 GROUP, VERSION, PLURAL, KIND = "canopy.dev", "v1alpha1", "brokeroverlays", "BrokerOverlay"
 PROPOSALS = "topologyproposals"
-BROKER_PORT, ADMIN_PORT, GATEWAY_PORT = 7000, 8080, 8081
+BROKER_PORT, LINK_PORT, ADMIN_PORT, GATEWAY_PORT = 7000, 7001, 8080, 8081
+"""Clients; overlay links (brokers only: the NetworkPolicy admits the overlay's broker pods);
+the admin API, /metrics and probes (the operator and the miner); the HTTP gateway (clients)."""
 LABEL_OVERLAY, LABEL_BROKER = "canopy.dev/overlay", "canopy.dev/broker"
 TEMPLATE_HASH = "canopy.dev/template-hash"
 """Pod annotation: a hash of what the broker runs (image, arguments, resources, mounts). A pod
@@ -234,8 +247,9 @@ def core_path(namespace: str, plural: str, name: str = "") -> str:
 
 @dataclass(frozen=True)
 class Endpoints:
-    listen: str  # HOST:PORT brokers and clients dial
+    listen: str  # HOST:PORT clients dial
     admin: str  # HOST:PORT of the admin API
+    link: str = ""  # HOST:PORT other brokers dial (default: listen, one shared port)
 
 
 # (namespace, service, pod) -> where the broker of that pod is reached.
@@ -244,7 +258,7 @@ Resolver = Callable[[str, str, str], Endpoints]
 
 def dns_resolver(namespace: str, service: str, pod: str) -> Endpoints:
     host = f"{pod}.{service}.{namespace}.svc"
-    return Endpoints(f"{host}:{BROKER_PORT}", f"{host}:{ADMIN_PORT}")
+    return Endpoints(f"{host}:{BROKER_PORT}", f"{host}:{ADMIN_PORT}", f"{host}:{LINK_PORT}")
 
 
 def pod_name(overlay: str, broker: str) -> str:
@@ -287,11 +301,34 @@ def default_policy(overlay: str) -> str:
 
 @dataclass(frozen=True)
 class Security:
-    """``spec.security``: TLS on (the default) or off (``--insecure``), and the client policy
-    (the YAML text mounted as ``--policy``; only with TLS)."""
+    """``spec.security``: TLS on (the default) or off (``--insecure``), the client policy
+    (the YAML text mounted as ``--policy``; only with TLS), and the cert-manager issuer of the
+    certificates (None: the operator is the overlay's CA)."""
 
     tls: bool = True
     policy: str = ""
+    issuer: IssuerRef | None = None
+
+
+def issuer_of(raw: object) -> IssuerRef | None:
+    """``spec.security.issuerRef`` (cert-manager's own shape), or None."""
+    if raw is None:
+        return None
+    where = "spec.security.issuerRef"
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"{where} must be a mapping with name and kind")
+    unknown = sorted(set(raw) - {"name", "kind", "group"})
+    if unknown:
+        raise SpecError(f"{where} has unknown keys {unknown}: name, kind and group")
+    name, kind = raw.get("name"), raw.get("kind", "Issuer")
+    group = raw.get("group", IssuerRef.group)
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"{where}.name must name a cert-manager Issuer or ClusterIssuer")
+    if kind not in ISSUER_KINDS:
+        raise SpecError(f"{where}.kind must be Issuer or ClusterIssuer, got {kind!r}")
+    if not isinstance(group, str) or not group:
+        raise SpecError(f"{where}.group must be an API group, got {group!r}")
+    return IssuerRef(name, kind, group)
 
 
 def security_of(overlay: str, raw_spec: Mapping[str, Any]) -> Security:
@@ -305,103 +342,20 @@ def security_of(overlay: str, raw_spec: Mapping[str, Any]) -> Security:
     tls = raw.get("tls", True)
     if not isinstance(tls, bool):
         raise SpecError(f"spec.security.tls must be true or false, got {tls!r}")
+    issuer = issuer_of(raw.get("issuerRef"))
+    if issuer is not None and not tls:
+        raise SpecError(
+            "spec.security.issuerRef needs TLS: it issues certificates, and tls is false"
+        )
     doc = raw.get("policy")
     if doc is None:
-        return Security(tls, default_policy(overlay) if tls else "")
+        return Security(tls, default_policy(overlay) if tls else "", issuer)
     try:
         Policy.from_dict(doc, source="spec.security.policy")
     except SecurityError as exc:
         raise SpecError(str(exc)) from None
     text = "# spec.security.policy of BrokerOverlay " + overlay + "\n"
-    return Security(tls, text + yaml.safe_dump(doc, sort_keys=False) if tls else "")
-
-
-def verify_context(ca_pem: bytes) -> ssl.SSLContext:
-    """Verifies a broker's admin API certificate against the overlay's CA (in memory); host
-    names are not checked (brokers move between addresses), the chain is."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_verify_locations(cadata=ca_pem.decode())
-    return ctx
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def secret_bytes(secret: Mapping[str, Any] | None, key: str) -> bytes:
-    """A key of a Secret's ``data`` (b"" if absent)."""
-    value = ((secret or {}).get("data") or {}).get(key)
-    return base64.b64decode(value) if value else b""
-
-
-def tls_secret(
-    name: str,
-    namespace: str,
-    *,
-    labels: Mapping[str, str],
-    owner: Mapping[str, Any],
-    authority: Authority,
-    identity: Identity,
-    hosts: Sequence[str] = (),
-) -> dict[str, Any]:
-    """A ``kubernetes.io/tls`` Secret for ``identity``, issued by the overlay's CA, with the
-    CA's certificate beside it (the layout ``canopy-broker serve --tls-dir`` reads)."""
-    cert, key = authority.issue(identity, hosts)
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": dict(labels),
-            "annotations": {"canopy.dev/identity": identity.uri},
-            "ownerReferences": [dict(owner)],
-        },
-        "type": "kubernetes.io/tls",
-        "data": {"ca.crt": _b64(authority.cert_pem), "tls.crt": _b64(cert), "tls.key": _b64(key)},
-    }
-
-
-def needs_renewal(cert_pem: bytes, now: datetime.datetime | None = None) -> bool:
-    """Whether a certificate is in the last third of its validity, when cert-manager renews by
-    default: months before a one-year certificate expires, so missed checks (an operator down
-    for a week) still leave plenty of time. An unreadable one is renewed too."""
-    try:
-        cert = x509.load_pem_x509_certificate(cert_pem)
-    except ValueError:
-        return True
-    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
-    return (now or datetime.datetime.now(datetime.UTC)) >= end - (end - start) / 3
-
-
-async def ensure_tls_secret(
-    api: KubeApi, namespace: str, name: str, make: Callable[[], dict[str, Any]], ca_pem: bytes
-) -> str:
-    """Create the Secret ``make()`` builds, or make it anew when it was issued by another CA
-    (the CA Secret was deleted and made anew) or its certificate is due for renewal; otherwise
-    keep it as it is. Returns why an existing Secret was made anew ("" when it was created or
-    kept), for an Event. A broker re-reads its rewritten files and resumes its links on new
-    connections, losing nothing (docs/security.md)."""
-    path = core_path(namespace, "secrets", name)
-    current = await api.get(path)
-    if current is None:
-        if await api.create(core_path(namespace, "secrets"), make()):
-            return ""
-        current = await api.get(path)
-    if current is None:
-        return ""
-    if secret_bytes(current, "ca.crt") != ca_pem:
-        why = "issued anew by the overlay's new CA"
-    elif needs_renewal(secret_bytes(current, "tls.crt")):
-        why = "renewed: its certificate was in the last third of its validity"
-    else:
-        return ""
-    await api.delete(path)  # made anew, not patched: the operator never edits a Secret
-    await api.create(core_path(namespace, "secrets"), make())
-    return why
+    return Security(tls, text + yaml.safe_dump(doc, sort_keys=False) if tls else "", issuer)
 
 
 def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -413,6 +367,27 @@ def owner_reference(obj: Mapping[str, Any]) -> dict[str, Any]:
         "uid": meta.get("uid", ""),
         "controller": True,
         "blockOwnerDeletion": True,
+    }
+
+
+def owned(
+    api_version: str,
+    kind: str,
+    name: str,
+    *,
+    namespace: str,
+    labels: Mapping[str, str],
+    owner: Mapping[str, Any],
+    **body: Any,
+) -> dict[str, Any]:
+    """An object of the overlay's: named, labelled, and owned by the BrokerOverlay, so that
+    deleting the overlay deletes it (Kubernetes' garbage collector)."""
+    meta = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {**meta, "ownerReferences": [dict(owner)]},
+        **body,
     }
 
 
@@ -546,12 +521,14 @@ def pod_manifest(
                         broker,
                         "--listen",
                         f"0.0.0.0:{BROKER_PORT}",
+                        "--link-listen",
+                        f"0.0.0.0:{LINK_PORT}",
                         "--admin",
                         f"0.0.0.0:{ADMIN_PORT}",
                         "--advertise",
                         dns_resolver(
                             namespace, service_name(overlay), pod_name(overlay, broker)
-                        ).listen,
+                        ).link,
                         "--routing",
                         spec.routing,
                         "--token-file",
@@ -569,7 +546,8 @@ def pod_manifest(
                         }
                     ],
                     "ports": [
-                        {"name": "broker", "containerPort": BROKER_PORT},
+                        {"name": "clients", "containerPort": BROKER_PORT},
+                        {"name": "link", "containerPort": LINK_PORT},
                         {"name": "admin", "containerPort": ADMIN_PORT},
                         *(
                             [{"name": "gateway", "containerPort": GATEWAY_PORT}]
@@ -655,18 +633,19 @@ class KubernetesBackend:
         resolver: Resolver = dns_resolver,
         poll: float = 0.2,
         resources: Mapping[str, Mapping[str, Any]] | None = None,
-        authority: Authority | None = None,
+        issuing: Issuing | None = None,
         spread: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
-        """``authority``: the overlay's CA; it issues each broker's TLS Secret and verifies
-        the brokers' admin APIs (HTTPS). None: the overlay runs ``--insecure``. ``spread``:
-        the pods' topologySpreadConstraints (None: the default, see :func:`pod_manifest`)."""
+        """``issuing``: where the brokers' certificates come from (the operator's CA or
+        cert-manager); its CA verifies the brokers' admin APIs (HTTPS). None: the overlay runs
+        ``--insecure``. ``spread``: the pods' topologySpreadConstraints (None: the default, see
+        :func:`pod_manifest`)."""
         self.resources = dict(resources or {})
         self.spread = spread
         self.api, self.spec, self.namespace, self.owner = api, spec, namespace, owner
         self.token, self.image, self.resolver, self.poll = token, image, resolver, poll
-        self.authority = authority
-        self.tls = verify_context(authority.cert_pem) if authority is not None else None
+        self.issuing = issuing
+        self.tls = verify_context(issuing.ca_pem) if issuing is not None else None
         self._admins: dict[str, AdminClient] = {}
 
     def _pod_path(self, broker: str) -> str:
@@ -678,30 +657,22 @@ class KubernetesBackend:
         )
 
     async def ensure_broker_secret(self, name: str) -> str:
-        """The broker's TLS Secret (``canopy://broker/NAME``, for its DNS names too); returns
-        why it was made anew, as :func:`ensure_tls_secret` does."""
-        authority = self.authority
-        if authority is None:
+        """The broker's TLS Secret (``canopy://broker/NAME``, for its DNS names too, and the
+        name scrapers verify); returns why it was made anew, as :meth:`Issuing.ensure` does."""
+        if self.issuing is None:
             return ""
         overlay, pod = self.spec.name, pod_name(self.spec.name, name)
         host = dns_resolver(self.namespace, service_name(overlay), pod).listen.rpartition(":")[0]
-        hosts = (host, f"{host}.cluster.local", f"{pod}.{service_name(overlay)}", "localhost")
-        sname = tls_secret_name(overlay, name)
+        hosts = (
+            host,
+            f"{host}.cluster.local",
+            f"{pod}.{service_name(overlay)}",
+            SCRAPE_NAME,
+            "localhost",
+        )
         labels = {LABEL_OVERLAY: overlay, LABEL_BROKER: name, "app.kubernetes.io/part-of": "canopy"}
-        return await ensure_tls_secret(
-            self.api,
-            self.namespace,
-            sname,
-            lambda: tls_secret(
-                sname,
-                self.namespace,
-                labels=labels,
-                owner=self.owner,
-                authority=authority,
-                identity=Identity(BROKER, name),
-                hosts=hosts,
-            ),
-            authority.cert_pem,
+        return await self.issuing.ensure(
+            tls_secret_name(overlay, name), Identity(BROKER, name), hosts, labels
         )
 
     def pod(self, name: str) -> dict[str, Any]:
@@ -713,7 +684,7 @@ class KubernetesBackend:
             self.owner,
             self.image,
             resources=self.resources.get(name),
-            tls=self.authority is not None,
+            tls=self.issuing is not None,
             spread=self.spread,
         )
 
@@ -802,10 +773,8 @@ class KubernetesBackend:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the pod of broker {name} still exists after {within}s")
             await asyncio.sleep(self.poll)
-        if self.authority is not None:  # a removed broker's certificate goes with it
-            await self.api.delete(
-                core_path(self.namespace, "secrets", tls_secret_name(self.spec.name, name))
-            )
+        if self.issuing is not None:  # a removed broker's certificate goes with it
+            await self.issuing.remove(tls_secret_name(self.spec.name, name))
 
     async def wait_ready(self, name: str, within: float) -> None:
         """The pod's Ready condition (the kubelet's readiness probe), then the admin API.
@@ -826,6 +795,10 @@ class KubernetesBackend:
 
     def address(self, name: str) -> str:
         return self.endpoints(name).listen
+
+    def link_address(self, name: str) -> str:
+        e = self.endpoints(name)
+        return e.link or e.listen
 
     def admin(self, name: str) -> AdminClient:
         client = self._admins.get(name)
@@ -949,6 +922,27 @@ def post_event(obj: Mapping[str, Any], reason: str, message: str, warning: bool 
     )
 
 
+def link_network_policy(
+    overlay: str, namespace: str, labels: Mapping[str, str], owner: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The overlay's own NetworkPolicy: its link port admits its own broker pods, nobody else
+    (not even another overlay's brokers in the namespace). A chart can't say "the same overlay
+    as the target pod", so the operator writes one per overlay; the chart's namespace-wide
+    policy, which isolates the pods, admits their admin and client ports. NetworkPolicies add
+    up, so together they leave exactly these three ways in."""
+    own = {"matchLabels": {LABEL_OVERLAY: overlay}}
+    ingress = {"ports": [{"port": LINK_PORT, "protocol": "TCP"}], "from": [{"podSelector": own}]}
+    return owned(
+        "networking.k8s.io/v1",
+        "NetworkPolicy",
+        f"{overlay}-links",
+        namespace=namespace,
+        labels=labels,
+        owner=owner,
+        spec={"podSelector": own, "policyTypes": ["Ingress"], "ingress": [ingress]},
+    )
+
+
 # -- the operator -----------------------------------------------------------------------------
 
 
@@ -965,6 +959,7 @@ class OperatorConfig:
     poll: float = 0.2
     heal_interval: float = 30.0
     renew_interval: float = 3600.0  # how often the heal looks at the brokers' certificates
+    certificate_wait: float = 60.0  # for cert-manager to issue a Secret, before a retry
     retry_delay: float = 10.0  # before a reconcile that failed (brokers not ready, a step) again
     api: KubeApi | None = None
     stopping: bool = False
@@ -973,6 +968,9 @@ class OperatorConfig:
     # Crash repairs the brokers did on their own, already told as Events (per overlay).
     reported: dict[tuple[str, str], set[tuple[str, ...]]] = field(default_factory=dict)
     renewal_checked: dict[tuple[str, str], float] = field(default_factory=dict)  # monotonic
+    # Namespaces where the chart's NetworkPolicy isolates broker pods (admin and client ports):
+    # there each overlay gets its own policy admitting its link port from its own brokers only.
+    network_policy_namespaces: frozenset[str] = frozenset()
 
     def lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self.locks.setdefault((namespace, name), asyncio.Lock())
@@ -980,11 +978,11 @@ class OperatorConfig:
 
 @dataclass(frozen=True)
 class Access:
-    """How the operator reaches an overlay's brokers: the admin token and, with TLS, the CA
-    (it verifies their admin APIs and issues their certificates)."""
+    """How the operator reaches an overlay's brokers: the admin token and, with TLS, where
+    their certificates come from (its CA verifies their admin APIs)."""
 
     token: str
-    authority: Authority | None = None
+    issuing: Issuing | None = None
 
 
 class Reconciler:
@@ -1014,6 +1012,23 @@ class Reconciler:
     def event(self, reason: str, message: str, warning: bool = False) -> None:
         post_event(self.obj, reason, message, warning)
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """What the overlay's own objects (not its pods) are labelled with."""
+        return {LABEL_OVERLAY: self.name, "app.kubernetes.io/part-of": "canopy"}
+
+    def owned(self, api_version: str, kind: str, name: str, **body: Any) -> dict[str, Any]:
+        """An object of this overlay's, in its namespace, with its labels and owned by it."""
+        return owned(
+            api_version,
+            kind,
+            name,
+            namespace=self.namespace,
+            labels=self.labels,
+            owner=owner_reference(self.obj),
+            **body,
+        )
+
     def condition(self, ctype: str, status: bool, reason: str, message: str = "") -> None:
         self.conditions = set_condition(self.conditions, ctype, status, reason, message)
 
@@ -1029,10 +1044,12 @@ class Reconciler:
             return None, [str(exc)]
         return spec, validate(spec)
 
-    async def ensure_security(self, spec: OverlaySpec, security: Security) -> Authority | None:
+    async def ensure_security(self, spec: OverlaySpec, security: Security) -> Issuing | None:
         """The overlay's credentials, unless ``spec.security.tls`` is false (None then):
 
-        * ``<overlay>-ca``: the CA (``ca.crt``, ``ca.key``), created once and kept;
+        * ``<overlay>-ca``: the CA (``ca.crt``, ``ca.key``), created once and kept; or, with
+          ``spec.security.issuerRef``, cert-manager issues every certificate below instead
+          (a ``Certificate`` each, see :mod:`~canopy_operator.backends.certs`);
         * ``<overlay>-client``: a ``kubernetes.io/tls`` Secret for principal ``canopy``
           (``ca.crt``, ``tls.crt``, ``tls.key``): what users and tools connect with;
         * ``<overlay>-policy``: a ConfigMap with the client policy (``spec.security.policy``
@@ -1043,44 +1060,20 @@ class Reconciler:
         if not security.tls:
             return None
         owner = owner_reference(self.obj)
-        labels = {LABEL_OVERLAY: spec.name, "app.kubernetes.io/part-of": "canopy"}
-        secrets_path = core_path(self.namespace, "secrets")
-        ca_path = core_path(self.namespace, "secrets", ca_secret_name(spec.name))
-        ca = await self.api.get(ca_path)
-        if ca is None:
-            made = Authority.create(f"canopy overlay {self.namespace}/{spec.name} CA")
-            await self.api.create(
-                secrets_path,
-                {
-                    "apiVersion": "v1",
-                    "kind": "Secret",
-                    "metadata": {
-                        "name": ca_secret_name(spec.name),
-                        "namespace": self.namespace,
-                        "labels": labels,
-                        "ownerReferences": [owner],
-                    },
-                    "type": "Opaque",
-                    "data": {"ca.crt": _b64(made.cert_pem), "ca.key": _b64(made.key_pem)},
-                },
-            )
-            ca = await self.api.get(ca_path)  # whoever created it first: theirs is the CA
-        authority = Authority.from_pem(secret_bytes(ca, "ca.crt"), secret_bytes(ca, "ca.key"))
-        client = client_secret_name(spec.name)
-        done = await ensure_tls_secret(
-            self.api,
-            self.namespace,
-            client,
-            lambda: tls_secret(
-                client,
+        issuing: Issuing
+        if security.issuer is not None:
+            issuing = CertManager(
+                self.api,
                 self.namespace,
-                labels=labels,
-                owner=owner,
-                authority=authority,
-                identity=Identity(CLIENT, CLIENT_PRINCIPAL),
-            ),
-            authority.cert_pem,
-        )
+                owner,
+                security.issuer,
+                within=self.config.certificate_wait,
+                poll=self.config.poll,
+            )
+        else:
+            issuing = OwnCa(self.api, self.namespace, owner, await self._own_ca(spec))
+        client = client_secret_name(spec.name)
+        done = await issuing.ensure(client, Identity(CLIENT, CLIENT_PRINCIPAL), (), self.labels)
         if done:
             self.event("CertificateRenewed", f"client Secret {client} {done}")
         cm_path = core_path(self.namespace, "configmaps", policy_name(spec.name))
@@ -1088,97 +1081,99 @@ class Reconciler:
         if cm is None:
             await self.api.create(
                 core_path(self.namespace, "configmaps"),
-                {
-                    "apiVersion": "v1",
-                    "kind": "ConfigMap",
-                    "metadata": {
-                        "name": policy_name(spec.name),
-                        "namespace": self.namespace,
-                        "labels": labels,
-                        "ownerReferences": [owner],
-                    },
-                    "data": {POLICY_KEY: security.policy},
-                },
+                self.owned(
+                    "v1",
+                    "ConfigMap",
+                    policy_name(spec.name),
+                    data={POLICY_KEY: security.policy},
+                ),
             )
         elif (cm.get("data") or {}).get(POLICY_KEY) != security.policy:
             # The brokers re-read the mounted file when the kubelet refreshes it.
             await self.api.patch(cm_path, {"data": {POLICY_KEY: security.policy}})
-        return authority
+        return issuing
+
+    async def _own_ca(self, spec: OverlaySpec) -> Authority:
+        """The overlay's CA from Secret ``<overlay>-ca``, made on first use and then kept."""
+        ca_path = core_path(self.namespace, "secrets", ca_secret_name(spec.name))
+        ca = await self.api.get(ca_path)
+        if ca is None:
+            made = Authority.create(f"canopy overlay {self.namespace}/{spec.name} CA")
+            await self.api.create(
+                core_path(self.namespace, "secrets"),
+                self.owned(
+                    "v1",
+                    "Secret",
+                    ca_secret_name(spec.name),
+                    type="Opaque",
+                    data={"ca.crt": b64(made.cert_pem), "ca.key": b64(made.key_pem)},
+                ),
+            )
+            ca = await self.api.get(ca_path)  # whoever created it first: theirs is the CA
+        return Authority.from_pem(secret_bytes(ca, "ca.crt"), secret_bytes(ca, "ca.key"))
 
     async def ensure_objects(self, spec: OverlaySpec) -> Access:
         """Secret (admin token), headless Service and the overlay's credentials; returns what
         the backend reaches the brokers with."""
-        owner = owner_reference(self.obj)
-        labels = {LABEL_OVERLAY: spec.name, "app.kubernetes.io/part-of": "canopy"}
         sname = secret_name(spec.name)
         secret = await self.api.get(core_path(self.namespace, "secrets", sname))
         if secret is None:
             token = secrets.token_urlsafe(24)
             await self.api.create(
                 core_path(self.namespace, "secrets"),
-                {
-                    "apiVersion": "v1",
-                    "kind": "Secret",
-                    "metadata": {
-                        "name": sname,
-                        "namespace": self.namespace,
-                        "labels": labels,
-                        "ownerReferences": [owner],
-                    },
-                    "type": "Opaque",
-                    "data": {"token": base64.b64encode(token.encode()).decode()},
-                },
+                self.owned(
+                    "v1",
+                    "Secret",
+                    sname,
+                    type="Opaque",
+                    data={"token": b64(token.encode())},
+                ),
             )
             secret = await self.api.get(core_path(self.namespace, "secrets", sname))
         assert secret is not None
         token = base64.b64decode(secret["data"]["token"]).decode()
         await self.api.create(
             core_path(self.namespace, "services"),
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {
-                    "name": service_name(spec.name),
-                    "namespace": self.namespace,
-                    "labels": labels,
-                    "ownerReferences": [owner],
-                },
-                "spec": {
+            self.owned(
+                "v1",
+                "Service",
+                service_name(spec.name),
+                spec={
                     "clusterIP": "None",
                     "publishNotReadyAddresses": True,  # brokers link before they are Ready
                     "selector": {LABEL_OVERLAY: spec.name},
                     "ports": [
-                        {"name": "broker", "port": BROKER_PORT},
+                        {"name": "clients", "port": BROKER_PORT},
+                        {"name": "link", "port": LINK_PORT},
                         {"name": "admin", "port": ADMIN_PORT},
                         # Headless: DNS names the pods; the port only documents (and gives an
                         # SRV record to) the gateway of brokers that serve one.
                         {"name": "gateway", "port": GATEWAY_PORT},
                     ],
                 },
-            },
+            ),
         )
         # Voluntary disruptions (kubectl drain, node upgrades, the cluster autoscaler) may evict
         # no broker: the operator moves a broker off a cordoned node itself, loss-free (see
         # roll_stale), after which the drain goes on.
         await self.api.create(
             f"/apis/policy/v1/namespaces/{self.namespace}/poddisruptionbudgets",
-            {
-                "apiVersion": "policy/v1",
-                "kind": "PodDisruptionBudget",
-                "metadata": {
-                    "name": f"{spec.name}-brokers",
-                    "namespace": self.namespace,
-                    "labels": labels,
-                    "ownerReferences": [owner],
-                },
-                "spec": {
-                    "maxUnavailable": 0,
-                    "selector": {"matchLabels": {LABEL_OVERLAY: spec.name}},
-                },
-            },
+            self.owned(
+                "policy/v1",
+                "PodDisruptionBudget",
+                f"{spec.name}-brokers",
+                spec={"maxUnavailable": 0, "selector": {"matchLabels": {LABEL_OVERLAY: spec.name}}},
+            ),
         )
-        authority = await self.ensure_security(spec, self.security(spec))
-        return Access(token, authority)
+        if self.namespace in self.config.network_policy_namespaces:
+            await self.api.create(
+                f"/apis/networking.k8s.io/v1/namespaces/{self.namespace}/networkpolicies",
+                link_network_policy(
+                    spec.name, self.namespace, self.labels, owner_reference(self.obj)
+                ),
+            )
+        issuing = await self.ensure_security(spec, self.security(spec))
+        return Access(token, issuing)
 
     def security(self, spec: OverlaySpec) -> Security:
         return security_of(spec.name, self.obj.get("spec") or {})
@@ -1203,7 +1198,7 @@ class Reconciler:
             resolver=self.config.resolver,
             poll=self.config.poll,
             resources=resources,
-            authority=access.authority,
+            issuing=access.issuing,
             spread=spread if isinstance(spread, list) else None,
         )
 
@@ -1224,7 +1219,14 @@ class Reconciler:
             self.event("InvalidSpec", message, warning=True)
             return
         self.condition(ConditionType.VALID, True, "SpecValid", "the spec describes a valid tree")
-        backend = self.backend(spec, await self.ensure_objects(spec))
+        try:
+            access = await self.ensure_objects(spec)
+        except CertificatesPendingError as exc:  # cert-manager: not issued yet, or unusable
+            self.condition(ConditionType.READY, False, "CertificatesPending", str(exc))
+            await self.status(observedGeneration=generation)
+            self.event("CertificatesPending", str(exc), warning=True)
+            raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
+        backend = self.backend(spec, access)
         try:
             await self._converge(spec, backend, generation, decision)
         finally:
@@ -1549,6 +1551,8 @@ async def _renew_certificates(
     if time.monotonic() - config.renewal_checked.get(key, -float("inf")) < config.renew_interval:
         return
     config.renewal_checked[key] = time.monotonic()
+    if backend.issuing is None or not backend.issuing.renews:
+        return  # no TLS, or cert-manager renews (and the brokers re-read its files)
     for b in brokers:
         done = await backend.ensure_broker_secret(b)
         if done:
@@ -1630,8 +1634,8 @@ async def _relink_restarted(
         if neighbours.get(side):
             continue  # not a fresh process: a link being set up or closed, not a restart
         await backend.admin(other).remove_link(side)
-        await backend.admin(side).set_peers({other: backend.address(other)})
-        await backend.admin(side).add_link(other, backend.address(other))
+        await backend.admin(side).set_peers({other: backend.link_address(other)})
+        await backend.admin(side).add_link(other, backend.link_address(other))
         r.event("BrokerRelinked", f"re-linked {side} to {other}")
 
 
@@ -2037,7 +2041,14 @@ def build_registry(config: OperatorConfig) -> kopf.OperatorRegistry:
         async with lock:
             try:
                 await _unless_stopped(heal(config, api(), namespace, name), stopped)
-            except (aiohttp.ClientError, OSError, AdminError, KubeError, TimeoutError) as exc:
+            except (
+                aiohttp.ClientError,
+                OSError,
+                AdminError,
+                KubeError,
+                TimeoutError,
+                CertificatesPendingError,
+            ) as exc:
                 # A broker restarting under the heal (its old address gone, the new one not
                 # up yet) is the normal case here, not a fault: the next tick looks again.
                 # Raising would make kopf back off for a minute, the heal's whole purpose.

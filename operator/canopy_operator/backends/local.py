@@ -216,6 +216,7 @@ class LocalBackend:
                     self.brokers[name] = {
                         "pid": proc.pid,
                         "listen": addr["listen"],
+                        "link": addr.get("link", addr["listen"]),
                         "admin": addr["admin"],
                         **({"gateway": addr["gateway"]} if "gateway" in addr else {}),
                         "log": str(log),
@@ -248,6 +249,10 @@ class LocalBackend:
 
     def address(self, name: str) -> str:
         return str(self.brokers[name]["listen"])
+
+    def link_address(self, name: str) -> str:
+        info = self.brokers[name]
+        return str(info.get("link") or info["listen"])  # a state dir from before link ports
 
     def admin(self, name: str) -> AdminClient:
         client = self._admins.get(name)

@@ -302,7 +302,7 @@ async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:
 async def _mine_overlay(
     args: argparse.Namespace, api: Any, obj: dict[str, Any], resolve: Any
 ) -> None:
-    from canopy_operator.backends import k8s
+    from canopy_operator.backends import certs, k8s
     from canopy_operator.model.topology import parse_overlay, validate_tree
 
     meta, status = obj.get("metadata") or {}, obj.get("status") or {}
@@ -336,10 +336,10 @@ async def _mine_overlay(
     tls = None
     if k8s.security_of(name, obj.get("spec") or {}).tls:  # the brokers' admin APIs are HTTPS
         client = await api.get(k8s.core_path(ns, "secrets", k8s.client_secret_name(name)))
-        ca = k8s.secret_bytes(client, "ca.crt")
+        ca = certs.secret_bytes(client, "ca.crt")
         if not ca:
             raise RuntimeError(f"no CA certificate in secret {k8s.client_secret_name(name)}")
-        tls = k8s.verify_context(ca)
+        tls = certs.verify_context(ca)
     admins = {
         b: resolve(ns, k8s.service_name(name), k8s.pod_name(name, b)).admin
         for b in spec.broker_names
