@@ -249,6 +249,30 @@ def test_lease_rolls_forward_when_an_r_end_dies_mid_exchange() -> None:
     assert report.ok and report.owed > 200, str(report)
 
 
+def test_a_path_slower_than_the_lease_changes_nothing_anywhere() -> None:
+    """Every link takes 40 units and the lease is 100: Granted can never be back at A1 within
+    half a lease, so A1 never commits. No broker may begin phase 1 for a try A1 has let go (it
+    used to happen where Granted passed an R end), so the exchange fails having changed nothing:
+    the old tree routes exactly, and traffic throughout loses, doubles and reorders nothing."""
+    names = [f"b{i}" for i in range(5)]
+    edges = list(itertools.pairwise(names))
+    sim = Simulator(names, edges, seed=3, link_delay=(40.0, 40.0))
+    for i, b in enumerate(names):
+        sim.attach(f"s{i}", b, at=0)
+        sim.subscribe(f"s{i}", "x", Filter.parse(f"x = {i % 3}"), at=1)
+        sim.attach(f"p{i}", b, at=0)
+    sim.run(until=1000)
+    x = sim.exchange(("b0", "b1", "b2", "b3"), ("b1", "b2"), at=1000, lease=1.0)
+    publish_throughout(sim, 1000, 6000, 5)
+    sim.run()
+    rec = sim.exchanges[x]
+    assert rec.ok is False and "within half the lease" in rec.reason, rec.reason
+    assert all(core.exchange is None for core in sim.cores.values())
+    assert not check_routing(sim.cores, edges, sim.subscriptions_by_broker())
+    report = check_deliveries(sim.subs, list(sim.pubs.values()), sim.deliveries)
+    assert report.ok and report.owed > 1000, str(report)
+
+
 @pytest.mark.parametrize("mode", [RoutingMode.IDENTITY, RoutingMode.SIMPLE])
 def test_path_algorithm_leaves_canonical_tables_and_reports_its_losses(mode: RoutingMode) -> None:
     """Paper 002's algorithm rewrites routes in place along the reconfiguration path; it must

@@ -28,6 +28,7 @@ from canopy_broker.core.messages import (
     FlushMsg,
     FromLink,
     FromPeer,
+    Go,
     Granted,
     Input,
     LinkReady,
@@ -81,6 +82,7 @@ def test_every_phase_has_a_way_out_and_unknown_pairs_are_absent() -> None:
     assert reachable == set(Phase)
     assert (Phase.LOCKED, Step.END) not in TRANSITIONS
     assert (Phase.CLOSING, Step.GRANTED) not in TRANSITIONS
+    assert TRANSITIONS[Phase.LOCKED, Step.GRANTED] is Phase.LOCKED  # Granted changes nothing
 
 
 @pytest.mark.parametrize(
@@ -91,6 +93,7 @@ def test_every_phase_has_a_way_out_and_unknown_pairs_are_absent() -> None:
         (Separator("x1", 2), "other side's Separator is not expected in phase locked"),
         (Done("x1", ()), "Done is not expected in phase locked"),
         (Granted("x9"), "exchange x9 it is not in"),
+        (Go("x9"), "exchange x9 it is not in"),
         (Separator("x1", 7), "not expected|side 7"),
     ],
 )
@@ -99,14 +102,68 @@ def test_a_locked_broker_refuses_what_comes_later(message: object, match: str) -
     refused(core, FromLink("r1", message), match)  # type: ignore[arg-type]
 
 
-def test_granted_twice_and_refusal_after_grant_are_refused() -> None:
+def test_granted_passes_changing_nothing_and_go_starts_phase_1() -> None:
     core = locked_middle()
-    core.handle(FromLink("r1", Granted("x1")))
-    assert core.exchange is not None and core.exchange.phase is Phase.BLACK
-    refused(core, FromLink("r1", Granted("x1")), "Granted is not expected in phase black")
+    passed = core.handle(FromLink("r1", Granted("x1")))
+    assert [(e.peer, e.message) for e in passed if hasattr(e, "message")] == [("a", Granted("x1"))]
+    assert core.exchange is not None and core.exchange.phase is Phase.LOCKED
+    refused(core, FromLink("r1", Granted("x1")), "Granted again is not expected in phase locked")
+    on = core.handle(FromLink("a", Go("x1")))
+    assert [(e.peer, e.message) for e in on if hasattr(e, "message")] == [("r1", Go("x1"))]
+    assert core.exchange.phase is Phase.BLACK
+    refused(core, FromLink("a", Go("x1")), "Go is not expected in phase black")
     refused(core, FromLink("r1", LockRefused("x1", "late")), "LockRefused is not expected")
+    # A final refusal (a broker past here died before Go reached it) is dropped: this side
+    # has begun phase 1 and rolls forward.
+    before = state_of(core)
+    assert core.handle(FromLink("r1", LockRefused("x1", "r2 died", final=True))) == []
+    assert state_of(core) == before
     core.handle(FromLink("r1", Separator("x1", 2)))  # the other side's separator passes up
     refused(core, FromLink("r1", Separator("x1", 2)), "again")
+
+
+def test_a_final_refusal_for_an_exchange_already_left_is_dropped() -> None:
+    """A side-2 broker can release on End just before its downstream neighbour, whose own
+    neighbour died while Go was on its way, sends a final refusal back: nothing to release."""
+    core = BrokerCore("m")
+    core.handle(AddLink("r1"))
+    assert core.handle(FromLink("r1", LockRefused("x1", "z died", final=True))) == []
+    refused(core, FromLink("r1", LockRefused("x1", "busy")), "exchange x1 it is not in")
+
+
+def test_the_own_separator_can_overtake_go_on_side_2() -> None:
+    """R2 sends Go up side 2 and its separator out of band to A2, which walks it down side 2:
+    a side-2 broker may see the separator first (gray, still locked), then Go."""
+    path, k = ("a", "r1", "r2", "m", "z"), 1
+    core = BrokerCore("m")
+    core.handle(AddLink("r2"))
+    core.handle(AddLink("z"))
+    core.handle(FromLink("r2", Lock("x1", path, k)))
+    core.handle(FromLink("z", Granted("x1")))
+    core.handle(FromLink("z", Separator("x1", 2)))
+    assert core.exchange is not None and core.exchange.phase is Phase.LOCKED_GRAY
+    core.handle(FromLink("r2", Go("x1")))
+    assert core.exchange.phase is Phase.GRAY
+
+
+def test_a1_commits_only_within_half_a_lease_of_its_lock() -> None:
+    """Granted at A1 is the commit point: in time, A1 sends Go; too late (the far brokers'
+    leases might end before Go reached them), it lets the try go and retries, and nothing
+    anywhere has begun phase 1."""
+    core = a1_locked()
+    on = core.handle(FromLink("m", Granted("x1")))
+    assert [(e.peer, e.message) for e in on if hasattr(e, "message")] == [("m", Go("x1"))]
+    assert core.exchange is not None and core.exchange.phase is Phase.BLACK
+    assert core.handle(TimerFired("commit:x1")) == []  # committed: the window no longer matters
+
+    late = a1_locked()
+    effects = late.handle(TimerFired("commit:x1"))  # half the lease, and no Granted yet
+    assert late.exchange is None and "x1" in late.attempts
+    assert any(getattr(e, "key", "").startswith("lock:x1") for e in effects)  # retry planned
+    assert late.handle(FromLink("m", Granted("x1"))) == []  # too late: dropped, no Go
+    retry = late.handle(TimerFired("lock:x1"))
+    locks = [getattr(e, "message", None) for e in retry]
+    assert any(isinstance(m, Lock) and m.attempt == 1 for m in locks), retry
 
 
 def test_a_retry_takes_over_an_ungranted_lock_and_late_answers_to_the_old_try_are_dropped() -> None:
@@ -123,7 +180,20 @@ def test_a_retry_takes_over_an_ungranted_lock_and_late_answers_to_the_old_try_ar
     assert state_of(core) == before and core.exchange.phase is Phase.LOCKED
     refused(core, FromLink("r1", Granted("x1", attempt=2)), "try 2, but this broker is locked")
     core.handle(FromLink("r1", Granted("x1", attempt=1)))
+    assert core.handle(FromLink("a", Go("x1", attempt=0))) == []  # the old try's commit: none
+    assert core.exchange.phase is Phase.LOCKED
+    core.handle(FromLink("a", Go("x1", attempt=1)))
     assert core.exchange.phase is Phase.BLACK
+
+
+def test_a_retry_takes_over_a_lock_that_granted_but_never_got_go() -> None:
+    """Granted changes nothing, so a lock it passed is still only a lock: A1 let that try go
+    (too slow to commit) and the retry takes the broker over."""
+    core = locked_middle()
+    core.handle(FromLink("r1", Granted("x1", attempt=0)))
+    core.handle(FromLink("a", Lock("x1", PATH, K, attempt=1)))
+    assert core.exchange is not None and core.exchange.attempt == 1
+    assert core.exchange.phase is Phase.LOCKED and not core.exchange.marks
 
 
 def test_a1_drops_the_late_answer_to_a_try_its_lease_gave_up_on() -> None:

@@ -55,6 +55,7 @@ from canopy_broker.core.messages import (
     FromLink,
     FromPeer,
     Gap,
+    Go,
     Granted,
     Input,
     LinkFailed,
@@ -117,6 +118,7 @@ __all__ = [
 _EXCHANGE_STEPS: dict[type, Step] = {
     LockRefused: Step.REFUSED,
     Granted: Step.GRANTED,
+    Go: Step.GO,
     Echo: Step.ECHO,
     End: Step.END,
     Done: Step.DONE,
@@ -693,7 +695,15 @@ class BrokerCore:
         is in before anything changes."""
         ex = self.ex
         xid = getattr(msg, "xid", None)
-        if isinstance(msg, LockRefused | Granted):
+        if (
+            isinstance(msg, LockRefused)
+            and msg.final
+            and (ex is None or ex.xid != xid or ex.granted)
+        ):
+            # A broker of the path died and its neighbour gave the try up, but Go was already
+            # past (or the exchange over) here: this side rolls forward by lease, or is done.
+            return
+        if isinstance(msg, LockRefused | Granted | Go):
             if ex is not None and ex.xid == xid and msg.attempt != ex.attempt:
                 if msg.attempt < ex.attempt:
                     return  # the answer to a try A1 gave up on; the new try holds the lock
@@ -731,6 +741,8 @@ class BrokerCore:
             coordinated.on_refused(self, ex, msg, out)
         elif isinstance(msg, Granted):
             coordinated.on_granted(self, ex, out)
+        elif isinstance(msg, Go):
+            coordinated.go(self, ex, out)
         elif isinstance(msg, Separator):
             coordinated.on_separator(self, ex, msg.side, out)
         elif isinstance(msg, End):

@@ -42,9 +42,9 @@ coordinated exchange (paper 000), loses, duplicates and reorders nothing. Both e
 same plan from the same cycle (both were told it); only one end acts (the initiator itself if it
 is an end of r, else the smaller-named end, which asks the initiator with :class:`RepairLink`).
 
-The coordinated exchange does need the removed link: the lock and Granted cross it, each side's
-separator crosses it, and black notifications (and what was queued on r when it failed) may only
-cross it. A failed link cannot carry them directly, so both ends ask the runtime to *detour* r
+The coordinated exchange does need the removed link: the lock, Granted and Go cross it, each
+side's separator crosses it, and black notifications (and what was queued on r when it failed) may
+only cross it. A failed link cannot carry them directly, so both ends ask the runtime to *detour* r
 (:class:`DetourLink`): r's stream, the unacknowledged backlog first and then everything the core
 sends on r, travels in order over an out-of-band connection to the other end, as the
 reconfiguration protocols' peer channels already do, until the exchange closes r. The detour

@@ -10,9 +10,15 @@ How the protocol runs (each step is a message handled by ``BrokerCore``):
 1. **Lock** travels A1 → A2 over tree links; each broker joins only one exchange at a time and
    turns *black*. A busy broker (or a hop that is not a link) sends **LockRefused** back, which
    releases every broker on the way; A1 retries with randomised exponential backoff. A2, the last
-   to lock, answers **Granted**, which travels back to A1. A1 and A2 add the new link when they
-   lock, *frozen*: no routing advertisement crosses it until the end.
-2. **Phase 1.** When Granted passes an R end, that R end freezes the removed link too, and sends
+   to lock, answers **Granted**, which travels back to A1 and changes nothing on its way. A1 and
+   A2 add the new link when they lock, *frozen*: no routing advertisement crosses it until the end.
+   **The commit point is A1's.** With Granted in hand within half a lease of its lock (so that
+   every broker's lease, renewed as Granted passed, outlasts Go's way back), A1 sends **Go**
+   A1 → A2; if Granted is not back by then, A1 lets the try go and retries, and the brokers,
+   which changed nothing, release themselves by lease or are taken over by the new try. (Phase
+   1 used to begin where Granted passed, so on a path slower than the lease, a try A1 had
+   abandoned could already have begun near A2, and been rolled forward there alone.)
+2. **Phase 1.** When Go passes an R end, that R end freezes the removed link too, and sends
    its A end (out of band) a **Transfer**: the routing keys it holds from r — exactly what the A
    end must hold from a in the new tree. Later routing changes arriving over r are **Relay**-ed. A
    **Separator** follows the transfer. The A end installs the keys as if received over a, which
@@ -57,6 +63,7 @@ from canopy_broker.core.messages import (
     End,
     ExchangeFinished,
     FromLink,
+    Go,
     Granted,
     Lock,
     LockRefused,
@@ -108,8 +115,8 @@ class BrokerCore(Protocol):
 class Phase(Enum):
     """Where one broker stands in one exchange (it leaves the exchange after ``CLOSING``)."""
 
-    LOCKED = "locked"  # lock taken; waiting for Granted (or a refusal)
-    LOCKED_GRAY = "locked-gray"  # own side's separator passed before Granted reached here
+    LOCKED = "locked"  # lock taken; waiting for Go (or a refusal)
+    LOCKED_GRAY = "locked-gray"  # own side's separator passed before Go reached here
     BLACK = "black"  # phase 1: notifications entering here keep the old tree
     GRAY = "gray"  # own side's separator passed: notifications entering here take the new link
     CLOSING = "closing"  # an A end that sent Done; waiting for the other A end's Done
@@ -119,6 +126,7 @@ class Step(Enum):
     """The inputs an exchange reacts to, named for the transition table."""
 
     GRANTED = "Granted"
+    GO = "Go"  # A1's commit, or its Go passing
     REFUSED = "LockRefused"
     OWN_SEPARATOR = "own Separator"  # over a link, from the A end's direction
     SEPARATOR_TO_A = "own Separator out of band"  # at an A end, from its R end
@@ -135,6 +143,7 @@ class Step(Enum):
 class Mark(Enum):
     """Facts an exchange collects on its way, each at most once, in orders that vary."""
 
+    GRANTED = "Granted passed"
     OTHER_SEPARATOR = "other side's separator seen"
     RELAY_END = "RelayEnd seen"
     END = "End seen"
@@ -147,13 +156,14 @@ class Mark(Enum):
 
 _L, _LG, _B, _G, _C = Phase.LOCKED, Phase.LOCKED_GRAY, Phase.BLACK, Phase.GRAY, Phase.CLOSING
 TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
-    (_L, Step.GRANTED): _B,
+    (_L, Step.GRANTED): _L,  # passed on towards A1; nothing changes until Go
+    (_L, Step.GO): _B,
     (_L, Step.REFUSED): _L,  # and the broker leaves the exchange
-    # The R end sends Granted up over links and the separator out of band to its A end, which
-    # walks it down: both can overtake Granted.
+    # R2 sends Go on up side 2 over links and its separator out of band to A2, which walks it
+    # down side 2: the separator can overtake Go there.
     (_L, Step.SEPARATOR_TO_A): _LG,
     (_L, Step.OWN_SEPARATOR): _LG,
-    (_LG, Step.GRANTED): _G,
+    (_LG, Step.GO): _G,
     (_B, Step.SEPARATOR_TO_A): _G,
     (_B, Step.OWN_SEPARATOR): _G,
     **{(ph, Step.OTHER_SEPARATOR): ph for ph in (_B, _G)},
@@ -168,6 +178,7 @@ raised before the input changes anything (h11's ``_state.py`` is the model)."""
 
 # Inputs that record a fact, which a correct peer sends once.
 _MARKS = {
+    Step.GRANTED: Mark.GRANTED,
     Step.OTHER_SEPARATOR: Mark.OTHER_SEPARATOR,
     Step.RELAY_END: Mark.RELAY_END,
     Step.ECHO: Mark.ECHO,
@@ -214,6 +225,7 @@ class Exchange:
 
     @property
     def granted(self) -> bool:
+        """Whether phase 1 has begun here: A1 committed and its Go has passed."""
         return self.phase not in (Phase.LOCKED, Phase.LOCKED_GRAY)
 
     @property
@@ -384,6 +396,12 @@ def timer(core: BrokerCore, key: str, out: list[Effect]) -> None:
         try_lock(core, xid, out)
     elif kind == "lease" and ex is not None and ex.xid == xid:
         lease_expired(core, ex, out)
+    elif kind == "commit" and ex is not None and ex.xid == xid and ex.me == 0 and not ex.granted:
+        # Go would reach the far brokers about as long again after Granted came back, and their
+        # leases (renewed as Granted passed them) might end first: they would roll back while
+        # the near ones rolled forward. Let this try go; nothing has changed anywhere yet.
+        undo_lock(core, ex, out, by_lease=True)
+        retry_later(core, xid, "Granted did not come back within half the lease", out)
 
 
 def lease_expired(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
@@ -431,9 +449,19 @@ def lock_problem(core: BrokerCore, path: tuple[str, ...], i: int) -> str | None:
 
 
 def lock_here(core: BrokerCore, lock: Lock, i: int, out: list[Effect]) -> None:
-    ex = Exchange(lock.xid, lock.path, lock.k, i, lock.ordering, lock.lease, attempt=lock.attempt)
+    ex = Exchange(
+        lock.xid,
+        lock.path,
+        lock.k,
+        i,
+        lock.ordering,
+        lock.lease,
+        attempt=lock.attempt,
+    )
     core.ex = ex
     out.append(StartTimer(f"lease:{ex.xid}", ex.lease))
+    if i == 0:
+        out.append(StartTimer(f"commit:{ex.xid}", ex.lease / 2))
     a = ex.a_peer
     if a is not None:  # an A end: the added link exists from now on, frozen
         core.routing.open_frozen(a)
@@ -478,7 +506,7 @@ def on_lock(core: BrokerCore, peer: str, msg: Lock, out: list[Effect]) -> None:
     lock_here(core, msg, i, out)
     if i == len(path) - 1:
         assert core.ex is not None
-        on_granted(core, core.ex, out)  # the last lock grants: phase 1 starts here
+        on_granted(core, core.ex, out)  # the last lock grants
     else:
         out.append(SendToLink(path[i + 1], msg))
 
@@ -524,11 +552,21 @@ def on_refused(core: BrokerCore, ex: Exchange, msg: LockRefused, out: list[Effec
 
 
 def on_granted(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
+    """Granted passes towards A1, changing nothing; at A1 it is the moment to commit or not."""
     ex.fire(Step.GRANTED)
-    # Granted goes on before this broker's own phase-1 work, so the broker behind it is
-    # granted before anything of phase 1 (e.g. this R end's separator over r) reaches it.
     if ex.me > 0:
         out.append(SendToLink(ex.path[ex.me - 1], Granted(ex.xid, ex.attempt)))
+    else:  # A1, within half the lease of its lock (else its "commit" timer let the try go)
+        go(core, ex, out)
+
+
+def go(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
+    """A1's commit, or its Go passing: phase 1 starts here."""
+    ex.fire(Step.GO)
+    # Go goes on before this broker's own phase-1 work, so the broker after it has begun phase
+    # 1 before anything of phase 1 (e.g. this R end's separator over r) reaches it.
+    if ex.me < ex.last:
+        out.append(SendToLink(ex.path[ex.me + 1], Go(ex.xid, ex.attempt)))
     if ex.is_r:
         r = ex.r_peer
         assert r is not None

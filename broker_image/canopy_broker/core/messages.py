@@ -137,7 +137,17 @@ class LockRefused:
 
 @dataclass(frozen=True, slots=True)
 class Granted:
-    """Travels A2 → A1: every broker is locked; the R ends start phase 1 when it passes."""
+    """Travels A2 → A1: every broker is locked. It changes nothing on its way: A1 decides."""
+
+    xid: str
+    attempt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Go:
+    """Travels A1 → A2 once Granted reached A1: the commit point. Phase 1 starts at each broker
+    as Go passes it (an R end starts its transfer), so no broker changes anything for a try
+    that A1 has given up on."""
 
     xid: str
     attempt: int = 0
@@ -307,6 +317,7 @@ LinkMessage = (
     | Lock
     | LockRefused
     | Granted
+    | Go
     | Separator
     | Echo
     | End

@@ -6,7 +6,7 @@ Every message a reconfiguration causes costs its weight times the overlay hops i
 * a message carrying pattern sets (paper 002's RECMSG; our out-of-band ``Transfer`` and the
   ``Done`` that carries an A end's advertisement) costs ``2·|patterns|/3 + 1/3`` — a fixed header
   part plus a part that grows with the patterns;
-* small protocol messages: 0.1 for acknowledgement-like ones (paper 002's CTRLMSG; our Granted,
+* small protocol messages: 0.1 for acknowledgement-like ones (paper 002's CTRLMSG; our Granted, Go,
   LockRefused, Separator, Echo, End, RelayEnd), 0.2 for one that carries the path
   (paper 002's FLUSHMSG; our Lock).
 
@@ -44,6 +44,7 @@ WEIGHTS: Mapping[str, float] = {
     "Lock": 0.2,
     "LockRefused": 0.1,
     "Granted": 0.1,
+    "Go": 0.1,
     "Separator": 0.1,
     "Echo": 0.1,
     "End": 0.1,
