@@ -27,6 +27,7 @@ from aiohttp import web
 from canopy_broker import logs
 from canopy_broker.core.messages import RoutingMode
 from canopy_broker.gateway import make_gateway_app
+from canopy_broker.mqtt import MqttGateway, start_mqtt
 from canopy_broker.runtime.admin import make_admin_app
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import parse_address
@@ -167,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also serve the HTTP gateway here (publish by POST, subscribe over Server-Sent "
         "Events or WebSocket; canopy_broker/gateway.py): HTTPS with the broker's certificate "
         "when TLS is on, clients authenticated by the broker as any client",
+    )
+    s.add_argument(
+        "--mqtt",
+        metavar="HOST:PORT",
+        help="also accept MQTT 3.1.1 and 5 clients here (QoS 0 and 1; canopy_broker/mqtt.py): "
+        "TLS with the broker's certificate when TLS is on, the MQTT password a client token",
     )
     s.add_argument(
         "--probe-interval",
@@ -325,13 +332,14 @@ async def serve(args: argparse.Namespace) -> int:
     admin_sock = runner.addresses[0]
     runners = [runner]
     gateway: str | None = None
+    host = "127.0.0.1" if broker.address[0] in ("0.0.0.0", "::") else broker.address[0]
+    own = f"{host}:{broker.address[1]}"  # the gateways are clients of their own broker
+    own_ca = client_files.ca if client_files is not None else None
     if args.gateway:
         gw_host, gw_port = parse_address(args.gateway)
-        host = "127.0.0.1" if broker.address[0] in ("0.0.0.0", "::") else broker.address[0]
-        own = f"{host}:{broker.address[1]}"
         # Open streams end with the broker: a short grace, not aiohttp's 60 s.
         gw = web.AppRunner(
-            make_gateway_app(own, client_files.ca if client_files is not None else None),
+            make_gateway_app(own, own_ca),
             access_log=None,
             shutdown_timeout=1.0,
         )
@@ -341,6 +349,12 @@ async def serve(args: argparse.Namespace) -> int:
         runners.append(gw)
         gw_sock = gw.addresses[0]
         gateway = f"{gw_sock[0]}:{gw_sock[1]}"
+    mqtt: tuple[asyncio.Server, MqttGateway] | None = None
+    if args.mqtt:
+        mq_host, mq_port = parse_address(args.mqtt)
+        mq_tls = broker.reloaded_context(client_files) if client_files is not None else None
+        mqtt = await start_mqtt(mq_host, mq_port, own, own_ca, mq_tls)
+        mq_sock = mqtt[0].sockets[0].getsockname()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -354,13 +368,17 @@ async def serve(args: argparse.Namespace) -> int:
         "tls": tls is not None,
         "pid": os.getpid(),
         **({"gateway": gateway} if gateway else {}),
+        **({"mqtt": f"{mq_sock[0]}:{mq_sock[1]}"} if mqtt else {}),
     }
     print(READY_PREFIX + json.dumps(ready), flush=True)
     try:
         await stop.wait()
     finally:
         logging.getLogger("canopy.broker").info("stopping %s", broker.name)
-        for r in reversed(runners):  # the gateway's clients first, while the broker is up
+        if mqtt is not None:  # the gateways' clients first, while the broker is up
+            mqtt[0].close()
+            await mqtt[1].close()
+        for r in reversed(runners):
             await r.cleanup()
         await broker.stop()
     return 0

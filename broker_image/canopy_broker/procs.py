@@ -131,6 +131,7 @@ class BrokerProc:
     log_path: Path | None
     tls: ssl.SSLContext | None = None  # verifies the admin API's certificate
     gateway: str | None = None  # the HTTP gateway's HOST:PORT (--gateway)
+    mqtt: str | None = None  # the MQTT listener's HOST:PORT (--mqtt)
     link_address: str = ""  # HOST:PORT other brokers dial (--link-listen; default: listen)
     admin: AdminClient = field(init=False)
     _log: IO[bytes] | None = None
@@ -227,6 +228,7 @@ async def spawn_broker(
             log_path,
             tls,
             gateway=info.get("gateway"),
+            mqtt=info.get("mqtt"),
             link_address=info.get("link", ""),
             _log=log,
         )

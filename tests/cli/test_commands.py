@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -496,12 +497,13 @@ def test_bench_broker_refuses_fewer_filters_than_subscribers() -> None:
 def test_local_up_serves_the_http_gateway_when_the_spec_asks(tmp_path: Path) -> None:
     """``spec.gateway.enabled``: every broker ``canopy up`` starts serves the HTTP gateway on a
     free port, ``canopy status`` says where, and it answers (here: no token, so 401 with the
-    reason; tests/integration/test_gateway.py has the traffic)."""
+    reason; tests/integration/test_gateway.py has the traffic). ``spec.gateway.mqtt`` likewise
+    for MQTT: mosquitto_pub without a password is refused by the listener status names."""
     manifest = tmp_path / "gw.yaml"
     manifest.write_text(
         "apiVersion: canopy.dev/v1alpha1\nkind: BrokerOverlay\nmetadata: {name: gw}\n"
         "spec:\n  brokers: [{name: a}, {name: b}]\n  links: [[a, b]]\n"
-        "  gateway: {enabled: true}\n"
+        "  gateway: {enabled: true, mqtt: true}\n"
     )
     state = tmp_path / "state"
     try:
@@ -520,5 +522,67 @@ def test_local_up_serves_the_http_gateway_when_the_spec_asks(tmp_path: Path) -> 
             urllib.request.urlopen(request, context=ctx, timeout=10)
         assert refused.value.code == 401
         assert "bearer token" in json.loads(refused.value.read())["error"]
+        mqtt = {n: str(b["mqtt"]) for n, b in brokers.items()}  # type: ignore[attr-defined]
+        assert all(u.startswith("mqtts://127.0.0.1:") for u in mqtt.values()), mqtt
+        host, port = mqtt["b"].removeprefix("mqtts://").rsplit(":", 1)
+        pub = subprocess.run(
+            [
+                "mosquitto_pub",
+                "-h",
+                host,
+                "-p",
+                port,
+                "--cafile",
+                str(ca),
+                "--insecure",
+                "-t",
+                "t",
+                "-s",
+            ],
+            input="x",  # -s: the message from standard input
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert pub.returncode != 0 and "bad user name or password" in pub.stderr, pub.stderr
+        # The README's way: a token principal appended to the overlay's policy (re-read within
+        # seconds); then mosquitto_sub on a gets what mosquitto_pub sends to b.
+        token = "mqtt-token-0123456789"
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        with (state / "gw" / "pki" / "policy.yaml").open("a") as policy:
+            policy.write(f"  - name: web\n    tokenSha256: {digest}\n")
+        ahost, aport = mqtt["a"].removeprefix("mqtts://").rsplit(":", 1)
+        tls = ["--cafile", str(ca), "--insecure", "-u", "x", "-P", token]
+
+        def mosquitto(tool: str, where: tuple[str, str], *args: str) -> subprocess.Popen[str]:
+            return subprocess.Popen(
+                [tool, "-h", where[0], "-p", where[1], *tls, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+
+        deadline = time.monotonic() + 60
+        while True:  # until broker a has re-read the policy: the subscriber stays connected
+            sub = mosquitto(
+                "mosquitto_sub", (ahost, aport), "-i", "web/sub", "-t", "q/#", "-C", "1"
+            )
+            time.sleep(1.5)
+            if sub.poll() is None:
+                break
+            refused = sub.communicate()  # not yet: the policy is re-read every few seconds
+            assert time.monotonic() < deadline, refused
+        try:
+            while sub.poll() is None:  # until b has re-read it too and the route is there
+                sent = mosquitto("mosquitto_pub", (host, port), "-t", "q/1", "-m", "hi", "-q", "1")
+                sent.communicate(timeout=30)
+                assert time.monotonic() < deadline, "no notification within 60 s"
+                time.sleep(0.5)
+            out, err = sub.communicate(timeout=30)
+        finally:
+            sub.kill()
+            sub.communicate()
+        assert sub.returncode == 0 and out.strip() == "hi", (out, err)
     finally:
         assert canopy("down", "--state-dir", str(state)).returncode == 0

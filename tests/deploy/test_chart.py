@@ -177,17 +177,20 @@ def test_the_broker_pod_passes_its_schema_and_its_program_takes_its_flags(
 def test_the_gateway_is_a_flag_and_a_named_port_when_the_spec_asks_for_it() -> None:
     plain = broker_pod("trading")
     assert "--gateway" not in plain["spec"]["containers"][0]["args"]
+    assert "--mqtt" not in plain["spec"]["containers"][0]["args"]
     spec = parse_overlay(
         {
             "kind": k8s.KIND,
             "metadata": {"name": "trading"},
-            "spec": {"brokers": [{"name": "hub"}], "gateway": {"enabled": True}},
+            "spec": {"brokers": [{"name": "hub"}], "gateway": {"enabled": True, "mqtt": True}},
         }
     )
     (container,) = k8s.pod_manifest(spec, "hub", "ns", {}, "img")["spec"]["containers"]
     args = broker_parser().parse_args(container["args"])
     assert args.gateway == f"0.0.0.0:{k8s.GATEWAY_PORT}"
     assert {"name": "gateway", "containerPort": k8s.GATEWAY_PORT} in container["ports"]
+    assert args.mqtt == f"0.0.0.0:{k8s.MQTT_PORT}"
+    assert {"name": "mqtt", "containerPort": k8s.MQTT_PORT} in container["ports"]
 
 
 def test_spread_constraints_default_to_zones_and_nodes_and_are_the_specs_when_given() -> None:
@@ -577,6 +580,8 @@ def test_network_policy_admits_the_admin_port_only_from_operator_and_miner(
         assert not admits(policy, neighbour, overlay)  # brokers link on the link port
         gateway = k8s.GATEWAY_PORT  # the HTTP gateway's clients, as the overlay port's
         assert admits(policy, client, gateway) and not admits(policy, stranger, gateway)
+        mqtt = k8s.MQTT_PORT  # MQTT clients likewise
+        assert admits(policy, client, mqtt) and not admits(policy, stranger, mqtt)
         assert not admits(policy, operator, 9999)
         # The link port: the overlay's own brokers only, through the operator's policy.
         together = [policy, *link_policies(docs, ns)]

@@ -8,7 +8,6 @@ publication it does not allow 403; bad bodies and filters are 400 with the reaso
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import ssl
 from pathlib import Path
 from typing import Any
@@ -19,46 +18,16 @@ import pytest
 
 from canopy_broker import gateway as gw
 from canopy_broker.client import Credentials, connect
-from canopy_broker.procs import BrokerProc, env_pki, spawn_broker, wait_settled
+from canopy_broker.procs import BrokerProc, wait_settled
+from tests.integration.token_pair import READER, WRITER, linked_pair, token_policy
 
 pytestmark = pytest.mark.integration
 
-WRITER, READER = "writer-token-0123456789", "reader-token-0123456789"
-
-
-def sha(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-POLICY = f"""\
-default: deny
-principals:
-  - name: canopy
-    clients: ["*"]
-  - name: writer
-    tokenSha256: {sha(WRITER)}
-    clients: ["writer", "writer/*"]
-    publish: ["kind = 'temp'"]
-    subscribe: []
-  - name: reader
-    tokenSha256: {sha(READER)}
-    clients: ["reader", "reader/*"]
-    publish: []
-    subscribe: ["kind = 'temp'"]
-"""
-
 
 async def start(tmp_path: Path) -> tuple[BrokerProc, BrokerProc, ssl.SSLContext]:
-    pki = env_pki()
-    assert pki is not None, "the test session runs brokers with TLS ($CANOPY_PKI)"
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(POLICY)
-    extra = ("--policy", str(policy), "--gateway", "127.0.0.1:0")
-    a, b = await asyncio.gather(
-        *(spawn_broker(n, log_dir=tmp_path, extra_args=extra) for n in ("a", "b"))
-    )
-    assert (await a.admin.add_link("b", b.link_address, wait=10))["up"]
-    ctx = ssl.create_default_context(cafile=str(pki.ca_path))
+    policy = token_policy(publish="kind = 'temp'", subscribe="kind = 'temp'")
+    a, b, ca = await linked_pair(tmp_path, policy, "--gateway", "127.0.0.1:0")
+    ctx = ssl.create_default_context(cafile=str(ca))
     ctx.check_hostname = False  # the brokers' certificates name canopy identities, not hosts
     return a, b, ctx
 

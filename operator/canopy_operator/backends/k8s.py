@@ -92,9 +92,10 @@ from canopy_operator.model.topology import OverlaySpec, SpecError, norm, parse_o
 
 GROUP, VERSION, PLURAL, KIND = "canopy.dev", "v1alpha1", "brokeroverlays", "BrokerOverlay"
 PROPOSALS = "topologyproposals"
-BROKER_PORT, LINK_PORT, ADMIN_PORT, GATEWAY_PORT = 7000, 7001, 8080, 8081
+BROKER_PORT, LINK_PORT, ADMIN_PORT, GATEWAY_PORT, MQTT_PORT = 7000, 7001, 8080, 8081, 8883
 """Clients; overlay links (brokers only: the NetworkPolicy admits the overlay's broker pods);
-the admin API, /metrics and probes (the operator and the miner); the HTTP gateway (clients)."""
+the admin API, /metrics and probes (the operator and the miner); the HTTP gateway and the MQTT
+listener (clients; MQTT over TLS on its usual port)."""
 LABEL_OVERLAY, LABEL_BROKER = "canopy.dev/overlay", "canopy.dev/broker"
 TEMPLATE_HASH = "canopy.dev/template-hash"
 """Pod annotation: a hash of what the broker runs (image, arguments, resources, mounts). A pod
@@ -538,6 +539,7 @@ def pod_manifest(
                         *security,
                         *spec.broker_args(),
                         *(("--gateway", f"0.0.0.0:{GATEWAY_PORT}") if spec.gateway else ()),
+                        *(("--mqtt", f"0.0.0.0:{MQTT_PORT}") if spec.mqtt else ()),
                     ],
                     "env": [
                         {
@@ -554,6 +556,7 @@ def pod_manifest(
                             if spec.gateway
                             else []
                         ),
+                        *([{"name": "mqtt", "containerPort": MQTT_PORT}] if spec.mqtt else []),
                     ],
                     "readinessProbe": {
                         **probe,
@@ -1149,6 +1152,7 @@ class Reconciler:
                         # Headless: DNS names the pods; the port only documents (and gives an
                         # SRV record to) the gateway of brokers that serve one.
                         {"name": "gateway", "port": GATEWAY_PORT},
+                        {"name": "mqtt", "port": MQTT_PORT},
                     ],
                 },
             ),

@@ -59,12 +59,14 @@ class LocalBackend:
         broker_args: Sequence[str] = (),
         zones: Mapping[str, str] | None = None,
         gateway: bool | None = None,
+        mqtt: bool | None = None,
         insecure: bool = False,
     ):
         """``insecure``: a new overlay runs in plaintext (an existing one keeps what it was
         created with: ``state.json`` remembers). ``zones``: the zone the overlay declares for
         each broker, passed as ``--zone`` (all brokers share this machine, so no node).
-        ``gateway``: each broker serves the HTTP gateway on a free port."""
+        ``gateway``, ``mqtt``: each broker serves the HTTP gateway, the MQTT listener, on a
+        free port."""
         self.dir = state_dir
         self.host = host
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -76,6 +78,7 @@ class LocalBackend:
         self.routing, self.broker_args = routing, tuple(broker_args)
         self.zones = {b: z for b, z in (zones or {}).items() if z}
         self.gateway = bool(gateway)
+        self.mqtt = bool(mqtt)
         self._adopt_config()
         self.state.setdefault("token", secrets.token_urlsafe(18))
         self.state.setdefault("brokers", {})
@@ -110,6 +113,7 @@ class LocalBackend:
             "args": list(self.broker_args),
             "zones": dict(self.zones),
             "gateway": self.gateway,
+            "mqtt": self.mqtt,
         }
 
     def config_of(self, name: str) -> list[str]:
@@ -121,6 +125,7 @@ class LocalBackend:
             *self.broker_args,
             *(("--zone", zone) if zone else ()),
             *(("--gateway", f"{self.host}:0") if self.gateway else ()),
+            *(("--mqtt", f"{self.host}:0") if self.mqtt else ()),
         ]
 
     def reload(self) -> None:
@@ -140,6 +145,7 @@ class LocalBackend:
             self.broker_args = tuple(configured["args"])
             self.zones = dict(configured.get("zones") or {})
             self.gateway = bool(configured.get("gateway"))
+            self.mqtt = bool(configured.get("mqtt"))
 
     @contextlib.asynccontextmanager
     async def locked(self, within: float = 600.0) -> AsyncIterator[None]:
@@ -219,6 +225,7 @@ class LocalBackend:
                         "link": addr.get("link", addr["listen"]),
                         "admin": addr["admin"],
                         **({"gateway": addr["gateway"]} if "gateway" in addr else {}),
+                        **({"mqtt": addr["mqtt"]} if "mqtt" in addr else {}),
                         "log": str(log),
                         "config": self.config_of(name),
                     }

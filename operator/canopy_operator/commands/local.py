@@ -225,6 +225,7 @@ def run_apply(args: argparse.Namespace) -> int:
             broker_args=spec.broker_args(),
             zones=spec.zone_of(),
             gateway=spec.gateway,
+            mqtt=spec.mqtt,
             insecure=getattr(args, "insecure", False),
         )
         try:
@@ -333,6 +334,7 @@ def run_status(args: argparse.Namespace) -> int:
                 "neighbours": [x["peer"] for x in neighbours],
                 "zone": (s.get("placement") or {}).get("zone", ""),
                 "gateway": _gateway_url(backend, n),
+                "mqtt": _gateway_url(backend, n, "mqtt"),
                 "standby": [x["peer"] for x in s.get("standby", []) if x.get("state") == "up"],
                 "restarts": int((backend.state.get("restarts") or {}).get(n, 0)),
                 **({"why": h["why"]} if "why" in h else {}),
@@ -374,6 +376,7 @@ def run_status(args: argparse.Namespace) -> int:
             f"neighbours {', '.join(b['neighbours']) or '-'}"
             + (f" (standby {', '.join(b['standby'])})" if b["standby"] else "")
             + (f" gateway {b['gateway']}" if b["gateway"] else "")
+            + (f" mqtt {b['mqtt']}" if b["mqtt"] else "")
         )
     verdict = "healthy" if data["healthy"] else "DEGRADED"
     print(
@@ -455,9 +458,11 @@ def run_down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gateway_url(backend: LocalBackend, broker: str) -> str | None:
-    """Where broker ``broker``'s HTTP gateway answers (None: the overlay has none)."""
-    where = (backend.brokers.get(broker) or {}).get("gateway")
+def _gateway_url(backend: LocalBackend, broker: str, kind: str = "gateway") -> str | None:
+    """Where broker ``broker``'s HTTP gateway (``kind="mqtt"``: MQTT listener) answers (None:
+    the overlay has none)."""
+    where = (backend.brokers.get(broker) or {}).get(kind)
     if not where:
         return None
-    return f"{'http' if backend.state.get('insecure') else 'https'}://{where}"
+    scheme = "http" if kind == "gateway" else "mqtt"
+    return f"{scheme if backend.state.get('insecure') else scheme + 's'}://{where}"

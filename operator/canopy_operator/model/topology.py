@@ -73,6 +73,7 @@ class OverlaySpec:
     cycle_bound: int = 4  # spec.failureDetection.cycleBound: link-failure repair (paper 004)
     cycle_period: float = 2.0  # spec.failureDetection.cyclePeriodSeconds
     gateway: bool = False  # spec.gateway.enabled: the brokers' HTTP gateway (canopy_broker.gateway)
+    mqtt: bool = False  # spec.gateway.mqtt: the brokers' MQTT listener (canopy_broker.mqtt)
     slow_consumer: str = "disconnect"  # spec.clients.slowConsumer
     client_queue_limit: int = 200_000  # spec.clients.queueLimit
     max_subscriptions: int = 10_000  # spec.clients.maxSubscriptions
@@ -220,6 +221,7 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         cycle_bound=_get(detection, "cycleBound", int, 4, "spec.failureDetection"),
         cycle_period=float(period),
         gateway=_get(gateway, "enabled", bool, False, "spec.gateway"),
+        mqtt=_get(gateway, "mqtt", bool, False, "spec.gateway"),
         slow_consumer=_get(clients, "slowConsumer", str, "disconnect", "spec.clients"),
         client_queue_limit=_get(clients, "queueLimit", int, 200_000, "spec.clients"),
         max_subscriptions=_get(clients, "maxSubscriptions", int, 10_000, "spec.clients"),
