@@ -74,9 +74,14 @@ def _add_operator_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
         default=[],
         help="watch only this namespace (repeatable; default: all namespaces)",
     )
-    p.add_argument("--server", help="API server URL (default: in-cluster service account)")
+    p.add_argument(
+        "--server",
+        help="API server URL (default: the pod's service account, else the kubeconfig)",
+    )
     p.add_argument("--token", help="bearer token for --server")
     p.add_argument("--insecure", action="store_true", help="do not verify --server's TLS")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
+    p.add_argument("--context", help="kubeconfig context (default: its current context)")
     p.add_argument("--broker-image", help="default broker image (or $CANOPY_BROKER_IMAGE)")
     p.add_argument("--metrics-port", type=int, default=8000, help="/metrics port (0: off)")
     p.add_argument("--liveness", help="kopf's liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
@@ -122,14 +127,16 @@ def _run_operator(args: argparse.Namespace) -> int:
 
     from prometheus_client import start_http_server
 
-    from canopy_operator.backends import k8s
+    from canopy_operator.backends import handlers, reconciler
     from canopy_operator.backends.leader import LeaseConfig, LostLeadershipError
 
     logs.configure("INFO", args.log_format)
-    config = k8s.OperatorConfig(
+    config = reconciler.OperatorConfig(
         server=args.server,
         token=args.token,
         insecure=args.insecure,
+        kubeconfig=args.kubeconfig,
+        context=args.context,
         heal_interval=args.heal_interval,
         renew_interval=args.renew_interval,
         network_policy_namespaces=frozenset(args.network_policy_namespace),
@@ -143,7 +150,9 @@ def _run_operator(args: argparse.Namespace) -> int:
     if args.metrics_port:
         start_http_server(args.metrics_port)
     try:
-        asyncio.run(k8s.run_operator(config, namespaces=args.namespace, liveness=args.liveness))
+        asyncio.run(
+            handlers.run_operator(config, namespaces=args.namespace, liveness=args.liveness)
+        )
     except LostLeadershipError as exc:  # the pod restarts and waits for the lease again
         print(f"canopy operator: {exc}; exiting", file=sys.stderr)
         return 1

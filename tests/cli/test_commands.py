@@ -91,14 +91,16 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(
         with Progress("test", 2, stream=stream) as shown:
             shown.step("first")
             shown.note("by the way")
+            shown.status("t=1s 10 done")
             shown.step("second")
     assert plain.getvalue().splitlines() == [
         "[test] 1/2 first",
         "[test] by the way",
+        "[test] t=1s 10 done",
         "[test] 2/2 second",
     ]
     assert "2/2" in tty.getvalue() and "\u2501" in tty.getvalue()  # the bar's own characters
-    assert "[test] 1/2" not in tty.getvalue()
+    assert "[test] 1/2" not in tty.getvalue() and "[test] t=1s" not in tty.getvalue()
 
 
 def test_help_lists_the_commands() -> None:

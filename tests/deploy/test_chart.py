@@ -20,7 +20,7 @@ import yaml
 from prometheus_client.metrics_core import Metric
 
 from canopy_broker.cli import build_parser as broker_parser
-from canopy_operator.backends import k8s
+from canopy_operator.backends import kube, manifests
 from canopy_operator.backends.certs import SCRAPE_NAME
 from canopy_operator.cli import build_parser
 from canopy_operator.model.topology import parse_overlay
@@ -102,14 +102,14 @@ def broker_pod(namespace: str) -> dict[str, Any]:
     """A broker pod exactly as the operator creates it."""
     spec = parse_overlay(
         {
-            "apiVersion": f"{k8s.GROUP}/{k8s.VERSION}",
-            "kind": k8s.KIND,
+            "apiVersion": f"{kube.GROUP}/{kube.VERSION}",
+            "kind": kube.KIND,
             "metadata": {"name": "trading"},
             "spec": {"brokers": [{"name": "hub"}, {"name": "edge"}], "links": [["hub", "edge"]]},
         }
     )
-    owner = {"apiVersion": "canopy.dev/v1alpha1", "kind": k8s.KIND, "name": "trading", "uid": "1"}
-    return k8s.pod_manifest(spec, "hub", namespace, owner, "canopy-broker:0.1.0")
+    owner = {"apiVersion": "canopy.dev/v1alpha1", "kind": kube.KIND, "name": "trading", "uid": "1"}
+    return manifests.pod_manifest(spec, "hub", namespace, owner, "canopy-broker:0.1.0")
 
 
 def pod_templates(docs: Sequence[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
@@ -166,7 +166,7 @@ def test_the_broker_pod_passes_its_schema_and_its_program_takes_its_flags(
     validate_rendered([pod], version, tmp_path)
     (container,) = pod["spec"]["containers"]
     args = broker_parser().parse_args(container["args"])
-    assert args.placement_dir == k8s.PLACEMENT_DIR
+    assert args.placement_dir == manifests.PLACEMENT_DIR
     (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "placement"]
     assert {i["fieldRef"]["fieldPath"] for i in volume["downwardAPI"]["items"]} == {
         "metadata.labels",
@@ -180,38 +180,42 @@ def test_the_gateway_is_a_flag_and_a_named_port_when_the_spec_asks_for_it() -> N
     assert "--mqtt" not in plain["spec"]["containers"][0]["args"]
     spec = parse_overlay(
         {
-            "kind": k8s.KIND,
+            "kind": kube.KIND,
             "metadata": {"name": "trading"},
             "spec": {"brokers": [{"name": "hub"}], "gateway": {"enabled": True, "mqtt": True}},
         }
     )
-    (container,) = k8s.pod_manifest(spec, "hub", "ns", {}, "img")["spec"]["containers"]
+    (container,) = manifests.pod_manifest(spec, "hub", "ns", {}, "img")["spec"]["containers"]
     args = broker_parser().parse_args(container["args"])
-    assert args.gateway == f"0.0.0.0:{k8s.GATEWAY_PORT}"
-    assert {"name": "gateway", "containerPort": k8s.GATEWAY_PORT} in container["ports"]
-    assert args.mqtt == f"0.0.0.0:{k8s.MQTT_PORT}"
-    assert {"name": "mqtt", "containerPort": k8s.MQTT_PORT} in container["ports"]
+    assert args.gateway == f"0.0.0.0:{manifests.GATEWAY_PORT}"
+    assert {"name": "gateway", "containerPort": manifests.GATEWAY_PORT} in container["ports"]
+    assert args.mqtt == f"0.0.0.0:{manifests.MQTT_PORT}"
+    assert {"name": "mqtt", "containerPort": manifests.MQTT_PORT} in container["ports"]
 
 
 def test_spread_constraints_default_to_zones_and_nodes_and_are_the_specs_when_given() -> None:
-    default = k8s.spread_constraints("o", None)
+    default = manifests.spread_constraints("o", None)
     assert [(c["topologyKey"], c["whenUnsatisfiable"]) for c in default] == [
         ("topology.kubernetes.io/zone", "ScheduleAnyway"),
         ("kubernetes.io/hostname", "ScheduleAnyway"),
     ]
-    assert all(c["labelSelector"] == {"matchLabels": {k8s.LABEL_OVERLAY: "o"}} for c in default)
-    assert k8s.spread_constraints("o", []) == []
+    assert all(
+        c["labelSelector"] == {"matchLabels": {manifests.LABEL_OVERLAY: "o"}} for c in default
+    )
+    assert manifests.spread_constraints("o", []) == []
     strict = {"maxSkew": 2, "topologyKey": "rack", "whenUnsatisfiable": "DoNotSchedule"}
-    (given,) = k8s.spread_constraints("o", [strict])
-    assert given == {**strict, "labelSelector": {"matchLabels": {k8s.LABEL_OVERLAY: "o"}}}
+    (given,) = manifests.spread_constraints("o", [strict])
+    assert given == {**strict, "labelSelector": {"matchLabels": {manifests.LABEL_OVERLAY: "o"}}}
     # Asking for another spread is a template change: the brokers are rolled onto it.
     pod = broker_pod("trading")
     other = copy.deepcopy(pod)
     other["spec"]["topologySpreadConstraints"] = [given]
-    assert k8s.template_hash(pod) != k8s.template_hash(other)
+    assert manifests.template_hash(pod) != manifests.template_hash(other)
     moved = copy.deepcopy(pod)
     moved["spec"]["affinity"] = {}
-    assert k8s.template_hash(pod) == k8s.template_hash(moved)  # affinity follows the links
+    assert manifests.template_hash(pod) == manifests.template_hash(
+        moved
+    )  # affinity follows the links
 
 
 def test_the_validation_catches_broken_objects(
@@ -543,8 +547,8 @@ def link_policies(docs: Sequence[dict[str, Any]], namespace: str) -> list[dict[s
     told = {args[i + 1] for i, a in enumerate(args) if a == "--network-policy-namespace"}
     if namespace not in told:
         return []
-    labels = {k8s.LABEL_OVERLAY: "trading"}
-    return [k8s.link_network_policy("trading", namespace, labels, {"name": "trading"})]
+    labels = {manifests.LABEL_OVERLAY: "trading"}
+    return [manifests.link_network_policy("trading", namespace, labels, {"name": "trading"})]
 
 
 def test_network_policy_admits_the_admin_port_only_from_operator_and_miner(
@@ -564,8 +568,10 @@ def test_network_policy_admits_the_admin_port_only_from_operator_and_miner(
         assert selects(policy["spec"]["podSelector"], broker["metadata"]["labels"])
         assert not selects(policy["spec"]["podSelector"], operator["metadata"]["labels"])
         neighbour = pod_in(ns, broker["metadata"]["labels"])
-        other_overlay = pod_in(ns, {**broker["metadata"]["labels"], k8s.LABEL_OVERLAY: "other"})
-        admin, overlay, link = k8s.ADMIN_PORT, k8s.BROKER_PORT, k8s.LINK_PORT
+        other_overlay = pod_in(
+            ns, {**broker["metadata"]["labels"], manifests.LABEL_OVERLAY: "other"}
+        )
+        admin, overlay, link = manifests.ADMIN_PORT, manifests.BROKER_PORT, manifests.LINK_PORT
         assert {p["containerPort"] for p in broker["spec"]["containers"][0]["ports"]} == {
             admin,
             overlay,
@@ -578,9 +584,9 @@ def test_network_policy_admits_the_admin_port_only_from_operator_and_miner(
         assert admits(policy, client, overlay)
         assert not admits(policy, stranger, overlay)  # overlayPort.allowFromAnywhere: false
         assert not admits(policy, neighbour, overlay)  # brokers link on the link port
-        gateway = k8s.GATEWAY_PORT  # the HTTP gateway's clients, as the overlay port's
+        gateway = manifests.GATEWAY_PORT  # the HTTP gateway's clients, as the overlay port's
         assert admits(policy, client, gateway) and not admits(policy, stranger, gateway)
-        mqtt = k8s.MQTT_PORT  # MQTT clients likewise
+        mqtt = manifests.MQTT_PORT  # MQTT clients likewise
         assert admits(policy, client, mqtt) and not admits(policy, stranger, mqtt)
         assert not admits(policy, operator, 9999)
         # The link port: the overlay's own brokers only, through the operator's policy.
@@ -604,13 +610,13 @@ def test_network_policy_defaults(tmp_path: Path) -> None:
         {"app.kubernetes.io/name": "canopy-miner", "app.kubernetes.io/instance": "canopy"},
     )
     stranger = pod_in("apps", {"app": "curious"})
-    assert admits(policy, operator, k8s.ADMIN_PORT)
-    assert not admits(policy, would_be_miner, k8s.ADMIN_PORT)  # the miner is off
-    assert not admits(policy, stranger, k8s.ADMIN_PORT)
-    assert admits(policy, stranger, k8s.BROKER_PORT)  # clients from anywhere by default
-    assert not admits(policy, stranger, k8s.LINK_PORT)
+    assert admits(policy, operator, manifests.ADMIN_PORT)
+    assert not admits(policy, would_be_miner, manifests.ADMIN_PORT)  # the miner is off
+    assert not admits(policy, stranger, manifests.ADMIN_PORT)
+    assert admits(policy, stranger, manifests.BROKER_PORT)  # clients from anywhere by default
+    assert not admits(policy, stranger, manifests.LINK_PORT)
     (link,) = link_policies(docs, "trading")
-    assert not admits(link, stranger, k8s.LINK_PORT)
+    assert not admits(link, stranger, manifests.LINK_PORT)
     # Nothing isolated, nothing written: the operator would isolate pods no policy admits.
     assert not link_policies(helm_template(), "default")
 
@@ -622,7 +628,7 @@ def test_no_client_peers_admits_no_client(tmp_path: Path) -> None:
         "networkPolicy": {"overlayPort": {"allowFromAnywhere": False, "from": []}},
     }
     policy = one(helm_template(values_file(tmp_path, values)), "NetworkPolicy")
-    assert not admits(policy, pod_in("apps", {"app": "curious"}), k8s.BROKER_PORT)
+    assert not admits(policy, pod_in("apps", {"app": "curious"}), manifests.BROKER_PORT)
 
 
 # -- monitoring ---------------------------------------------------------------------------------
@@ -642,7 +648,7 @@ def test_the_monitors_scrape_what_the_code_serves(
     assert pod_monitor["namespaceSelector"] == {"matchNames": ["trading", "sensors"]}
     (endpoint,) = pod_monitor["podMetricsEndpoints"]
     ports = {p["name"]: p["containerPort"] for p in broker["spec"]["containers"][0]["ports"]}
-    assert ports[endpoint["port"]] == k8s.ADMIN_PORT and endpoint["path"] == "/metrics"
+    assert ports[endpoint["port"]] == manifests.ADMIN_PORT and endpoint["path"] == "/metrics"
     # The brokers' admin port speaks HTTPS (security on by default), as their probes know.
     probe = broker["spec"]["containers"][0]["readinessProbe"]["httpGet"]
     assert endpoint["scheme"] == probe["scheme"].lower() == "https"
@@ -653,8 +659,8 @@ def test_the_monitors_scrape_what_the_code_serves(
     }
     relabel = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
     assert relabel == {
-        "overlay": [prometheus_label(k8s.LABEL_OVERLAY)],
-        "broker": [prometheus_label(k8s.LABEL_BROKER)],
+        "overlay": [prometheus_label(manifests.LABEL_OVERLAY)],
+        "broker": [prometheus_label(manifests.LABEL_BROKER)],
     }
     service_monitor = one(docs, "ServiceMonitor")["spec"]
     service = one(docs, "Service")

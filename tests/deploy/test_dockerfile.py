@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from canopy_broker.cli import build_parser as broker_parser
-from canopy_operator.backends import k8s
+from canopy_operator.backends import manifests
 from canopy_operator.cli import build_parser as canopy_parser
+from canopy_operator.model.topology import parse_overlay
 from tests.tools import CHART, ROOT, run_tool
 
 DOCKERFILE = ROOT / "Dockerfile"
@@ -162,13 +163,13 @@ def test_the_broker_image_serves_the_ports_the_operator_uses(stages: dict[str, S
     broker = stages["broker"]
     (expose,) = broker.all("EXPOSE")
     assert sorted(map(int, expose.split())) == sorted(
-        [k8s.BROKER_PORT, k8s.LINK_PORT, k8s.ADMIN_PORT]
+        [manifests.BROKER_PORT, manifests.LINK_PORT, manifests.ADMIN_PORT]
     )
     (entrypoint,) = broker.all("ENTRYPOINT")
     (cmd,) = broker.all("CMD")
     # The operator's pods run the same program with their own arguments.
-    pod = k8s.pod_manifest(
-        k8s.parse_overlay(
+    pod = manifests.pod_manifest(
+        parse_overlay(
             {
                 "kind": "BrokerOverlay",
                 "metadata": {"name": "o"},
@@ -182,10 +183,12 @@ def test_the_broker_image_serves_the_ports_the_operator_uses(stages: dict[str, S
     )
     assert exec_form(entrypoint) == pod["spec"]["containers"][0]["command"]
     args = broker_parser().parse_args(exec_form(cmd))
-    assert args.admin.endswith(f":{k8s.ADMIN_PORT}") and args.listen.endswith(f":{k8s.BROKER_PORT}")
-    assert args.link_listen.endswith(f":{k8s.LINK_PORT}")
+    assert args.admin.endswith(f":{manifests.ADMIN_PORT}") and args.listen.endswith(
+        f":{manifests.BROKER_PORT}"
+    )
+    assert args.link_listen.endswith(f":{manifests.LINK_PORT}")
     (health,) = broker.all("HEALTHCHECK")
-    assert f"127.0.0.1:{k8s.ADMIN_PORT}/healthz" in health
+    assert f"127.0.0.1:{manifests.ADMIN_PORT}/healthz" in health
 
 
 def test_the_operator_image_runs_canopy_operator_with_the_charts_ports(

@@ -3,10 +3,10 @@ documented `argocd-cm` ConfigMap exactly as a user pastes it and executed the wa
 (Lua 5.1 like gopher-lua, a fresh state per evaluation with only the libraries Argo CD opens for
 custom checks, the object as the global `obj`, the returned table's `status` and `message`).
 
-The cases are the statuses the operator writes (canopy_operator.backends.k8s / proposals),
-one table per
-kind; every phase of the CRDs' enums must have a case, so a new phase fails here until the
-health check (and this table) handle it. A broken script must fail the same table."""
+The cases are the statuses the operator writes (canopy_operator.backends.reconciler and
+proposal_keeper), one table per kind; every phase of the CRDs' enums must have a case, so a
+new phase fails here until the health check (and this table) handle it. A broken script must
+fail the same table."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def mismatches(script: str, cases: Sequence[Case]) -> list[str]:
     return out
 
 
-# --- BrokerOverlay: the statuses canopy_operator.backends.k8s.Reconciler writes ---
+# --- BrokerOverlay: the statuses canopy_operator.backends.reconciler.Reconciler writes ---
 
 
 def cond(ctype: str, status: bool | str, reason: str = "", message: str = "") -> dict[str, Any]:

@@ -13,7 +13,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from canopy_broker.client import Client, connect
-from canopy_operator.backends.k8s import pod_name
+from canopy_operator.backends.manifests import pod_name
 from canopy_operator.cli import build_parser
 from canopy_operator.commands import mine as minecmd
 from canopy_operator.commands.selforg import TELEMETRY_ARGS

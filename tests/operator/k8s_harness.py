@@ -5,7 +5,7 @@ a thread of its own, and a test "kubelet" that runs a real broker process for ev
   ``resourceVersion``, ``creationTimestamp`` and ``generation`` on create, a new
   ``resourceVersion`` on every change and a new ``generation`` when ``spec`` changes, and list
   responses that ``kubectl`` accepts (``kind: <Kind>List``, JSON watch streams).
-* :class:`OperatorThread` runs :func:`canopy_operator.backends.k8s.run_operator` in its own
+* :class:`OperatorThread` runs :func:`canopy_operator.backends.handlers.run_operator` in its own
   thread and event loop (kopf cancels every task of its loop when it stops, so it cannot share
   the test's).
   Stopping it mid-plan is, for the brokers, an operator that died.
@@ -25,6 +25,7 @@ import datetime
 import itertools
 import json
 import random
+import sys
 import threading
 import time
 import uuid
@@ -34,22 +35,24 @@ from typing import Any, TypeVar
 
 import kmock
 import yaml
+from cryptography.hazmat.primitives import serialization
 from kmock._internal import rendering
 
 from canopy_broker.client import Credentials
+from canopy_broker.pki import Authority
 from canopy_broker.procs import BrokerProc, spawn_broker
 from canopy_broker.sim.checker import DeliveryReport, check_deliveries
 from canopy_operator.backends.certs import secret_bytes
-from canopy_operator.backends.k8s import (
+from canopy_operator.backends.handlers import run_operator
+from canopy_operator.backends.kube import KubeApi
+from canopy_operator.backends.manifests import (
     LABEL_BROKER,
     LABEL_OVERLAY,
     Endpoints,
-    KubeApi,
-    OperatorConfig,
     client_secret_name,
-    run_operator,
     secret_name,
 )
+from canopy_operator.backends.reconciler import OperatorConfig
 from tests.integration.test_overlay import random_filter
 from tests.integration.test_reconfiguration import Run, converged
 
@@ -578,3 +581,61 @@ async def deliveries(
     await run.wait_delivered(within=within)
     await run.finish()
     return check_deliveries(run.subs, run.pubs, run.deliveries)
+
+
+# -- kubeconfigs, as kubectl reads them ------------------------------------------------------
+
+EXEC_PLUGIN = """\
+import json, pathlib, sys
+pathlib.Path(sys.argv[1]).write_text("asked")
+print(json.dumps({"apiVersion": "client.authentication.k8s.io/v1beta1",
+                  "kind": "ExecCredential", "status": {"token": "from-the-plugin"}}))
+"""
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def kubeconfig(tmp_path: Path, url: str) -> Path:
+    ca = Authority.create("a client of the API server")
+    cert = ca.cert.public_bytes(serialization.Encoding.PEM)
+    key = ca.key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    plugin = tmp_path / "plugin.py"
+    plugin.write_text(EXEC_PLUGIN)
+    exec_user = {
+        "apiVersion": "client.authentication.k8s.io/v1beta1",
+        "command": sys.executable,
+        "args": [str(plugin), str(tmp_path / "plugin-ran")],
+        "interactiveMode": "Never",
+    }
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "emulator", "cluster": {"server": url}},
+            {"name": "nowhere", "cluster": {"server": "http://127.0.0.1:9"}},
+        ],
+        "users": [
+            {"name": "token", "user": {"token": "t0ken"}},
+            {
+                "name": "cert",
+                "user": {"client-certificate-data": b64(cert), "client-key-data": b64(key)},
+            },
+            {"name": "exec", "user": {"exec": exec_user}},
+        ],
+        "contexts": [
+            {"name": "good", "context": {"cluster": "emulator", "user": "token"}},
+            {"name": "gone", "context": {"cluster": "nowhere", "user": "token"}},
+            {"name": "cert", "context": {"cluster": "emulator", "user": "cert"}},
+            {"name": "exec", "context": {"cluster": "emulator", "user": "exec"}},
+        ],
+        "current-context": "gone",
+    }
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(doc))
+    return path

@@ -17,7 +17,8 @@ from canopy_broker.client import connect
 from canopy_broker.pki import Authority
 from canopy_broker.runtime.security import Identity
 from canopy_operator.backends.certs import SCRAPE_NAME, b64, needs_renewal, secret_bytes
-from canopy_operator.backends.k8s import overlay_path, security_of
+from canopy_operator.backends.kube import overlay_path
+from canopy_operator.backends.manifests import security_of
 from canopy_operator.model.topology import SpecError
 from tests.operator import test_k8s_operator
 from tests.operator.k8s_harness import (

@@ -14,7 +14,7 @@ import kmock
 import pytest
 
 from canopy_broker.procs import broker_env
-from canopy_operator.backends.k8s import KubeApi, overlay_path
+from canopy_operator.backends.kube import KubeApi, overlay_path
 from tests.operator.k8s_harness import (
     NS,
     CanopyEmulator,

@@ -5,7 +5,6 @@ client certificate, a user whose token comes from an exec credential plugin."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import shutil
@@ -17,69 +16,18 @@ from typing import Any
 import kmock
 import pytest
 import yaml
-from cryptography.hazmat.primitives import serialization
 
-from canopy_broker.pki import Authority
-from canopy_operator.backends.k8s import KubeApi, overlay_path
+from canopy_operator.backends.kube import KubeApi, overlay_path
 from canopy_operator.cli import main
-from tests.operator.k8s_harness import NS, CanopyEmulator, declare_resources, server_url
+from tests.operator.k8s_harness import (
+    NS,
+    CanopyEmulator,
+    declare_resources,
+    kubeconfig,
+    server_url,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.kmock(cls=CanopyEmulator)]
-
-EXEC_PLUGIN = """\
-import json, pathlib, sys
-pathlib.Path(sys.argv[1]).write_text("asked")
-print(json.dumps({"apiVersion": "client.authentication.k8s.io/v1beta1",
-                  "kind": "ExecCredential", "status": {"token": "from-the-plugin"}}))
-"""
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def kubeconfig(tmp_path: Path, url: str) -> Path:
-    ca = Authority.create("a client of the API server")
-    cert = ca.cert.public_bytes(serialization.Encoding.PEM)
-    key = ca.key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    plugin = tmp_path / "plugin.py"
-    plugin.write_text(EXEC_PLUGIN)
-    exec_user = {
-        "apiVersion": "client.authentication.k8s.io/v1beta1",
-        "command": sys.executable,
-        "args": [str(plugin), str(tmp_path / "plugin-ran")],
-        "interactiveMode": "Never",
-    }
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {"name": "emulator", "cluster": {"server": url}},
-            {"name": "nowhere", "cluster": {"server": "http://127.0.0.1:9"}},
-        ],
-        "users": [
-            {"name": "token", "user": {"token": "t0ken"}},
-            {
-                "name": "cert",
-                "user": {"client-certificate-data": b64(cert), "client-key-data": b64(key)},
-            },
-            {"name": "exec", "user": {"exec": exec_user}},
-        ],
-        "contexts": [
-            {"name": "good", "context": {"cluster": "emulator", "user": "token"}},
-            {"name": "gone", "context": {"cluster": "nowhere", "user": "token"}},
-            {"name": "cert", "context": {"cluster": "emulator", "user": "cert"}},
-            {"name": "exec", "context": {"cluster": "emulator", "user": "exec"}},
-        ],
-        "current-context": "gone",
-    }
-    path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 async def an_overlay(emulator: kmock.KubernetesEmulator) -> None:

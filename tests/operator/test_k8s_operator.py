@@ -26,14 +26,9 @@ from canopy_broker.pki import Authority
 from canopy_broker.runtime.security import BROKER, Identity
 from canopy_broker.sim.checker import check_deliveries
 from canopy_operator.backends.certs import SCRAPE_NAME, needs_renewal, secret_bytes
-from canopy_operator.backends.k8s import (
-    LABEL_OVERLAY,
-    LINK_PORT,
-    PAUSE_ROLLOUT,
-    KubeApi,
-    overlay_path,
-)
+from canopy_operator.backends.kube import KubeApi, overlay_path
 from canopy_operator.backends.leader import LeaseConfig
+from canopy_operator.backends.manifests import LABEL_OVERLAY, LINK_PORT, PAUSE_ROLLOUT
 from canopy_operator.model.topology import norm
 from tests.integration.test_reconfiguration import Run, converged
 from tests.integration.test_security import answer_or_nothing
@@ -48,6 +43,7 @@ from tests.operator.k8s_harness import (
     declare_resources,
     deliveries,
     get_overlay,
+    kubeconfig,
     live_traffic,
     make_config,
     objects,
@@ -1036,3 +1032,23 @@ async def test_brokers_learn_their_zone_from_their_node_and_keep_standby_links_a
 
 async def _equal(value: Awaitable[set[str]], want: set[str]) -> bool:
     return await value == want
+
+
+async def test_the_operator_logs_in_like_kubectl_with_an_exec_plugin(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """No ``--server``: the official client's loaders read ``--kubeconfig``/``--context``, here a
+    user whose token comes from an exec credential plugin (as on EKS, GKE, AKS). The plugin runs,
+    and kopf's requests and the operator's own carry its token; the overlay becomes Ready."""
+    config = kubeconfig(tmp_path, server_url(cluster.emulator))
+    cluster.start_operator(server=None, kubeconfig=str(config), context="exec")
+    await cluster.apply(overlay_manifest("kc", ["a", "b"], [("a", "b")]))
+    await cluster.ready("kc")
+    assert (tmp_path / "plugin-ran").exists()
+    seen = {
+        (r.headers.get("User-Agent", "").split("/")[0], r.headers.get("Authorization"))
+        for r in cluster.emulator._requests
+        if r.headers.get("User-Agent", "").startswith(("kopf", "canopy-operator"))
+    }
+    assert {agent for agent, _ in seen} == {"kopf", "canopy-operator"}
+    assert {auth for _, auth in seen} == {"Bearer from-the-plugin"}

@@ -13,7 +13,7 @@ import kmock
 import pytest
 import yaml
 
-from canopy_operator.backends.k8s import overlay_path, proposal_path
+from canopy_operator.backends.kube import overlay_path, proposal_path
 from canopy_operator.cli import main
 from canopy_operator.model.proposals import (
     Change,

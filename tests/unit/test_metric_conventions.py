@@ -14,7 +14,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
 from canopy_broker.runtime.metrics import BrokerMetrics, Gauges
-from canopy_operator.backends import k8s
+from canopy_operator.backends import reconciler
 
 NAME = re.compile(r"canopy_[a-z][a-z0-9]*(_[a-z0-9]+)*")
 LABEL = re.compile(r"[a-z][a-z0-9]*(_[a-z0-9]+)*")
@@ -33,13 +33,13 @@ def families() -> list[Metric]:
     gauges = Gauges(0, 0, False, {"p": 0}, {"p": True}, 0, 0, standby_up={"p": True})
     broker = BrokerMetrics(lambda: gauges)
     wrappers = [m for m in vars(broker).values() if isinstance(m, MetricWrapperBase)]
-    wrappers += [k8s.RECONCILE_SECONDS, k8s.STEPS, k8s.PLAN_LENGTH]
+    wrappers += [reconciler.RECONCILE_SECONDS, reconciler.STEPS, reconciler.PLAN_LENGTH]
     for metric in wrappers:
         names = metric._labelnames
         if names:
             metric.labels(*("x" for _ in names))
     out = list(broker.registry.collect())
-    for metric in (k8s.RECONCILE_SECONDS, k8s.STEPS, k8s.PLAN_LENGTH):
+    for metric in (reconciler.RECONCILE_SECONDS, reconciler.STEPS, reconciler.PLAN_LENGTH):
         out += metric.collect()
     return out
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 if TYPE_CHECKING:
-    from canopy_operator.backends.k8s import KubeApi
+    from canopy_operator.backends.kube import KubeApi
 
 API = "/apis/canopy.dev/v1alpha1"
 OUTPUTS = ("json", "yaml", "wide")
@@ -46,54 +45,26 @@ def add_output_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", choices=OUTPUTS, help="json, yaml, or wide (more columns)")
 
 
-def load_credentials(kubeconfig: str | None, context: str | None) -> dict[str, Any]:
-    """Server, token and TLS files from the official client's loaders (blocking: an exec
-    plugin is a subprocess). Raises :class:`CommandError` naming what is missing or wrong."""
-    from kubernetes import client, config  # noqa: PLC0415  (a second to import)
-
-    cfg = client.Configuration()
-    default = os.path.expanduser("~/.kube/config")
-    explicit = kubeconfig or os.environ.get("KUBECONFIG")
-    try:
-        if explicit or context or os.path.exists(default):
-            config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=kubeconfig, context=context, client_configuration=cfg
-            )
-        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-            config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-        else:
-            raise CommandError(
-                "no cluster: give --kubeconfig or --server, set $KUBECONFIG, or run in a pod"
-            )
-    except config.ConfigException as exc:
-        where = kubeconfig or explicit or default
-        raise CommandError(f"cannot use kubeconfig {where}: {exc}") from None
-    except OSError as exc:
-        raise CommandError(f"cannot read kubeconfig: {exc}") from None
-    token = str(cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken") or "")
-    return {
-        "server": cfg.host,
-        "token": token.removeprefix("Bearer ").strip() or None,
-        "ca_path": cfg.ssl_ca_cert,
-        "cert_path": cfg.cert_file,
-        "key_path": cfg.key_file,
-        "insecure": not cfg.verify_ssl,
-    }
-
-
 async def kube_api(args: argparse.Namespace, user_agent: str = "canopy-cli") -> KubeApi:
     """An API client for the command's cluster flags (--server, else a kubeconfig, else the
     pod's service account)."""
-    from canopy_operator.backends.k8s import KubeApi  # noqa: PLC0415
+    from canopy_operator.backends.kube import (  # noqa: PLC0415
+        KubeApi,
+        KubeConfigError,
+        load_credentials,
+    )
 
     if args.server:
         return KubeApi(args.server, token=args.token, insecure=args.insecure, user_agent=user_agent)
-    creds = await asyncio.to_thread(load_credentials, args.kubeconfig, args.context)
-    return KubeApi(user_agent=user_agent, **creds)
+    try:
+        info = await asyncio.to_thread(load_credentials, args.kubeconfig, args.context)
+    except KubeConfigError as exc:
+        raise CommandError(str(exc)) from None
+    return KubeApi.from_connection(info, user_agent=user_agent)
 
 
 async def get(api: KubeApi, path: str, what: str) -> dict[str, Any]:
-    from canopy_operator.backends.k8s import KubeError  # noqa: PLC0415
+    from canopy_operator.backends.kube import KubeError  # noqa: PLC0415
 
     try:
         obj = await api.get(path)

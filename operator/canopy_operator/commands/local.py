@@ -26,6 +26,7 @@ from canopy_operator.commands.cluster import (
     run_cluster_status,
 )
 from canopy_operator.commands.plan import load_overlay
+from canopy_operator.commands.progress import Progress
 from canopy_operator.draw import draw
 from canopy_operator.executor import Executor, StepError, replace_broker
 from canopy_operator.model import rollout
@@ -135,13 +136,27 @@ async def apply(
 
 
 async def roll(
-    spec: OverlaySpec, backend: LocalBackend, brokers: list[str], log: Any = print
+    spec: OverlaySpec, backend: LocalBackend, brokers: list[str], log: Any = None
 ) -> list[dict[str, Any]]:
     """Replace ``brokers`` one at a time, loss-free (:mod:`canopy_operator.model.rollout`): each
     goes out by exchanges (its clients migrated to a neighbour) and comes back as a new process
     started with the overlay's current configuration. Progress is in ``state.json``
-    (``rollout``, shown by ``canopy status``); the caller holds the overlay's lock."""
+    (``rollout``, shown by ``canopy status``) and, without ``log``, shown as a bar of the
+    brokers (lines when not on a terminal); the caller holds the overlay's lock."""
     todo = rollout.order(await backend.live_links(), brokers)
+    if log is None:
+        with Progress("roll", len(todo)) as shown:
+            return await _roll(spec, backend, todo, shown.note, shown.step)
+    return await _roll(spec, backend, todo, log, log)
+
+
+async def _roll(
+    spec: OverlaySpec,
+    backend: LocalBackend,
+    todo: list[str],
+    log: Callable[[str], None],
+    done: Callable[[str], None],
+) -> list[dict[str, Any]]:
     record: dict[str, Any] = {"todo": todo, "done": [], "current": None, "started": time.time()}
     backend.state["rollout"] = record
     backend.save()
@@ -154,12 +169,12 @@ async def roll(
 
     results = []
     for i, b in enumerate(todo, 1):
-        log(f"  replacing {b} ({i}/{len(todo)}): out by exchanges, clients migrated, back anew")
+        log(f"replacing {b} ({i}/{len(todo)}): out by exchanges, clients migrated, back anew")
         record["current"] = b
         backend.save()
         results.append(await replace_broker(b, spec, live, run_plan))
         record["done"].append(b)
-        log(f"  {b} replaced in {results[-1]['seconds']}s ({results[-1]['steps']} steps)")
+        done(f"{b} replaced in {results[-1]['seconds']}s ({results[-1]['steps']} steps)")
     record.update(current=None, finished=time.time())
     backend.save()
     return results

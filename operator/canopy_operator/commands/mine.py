@@ -233,8 +233,9 @@ def _mine_one(
     *,
     since: float | None = None,
 ) -> int:
+    from canopy_operator.commands.progress import Progress
     from canopy_operator.mining.errors import MiningInputError
-    from canopy_operator.mining.job import describe, mine, write_outputs
+    from canopy_operator.mining.job import STAGES, describe, mine, write_outputs
     from canopy_operator.mining.session import spark_session
 
     spark = spark_session(args.spark_master, driver_memory=args.driver_memory)
@@ -244,9 +245,17 @@ def _mine_one(
         files = compact_telemetry(spark, Path(where))
         _say(f"compacted {files} closed JSON file(s) into Parquet under {where}")
     try:
-        result = mine(
-            spark, where, spec, links, settings_for(args, manifest), progress=_say, since_ts=since
-        )
+        with Progress("mine", len(STAGES)) as shown:  # a bar of the stages on a terminal
+            result = mine(
+                spark,
+                where,
+                spec,
+                links,
+                settings_for(args, manifest),
+                progress=shown.note,
+                stage=shown.step,
+                since_ts=since,
+            )
     except MiningInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -272,7 +281,7 @@ async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:
     and counted; the others are still mined; the exit code is 1 if any failed.
     ``resolver`` maps (namespace, service, pod) to a broker's endpoints: the cluster DNS by
     default, local processes in tests (as for the operator)."""
-    from canopy_operator.backends import k8s
+    from canopy_operator.backends import kube, manifests
     from canopy_operator.commands.cluster import CommandError, kube_api
 
     try:
@@ -281,15 +290,15 @@ async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:
         raise SystemExit(f"error: {exc}") from None
     failures = 0
     try:
-        paths = [k8s.overlay_path(ns) for ns in args.namespace] or [
-            f"/apis/{k8s.GROUP}/{k8s.VERSION}/{k8s.PLURAL}"
+        paths = [kube.overlay_path(ns) for ns in args.namespace] or [
+            f"/apis/{kube.GROUP}/{kube.VERSION}/{kube.PLURAL}"
         ]
         overlays = [o for path in paths for o in await api.items(path)]
         for obj in overlays:
             meta = obj.get("metadata") or {}
             where = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
             try:
-                await _mine_overlay(args, api, obj, resolver or k8s.dns_resolver)
+                await _mine_overlay(args, api, obj, resolver or manifests.dns_resolver)
             except Exception as exc:  # one overlay must not stop the others
                 failures += 1
                 _say(f"{where}: FAILED: {type(exc).__name__}: {exc}")
@@ -302,7 +311,7 @@ async def mine_cluster(args: argparse.Namespace, resolver: Any = None) -> int:
 async def _mine_overlay(
     args: argparse.Namespace, api: Any, obj: dict[str, Any], resolve: Any
 ) -> None:
-    from canopy_operator.backends import certs, k8s
+    from canopy_operator.backends import certs, kube, manifests
     from canopy_operator.model.topology import parse_overlay, validate_tree
 
     meta, status = obj.get("metadata") or {}, obj.get("status") or {}
@@ -329,19 +338,19 @@ async def _mine_overlay(
     if not links or problems:
         _say(f"{ns}/{name}: live links are not a tree over its brokers: skipped ({problems})")
         return
-    secret = await api.get(k8s.core_path(ns, "secrets", k8s.secret_name(name)))
+    secret = await api.get(kube.core_path(ns, "secrets", manifests.secret_name(name)))
     token_b64 = ((secret or {}).get("data") or {}).get("token")
     if not token_b64:
-        raise RuntimeError(f"no admin token in secret {k8s.secret_name(name)}")
+        raise RuntimeError(f"no admin token in secret {manifests.secret_name(name)}")
     tls = None
-    if k8s.security_of(name, obj.get("spec") or {}).tls:  # the brokers' admin APIs are HTTPS
-        client = await api.get(k8s.core_path(ns, "secrets", k8s.client_secret_name(name)))
+    if manifests.security_of(name, obj.get("spec") or {}).tls:  # the brokers' admin APIs are HTTPS
+        client = await api.get(kube.core_path(ns, "secrets", manifests.client_secret_name(name)))
         ca = certs.secret_bytes(client, "ca.crt")
         if not ca:
-            raise RuntimeError(f"no CA certificate in secret {k8s.client_secret_name(name)}")
+            raise RuntimeError(f"no CA certificate in secret {manifests.client_secret_name(name)}")
         tls = certs.verify_context(ca)
     admins = {
-        b: resolve(ns, k8s.service_name(name), k8s.pod_name(name, b)).admin
+        b: resolve(ns, manifests.service_name(name), manifests.pod_name(name, b)).admin
         for b in spec.broker_names
     }
     await _mine_and_file(
@@ -369,7 +378,7 @@ async def _mine_and_file(
     ns: str,
     tls: ssl.SSLContext | None = None,
 ) -> None:
-    from canopy_operator.backends.k8s import GROUP, VERSION
+    from canopy_operator.backends.kube import GROUP, VERSION
     from canopy_operator.mining.errors import TelemetryError
     from canopy_operator.mining.job import describe, mine
     from canopy_operator.mining.session import spark_session

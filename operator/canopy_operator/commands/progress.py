@@ -65,6 +65,14 @@ class Progress:
         else:
             self._line(f"{self.done}/{self.total} {message}")
 
+    def status(self, message: str) -> None:
+        """How the current step is going (a counter that changes every second): the bar's
+        description on a terminal, a line elsewhere."""
+        if self._bar is not None:
+            self._bar.update(self._task, description=message)
+        else:
+            self._line(message)
+
     def note(self, message: str) -> None:
         if self._bar is not None:
             self._bar.console.print(f"[{self.prefix}] {message}", markup=False, highlight=False)

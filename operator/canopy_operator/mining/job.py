@@ -135,6 +135,10 @@ class MiningResult:
         }
 
 
+STAGES = ("read", "associativity", "candidates", "replay")
+"""The mining job's stages, timed (``MiningResult.timings``) and reported as they end."""
+
+
 def mine(
     spark: SparkSession,
     telemetry: str | Path | Telemetry,
@@ -143,9 +147,11 @@ def mine(
     settings: Settings = Settings(),
     *,
     progress: Any = None,
+    stage: Any = None,
     since_ts: float | None = None,
 ) -> MiningResult:
-    """Mine one overlay's telemetry against its current ``links``; see the module docs."""
+    """Mine one overlay's telemetry against its current ``links``; see the module docs.
+    ``progress`` is told what was found, ``stage`` each of the :data:`STAGES` as it ends."""
     say = progress or (lambda _msg: None)
     timings: dict[str, float] = {}
     clock = time.perf_counter()
@@ -155,6 +161,8 @@ def mine(
         now = time.perf_counter()
         timings[name] = now - clock
         clock = now
+        if stage is not None:
+            stage(f"{name} ({timings[name]:.1f}s)")
 
     links = sorted(norm(e) for e in links)
     brokers = spec.broker_names

@@ -6,7 +6,7 @@ it, with the evidence that made the miner propose it. This module turns proposal
 tree), exports the ``BrokerOverlay`` manifest with a proposal applied (for a GitOps pull
 request), finds open duplicates and old proposals to prune, and decides — :func:`lifecycle` —
 what the operator does with a proposal next. The operator's Kubernetes face
-(:mod:`canopy_operator.backends.k8s`) is the thin effectful shell around that decision;
+(:mod:`canopy_operator.backends.proposal_keeper`) is the thin effectful shell around that decision;
 docs/proposals.md
 describes the lifecycle.
 """

@@ -37,9 +37,11 @@ from canopy_operator.commands.demo.traffic import (
     drain,
     hops_of,
     mean_hops_between,
+    milestone,
     progress,
     publish_until,
     report_progress,
+    showing,
 )
 from canopy_operator.commands.local import apply, roll
 from canopy_operator.commands.selforg import (
@@ -88,6 +90,13 @@ async def protocol_messages(backend: LocalBackend, xids: list[Any]) -> dict[str,
 
 
 async def demo(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole demo, with a progress bar of its phases on a terminal (lines elsewhere)."""
+    phases = 5 + bool(args.mining) + 2 * bool(args.crash)
+    with showing(phases):
+        return await _demo(args)
+
+
+async def _demo(args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     rng = random.Random(seed)
     n = max(4, args.brokers)
@@ -104,6 +113,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         progress(f"starting {n} broker processes with the operator's planner and executor ...")
         manifest1 = overlay_manifest("demo", names, edges, args.routing)
         await apply(parse_overlay(manifest1), manifest1, backend, log=progress)
+        milestone(f"{n} brokers up")
         victim = rng.choice(names[1:])  # leaves the overlay later, with its clients
         added = f"b{n}"
         subscribers = []
@@ -132,6 +142,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
                 await s.client.subscribe(str(f), sub_id=sub_id)
         progress("subscriptions sent; waiting until routing has settled on every broker")
         entries = await settle(backend)
+        milestone(f"{len(subscribers)} subscribers' routes settled ({entries} entries)")
         pub_brokers = [victim] + [rng.choice(placeable) for _ in range(args.publishers - 1)]
         publishers = []
         for i, b in enumerate(pub_brokers):
@@ -152,7 +163,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             )
             for i, c in enumerate(publishers)
         ]
-        progress(f"publishing ~{args.rate}/s from {len(publishers)} publishers")
+        milestone(f"publishing ~{args.rate}/s from {len(publishers)} publishers")
         await asyncio.sleep(args.duration / 2)
         live = await backend.live_links()
         manifest2, n_ex = reshaped(
@@ -168,6 +179,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
         )
         after = await backend.live_links()
         reshaped_at = time.time()
+        milestone(f"reshaped live in {apply_wall:.2f}s")
         draw(sorted(backend.brokers), after, out_dir / "after.png", title="after")
         control = await protocol_messages(backend, [r.detail.get("xid") for r in executor.results])
         steps_report = [
@@ -184,11 +196,14 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             except (MiningInputError, RuntimeError) as exc:  # e.g. no Java, nothing sampled
                 print(f"self-organisation skipped: {exc}", file=sys.stderr)
                 selforg = {"skipped": str(exc)}
+            milestone("self-organisation done")
         crash = rolled = None
         if args.crash:
             busy = {s.broker for s in subscribers} | set(pub_brokers)
             crash = await crash_phase(backend, busy, prefer=spare)
+            milestone("crash repaired")
             rolled = await roll_phase(backend, busy & set(backend.brokers))
+            milestone("rolling replacement done")
             await asyncio.sleep(1.0)  # traffic over the replaced brokers
         stop_pub.set()
         await asyncio.gather(*publishing)
@@ -199,6 +214,7 @@ async def demo(args: argparse.Namespace) -> dict[str, Any]:
             for sid, f in s.filters.items()
         ]
         await drain(subscribers, subs_records, pubs)
+        milestone("every notification collected")
         ticker.cancel()
         stop.set()
         await asyncio.gather(*collectors, ticker, return_exceptions=True)
