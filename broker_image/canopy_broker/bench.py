@@ -28,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from canopy_broker import progress as shown
 from canopy_broker.cli import tune_gc
 from canopy_broker.client import Client, connect
 from canopy_broker.core.events import Value
@@ -41,7 +42,13 @@ HOT_SYMBOLS = 50  # data-plane scenarios: 1000 filters over 50 symbols -> ~10 ma
 
 
 def progress(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+    """What a benchmark is doing (above its progress bar on a terminal, else a line)."""
+    shown.report("bench", msg)
+
+
+def done(msg: str) -> None:
+    """One of a benchmark's counted points is measured: its bar advances."""
+    shown.advance("bench", msg)
 
 
 # --------------------------------------------------------------------------- matching
@@ -400,12 +407,16 @@ async def run(
     t_start = time.perf_counter()
     progress("matching: 10k filters, indexed vs scan")
     m = bench_matching()
+    done(
+        f"matching: indexed {m['indexed_us_per_event']:.1f} us/event, speed-up {m['speedup']:.0f}x"
+    )
     progress(
         f"matching: indexed {m['indexed_us_per_event']:.1f} us/event, scan "
         f"{m['scan_us_per_event']:.0f} us/event, speed-up {m['speedup']:.0f}x"
     )
 
     codecs = bench_serialisers()
+    done("serialisers")
     progress(
         "serialisers (encode ns/msg, decode ns/msg, bytes/msg): "
         + "; ".join(
@@ -423,6 +434,7 @@ async def run(
         rss = {"solo": ov["solo"].rss_mb()}
         connect_ms = await handshake_ms(ov, "solo")
         progress(f"connecting a client: {connect_ms:.2f} ms (TLS {'off' if insecure else 'on'})")
+    done("single broker")
     progress("starting a chain of 3 brokers")
     async with Overlay(
         ["b1", "b2", "b3"],
@@ -432,6 +444,7 @@ async def run(
     ) as ov:
         chain = await run_dataplane(ov, "b1", "b3", duration, "chain of 3", loads=loads)
         rss.update({n: ov[n].rss_mb() for n in ("b1", "b2", "b3")})
+    done("chain of 3")
     result: dict[str, Any] = {
         "single_broker_notif_per_s": round(single["notif_per_s"]),
         "chain3_notif_per_s": round(chain["notif_per_s"]),
@@ -546,7 +559,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --loads must be fractions in (0, 1], got {args.loads!r}", file=sys.stderr)
         return 2
     tune_gc()  # the subscribers here are measured too: same GC settings as the brokers
-    result = asyncio.run(run(args.duration, insecure=args.insecure, loads=loads))
+    with shown.showing("bench dataplane", 4):  # matching, serialisers, 1 broker, chain of 3
+        result = asyncio.run(run(args.duration, insecure=args.insecure, loads=loads))
     print(report(result))
     if args.json:
         print(json.dumps(result))

@@ -32,9 +32,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from canopy_broker.bench import progress, run_dataplane
+from canopy_broker.bench import done, progress, run_dataplane
 from canopy_broker.client import Client, ConnectionLostError, Notification, connect
 from canopy_broker.procs import Overlay, wait_settled
+from canopy_broker.progress import showing
 
 NAMES = ["b0", "b1", "b2", "b3", "b4", "b5", "b6"]
 EDGES = [("b0", "b1"), ("b1", "b2"), ("b1", "b3"), ("b3", "b4"), ("b3", "b5"), ("b5", "b6")]
@@ -240,17 +241,24 @@ async def custody_cost(duration: float, rounds: int) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    only = set(args.only or ("kill", "retention", "custody"))
+    only = scenarios(args)
     out: dict[str, Any] = {}
     if "kill" in only:
         out["kill"] = await kill_scenario(
             args.rate, args.heartbeat, args.dead_after, standby=args.standby
         )
+        done("kill")
     if "retention" in only:
         out["retention"] = [await retention_scenario(r, args.window) for r in (1_000.0, 10_000.0)]
+        done("retention")
     if "custody" in only:
         out["custody"] = await custody_cost(args.duration, args.rounds)
+        done("custody")
     return out
+
+
+def scenarios(args: argparse.Namespace) -> set[str]:
+    return set(args.only or ("kill", "retention", "custody"))
 
 
 def report(r: dict[str, Any]) -> str:
@@ -318,7 +326,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_args(args: argparse.Namespace) -> int:
-    result = asyncio.run(run(args))
+    with showing("bench faults", len(scenarios(args))):
+        result = asyncio.run(run(args))
     print(report(result))
     if args.json:
         print(json.dumps(result))

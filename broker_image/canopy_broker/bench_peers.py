@@ -52,10 +52,11 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from canopy_broker.bench import Send, Sink, canopy_sender, progress, publish_paced
+from canopy_broker.bench import Send, Sink, canopy_sender, done, progress, publish_paced
 from canopy_broker.cli import tune_gc
 from canopy_broker.client import connect
 from canopy_broker.procs import Overlay, process_cpu_seconds, stop_process
+from canopy_broker.progress import showing
 
 if TYPE_CHECKING:
     from paho.mqtt.client import Client as MqttClient
@@ -401,7 +402,11 @@ async def measure(name: str, w: Workload, tmp: Path) -> dict[str, Any]:
 
 async def run(w: Workload) -> dict[str, dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="canopy-bench-peers-") as tmp:
-        return {name: await measure(name, w, Path(tmp)) for name in SYSTEMS}
+        measured = {}
+        for name in SYSTEMS:
+            measured[name] = await measure(name, w, Path(tmp))
+            done(f"{name}: {measured[name]['us_per_notification']:.1f} us per notification")
+        return measured
 
 
 def report(w: Workload, r: dict[str, dict[str, Any]]) -> str:
@@ -481,7 +486,8 @@ def run_args(args: argparse.Namespace) -> int:
         print(f"error: missing {', '.join(missing)}: {INSTALL_HINT}", file=sys.stderr)
         return 2
     tune_gc()  # the clients must keep up at the full rate: same GC settings as the brokers
-    result = asyncio.run(run(w))
+    with showing("bench peers", len(SYSTEMS)):
+        result = asyncio.run(run(w))
     print(report(w, result))
     if args.json:
         print(json.dumps(result))

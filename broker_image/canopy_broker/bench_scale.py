@@ -38,11 +38,12 @@ import sys
 import time
 from typing import Any
 
-from canopy_broker.bench import Sink, canopy_sender, progress, publish_paced
+from canopy_broker.bench import Sink, canopy_sender, done, progress, publish_paced
 from canopy_broker.bench_peers import Numbered, Workload, wait_delivered
 from canopy_broker.cli import tune_gc
 from canopy_broker.client import connect
 from canopy_broker.procs import Overlay, process_cpu_seconds
+from canopy_broker.progress import showing
 
 FULL: dict[str, Any] = {
     "filters": "1000,10000,100000",
@@ -191,9 +192,14 @@ def run_args(args: argparse.Namespace) -> int:
     tune_gc()
 
     async def run() -> list[dict[str, Any]]:
-        return [await point(n, w) for n in counts]
+        measured = []
+        for n in counts:
+            measured.append(await point(n, w))
+            done(f"{n:,} filters")
+        return measured
 
-    points = asyncio.run(run())
+    with showing("bench broker", len(counts)):
+        points = asyncio.run(run())
     print(report(w, points))
     if args.json:
         print(json.dumps({"workload": w.describe(), "points": points}))

@@ -23,17 +23,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from canopy_broker import progress as shown
 from canopy_broker.client import Client, connect
 from canopy_broker.procs import Overlay
 
 
 def progress(msg: str) -> None:
-    print(f"[bench subscriptions] {msg}", file=sys.stderr, flush=True)
+    shown.report("bench subscriptions", msg)
 
 
 def tree(n: int) -> tuple[list[str], list[tuple[str, str]]]:
@@ -216,7 +216,9 @@ async def run(
         for n in counts:
             results.append(await install(overlay, clients, n, batch, offset))
             offset += n
+            shown.advance("bench subscriptions", f"{n:,} installed")
         churned = await churn(overlay, names[0], names[-2], rate, churn_seconds)
+        shown.advance("bench subscriptions", "churn")
     return {
         "brokers": brokers,
         "clients": n_clients,
@@ -245,8 +247,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_args(args: argparse.Namespace) -> int:
     """Run with arguments parsed by :func:`add_arguments` (``canopy bench subscriptions``)."""
     counts = [int(c) for c in str(args.counts).split(",") if c.strip()]
-    result = asyncio.run(
-        run(args.brokers, counts, args.batch, args.rate, args.churn_seconds, n_clients=args.clients)
-    )
+    with shown.showing("bench subscriptions", len(counts) + 1):
+        result = asyncio.run(
+            run(
+                args.brokers,
+                counts,
+                args.batch,
+                args.rate,
+                args.churn_seconds,
+                n_clients=args.clients,
+            )
+        )
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from canopy_operator.commands.progress import Progress
+from canopy_broker.progress import Progress
 
 
 def canopy(

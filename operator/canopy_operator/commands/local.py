@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from canopy_broker.progress import Progress
 from canopy_operator.backends.local import BrokerDownError, LocalBackend
 from canopy_operator.commands.cluster import (
     add_cluster_arguments,
@@ -26,7 +27,6 @@ from canopy_operator.commands.cluster import (
     run_cluster_status,
 )
 from canopy_operator.commands.plan import load_overlay
-from canopy_operator.commands.progress import Progress
 from canopy_operator.draw import draw
 from canopy_operator.executor import Executor, StepError, replace_broker
 from canopy_operator.model import rollout

@@ -233,7 +233,7 @@ def _mine_one(
     *,
     since: float | None = None,
 ) -> int:
-    from canopy_operator.commands.progress import Progress
+    from canopy_broker.progress import Progress
     from canopy_operator.mining.errors import MiningInputError
     from canopy_operator.mining.job import STAGES, describe, mine, write_outputs
     from canopy_operator.mining.session import spark_session

@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from canopy_broker.core.messages import Ordering, Publish, RoutingMode
+from canopy_broker.progress import Progress
 from canopy_broker.sim.experiments import ExchangeRun, run_exchanges
 from canopy_broker.sim.overhead import measure
 from canopy_broker.sim.topology import adjacency, component
 from canopy_broker.sim.underlay import mean_ci95
 from canopy_operator.commands import standby
-from canopy_operator.commands.progress import Progress
 from canopy_operator.commands.standby import pm
 
 ALGORITHMS = ("coordinated", "path", "strawman")

@@ -6,21 +6,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from canopy_broker.client import Client
 from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Filter
+from canopy_broker.progress import Progress, advance, report, status
+from canopy_broker.progress import showing as shown
 from canopy_broker.sim.checker import (
     DeliveryRecord,
     PubRecord,
     SubRecord,
 )
-from canopy_operator.commands.progress import Progress
 
 SYMBOLS = ["ACME", "GLOBEX", "INITECH", "UMBRELLA", "HOOLI", "GRINGOTTS", "STARK", "WAYNE"]
 
@@ -46,35 +45,19 @@ FILTERS = [
 GROUP_FILTER = 'symbol = "GLOBEX"'
 
 
-_shown: Progress | None = None  # the demo's bar (or lines) while a demo runs
-
-
-@contextlib.contextmanager
-def showing(phases: int) -> Iterator[Progress]:
+def showing(phases: int) -> contextlib.AbstractContextManager[Progress]:
     """The demo's progress for its duration: a bar of ``phases`` on a terminal, else lines."""
-    global _shown  # noqa: PLW0603 - one demo runs at a time; its helpers report here
-    with Progress("demo", phases) as shown:
-        _shown = shown
-        try:
-            yield shown
-        finally:
-            _shown = None
+    return shown("demo", phases)
 
 
 def progress(msg: str) -> None:
     """Something the demo is doing or has seen (above the bar on a terminal)."""
-    if _shown is not None:
-        _shown.note(msg)
-    else:
-        print(f"[demo] {msg}", file=sys.stderr, flush=True)
+    report("demo", msg)
 
 
 def milestone(msg: str) -> None:
     """A phase of the demo is done: the bar advances."""
-    if _shown is not None:
-        _shown.step(msg)
-    else:
-        progress(msg)
+    advance("demo", msg)
 
 
 @dataclass
@@ -136,11 +119,7 @@ async def report_progress(subscribers: list[Subscriber], pubs: list[PubRecord], 
     while True:
         await asyncio.sleep(1.0)
         got = sum(len(s.received) for s in subscribers)
-        line = f"t={time.perf_counter() - t0:4.1f}s published {len(pubs)}, delivered {got}"
-        if _shown is not None:
-            _shown.status(line)
-        else:
-            progress(line)
+        status("demo", f"t={time.perf_counter() - t0:4.1f}s published {len(pubs)}, delivered {got}")
 
 
 async def drain(

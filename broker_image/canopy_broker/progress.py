@@ -8,8 +8,10 @@ every step should stay a line that can be read and grepped later: the same messa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from types import TracebackType
 from typing import IO, Any
 
@@ -90,3 +92,45 @@ class Progress:
     ) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+# -- the command's current progress, for helpers deep in it -----------------------------------
+
+_current: Progress | None = None
+
+
+@contextlib.contextmanager
+def showing(prefix: str, total: int) -> Iterator[Progress]:
+    """A :class:`Progress` that the module functions below report to while a command runs
+    (one command runs at a time in a process), so helpers need not pass it around."""
+    global _current  # noqa: PLW0603 - see the docstring
+    with Progress(prefix, total) as shown:
+        _current = shown
+        try:
+            yield shown
+        finally:
+            _current = None
+
+
+def report(prefix: str, message: str) -> None:
+    """Something the command is doing or has found: above the bar, or a ``[prefix]`` line."""
+    if _current is not None:
+        _current.note(message)
+    else:
+        print(f"[{prefix}] {message}", file=sys.stderr, flush=True)
+
+
+def advance(prefix: str, message: str) -> None:
+    """One of the command's counted steps is done: the bar advances (or a line)."""
+    if _current is not None:
+        _current.step(message)
+    else:
+        report(prefix, message)
+
+
+def status(prefix: str, message: str) -> None:
+    """How the current step is going (a counter that changes every second)."""
+    if _current is not None:
+        _current.status(message)
+    else:
+        report(prefix, message)
