@@ -290,8 +290,11 @@ async def crash_phase(
     covers every notification published meanwhile."""
     live = await backend.live_links()
     degree: Counter[str] = Counter(b for e in live for b in e)
+    # Clients move during the demo (the removed broker's went to a neighbour, maybe the spare):
+    # ask each broker whether it has any now, not only where they started.
+    serving = {b for b in degree if (await backend.admin(b).status()).get("clients")}
     free = sorted(degree, key=lambda b: (degree[b] < 2, b != prefer, b))
-    free = [b for b in free if b not in busy]
+    free = [b for b in free if b not in busy and b not in serving]
     if not free:
         progress("crash: every broker has clients; skipped")
         return None

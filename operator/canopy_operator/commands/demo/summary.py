@@ -50,6 +50,9 @@ def summarise(
         f"mean overlay hops per delivery {mean_hops:.2f}; {entries} routing entries"
     )
     print(f"verified: {report}")
+    gaps = [(s.name, g) for s in subscribers if s.client is not None for g in s.client.gaps]
+    for name, g in gaps:  # what a client was told it cannot get (none expected in the demo)
+        print(f"gap reported to {name}: {g.reason} ({g.since} .. {g.until})")
     return {
         "ok": report.ok and report.owed > 0,
         "seed": seed,
@@ -60,5 +63,6 @@ def summarise(
         "mean_hops": round(mean_hops, 3),
         "routing_entries": entries,
         "subscriptions": len(subs),
+        "gaps": len(gaps),
         **report.summary(),
     }
