@@ -54,6 +54,7 @@ log = logging.getLogger("canopy.mqtt")
 MAX_PACKET = 1 << 20  # bytes of one packet; larger ones close the connection
 CONNECT_TIMEOUT = 10.0  # seconds from accepting a connection to its CONNECT
 ACK_TIMEOUT = 10.0  # seconds for the broker to acknowledge a QoS 1 publication
+MAX_PER_SOURCE = 64  # MQTT connections at once from one remote address
 CONTENT_PREFIX = "$canopy/"
 
 CONNECT, CONNACK, PUBLISH, PUBACK = 1, 2, 3, 4
@@ -419,16 +420,29 @@ class Session:
 class MqttGateway:
     """Accepts MQTT connections and gives each a Canopy client of the broker at ``broker``."""
 
-    def __init__(self, broker: str, ca: Path | None) -> None:
+    def __init__(self, broker: str, ca: Path | None, max_per_source: int = MAX_PER_SOURCE) -> None:
         self.broker = broker
         self.ca = ca
         self.sessions: set[asyncio.Task[None]] = set()
+        # Every MQTT connection is a client connection of the broker from this process, so the
+        # broker's own per-source limit sees them all as one source: this one tells remote
+        # addresses apart, so that one of them cannot take every slot.
+        self.max_per_source = max_per_source
+        self._per_source: dict[str, int] = {}
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self.sessions.add(task)
         peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if peer else ""
+        if self._per_source.get(source, 0) >= self.max_per_source:
+            log.warning(
+                "mqtt: refused a connection from %s: %d open already", source, self.max_per_source
+            )
+            writer.close()
+            return
+        self._per_source[source] = self._per_source.get(source, 0) + 1
+        self.sessions.add(task)
         try:
             await self._connection(reader, writer)
         except MqttError as exc:
@@ -439,6 +453,9 @@ class MqttGateway:
             pass  # gone, silent past its keep-alive, or never sent CONNECT
         finally:
             self.sessions.discard(task)
+            left = self._per_source.pop(source, 1) - 1
+            if left:
+                self._per_source[source] = left
             writer.close()
             with contextlib.suppress(ConnectionError, ssl.SSLError):
                 await writer.wait_closed()
@@ -508,10 +525,16 @@ class MqttGateway:
 
 
 async def start_mqtt(
-    host: str, port: int, broker: str, ca: Path | None, tls: ssl.SSLContext | None
+    host: str,
+    port: int,
+    broker: str,
+    ca: Path | None,
+    tls: ssl.SSLContext | None,
+    *,
+    max_per_source: int = MAX_PER_SOURCE,
 ) -> tuple[asyncio.Server, MqttGateway]:
     """Listen for MQTT clients on ``host:port`` (TLS with ``tls``), for the broker at
     ``broker`` reached with ``ca`` (None: plaintext)."""
-    gateway = MqttGateway(broker, ca)
+    gateway = MqttGateway(broker, ca, max_per_source)
     server = await asyncio.start_server(gateway.handle, host, port, ssl=tls)
     return server, gateway

@@ -19,6 +19,7 @@ from canopy_broker.mqtt import (
     filter_of,
     message_of,
     read_packet,
+    start_mqtt,
     topic_matches,
     upgrade,
 )
@@ -159,3 +160,33 @@ async def test_the_packet_reader_bounds_sizes_and_refuses_malformed_lengths() ->
         await read_packet(reader(b"\x30\xff\xff\xff\xff\x01"))
     with pytest.raises(asyncio.IncompleteReadError):
         await read_packet(reader(b"\x30\x05ab"))
+
+
+async def test_one_address_cannot_take_every_mqtt_slot() -> None:
+    """Every MQTT connection is a client of the broker from the gateway's own address, so the
+    broker's per-source limit cannot tell remote addresses apart: the listener does. Past its
+    limit a source's next connection is closed at once; the ones it has stay open (each waits
+    for its CONNECT), and a slot freed is usable again."""
+    server, gateway = await start_mqtt("127.0.0.1", 0, "127.0.0.1:9", None, None, max_per_source=3)
+    host, port = server.sockets[0].getsockname()[:2]
+    try:
+        held = [await asyncio.open_connection(host, port) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection(host, port)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # refused: closed at once
+        writer.close()
+        for r, _w in held:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(r.read(1), 0.2)  # still open, waiting for CONNECT
+        held.pop()[1].close()
+        await asyncio.sleep(0.1)
+        again = await asyncio.open_connection(host, port)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(again[0].read(1), 0.2)  # a freed slot is taken again
+        again[1].close()
+        for _r, w in held:
+            w.close()
+    finally:
+        server.close()
+        await gateway.close()
+        await server.wait_closed()
