@@ -85,6 +85,11 @@ class MqttError(Exception):
     """The peer broke the protocol: its connection is closed (never the broker)."""
 
 
+class PacketTooLargeError(MqttError):
+    """A packet longer than :data:`MAX_PACKET` (told before its body is read): an MQTT 5
+    client is told why (DISCONNECT 0x95) before the connection closes."""
+
+
 # --------------------------------------------------------------------------- framing
 
 
@@ -126,7 +131,7 @@ async def read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     else:
         raise MqttError("malformed remaining length")
     if length > MAX_PACKET:
-        raise MqttError(f"a packet of {length} bytes (at most {MAX_PACKET})")
+        raise PacketTooLargeError(f"a packet of {length} bytes (at most {MAX_PACKET})")
     return first, await reader.readexactly(length)
 
 
@@ -277,7 +282,12 @@ class Session:
             # A client silent for one and a half keep-alive periods is gone (MQTT 3.1.2.10).
             idle = keep_alive * 1.5 if keep_alive else None
             while True:
-                first, body = await asyncio.wait_for(read_packet(self.reader), idle)
+                try:
+                    first, body = await asyncio.wait_for(read_packet(self.reader), idle)
+                except PacketTooLargeError as exc:
+                    self._refuse(mqtt5.DisconnectReasonCode.PACKET_TOO_LARGE, str(exc))
+                    await self.writer.drain()
+                    raise
                 if not await self._handle(first, body):
                     return
                 await self.writer.drain()
@@ -506,6 +516,7 @@ class MqttGateway:
                 Codes.SUCCESS,
                 assigned_client_id=assigned,
                 max_qos=mqtt5.QoS.AT_LEAST_ONCE,
+                max_packet_size=MAX_PACKET,  # a v5 client then does not send larger ones
                 retain_available=False,
                 wildcard_subscription_available=True,
                 subscription_id_available=False,

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import mqtt5
 import orjson
 import pytest
 from paho.mqtt import client as paho
@@ -24,6 +25,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
 from canopy_broker.client import connect
+from canopy_broker.mqtt import MAX_PACKET
 from canopy_broker.procs import BrokerProc, wait_settled
 from tests.integration.token_pair import READER, WRITER, linked_pair, token_policy
 
@@ -247,6 +249,23 @@ async def test_the_mqtt_gateway_refuses_what_the_policy_or_the_protocol_gets_wro
             await writer_s.drain()
             assert await asyncio.wait_for(read_to_end(reader_s), 15) == answer, junk
             writer_s.close()
+        # A connected MQTT 5 client announcing a packet past the limit the CONNACK advertised:
+        # told why (DISCONNECT 0x95), before its body is read, and closed.
+        reader_s, writer_s = await asyncio.open_connection(host, int(port), ssl=ctx)
+        hello = mqtt5.ConnectPacket("writer/big", password=WRITER.encode()).write()
+        writer_s.write(hello)
+        connack, _ = mqtt5.read(memoryview(await reader_s.read(4096)))
+        assert isinstance(connack, mqtt5.ConnAckPacket), connack
+        assert connack.reason_code == mqtt5.ConnAckReasonCode.SUCCESS
+        assert connack.max_packet_size == MAX_PACKET
+        big = MAX_PACKET + 1
+        writer_s.write(
+            b"\x30" + bytes([(big & 0x7F) | 0x80, ((big >> 7) & 0x7F) | 0x80, big >> 14])
+        )
+        told, _ = mqtt5.read(memoryview(await asyncio.wait_for(read_to_end(reader_s), 15)))
+        assert isinstance(told, mqtt5.DisconnectPacket), told
+        assert told.reason_code == mqtt5.DisconnectReasonCode.PACKET_TOO_LARGE
+        writer_s.close()
         # Plain TCP on the TLS listener: the handshake fails, nothing MQTT is answered.
         reader_s, writer_s = await asyncio.open_connection(host, int(port))
         writer_s.write(bytes([0x10, len(mqisdp)]) + mqisdp)
