@@ -70,6 +70,20 @@ def test_a_resumed_client_is_served_what_it_missed_and_nothing_else() -> None:
     assert all(e.client == "c" for e in out if isinstance(e, Deliver))
 
 
+def test_what_the_lost_broker_held_back_for_the_client_is_served_however_old() -> None:
+    """The lost broker had a backlog for its slow client: what this broker forwarded to it
+    well before the loss (more than the margin) may never have been delivered. From a
+    publisher the client heard of, everything newer than its last is served."""
+    core = broker()
+    core.handle(ClientAttach("p"), 0.0)
+    for seq in range(1, 5):  # forwarded to x at 1.1 .. 1.4; the client got only 1 and 2
+        core.handle(ClientPublish("p", Event("p", seq, {"n": seq})), 1.0 + seq / 10)
+    attach(core, "c", "n >= 0", 6.0)
+    out = core.handle(ClientResume("c", "x", since=5.0, last=(("p", 2),), margin=1.0), 6.0)
+    assert delivered(out) == ["p:3", "p:4"]
+    assert resumed(out).gaps == ()
+
+
 def test_a_publisher_the_client_never_heard_of_is_served_from_the_loss_on() -> None:
     core = broker()
     core.handle(ClientAttach("p"), 0.0)
@@ -147,6 +161,20 @@ def test_a_resume_after_the_repair_replayed_is_a_gap() -> None:
     core.now = 3.0
     [why] = gaps_of(core, "c", previous="x", since=0.5)
     assert "replayed its notifications before the client was back" in why
+
+
+def test_a_resume_while_the_repair_is_under_way_here_is_a_gap() -> None:
+    """This broker has sent its routes and its sweep down the repair chain already: the
+    client's subscriptions follow them and may reach the far end after it replayed, so what
+    came from there cannot be vouched for. Before the repair began, and once it is over
+    (after the client came back), there is nothing to name."""
+    core = broker()
+    core.now = 0.8
+    assert gaps_of(core, "early", previous="x", since=0.5) == []  # before the detection
+    core.handle(PeerFailed("x"), 1.0)  # chain y-q: waits for q's sweep
+    core.now = 1.5
+    [why] = gaps_of(core, "c", previous="x", since=0.5)
+    assert "was under way here when the client came back" in why
 
 
 def test_a_resume_needs_an_attached_client() -> None:

@@ -450,11 +450,14 @@ class BrokerCore:
         """A client of a broker that died (or dropped it) is back, here: serve what this broker
         still holds that it missed, and name every interval it cannot vouch for.
 
-        Served: what this broker forwarded since the client lost its broker (its retention)
-        that matches the client's subscriptions and is newer than what it got from that
-        publisher. If this broker is a neighbour of the lost one, that is everything from this
-        side of it; what came from the other sides is replayed by the repair and reaches the
-        client here as well (it is in :attr:`resuming` for a window)."""
+        Served: what this broker forwarded (its retention) that matches the client's
+        subscriptions and is newer than what it got from that publisher, however long before
+        the loss it was forwarded: the lost broker may have held it in a backlog for the client
+        for a while. From a publisher the client never heard of, only what was forwarded since
+        the loss (less a margin): older ones predate its interest. If this broker is a
+        neighbour of the lost one, that is everything from this side of it; what came from the
+        other sides is replayed by the repair and reaches the client here as well (it is in
+        :attr:`resuming` for a window)."""
         routing = self.routing
         routing.check_client(inp.client)
         subs = routing.subscriptions(inp.client) or {}
@@ -462,8 +465,10 @@ class BrokerCore:
         now = self.now
         served = 0
         if subs:
-            for event in self.retention.since(inp.since - inp.margin, now):
-                if event.seq <= last.get(event.publisher, 0):
+            strangers_from = inp.since - inp.margin
+            for when, event in self.retention.since(now - self.retention.window, now):
+                had = last.get(event.publisher)
+                if event.seq <= (had or 0) or (had is None and when < strangers_from):
                     continue
                 matched = tuple(sorted(s for s, f in subs.items() if f.matches(event.attrs)))
                 if matched:
@@ -495,7 +500,18 @@ class BrokerCore:
             )
             return gaps
         run = self.repairs.get(prev)
-        if run is not None and run.finished_at is not None and run.finished_at >= since:
+        if run is not None and run.finished_at is None:
+            # This end has sent its routes and its sweep already: the client's subscriptions
+            # follow them, and may reach the chain's far ends after they replayed.
+            gaps.append(
+                Gap(
+                    since,
+                    now,
+                    f"the repair around {prev} was under way here when the client came back; "
+                    f"what came from beyond {self.name}'s side may be missing",
+                )
+            )
+        elif run is not None and run.finished_at is not None and run.finished_at >= since:
             gaps.append(
                 Gap(
                     since,

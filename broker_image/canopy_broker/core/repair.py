@@ -283,9 +283,10 @@ class Retention:
         oldest = now - self.window
         return [e for t, e in kept if t >= oldest]
 
-    def since(self, t: float, now: float) -> list[Event]:
+    def since(self, t: float, now: float) -> list[tuple[float, Event]]:
         """Every notification kept since ``t`` (and within the window), once each, oldest
-        first: the same notification forwarded on several links is one."""
+        first, with when it was forwarded: the same notification forwarded on several links
+        is one."""
         start = max(t, now - self.window)
         seen: set[tuple[str, int]] = set()
         found: list[tuple[float, Event]] = []
@@ -298,7 +299,7 @@ class Retention:
                     seen.add(key)
                     found.append((when, event))
         found.sort(key=lambda te: te[0])  # stable: a publisher's order is kept
-        return [e for _, e in found]
+        return found
 
     def covers(self, t: float, now: float) -> bool:
         """Everything forwarded since ``t`` is still kept: the window reaches back that far,
