@@ -14,9 +14,12 @@ from canopy_broker.core.events import Event
 from canopy_broker.core.messages import Deliver
 from canopy_broker.runtime.placement import Placement
 from canopy_broker.runtime.telemetry import Telemetry
+from canopy_operator.mining import source
 from canopy_operator.mining.propose import terminal_sets
 from canopy_operator.mining.source import (
+    DEDUPLICATED,
     PARQUET_DIR,
+    STAGING,
     TelemetryError,
     compact_telemetry,
     json_files,
@@ -170,3 +173,74 @@ def test_compacted_telemetry_reads_as_the_json_did(spark: SparkSession, tmp_path
     assert compact_telemetry(spark, root, everything=True) == 0  # nothing left to do
     assert (whole.records, whole.skipped, sorted(map(tuple, whole.events.collect()))) == expected
     assert whole.rtts.count() == 1
+
+
+def seen(tel: source.Telemetry) -> list[tuple[object, ...]]:
+    return sorted(map(tuple, tel.events.collect()))
+
+
+def test_compaction_keeps_each_event_once_so_the_reader_need_not(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """A record written twice (a directory fed twice) is kept once by the compaction, which
+    marks its Parquet as such; the reader then skips its own de-duplication. The negative
+    control: the same duplicated Parquet *not* marked is de-duplicated by the reader, and marked
+    but holding a copy (which a compaction never writes) is read as it is."""
+    recs = event_records(LINKS, "E1", "d", ["d", "e"])
+    root = write(tmp_path / "tel", [*recs, recs[0]])
+    before = read_telemetry(spark, root, SPEC.broker_names)
+    assert before.records == len(recs) + 1 and before.events.count() == len(recs)
+    expected = seen(before)  # now: a later read of the same path drops the cached frames
+    files = len(json_files(root))
+    assert compact_telemetry(spark, root, everything=True) == files
+    assert compact_telemetry(spark, root, everything=True) == 0
+    compacted = root / PARQUET_DIR
+    assert (compacted / DEDUPLICATED).exists()
+    assert not list(root.glob(f"{STAGING}*"))  # the staging directory is gone
+    after = read_telemetry(spark, root, SPEC.broker_names)
+    assert after.records == len(recs) and seen(after) == expected
+
+    # Every Parquet file twice: marked, it is trusted (and counted twice)...
+    for f in list(compacted.glob("hour=*/*.parquet")):
+        (f.parent / ("copy-" + f.name)).write_bytes(f.read_bytes())
+    assert read_telemetry(spark, root, SPEC.broker_names).events.count() == 2 * len(recs)
+    # ...not marked (an older version's compaction), the reader de-duplicates it.
+    (compacted / DEDUPLICATED).unlink()
+    unmarked = read_telemetry(spark, root, SPEC.broker_names)
+    assert unmarked.records == 2 * len(recs) and seen(unmarked) == expected
+
+
+def test_a_compaction_cut_short_loses_nothing_and_compacts_nothing_twice(
+    spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed after its commit, before the JSON files were hidden and the Parquet moved in: the
+    reader still sees every record once (the staging directory is hidden from it), and the
+    next compaction finishes the batch. Killed before its commit: the batch is discarded."""
+    recs = [*event_records(LINKS, "E1", "d", ["d", "e"]), rtt("a", "b", 3.0)]
+    root = write(tmp_path / "tel", recs)
+    expected = seen(read_telemetry(spark, root, SPEC.broker_names))
+    publish = source._publish
+
+    def crash(*_: object) -> None:
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(source, "_publish", crash)
+    with pytest.raises(RuntimeError):
+        compact_telemetry(spark, root, everything=True)
+    [staging] = root.glob(f"{STAGING}*")
+    assert (staging / "COMMITTED").exists() and json_files(root)  # nothing hidden yet
+    assert seen(read_telemetry(spark, root, SPEC.broker_names)) == expected
+    monkeypatch.setattr(source, "_publish", publish)
+    assert compact_telemetry(spark, root, everything=True) == 0  # finished, nothing new
+    assert json_files(root) == [] and not list(root.glob(f"{STAGING}*"))
+    whole = read_telemetry(spark, root, SPEC.broker_names)
+    assert seen(whole) == expected and whole.records == len(recs)
+
+    # Cut short before the commit: what it wrote is dropped, the files compacted afresh.
+    more = write(tmp_path / "more", recs)
+    (more / f"{STAGING}dead").mkdir()
+    (more / f"{STAGING}dead" / "journal.json").write_text('{"files": [], "hide": true}')
+    files = len(json_files(more))
+    assert compact_telemetry(spark, more, everything=True) == files
+    assert not list(more.glob(f"{STAGING}*"))
+    assert seen(read_telemetry(spark, more, SPEC.broker_names)) == expected

@@ -10,6 +10,10 @@ mining run). :func:`compact_telemetry` turns closed JSON files (an hour a broker
 appends to) into Parquet under ``_parquet/`` (the explicit schema below, partitioned by the hour
 of the record), and hides the JSON files it compacted (a leading dot: Spark skips them) without
 deleting them. The reader reads both, so a directory may be compacted in part, or not at all.
+Compaction keeps each (broker, event) once, so that the reader need not: de-duplicating ten
+million records is the costliest step of a mining run, paid once per file this way instead of
+once per run. It commits through a staging directory (see :func:`compact_telemetry`), so a crash
+part-way neither loses records nor compacts the same file twice.
 
 The reader is strict about meaning and lenient about damage: every record is classified once
 (ok, malformed JSON, another schema version, missing fields, a broker the overlay does not
@@ -22,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import ssl
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +49,8 @@ if TYPE_CHECKING:
 SCHEMA_V1 = "canopy.telemetry/v1"
 CORRUPT = "_corrupt_record"
 PARQUET_DIR = "_parquet"  # Spark's file listing skips names starting with "_" or "."
+DEDUPLICATED = "_DEDUPLICATED"  # in PARQUET_DIR: every batch in it holds each (broker, event) once
+STAGING = "_compacting-"  # a compaction under way (or interrupted): its journal and its output
 CLOSED_AFTER_S = 3600.0  # a JSON file untouched this long has no broker appending to it
 
 # Columns the miner reads; anything else in a record (``attrs``, …) is never parsed. Counters
@@ -131,29 +139,80 @@ def compact_telemetry(
     now: float | None = None,
 ) -> int:
     """Write the closed JSON files under ``root`` as Parquet into ``into/_parquet`` (default:
-    ``root``), partitioned by hour, and hide them; returns how many files were compacted.
+    ``root``), partitioned by hour, each (broker, event) once, and hide them; returns how many
+    files were compacted.
 
     ``everything``: every file, closed or not (a directory nobody writes to any more). With
-    ``into`` elsewhere, the JSON files stay as they are (a copy, e.g. for the benchmark). A
-    crash between the write and the renames leaves records in both forms; the reader keeps one
-    of each (broker, event), and the link snapshots take the latest.
+    ``into`` elsewhere, the JSON files stay as they are (a copy, e.g. for the benchmark).
+
+    The commit, so that a crash anywhere leaves the directory readable and whole: the batch's
+    journal (the files, whether to hide them) and its Parquet go to a staging directory first;
+    a marker then commits it; only then are the JSON files hidden and the Parquet files moved
+    into ``_parquet`` (both steps can be redone). The next compaction finishes a committed batch
+    an earlier one left behind, and discards an uncommitted one (its JSON files were never
+    touched). A ``_parquet`` created this way is marked :data:`DEDUPLICATED`; one written by an
+    older version is not, and the reader then de-duplicates it, as before.
     """
+    home = into or root
+    finish_compactions(root, home)
     cutoff = (now if now is not None else time.time()) - CLOSED_AFTER_S
     files = [p for p in json_files(root) if everything or p.stat().st_mtime < cutoff]
     if not files:
         return 0
+    target = home / PARQUET_DIR
+    if not target.exists():
+        target.mkdir(parents=True)
+        (target / DEDUPLICATED).touch()
+    staging = home / f"{STAGING}{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    journal = {"files": [str(p.relative_to(root)) for p in files], "hide": into is None}
+    (staging / "journal.json").write_text(json.dumps(journal))
+    records = _json(spark, [str(p) for p in files]).persist(StorageLevel.MEMORY_AND_DISK)
+    keyed = F.coalesce(
+        (F.col("type") == "event") & F.col("broker").isNotNull() & F.col("event_id").isNotNull(),
+        F.lit(False),
+    )
+    once = (
+        records.where(keyed)
+        .dropDuplicates(["broker", "event_id"])
+        .unionByName(records.where(~keyed))  # the others (damaged ones too) as they are
+    )
     hour = F.date_format(F.from_unixtime(F.col("ts")), "yyyy-MM-dd'T'HH")
     (
-        _json(spark, [str(p) for p in files])
-        .withColumn("hour", F.coalesce(hour, F.lit("unknown")))
-        .write.mode("append")
-        .partitionBy("hour")
-        .parquet(str((into or root) / PARQUET_DIR))
+        once.withColumn("hour", F.coalesce(hour, F.lit("unknown")))
+        .write.partitionBy("hour")
+        .parquet(str(staging / "data"))
     )
-    if into is None:
-        for p in files:
-            p.rename(p.with_name("." + p.name))
+    records.unpersist()
+    (staging / "COMMITTED").touch()
+    _publish(root, home, staging)
     return len(files)
+
+
+def finish_compactions(root: Path, home: Path) -> None:
+    """Finish the committed compactions a crash left in ``home``; discard the others."""
+    for staging in sorted(home.glob(f"{STAGING}*")):
+        if (staging / "COMMITTED").exists():
+            _publish(root, home, staging)
+        else:
+            shutil.rmtree(staging)
+
+
+def _publish(root: Path, home: Path, staging: Path) -> None:
+    """A committed batch: hide its JSON files, move its Parquet files in, drop the staging
+    directory. Each step skips what is done already, so it can be run again after a crash."""
+    journal = json.loads((staging / "journal.json").read_text())
+    if journal["hide"]:
+        for rel in journal["files"]:
+            p = root / rel
+            if p.exists():
+                p.rename(p.with_name("." + p.name))
+    data = staging / "data"
+    for f in sorted(data.glob("hour=*/*.parquet")):
+        dest = home / PARQUET_DIR / f.parent.name / f.name  # Spark's names are unique (a UUID)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        f.rename(dest)
+    shutil.rmtree(staging)
 
 
 def read_telemetry(
@@ -172,11 +231,18 @@ def read_telemetry(
     # Spark remembers a directory's listing per session: files compacted (renamed) or written
     # since an earlier read of the same path would be missed or looked for in vain.
     spark.catalog.refreshByPath(where)
-    raw = _json(spark, where)
+    # `_once`: the record comes from Parquet that compaction wrote de-duplicated.
+    raw = _json(spark, where).withColumn("_once", F.lit(False))
     compacted = Path(where) / PARQUET_DIR
-    columnar_only = False
+    columnar_only = trusted = False
     if "://" not in where and compacted.is_dir():
-        columnar = spark.read.schema(schema_ddl()).parquet(str(compacted)).drop("hour")
+        trusted = (compacted / DEDUPLICATED).exists()
+        columnar = (
+            spark.read.schema(schema_ddl())
+            .parquet(str(compacted))
+            .drop("hour")
+            .withColumn("_once", F.lit(trusted))
+        )
         if json_files(Path(where)):
             raw = raw.unionByName(columnar)
         else:
@@ -209,7 +275,7 @@ def read_telemetry(
     # (the counts, the events, the small rtt and link tables) is computed from that cache.
     # Parquet alone is not cached: each query below reads only the columns it needs, which is
     # cheaper than building a cache of all of them.
-    keep = [name for name, _ in _FIELDS if name not in (CORRUPT, "schema")]
+    keep = [name for name, _ in _FIELDS if name not in (CORRUPT, "schema")] + ["_once"]
     narrow = raw.select(status.alias("_status"), *keep)
     if not columnar_only:
         narrow = narrow.persist(StorageLevel.MEMORY_AND_DISK)
@@ -223,21 +289,27 @@ def read_telemetry(
 
     # Partitioned by event once: the de-duplication, the self-join for associativity and the
     # per-event aggregations of the replay then need no further shuffle of the big table.
-    events = (
-        good.where(is_event)
-        .select(
-            "broker",
-            "event_id",
-            "publisher",
-            F.coalesce("hops", F.lit(0)).cast("long").alias("hops"),
-            "source_kind",
-            "source",
-            F.col("matched_local").alias("matched"),
-            F.coalesce("deliveries", F.lit(0)).cast("long").alias("deliveries"),
-        )
-        .repartition("event_id")
-        .dropDuplicates(["broker", "event_id"])
+    # Compacted Parquet marked de-duplicated skips the de-duplication (the costliest step
+    # here); JSON beside it is still de-duplicated, on its own.
+    unique = ["broker", "event_id"]
+    all_events = good.where(is_event).select(
+        *unique,
+        "publisher",
+        F.coalesce("hops", F.lit(0)).cast("long").alias("hops"),
+        "source_kind",
+        "source",
+        F.col("matched_local").alias("matched"),
+        F.coalesce("deliveries", F.lit(0)).cast("long").alias("deliveries"),
+        "_once",
     )
+    if not trusted:
+        events = all_events.repartition("event_id").dropDuplicates(unique)
+    elif columnar_only:
+        events = all_events.repartition("event_id")
+    else:
+        loose = all_events.where(~F.col("_once")).repartition("event_id").dropDuplicates(unique)
+        events = all_events.where(F.col("_once")).unionByName(loose).repartition("event_id")
+    events = events.drop("_once")
     if since_ts is not None:
         # Whole events only: those whose publisher's broker recorded them from then on (an
         # event cut in two by the boundary would count hops it did not make, or miss some).
