@@ -500,33 +500,31 @@ class BrokerCore:
             )
             return gaps
         run = self.repairs.get(prev)
-        if run is not None and run.finished_at is None:
-            # This end has sent its routes and its sweep already: the client's subscriptions
-            # follow them, and may reach the chain's far ends after they replayed.
-            gaps.append(
-                Gap(
-                    since,
-                    now,
-                    f"the repair around {prev} was under way here when the client came back; "
-                    f"what came from beyond {self.name}'s side may be missing",
+        if run is None:
+            if not self.routing.has_link(prev):
+                gaps.append(
+                    Gap(
+                        since,
+                        now,
+                        f"{self.name} is not a neighbour of {prev}: notifications that were on "
+                        f"their way to {prev} from other sides may be missing",
+                    )
                 )
+        elif run.finished_at is None or run.finished_at >= since:
+            # Under way: this end has sent its routes and its sweep already, and the client's
+            # subscriptions follow them, so they may reach the chain's far ends after those
+            # replayed. Over: it replayed before the client was back.
+            what = (
+                "was under way here when the client came back"
+                if run.finished_at is None
+                else "replayed its notifications before the client was back"
             )
-        elif run is not None and run.finished_at is not None and run.finished_at >= since:
             gaps.append(
                 Gap(
                     since,
-                    run.finished_at,
-                    f"the repair around {prev} replayed its notifications before the client "
-                    f"was back; what came from beyond {self.name}'s side may be missing",
-                )
-            )
-        elif run is None and not self.routing.has_link(prev):
-            gaps.append(
-                Gap(
-                    since,
-                    now,
-                    f"{self.name} is not a neighbour of {prev}: notifications that were on their "
-                    f"way to {prev} from other sides may be missing",
+                    now if run.finished_at is None else run.finished_at,
+                    f"the repair around {prev} {what}; what came from beyond {self.name}'s side "
+                    "may be missing",
                 )
             )
         return gaps
