@@ -5,12 +5,14 @@ Brokers are real processes on 127.0.0.1 (covering routing), linked as a binary t
 
 * **install**: ``--clients`` clients on the deepest leaf send N subscriptions ``k = i``
   (distinct values, so none covers another and every broker must hold all N), ``--batch`` in
-  flight at a time; the
-  figure is the time until every broker's routing table holds them (polled through the admin
-  API), and the time per 1,000 for the first and the last 1,000 acknowledgements (flat when
-  insertion cost does not grow with the table);
-* **longest stall**: while that runs, a probe calls every broker's ``/healthz`` every 10 ms; the
-  longest answer bounds how long any broker's event loop was blocked (plus HTTP overhead);
+  flight at a time, each client sending its share of a batch at once
+  (:meth:`Client.subscribe_many`); the figure is the time until every broker's routing table
+  holds them (polled through the admin API), and the time per 1,000 for the first and the
+  last 1,000 acknowledgements (flat when insertion cost does not grow with the table);
+* **longest stall**: every broker times its own event loop (a callback due every 10 ms; the
+  lateness is how long nothing else could run, heartbeats included) and its full garbage
+  collections, and reports the stalls in ``/status``; the figure is the longest of any broker
+  during the install (and during the churn);
 * **churn**: with the table full, a publisher on the root sends ``--rate`` events/s while another
   client subscribes and unsubscribes as fast as acknowledgements come back for ``--churn-seconds``;
   a steady subscriber counts what it received against what was published (must be all).
@@ -41,32 +43,41 @@ def tree(n: int) -> tuple[list[str], list[tuple[str, str]]]:
     return names, [(names[(i - 1) // 2], names[i]) for i in range(1, n)]
 
 
-class StallProbe:
-    """Longest ``/healthz`` answer of any broker while running (a blocked loop answers late)."""
+async def _stalls(overlay: Overlay, since: float) -> dict[str, Any]:
+    """The event-loop stalls of every broker since wall-clock ``since``, as each broker
+    measured its own loop (a callback due every 10 ms, see ``LoopWatch``): the longest, where,
+    and how much of it the broker spent on CPU (the rest it waited for a core, which on a
+    machine with fewer cores than brokers is the machine's doing); the longest in CPU; and the
+    longest garbage collection."""
+    statuses = await asyncio.gather(*(p.admin.status() for p in overlay.brokers.values()))
+    out: dict[str, Any] = {
+        "longest_stall_s": 0.0,
+        "longest_stall_broker": "",
+        "longest_stall_cpu_s": 0.0,
+        "longest_busy_stall_s": 0.0,
+        "longest_gc_pause_s": 0.0,
+    }
+    for name, st in zip(overlay.brokers, statuses, strict=True):
+        for t, kind, took, cpu in st["loop"]["stalls"]:
+            if t < since:
+                continue
+            if kind != "loop":
+                out["longest_gc_pause_s"] = max(out["longest_gc_pause_s"], took)
+                continue
+            out["longest_busy_stall_s"] = max(out["longest_busy_stall_s"], cpu)
+            if took > out["longest_stall_s"]:
+                out.update(longest_stall_s=took, longest_stall_broker=name, longest_stall_cpu_s=cpu)
+    return out
 
-    def __init__(self, overlay: Overlay) -> None:
-        self.overlay = overlay
-        self.longest = 0.0
-        self.worst = ""
-        self._stop = asyncio.Event()
 
-    async def _probe(self, name: str) -> None:
-        admin = self.overlay[name].admin
-        while not self._stop.is_set():
-            t0 = time.perf_counter()
-            await admin.healthz()
-            took = time.perf_counter() - t0
-            if took > self.longest:
-                self.longest, self.worst = took, name
-            await asyncio.sleep(0.01)
-
-    async def __aenter__(self) -> StallProbe:
-        self._tasks = [asyncio.create_task(self._probe(n)) for n in self.overlay.brokers]
-        return self
-
-    async def __aexit__(self, *_exc: object) -> None:
-        self._stop.set()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+def _said(stalls: dict[str, Any]) -> str:
+    return (
+        f"longest event-loop stall {stalls['longest_stall_s'] * 1000:.0f} ms "
+        f"({stalls['longest_stall_broker'] or 'none over 10 ms'}; "
+        f"{stalls['longest_stall_cpu_s'] * 1000:.0f} ms of it on CPU), longest on CPU "
+        f"{stalls['longest_busy_stall_s'] * 1000:.0f} ms, longest GC "
+        f"{stalls['longest_gc_pause_s'] * 1000:.0f} ms"
+    )
 
 
 async def _table_sizes(overlay: Overlay) -> dict[str, int]:
@@ -86,26 +97,30 @@ async def install(
     acknowledgement), which would measure round trips rather than the overlay."""
     base = {name: size for name, size in (await _table_sizes(overlay)).items()}
     acked: list[float] = []
-    async with StallProbe(overlay) as probe:
-        t0 = time.perf_counter()
-        for start in range(0, n, batch):
-            ids = range(offset + start, offset + min(n, start + batch))
-            await asyncio.gather(
-                *(clients[i % len(clients)].subscribe(f"k = {i}", f"s{i}") for i in ids)
+    since = time.time()
+    t0 = time.perf_counter()
+    for start in range(0, n, batch):
+        ids = range(offset + start, offset + min(n, start + batch))
+        await asyncio.gather(
+            *(
+                client.subscribe_many((f"s{i}", f"k = {i}") for i in ids[j :: len(clients)])
+                for j, client in enumerate(clients)
             )
-            acked.append(time.perf_counter())
-            if len(acked) % max(1, 10_000 // batch) == 0:
-                progress(f"N={n:,}: {start + batch:,} acknowledged")
-        t_ack = time.perf_counter() - t0
-        while True:
-            sizes = await _table_sizes(overlay)
-            if all(sizes[b] - base[b] >= n for b in sizes):
-                break
-            if time.perf_counter() - t0 > 900:
-                short = {b: sizes[b] - base[b] for b in sizes if sizes[b] - base[b] < n}
-                raise RuntimeError(f"after 900 s these brokers still miss entries: {short}")
-            await asyncio.sleep(0.05)
-        t_all = time.perf_counter() - t0
+        )
+        acked.append(time.perf_counter())
+        if len(acked) % max(1, 10_000 // batch) == 0:
+            progress(f"N={n:,}: {start + batch:,} acknowledged")
+    t_ack = time.perf_counter() - t0
+    while True:
+        sizes = await _table_sizes(overlay)
+        if all(sizes[b] - base[b] >= n for b in sizes):
+            break
+        if time.perf_counter() - t0 > 900:
+            short = {b: sizes[b] - base[b] for b in sizes if sizes[b] - base[b] < n}
+            raise RuntimeError(f"after 900 s these brokers still miss entries: {short}")
+        await asyncio.sleep(0.05)
+    t_all = time.perf_counter() - t0
+    stalls = await _stalls(overlay, since)
     per_batch = [b - a for a, b in zip([t0, *acked], acked, strict=False)]
     k = max(1, 1000 // batch)
     first, last = sum(per_batch[:k]), sum(per_batch[-k:])
@@ -115,13 +130,11 @@ async def install(
         "installed_everywhere_s": round(t_all, 3),
         "first_1k_s": round(first, 4),
         "last_1k_s": round(last, 4),
-        "longest_healthz_s": round(probe.longest, 4),
-        "longest_healthz_broker": probe.worst,
+        **stalls,
     }
     progress(
         f"N={n:,}: acknowledged in {t_ack:.2f}s, in every routing table after {t_all:.2f}s; "
-        f"first 1k {first:.3f}s, last 1k {last:.3f}s; longest /healthz "
-        f"{probe.longest * 1000:.0f} ms ({probe.worst})"
+        f"first 1k {first:.3f}s, last 1k {last:.3f}s; {_said(stalls)}"
     )
     return result
 
@@ -217,8 +230,14 @@ async def run(
             results.append(await install(overlay, clients, n, batch, offset))
             offset += n
             shown.advance("bench subscriptions", f"{n:,} installed")
+        since = time.time()
         churned = await churn(overlay, names[0], names[-2], rate, churn_seconds)
+        stalls = await _stalls(overlay, since)
+        churned.update(stalls)
+        progress(f"churn: {_said(stalls)}")
         shown.advance("bench subscriptions", "churn")
+        for c in clients:  # before the brokers stop: a stopping broker would make them fail over
+            await c.close()
     return {
         "brokers": brokers,
         "clients": n_clients,

@@ -205,3 +205,45 @@ async def test_a_broker_lost_mid_subscribe_is_failed_over_and_the_subscription_s
         await asyncio.wait_for(sub.unsubscribe("first"), 5)  # b drops it: back to a, again
         assert sub.broker == "a" and set(sub.subscriptions) == {"late"}
     await sub.close()
+
+
+async def test_subscribe_many_is_one_round_trip_and_checks_everything_first(
+    make_broker: MakeBroker,
+) -> None:
+    """All requests leave in one write and are acknowledged together; a bad filter or a taken
+    id refuses the whole call before anything is sent."""
+    a = await make_broker("a")
+    sub = await connect(addr(a), "s")
+    writes: list[bytes] = []
+    conn = sub._conn
+    assert conn is not None
+    real_write = conn.write
+    conn.write = lambda data: (writes.append(data), real_write(data))[1]  # type: ignore[method-assign]
+    ids = await sub.subscribe_many([(f"k{i}", f"k = {i}") for i in range(500)] + [(None, "x > 1")])
+    assert ids[:500] == [f"k{i}" for i in range(500)] and ids[500] not in ids[:500]
+    assert len(writes) == 1, "500 subscriptions in one write, not one round trip each"
+    assert a.core.routing_table_size() == 501 and len(sub.subscriptions) == 501
+    for bad in ([("new", "k = 1"), ("k3", "k = 3")], [("new", "k = 1"), ("other", "k <> ")]):
+        with pytest.raises(ValueError):
+            await sub.subscribe_many(bad)
+    assert "new" not in sub.subscriptions and a.core.routing_table_size() == 501
+    assert await sub.subscribe_many([]) == []
+    async with await connect(addr(a), "p") as pub:
+        await pub.publish({"k": 7})
+        assert [n.sub_ids for n in await collect(sub, 1)] == [("k7",)]
+    await sub.close()
+
+
+async def test_subscribe_many_refused_midway_forgets_what_was_not_acknowledged(
+    make_broker: MakeBroker,
+) -> None:
+    """The broker's per-client limit refuses the third of five and closes the connection: the
+    call raises and the client keeps no subscription the broker did not acknowledge (the
+    refused one and those after it; the broker's acknowledgements of the first two may or may
+    not have left before it closed)."""
+    a = await make_broker("a", max_subscriptions=2)
+    sub = await connect(addr(a), "s", failover_within=0)
+    with pytest.raises(ClientError, match="limit"):
+        await sub.subscribe_many([(f"k{i}", f"k = {i}") for i in range(5)])
+    assert set(sub.subscriptions) <= {"k0", "k1"}
+    await sub.close()

@@ -187,6 +187,9 @@ def test_generic_form_round_trips_core_values() -> None:
         ("a", 1, None, True),
     ):
         assert from_wire(orjson.loads(orjson.dumps(to_wire(value)))) == value
+    # A key's cached hash is derived, not sent: the receiver computes its own.
+    assert to_wire(key) == {"$": "RouteKey", "filter": to_wire(key.filter), "tag": "t"}
+    assert hash(from_wire(to_wire(key))) == hash(key)
 
 
 def test_reconfiguration_messages_travel_in_the_generic_form() -> None:

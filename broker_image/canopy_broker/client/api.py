@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -44,6 +44,9 @@ from canopy_broker.runtime.framing import (
     decode_filter,
 )
 from canopy_broker.runtime.tasks import TaskSet
+
+FilterLike = str | Filter | Sequence[Sequence[object]]
+"""A filter as text, parsed, or in the structured form ``[[attr, op, value], ...]``."""
 
 
 class Client(FailingOver, Migrating, AsyncClosing):
@@ -343,45 +346,75 @@ class Client(FailingOver, Migrating, AsyncClosing):
             return False
         return True
 
-    async def subscribe(
-        self, filter: str | Filter | Sequence[Sequence[object]], sub_id: str | None = None
-    ) -> str:
+    async def subscribe(self, filter: FilterLike, sub_id: str | None = None) -> str:
         """Subscribe; returns the subscription id once the broker has registered it.
 
         ``filter``: text (``'price < 10 and symbol = "ACME"'``), a :class:`Filter`, or the
         structured form ``[[attr, op, value], ...]``.
         """
+        (sid,) = await self.subscribe_many([(sub_id, filter)])
+        return sid
+
+    async def subscribe_many(
+        self, subscriptions: Iterable[tuple[str | None, FilterLike]]
+    ) -> list[str]:
+        """Subscribe to each ``(sub_id, filter)`` (``sub_id`` None: one is chosen); returns the
+        ids once the broker has registered every one.
+
+        All are sent at once and acknowledged together, instead of one round trip each:
+        installing thousands of subscriptions is then bounded by the overlay, not by the
+        latency of a connection. Every filter is checked before any is sent (a ``ValueError``
+        sends nothing). If the broker refuses one, those it did not acknowledge are forgotten
+        and the error is raised.
+        """
         await self._open_now()
-        if isinstance(filter, Filter):
-            f = filter
-        else:
-            try:
-                f = decode_filter(filter if isinstance(filter, str) else [list(c) for c in filter])
-            except FrameError as exc:
-                raise ValueError(str(exc)) from None
-        if sub_id is None:
-            self._sub_counter += 1
-            sub_id = f"s{self._sub_counter}"
-            while sub_id in self.subscriptions:
-                self._sub_counter += 1
-                sub_id = f"s{self._sub_counter}"
-        if sub_id in self.subscriptions:
-            raise ValueError(f"subscription id {sub_id!r} is in use")
-        self.subscriptions[sub_id] = f
+        wanted: dict[str, Filter] = {}
+        for given, filter in subscriptions:
+            f = self._filter(filter)
+            sub_id = self._free_sub_id(wanted) if given is None else given
+            if sub_id in self.subscriptions or sub_id in wanted:
+                raise ValueError(f"subscription id {sub_id!r} is in use")
+            wanted[sub_id] = f
+        if not wanted:
+            return []
+        self.subscriptions.update(wanted)
+        waits: dict[str, asyncio.Future[None]] = {}
         try:
             try:
                 async with self._lock:  # a migration re-subscribes from this dict: not meanwhile
                     conn = self._check_open()
-                    await conn.request(B_SUBSCRIBED, sub_id, subscribe_message(sub_id, f))
+                    for sid, f in wanted.items():
+                        waits[sid] = conn.expect(B_SUBSCRIBED, sid)
+                        conn.send(subscribe_message(sid, f))
+                    await asyncio.gather(*waits.values())
             except ConnectionLostError:
                 # The broker went before it answered. The failover re-subscribes everything in
-                # self.subscriptions at the broker that takes over, this one included: once it
-                # is done the subscription stands there.
+                # self.subscriptions at the broker that takes over, these included: once it
+                # is done the subscriptions stand there.
                 await self._open_now()
         except BaseException:
-            self.subscriptions.pop(sub_id, None)
+            for sid in wanted:
+                fut = waits.get(sid)
+                if fut is None or not fut.done() or fut.cancelled() or fut.exception():
+                    self.subscriptions.pop(sid, None)
             raise
-        return sub_id
+        return list(wanted)
+
+    @staticmethod
+    def _filter(filter: FilterLike) -> Filter:
+        if isinstance(filter, Filter):
+            return filter
+        try:
+            return decode_filter(filter if isinstance(filter, str) else [list(c) for c in filter])
+        except FrameError as exc:
+            raise ValueError(str(exc)) from None
+
+    def _free_sub_id(self, taken: Mapping[str, Filter]) -> str:
+        while True:
+            self._sub_counter += 1
+            sub_id = f"s{self._sub_counter}"
+            if sub_id not in self.subscriptions and sub_id not in taken:
+                return sub_id
 
     async def unsubscribe(self, sub_id: str) -> None:
         await self._open_now()

@@ -125,10 +125,19 @@ _EXCHANGE_STEPS: dict[type, Step] = {
 }
 
 
-def _data_plane(inp: Input) -> bool:
-    """A publication: it never changes the set of neighbours (checked without allocating)."""
+_LEAVES_NEIGHBOURS = frozenset({ClientPublish, ClientSubscribe, ClientUnsubscribe, ClientAttach})
+_LEAVES_NEIGHBOURS_FROM_LINK = frozenset({Publish, Subscribe, Unsubscribe})
+
+
+def _leaves_neighbours(inp: Input) -> bool:
+    """An input that cannot change the neighbour list, placements or frozen links: a
+    publication or a route update (over a link or from a client). The neighbour list is then
+    not recomputed: at 100k subscriptions, recomputing it per route update cost more than the
+    update itself. Checked without allocating."""
     t = type(inp)
-    return t is ClientPublish or (t is FromLink and type(inp.message) is Publish)  # type: ignore[union-attr]
+    if t is FromLink:
+        return type(inp.message) in _LEAVES_NEIGHBOURS_FROM_LINK  # type: ignore[union-attr]
+    return t in _LEAVES_NEIGHBOURS
 
 
 class BrokerCore:
@@ -244,7 +253,7 @@ class BrokerCore:
         self.now = now
         try:
             self._dispatch(inp, out)
-            if self.announce_neighbours and not _data_plane(inp):
+            if self.announce_neighbours and not _leaves_neighbours(inp):
                 live = [n for n in self.routing.neighbours if n not in self._ghosts]
                 self.neighbour_lists.announce(live, out, self.routing.is_frozen)
         except ProtocolError:

@@ -13,7 +13,7 @@ import logging
 from typing import Any, Protocol
 
 from canopy_broker.core.broker import CoreFailedError, ProtocolError
-from canopy_broker.runtime.framing import FrameError, FrameProtocol
+from canopy_broker.runtime.framing import FrameError, FrameProtocol, TurnBudget
 from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.linkstate import LinkStateError
 from canopy_broker.runtime.security import Identity, transport_identity
@@ -30,6 +30,9 @@ class ConnOwner(Protocol):
 
     @property
     def max_frame(self) -> int: ...
+
+    @property
+    def work_budget(self) -> TurnBudget: ...
 
     def conn_made(self, conn: Conn) -> None: ...
 
@@ -55,6 +58,7 @@ class Conn(FrameProtocol):
     def __init__(self, broker: ConnOwner, dial: Link | None = None, listener: str = "") -> None:
         super().__init__(broker.max_frame)
         self.broker = broker
+        self.work_budget = broker.work_budget  # one per broker, shared by its connections
         # Which port accepted it: "" (the one shared port), "client" or "link" (separate
         # listeners: each takes only its own kind of hello).
         self.listener = listener
@@ -82,8 +86,6 @@ class Conn(FrameProtocol):
             if link.m_bytes_in is not None:
                 link.m_bytes_in.inc(len(data))
         super().data_received(data)
-
-    work_budget = 0.02  # a broker hands the loop back every 20 ms (heartbeats, other peers)
 
     def frame_received(self, frame: list[Any]) -> list[Any] | None:
         try:

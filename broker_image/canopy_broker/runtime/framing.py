@@ -382,6 +382,8 @@ def to_wire(obj: object) -> Any:
     if _WIRE_TYPES.get(name) is type(obj) and dataclasses.is_dataclass(obj):
         out: dict[str, Any] = {"$": name}
         for f in dataclasses.fields(obj):
+            if not f.init:
+                continue  # derived from the others (a cached hash): rebuilt by the receiver
             value = getattr(obj, f.name)
             if f.default is not dataclasses.MISSING and value == f.default:
                 continue  # a field added later, at its default: what older brokers read
@@ -535,6 +537,32 @@ class AsyncClosing:
         await self.close()
 
 
+class TurnBudget:
+    """How long frame handling may hold the event loop in one turn, shared by every
+    connection of a process.
+
+    Per connection, a budget would let twenty busy clients hold the loop for twenty budgets
+    (a 10-broker overlay installing 100k subscriptions stalled a broker for 0.9 s so). The
+    first connection to work in a turn starts the clock; every other one works against the
+    same deadline, handling at least one frame (a few messages) even when it has passed, so
+    none starves; the rest waits for the next turn. A turn ends when the callbacks scheduled
+    in it run: ``call_soon`` then resets the clock before anything else of the next turn.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._deadline: float | None = None
+
+    def deadline(self, loop: asyncio.AbstractEventLoop) -> float:
+        if self._deadline is None:
+            self._deadline = time.perf_counter() + self.seconds
+            loop.call_soon(self._next_turn)
+        return self._deadline
+
+    def _next_turn(self) -> None:
+        self._deadline = None
+
+
 class FrameProtocol(asyncio.Protocol):
     """An asyncio protocol speaking frames: splits the byte stream, decodes each payload and
     hands it to :meth:`frame_received`; tracks the transport's write pause for backpressure.
@@ -544,11 +572,11 @@ class FrameProtocol(asyncio.Protocol):
     """
 
     write_high_water = 1024 * 1024
-    work_budget: float | None = None
-    """Seconds of frame handling per event-loop turn (None: no limit). With a budget, a read
-    that brings more work than that is handled over several turns: reading pauses, the rest
-    waits in ``pending`` (a frame may be handed back half done, see :meth:`frame_received`),
-    and heartbeats, timers and other connections get the loop in between."""
+    work_budget: TurnBudget | None = None
+    """Frame handling per event-loop turn (None: no limit). With a budget, a read that brings
+    more work than that is handled over several turns: reading pauses, the rest waits in
+    ``pending`` (a frame may be handed back half done, see :meth:`frame_received`), and
+    heartbeats, timers and other connections get the loop in between."""
 
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self.transport: asyncio.Transport | None = None
@@ -592,7 +620,7 @@ class FrameProtocol(asyncio.Protocol):
         """Handle pending frames until done or the turn's budget is spent."""
         self._continuing = False
         budget = self.work_budget
-        self.deadline = math.inf if budget is None else time.perf_counter() + budget
+        self.deadline = math.inf if budget is None else budget.deadline(self._loop)
         pending = self.pending
         try:
             while pending and not self._holds:

@@ -76,6 +76,7 @@ from canopy_broker.runtime.framing import (
     PROTOCOL_VERSION,
     FrameError,
     FrameProtocol,
+    TurnBudget,
     control_frame,
     dumps,
     encode_event_body,
@@ -85,7 +86,7 @@ from canopy_broker.runtime.framing import (
 )
 from canopy_broker.runtime.link_sessions import LinkSessions
 from canopy_broker.runtime.links import Client, Link
-from canopy_broker.runtime.metrics import BrokerMetrics, Gauges
+from canopy_broker.runtime.metrics import BrokerMetrics, Gauges, LoopWatch
 from canopy_broker.runtime.placement import PlacementSource
 from canopy_broker.runtime.security import (
     AccessError,
@@ -182,6 +183,9 @@ class Broker:
         self.leaf_steps: dict[str, dict[str, Any]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self.metrics = BrokerMetrics(self._gauges)
+        self.loop_watch = LoopWatch(self.metrics, size=self.core.routing_table_size)
+        # Frame handling hands the loop back every 10 ms (heartbeats, timers, other peers).
+        self.work_budget = TurnBudget(0.01)
         self.telemetry = Telemetry(
             config.name,
             sample_rate=config.telemetry_sample,
@@ -277,6 +281,7 @@ class Broker:
         host = self.advertised.rpartition(":")[0]
         self.client_advertised = cfg.client_advertise or f"{host}:{self.address[1]}"
         self._ticker = self.tasks.spawn(self._tick(), "ticker", forever=True)
+        self.loop_watch.start(self._loop)
         self.tasks.spawn(self._acknowledge(), "publish acks", forever=True)
         self._update_placement()
         log.info(
@@ -319,6 +324,7 @@ class Broker:
             handle.cancel()
         self._timers.clear()
         await self.tasks.stop()
+        self.loop_watch.stop()
         self._flush()
         deadline = self._loop.time() + flush_timeout
         while self._loop.time() < deadline and self._undelivered():  # noqa: ASYNC110
@@ -1112,6 +1118,7 @@ class Broker:
             },
             "publishers_paused": self.publishers_paused,
             "routing_table_size": self.core.routing_table_size(),
+            "loop": self.loop_watch.status(),
             "channels": {
                 "out": [ch.status() for _, ch in sorted(self.sessions.channels_out.items())],
                 "in": [ch.status() for _, ch in sorted(self.sessions.channels_in.items())],

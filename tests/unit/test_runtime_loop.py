@@ -1,0 +1,133 @@
+"""The broker's hold on its event loop: one frame-handling budget per turn for all
+connections, and the watch that measures stalls (and keeps bulk growth out of the collector).
+
+Real time on purpose (no looptime): what is measured is how long the loop is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from typing import Any
+
+from canopy_broker.runtime.framing import FrameProtocol, TurnBudget
+from canopy_broker.runtime.metrics import BrokerMetrics, Gauges, LoopWatch
+
+
+def _gauges() -> Gauges:
+    return Gauges(0, 0, False, {}, {}, 0, 0)
+
+
+class Transport(asyncio.Transport):
+    """Open, reading or paused; writes nothing."""
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class Busy(FrameProtocol):
+    """Every frame costs 1 ms of CPU."""
+
+    def __init__(self, budget: TurnBudget) -> None:
+        super().__init__()
+        self.work_budget = budget
+        self.handled = 0
+        self.transport = Transport()
+
+    def frame_received(self, frame: list[Any]) -> list[Any] | None:
+        end = time.perf_counter() + 0.001
+        while time.perf_counter() < end:
+            pass
+        self.handled += 1
+        return None
+
+
+async def test_one_budget_per_turn_for_all_connections() -> None:
+    """Two connections with 100 frames each, woken in the same turn: together they hold the
+    loop for about one budget (10 ms), each handling at least one frame; the rest waits for the
+    next turns, and everything is handled in the end, in order."""
+    budget = TurnBudget(0.01)
+    conns = [Busy(budget), Busy(budget)]
+    for c in conns:
+        c.pending.extend([[6, []]] * 100)
+    t0 = time.perf_counter()
+    for c in conns:
+        c._work()
+    first_turn = time.perf_counter() - t0
+    assert all(c.handled >= 1 for c in conns)
+    # Per connection, a budget each, this would be ~20 frames (and 20 ms).
+    assert sum(c.handled for c in conns) <= 13, [c.handled for c in conns]
+    assert first_turn < 0.015
+    for _ in range(1000):
+        if not any(c.pending for c in conns):
+            break
+        await asyncio.sleep(0)
+    assert [c.handled for c in conns] == [100, 100]
+
+
+async def test_the_budget_starts_again_each_turn() -> None:
+    loop = asyncio.get_running_loop()
+    budget = TurnBudget(5.0)
+    first = budget.deadline(loop)
+    assert budget.deadline(loop) == first  # the same turn: the same deadline
+    await asyncio.sleep(0)
+    assert budget.deadline(loop) > first
+
+
+async def test_loop_watch_tells_a_busy_loop_from_a_starved_one() -> None:
+    """A callback that holds the loop on CPU is a stall with CPU; one that holds it waiting
+    (as a process does when the machine has no core for it) is a stall without."""
+    loop = asyncio.get_running_loop()
+    watch = LoopWatch(BrokerMetrics(_gauges))
+    watch.start(loop)
+    try:
+        await asyncio.sleep(0.03)
+        time.sleep(0.06)  # noqa: ASYNC251 - held on purpose, not on CPU
+        await asyncio.sleep(0.03)
+        end = time.perf_counter() + 0.06
+        while time.perf_counter() < end:  # held, on CPU
+            pass
+        await asyncio.sleep(0.03)
+    finally:
+        watch.stop()
+    loops = [(lag, cpu) for _, kind, lag, cpu in watch.stalls if kind == "loop"]
+    assert len(loops) >= 2, watch.stalls
+    assert any(lag >= 0.05 and cpu < 0.02 for lag, cpu in loops), loops
+    assert any(lag >= 0.05 and cpu >= 0.04 for lag, cpu in loops), loops
+    assert watch.lag_max >= 0.05
+    assert watch.status()["stalls"]
+    assert watch._gc not in gc.callbacks
+
+
+async def test_loop_watch_freezes_after_growth_only() -> None:
+    """The routing table grows by ``freeze_every``: what is left after a young collection is
+    frozen (out of every later scan). Shrinking and small growth freeze nothing."""
+    size = [0]
+    watch = LoopWatch(BrokerMetrics(_gauges), size=lambda: size[0], freeze_every=100)
+    watch.start(asyncio.get_running_loop())
+    frozen_before = gc.get_freeze_count()
+    try:
+        size[0] = 99
+        await asyncio.sleep(0.03)
+        assert watch.freezes == 0
+        size[0] = 150
+        await asyncio.sleep(0.03)
+        assert watch.freezes == 1 and gc.get_freeze_count() >= frozen_before
+        size[0] = 20  # unsubscribed: growth counts from here
+        await asyncio.sleep(0.03)
+        size[0] = 110
+        await asyncio.sleep(0.03)
+        assert watch.freezes == 1
+        size[0] = 120
+        await asyncio.sleep(0.03)
+        assert watch.freezes == 2
+    finally:
+        watch.stop()
+        gc.unfreeze()  # the test process's objects go back to the collector
