@@ -272,6 +272,10 @@ class Session:
         self.by_sub_id: dict[str, str] = {}  # sub id -> pattern
         self._next_sub = 0
         self._next_packet_id = 0
+        # The broker ended our client (``_forward`` saw it). The packet being handled, if any,
+        # still gets its answer (a SUBACK saying what was refused) before the connection ends.
+        self._client_gone = False
+        self._handling = False
 
     def send(self, packet: bytes) -> None:
         self.writer.write(packet if self.version == V5 else downgrade(packet))
@@ -288,9 +292,15 @@ class Session:
                     self._refuse(mqtt5.DisconnectReasonCode.PACKET_TOO_LARGE, str(exc))
                     await self.writer.drain()
                     raise
-                if not await self._handle(first, body):
-                    return
+                self._handling = True
+                try:
+                    if not await self._handle(first, body):
+                        return
+                finally:
+                    self._handling = False
                 await self.writer.drain()
+                if self._client_gone:
+                    return
         finally:
             forwarding.cancel()
             with contextlib.suppress(asyncio.CancelledError, ClientError, ConnectionError):
@@ -424,7 +434,9 @@ class Session:
                 out = mqtt5.PublishPacket(topic, payload, qos=mqtt5.QoS(qos), packet_id=packet_id)
                 self.send(out.write())
             await self.writer.drain()
-        self.writer.close()  # the broker ended our client: the MQTT client sees it
+        self._client_gone = True
+        if not self._handling:  # else the handler answers first, then the connection ends
+            self.writer.close()  # the broker ended our client: the MQTT client sees it
 
 
 class MqttGateway:
