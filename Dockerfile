@@ -16,10 +16,15 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# A C compiler for the compiled core (setup.py: mypyc); it stays in this stage. Every
+# dependency ships as a wheel for CPython 3.11 on Linux.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+COPY pyproject.toml setup.py README.md ./
 COPY broker_image ./broker_image
 COPY operator ./operator
-# Every dependency ships as a wheel for CPython 3.11 on Linux: no build tools are needed.
 RUN python -m venv --without-pip /opt/canopy \
     && python -m pip --python /opt/canopy/bin/python install --no-cache-dir .
 

@@ -18,6 +18,9 @@ need_apt=()
 if ! command -v java >/dev/null 2>&1; then
     need_apt+=(openjdk-17-jre-headless)
 fi
+if ! command -v cc >/dev/null 2>&1; then
+    need_apt+=(gcc libc6-dev)  # the compiled core (setup.py); without it the core runs as Python
+fi
 if ! command -v nats-server >/dev/null 2>&1; then
     need_apt+=(nats-server)
 fi
@@ -41,7 +44,10 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.canopy-installed
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $EXTRAS"
+# The compiled core (setup.py) is rebuilt when its sources change, not only the dependencies.
+want="$(cat pyproject.toml setup.py scripts/setup.sh broker_image/canopy_broker/core/events.py \
+    broker_image/canopy_broker/core/filters.py broker_image/canopy_broker/core/matching.py \
+    | sha256sum | cut -d' ' -f1) $EXTRAS"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "[setup] installing canopy[$EXTRAS] into .venv (first time takes a minute)" >&2
     .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel

@@ -236,3 +236,14 @@ def test_the_build_context_is_small() -> None:
     copied = {c.split()[0] for s in parse(DOCKERFILE.read_text()).values() for c in s.all("COPY")}
     allowed = {"pyproject.toml", "broker_image", "operator"}
     assert {c for c in copied if not c.startswith("--from")} <= allowed
+
+
+def test_the_images_ship_the_compiled_core(stages: dict[str, Stage]) -> None:
+    """The build stage has a C compiler and setup.py (mypyc compiles the core's matching);
+    the final stages copy its venv and hold no compiler (checked above)."""
+    build = stages["build"]
+    runs = " ".join(build.all("RUN"))
+    assert re.search(r"apt-get install[^&]*\bgcc\b", runs), runs
+    assert any("setup.py" in c for c in build.all("COPY")), build.all("COPY")
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "!setup.py" in ignore and "**/*.so" in ignore

@@ -273,7 +273,7 @@ def parse_filter(text: str) -> Filter:
 
     while True:
         attr_tok = want("an attribute name")
-        if attr_tok.kind != "word" or attr_tok.text in ("and", "exists", *_WORD_OPS):
+        if attr_tok.kind != "word" or attr_tok.text in {"and", "exists", *_WORD_OPS}:
             raise FilterError(
                 f"expected an attribute name at column {attr_tok.col}, got {attr_tok.text!r}"
             )

@@ -36,6 +36,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from canopy_broker import core_build
 from canopy_broker.core.broker import BrokerCore, CoreFailedError, ProtocolError
 from canopy_broker.core.events import Event
 from canopy_broker.core.messages import (
@@ -285,13 +286,14 @@ class Broker:
         self.tasks.spawn(self._acknowledge(), "publish acks", forever=True)
         self._update_placement()
         log.info(
-            "broker %s listening on %s:%d%s (%s)",
+            "broker %s listening on %s:%d%s (%s; core %s)",
             self.name,
             *self.address,
             f", links on {self.link_address[0]}:{self.link_address[1]}"
             if self.link_address
             else "",
             "TLS" if self.secure else "PLAINTEXT: no TLS, no authentication",
+            core_build(),
         )
 
     @property
@@ -1099,6 +1101,7 @@ class Broker:
         return {
             "name": self.name,
             "routing": self.core.mode.value,
+            "core": core_build(),  # "compiled" (mypyc, setup.py) or "pure-python"
             "incarnation": self.incarnation,
             "address": f"{self.address[0]}:{self.address[1]}" if self.address else None,
             "advertised": self.advertised,

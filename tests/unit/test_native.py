@@ -1,0 +1,143 @@
+"""The compiled core (mypyc, setup.py) against its pure-Python reference.
+
+The whole suite runs on whatever the install built (compiled where a C compiler was there);
+here the same inputs go through both, in two processes (``CANOPY_PURE_PYTHON=1`` loads the
+sources), and their answers must be identical. Also: the build is really in use, and a stale
+extension is never run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import canopy_broker
+from canopy_broker import COMPILED, PURE_ENV, core_build
+
+# Random filters over a few attributes (every operator, all value kinds), random events; what
+# each filter is, how it sorts, what it matches, covers, and what the index returns.
+PROBE = r"""
+import json, random, sys
+import canopy_broker
+from canopy_broker.core.filters import Filter, FilterError
+from canopy_broker.core.matching import IndexedMatcher
+from canopy_broker.core.routing import dominates
+from canopy_broker.core.messages import RouteKey
+
+rng = random.Random(20261125)
+attrs = ["a", "b", "s", "t"]
+ops = ["=", "<>", "<", "<=", ">", ">=", "prefix", "suffix", "contains", "exists"]
+def value(attr):
+    if attr in ("s", "t"):
+        return '"' + rng.choice(["ab", "abc", "b", "bc", "", "zz"]) + '"'
+    return str(rng.choice([0, 1, 2, 3, 2.5, -1, 10]))
+texts = []
+for _ in range(400):
+    parts = []
+    for _ in range(rng.randint(1, 3)):
+        attr, op = rng.choice(attrs), rng.choice(ops)
+        parts.append(f"{attr} exists" if op == "exists" else f"{attr} {op} {value(attr)}")
+    texts.append(" and ".join(parts))
+texts += ["true", "a = 1 and a = 2", "s prefix \"a\" and s suffix \"c\"", "a < 1 and a > 2"]
+out = {"build": canopy_broker.core_build(), "filters": [], "matches": [], "covers": []}
+filters = []
+for t in texts:
+    try:
+        f = Filter.parse(t)
+    except FilterError as exc:
+        out["filters"].append(["error", str(exc)])
+        continue
+    filters.append(f)
+    out["filters"].append([str(f), repr(f.sort_key())])
+index = IndexedMatcher()
+for i, f in enumerate(filters):
+    index.add(f, i)
+def event():
+    e = {}
+    for attr in attrs:
+        if rng.random() < 0.7:
+            text = attr in ("s", "t")
+            e[attr] = rng.choice(["ab", "abc", "b", ""] if text else [0, 1, 2, 2.5, 3, 11])
+    return e
+for _ in range(300):
+    e = event()
+    direct = sorted(i for i, f in enumerate(filters) if f.matches(e))
+    out["matches"].append([direct, sorted(index.match_payloads(e))])
+keys = [RouteKey(f) for f in filters[:120]]
+out["covers"] = [[i, j] for i, g in enumerate(keys) for j, h in enumerate(keys) if dominates(g, h)]
+json.dump(out, sys.stdout)
+"""
+
+
+def _probe(pure: bool) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if k != PURE_ENV}
+    if pure:
+        env[PURE_ENV] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result: dict[str, object] = json.loads(done.stdout)
+    return result
+
+
+def test_the_compiled_core_answers_as_the_pure_python_reference() -> None:
+    pure, default = _probe(pure=True), _probe(pure=False)
+    assert pure["build"] == "pure-python"
+    assert default["build"] == core_build()
+    assert pure["filters"] == default["filters"]
+    assert pure["matches"] == default["matches"]
+    assert pure["covers"] == default["covers"]
+    # The probe is not vacuous: filters parse, events match, some keys cover others, and the
+    # index agrees with testing every filter.
+    valid = [f for f in pure["filters"] if f[0] != "error"]  # type: ignore[attr-defined]
+    assert len(valid) > 200 and len(valid) < len(pure["filters"])  # type: ignore[arg-type]
+    assert all(direct == indexed for direct, indexed in pure["matches"])  # type: ignore[union-attr]
+    assert sum(bool(direct) for direct, _ in pure["matches"]) > 100  # type: ignore[union-attr]
+    assert len(pure["covers"]) > 500  # type: ignore[arg-type]
+
+
+def test_the_build_is_in_use() -> None:
+    """Setup compiles the core (a C compiler is among what it installs): the tests run on the
+    compiled modules unless the pure-Python reference was asked for."""
+    if os.environ.get(PURE_ENV) == "1":
+        assert core_build() == "pure-python"
+        return
+    assert core_build() == "compiled", [sys.modules[m].__file__ for m in COMPILED]
+
+
+def test_a_stale_extension_sends_every_compiled_module_back_to_its_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An extension older than its source (the source was edited since the build) is never
+    loaded; nor, then, any other compiled module (they call each other natively)."""
+    core = tmp_path / "core"
+    core.mkdir()
+    suffix = ".cpython-311-x86_64-linux-gnu.so"
+    monkeypatch.setattr(canopy_broker, "_HERE", tmp_path)
+    monkeypatch.setattr(canopy_broker.importlib.machinery, "EXTENSION_SUFFIXES", [suffix])
+    monkeypatch.delenv(PURE_ENV, raising=False)
+    for name in ("events", "filters", "matching"):
+        (core / f"{name}{suffix}").write_bytes(b"")
+        (core / f"{name}.py").write_text("")
+        os.utime(core / f"{name}{suffix}", (2_000_000, 2_000_000))
+        os.utime(core / f"{name}.py", (1_000_000, 1_000_000))
+    assert not canopy_broker._use_source()
+    os.utime(core / "filters.py", (3_000_000, 3_000_000))  # edited after the build
+    assert canopy_broker._use_source()
+    spec = canopy_broker._SourceFirst().find_spec("canopy_broker.core.matching", None)
+    assert spec is not None and spec.origin == str(core / "matching.py")
+    assert canopy_broker._SourceFirst().find_spec("canopy_broker.core.routing", None) is None
+    os.utime(core / "filters.py", (1_000_000, 1_000_000))
+    monkeypatch.setenv(PURE_ENV, "1")
+    assert canopy_broker._use_source()
