@@ -131,3 +131,28 @@ async def test_loop_watch_freezes_after_growth_only() -> None:
     finally:
         watch.stop()
         gc.unfreeze()  # the test process's objects go back to the collector
+
+
+async def test_loop_watch_thaws_once_the_table_stops_growing() -> None:
+    """Frozen objects go back to the collector ``thaw_after`` seconds after the last freeze, so
+    cycles that died meanwhile (closed connections) are freed; growth postpones it."""
+    size = [0]
+    watch = LoopWatch(
+        BrokerMetrics(_gauges), size=lambda: size[0], freeze_every=100, thaw_after=0.1
+    )
+    watch.start(asyncio.get_running_loop())
+    try:
+        size[0] = 100
+        await asyncio.sleep(0.05)
+        assert watch.freezes == 1 and watch.thaws == 0 and gc.get_freeze_count() > 0
+        size[0] = 200  # still growing: frozen again, the thaw waits
+        await asyncio.sleep(0.05)
+        assert watch.freezes == 2 and watch.thaws == 0
+        await asyncio.sleep(0.15)
+        assert watch.thaws == 1 and gc.get_freeze_count() == 0
+        assert watch.status()["gc_thaws"] == 1
+        await asyncio.sleep(0.15)
+        assert watch.thaws == 1  # nothing frozen since: nothing to thaw
+    finally:
+        watch.stop()
+        gc.unfreeze()

@@ -283,17 +283,22 @@ class LoopWatch:
     ``size()`` (the routing table) has grown by ``freeze_every`` entries since the last time,
     the young generations are collected (their garbage freed, a few ms) and everything left is
     frozen (``gc.freeze``: moved where no collection looks, in constant time). The price: a
-    cycle that was alive in the old generation then and dies later is never freed; only growth
-    of the table freezes, so that is bounded by what dies during bulk installs.
+    cycle that was alive then and dies later (a connection closed since, say) is not freed while
+    frozen. So once the table has stopped growing for ``thaw_after`` seconds, everything is
+    unfrozen (``gc.unfreeze``): the collector sees it all again and its next full collection
+    frees what died meanwhile, one pause after a bulk install rather than one per thousand
+    entries. Repeated connect-subscribe-leave cannot pile up garbage for longer than that.
     """
 
     def __init__(
         self,
         metrics: BrokerMetrics,
+        *,
         interval: float = 0.01,
         keep: int = 256,
         size: Callable[[], int] | None = None,
         freeze_every: int = 1000,
+        thaw_after: float = 600.0,
     ) -> None:
         self.metrics = metrics
         self.interval = interval
@@ -301,6 +306,9 @@ class LoopWatch:
         self.freeze_every = freeze_every
         self.frozen_at = size() if size is not None else 0
         self.freezes = 0
+        self.thaw_after = thaw_after
+        self.thaws = 0
+        self._frozen_since: float | None = None  # loop time of our last freeze, until a thaw
         self.lag_max = 0.0
         self.busy_max = 0.0  # the CPU part of the longest stall in CPU
         self.gc_pause_max = 0.0
@@ -340,9 +348,14 @@ class LoopWatch:
             gc.freeze()
             self.frozen_at = self.size()
             self.freezes += 1
+            self._frozen_since = now
             cpu = time.process_time()  # the collection is this tick's, not the next one's lag
         elif self.size is not None:
             self.frozen_at = min(self.frozen_at, self.size())  # shrank: growth counts from here
+            if self._frozen_since is not None and now - self._frozen_since >= self.thaw_after:
+                gc.unfreeze()
+                self._frozen_since = None
+                self.thaws += 1
         self._cpu = cpu
         self._due = now + self.interval
         self._handle = self._loop.call_at(self._due, self._tick)
@@ -367,6 +380,7 @@ class LoopWatch:
             "busy_max_s": round(self.busy_max, 4),
             "gc_pause_max_s": round(self.gc_pause_max, 4),
             "gc_freezes": self.freezes,
+            "gc_thaws": self.thaws,
             "stalls": [
                 [round(t, 3), kind, round(d, 4), round(c, 4)] for t, kind, d, c in self.stalls
             ],
