@@ -7,7 +7,7 @@ imports the core:
 
 * ``CANOPY_PURE_PYTHON=1``: the pure-Python reference, which the compiled modules are tested
   against (tests/unit/test_native.py) and which a user can fall back to;
-* an extension older than its source (the source was edited since the install): running stale
+* an extension older than its source by more than a minute (edited since the install): stale
   compiled code would be wrong, so the sources win (all of them) until setup builds again
   (``make setup`` does when they change).
 
@@ -31,6 +31,9 @@ COMPILED = (
     "canopy_broker.core.matching",
 )
 PURE_ENV = "CANOPY_PURE_PYTHON"
+STALE_AFTER = 60.0
+"""Seconds a source may be newer than its extension and still count as built with it: pip
+installing a wheel writes both at install time, in no set order; an edit comes later."""
 _HERE = Path(__file__).resolve().parent
 
 
@@ -54,8 +57,10 @@ def _use_source() -> bool:
     for name in COMPILED:
         src = _source(name)
         built = _extensions(src)
-        if built and src.exists() and min(p.stat().st_mtime for p in built) < src.stat().st_mtime:
-            return True
+        if built and src.exists():
+            newest_source_edit = src.stat().st_mtime - STALE_AFTER
+            if min(p.stat().st_mtime for p in built) < newest_source_edit:
+                return True
     return False
 
 

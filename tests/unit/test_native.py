@@ -133,6 +133,8 @@ def test_a_stale_extension_sends_every_compiled_module_back_to_its_source(
         os.utime(core / f"{name}{suffix}", (2_000_000, 2_000_000))
         os.utime(core / f"{name}.py", (1_000_000, 1_000_000))
     assert not canopy_broker._use_source()
+    os.utime(core / "filters.py", (2_000_010, 2_000_010))  # written just after (a wheel install)
+    assert not canopy_broker._use_source()
     os.utime(core / "filters.py", (3_000_000, 3_000_000))  # edited after the build
     assert canopy_broker._use_source()
     spec = canopy_broker._SourceFirst().find_spec("canopy_broker.core.matching", None)
