@@ -305,6 +305,9 @@ class Session:
             forwarding.cancel()
             with contextlib.suppress(asyncio.CancelledError, ClientError, ConnectionError):
                 await forwarding
+            # Ended: the MQTT client learns it now (its answers are written), not once the
+            # Canopy client has finished closing, which may take seconds.
+            self.writer.close()
 
     async def _handle(self, first: int, body: bytes) -> bool:
         """One packet from the client; False when the connection is to end."""
