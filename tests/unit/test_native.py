@@ -143,3 +143,19 @@ def test_a_stale_extension_sends_every_compiled_module_back_to_its_source(
     os.utime(core / "filters.py", (1_000_000, 1_000_000))
     monkeypatch.setenv(PURE_ENV, "1")
     assert canopy_broker._use_source()
+
+
+def test_the_compiled_modules_are_named_alike_everywhere() -> None:
+    """Three places list them: setup.py compiles them, the finder above guards them, and
+    setup.sh rebuilds when they change. A module missing from one would be compiled and never
+    checked for staleness, or edited without a rebuild."""
+    root = Path(__file__).resolve().parents[2]
+    paths = [f"broker_image/{name.replace('.', '/')}.py" for name in COMPILED]
+    setup_py = (root / "setup.py").read_text()
+    setup_sh = (root / "scripts" / "setup.sh").read_text()
+    listed = setup_py[
+        setup_py.index("COMPILED = [") : setup_py.index("]", setup_py.index("COMPILED = ["))
+    ]
+    assert sorted(p for p in paths if f'"{p}"' in listed) == sorted(paths)
+    assert listed.count('.py"') == len(paths)
+    assert all(p in setup_sh for p in paths)

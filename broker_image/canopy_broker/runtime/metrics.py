@@ -343,22 +343,28 @@ class LoopWatch:
             busy = min(lag, max(0.0, cpu - self._cpu - self.interval))
             self.busy_max = max(self.busy_max, busy)
             self.stalls.append((time.time(), "loop", lag, busy))
-        if self.size is not None and self.size() - self.frozen_at >= self.freeze_every:
-            gc.collect(1)
-            gc.freeze()
-            self.frozen_at = self.size()
-            self.freezes += 1
-            self._frozen_since = now
+        if self.size is not None and self._freeze_or_thaw(now, self.size()):
             cpu = time.process_time()  # the collection is this tick's, not the next one's lag
-        elif self.size is not None:
-            self.frozen_at = min(self.frozen_at, self.size())  # shrank: growth counts from here
-            if self._frozen_since is not None and now - self._frozen_since >= self.thaw_after:
-                gc.unfreeze()
-                self._frozen_since = None
-                self.thaws += 1
         self._cpu = cpu
         self._due = now + self.interval
         self._handle = self._loop.call_at(self._due, self._tick)
+
+    def _freeze_or_thaw(self, now: float, size: int) -> bool:
+        """Freeze after ``freeze_every`` entries of growth, thaw ``thaw_after`` seconds after
+        the last freeze; True when it collected (and so took time of this tick)."""
+        if size - self.frozen_at >= self.freeze_every:
+            gc.collect(1)
+            gc.freeze()
+            self.frozen_at = size
+            self.freezes += 1
+            self._frozen_since = now
+            return True
+        self.frozen_at = min(self.frozen_at, size)  # shrank: growth counts from here
+        if self._frozen_since is not None and now - self._frozen_since >= self.thaw_after:
+            gc.unfreeze()
+            self._frozen_since = None
+            self.thaws += 1
+        return False
 
     def _gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
