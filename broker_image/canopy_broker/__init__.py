@@ -29,6 +29,7 @@ COMPILED = (
     "canopy_broker.core.events",
     "canopy_broker.core.filters",
     "canopy_broker.core.matching",
+    "canopy_broker.core.tables",
 )
 PURE_ENV = "CANOPY_PURE_PYTHON"
 STALE_AFTER = 60.0

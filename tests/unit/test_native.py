@@ -20,7 +20,8 @@ import canopy_broker
 from canopy_broker import COMPILED, PURE_ENV, core_build
 
 # Random filters over a few attributes (every operator, all value kinds), random events; what
-# each filter is, how it sorts, what it matches, covers, and what the index returns.
+# each filter is, how it sorts, what it matches, covers, and what the index returns; and the
+# sharded tables through random additions and removals.
 PROBE = r"""
 import json, random, sys
 import canopy_broker
@@ -70,6 +71,17 @@ for _ in range(300):
     out["matches"].append([direct, sorted(index.match_payloads(e))])
 keys = [RouteKey(f) for f in filters[:120]]
 out["covers"] = [[i, j] for i, g in enumerate(keys) for j, h in enumerate(keys) if dominates(g, h)]
+from canopy_broker.core.tables import ShardedDict, ShardedSet
+table, mapping, said = ShardedSet(), ShardedDict(), []
+for step in range(20000):  # past the split and back (tables.SPLIT_AT)
+    k = rng.randrange(3000)
+    if rng.random() < (0.7 if step < 10000 else 0.3):
+        said.append(table.add(k))
+        mapping[k] = step
+    else:
+        said.append(table.discard(k))
+        said.append(mapping.pop(k) if k in mapping else None)
+out["tables"] = [said, sorted(table), sorted(mapping.items())]
 json.dump(out, sys.stdout)
 """
 
@@ -98,6 +110,7 @@ def test_the_compiled_core_answers_as_the_pure_python_reference() -> None:
     assert pure["filters"] == default["filters"]
     assert pure["matches"] == default["matches"]
     assert pure["covers"] == default["covers"]
+    assert pure["tables"] == default["tables"]
     # The probe is not vacuous: filters parse, events match, some keys cover others, and the
     # index agrees with testing every filter.
     valid = [f for f in pure["filters"] if f[0] != "error"]  # type: ignore[attr-defined]

@@ -28,6 +28,11 @@ class Kind(Enum):
     STRING = "string"
     BOOL = "bool"
 
+    # Members are singletons compared by identity, so identity is a correct hash, and a C one:
+    # Enum's own hashes the name in Python code, and (attribute, kind, value) and operator
+    # keys are hashed on every event and every route update.
+    __hash__ = object.__hash__
+
 
 def kind_of(value: object) -> Kind | None:
     """Return the kind of a scalar, or ``None`` if it is not an allowed attribute value."""

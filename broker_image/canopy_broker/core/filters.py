@@ -44,6 +44,11 @@ class Op(Enum):
     CONTAINS = "contains"
     EXISTS = "exists"
 
+    # Members are singletons compared by identity, so identity is a correct hash, and a C one:
+    # Enum's own hashes the name in Python code, and (attribute, kind, value) and operator
+    # keys are hashed on every event and every route update.
+    __hash__ = object.__hash__
+
 
 RANGE_OPS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE})
 STRING_OPS = frozenset({Op.PREFIX, Op.SUFFIX, Op.CONTAINS})
@@ -159,6 +164,9 @@ class Filter:
     _tests: tuple[tuple[str, Callable[[Value], bool]], ...] = field(
         default=(), compare=False, repr=False
     )
+    # Memo of cover_profile(): on the filter rather than in a cache table, because a table of
+    # every filter routed would grow (and rehash in one go) with the subscriptions.
+    _profile: CoverProfile | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         canon = tuple(sorted(set(self.constraints), key=Constraint.sort_key))
@@ -509,7 +517,6 @@ def _pin(cs: tuple[Constraint, ...]) -> tuple[Kind, Value] | None:
     return None
 
 
-@lru_cache(maxsize=1 << 18)
 def cover_profile(f: Filter) -> CoverProfile:
     """Necessary conditions for covering, as set membership, so routing can index filters.
 
@@ -525,7 +532,18 @@ def cover_profile(f: Filter) -> CoverProfile:
     Pins are taken only from attributes whose own constraints are satisfiable, which keeps both
     statements true for an unsatisfiable ``g`` too. An unsatisfiable ``h`` is covered by every
     filter, so indexes keep those apart.
+
+    Computed once per filter object and kept on it: routing asks for it on every question.
     """
+    memo = f._profile
+    if memo is not None:
+        return memo
+    profile = _profile(f)
+    object.__setattr__(f, "_profile", profile)
+    return profile
+
+
+def _profile(f: Filter) -> CoverProfile:
     pins: list[Pin] = []
     ok = True
     for attr in f.attrs:

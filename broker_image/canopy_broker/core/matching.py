@@ -26,6 +26,7 @@ from typing import Generic, TypeVar
 
 from canopy_broker.core.events import Kind, Value, kind_of
 from canopy_broker.core.filters import Constraint, Filter, Op
+from canopy_broker.core.tables import ShardedDict
 
 P = TypeVar("P", bound=Hashable)
 
@@ -82,10 +83,12 @@ class IndexedMatcher(Generic[P]):
     """Maps filters to payloads (e.g. destinations) and finds the payloads an event matches."""
 
     def __init__(self) -> None:
-        self._payloads: dict[Filter, dict[P, int]] = {}
+        # The tables that grow with the filters are sharded (core/tables.py): no single
+        # subscription pays for rehashing them all.
+        self._payloads: ShardedDict[Filter, dict[P, int]] = ShardedDict()
         self._always: list[Filter] = []
-        self._eq: dict[tuple[str, Kind, Value], list[Filter]] = {}
-        self._affix: dict[tuple[Op, str, str], list[Filter]] = {}
+        self._eq: ShardedDict[tuple[str, Kind, Value], list[Filter]] = ShardedDict()
+        self._affix: ShardedDict[tuple[Op, str, str], list[Filter]] = ShardedDict()
         self._affix_lengths: dict[tuple[Op, str], dict[int, int]] = {}
         self._ranges: dict[tuple[Op, str, Kind], _Sorted] = {}
         self._by_attr: dict[str, list[Filter]] = {}
@@ -260,9 +263,15 @@ def _toggle(items: list[Filter], f: Filter, add: bool) -> None:
         items.remove(f)
 
 
-def _toggle_in(table: dict[_K, list[Filter]], key: _K, f: Filter, add: bool) -> None:
+def _toggle_in(
+    table: dict[_K, list[Filter]] | ShardedDict[_K, list[Filter]], key: _K, f: Filter, add: bool
+) -> None:
     if add:
-        table.setdefault(key, []).append(f)
+        items = table.get(key)
+        if items is None:
+            table[key] = [f]
+        else:
+            items.append(f)
         return
     items = table[key]
     items.remove(f)

@@ -27,7 +27,7 @@ overhead, which the checker reports rather than hides.
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Collection
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
@@ -83,7 +83,7 @@ class PathHost(Protocol):
     ignore: dict[str, dict[str, set[RouteKey]]]
 
 
-def _keys(ks: Set[RouteKey]) -> tuple[RouteKey, ...]:
+def _keys(ks: Collection[RouteKey]) -> tuple[RouteKey, ...]:
     return tuple(sorted(ks, key=RouteKey.sort_key))
 
 
@@ -161,7 +161,7 @@ def _head_step(core: PathHost, msg: RecMsg, i: int, prev: str, out: list[Effect]
         out.append(SendToPeer(nxt, RecMsg(xid, path, k, msg.p_add)))
         return
     new_next = routing.wanted_by(nxt)
-    p_del_next = frozenset(routing.advertised_to(nxt) - new_next)
+    p_del_next = frozenset(k for k in routing.advertised_to(nxt) if k not in new_next)
     routing.set_advertised(nxt, new_next)
     core.ignore.setdefault(nxt, {})[xid] = set(msg.p_add)
     out.append(SendToLink(nxt, RecMsg(xid, path, k, msg.p_add, _keys(p_del_next))))

@@ -32,7 +32,7 @@ rewrite tables around it; they reconcile it explicitly when they unfreeze it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Set
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -48,6 +48,7 @@ from canopy_broker.core.messages import (
     Subscribe,
     Unsubscribe,
 )
+from canopy_broker.core.tables import SPLIT_AT, ShardedDict, ShardedSet
 
 __all__ = [
     "CoverIndex",
@@ -91,6 +92,7 @@ def client_key(mode: RoutingMode, client: str, sub_id: str, f: Filter) -> RouteK
 # --------------------------------------------------------------------------- the covering index
 
 _EMPTY: frozenset[RouteKey] = frozenset()
+_Bucket = set[RouteKey] | ShardedSet[RouteKey]
 
 
 class CoverIndex:
@@ -106,9 +108,10 @@ class CoverIndex:
     __slots__ = ("_buckets", "_indexed", "_keys", "_unsat")
 
     def __init__(self, keys: Iterable[RouteKey] = (), *, indexed: bool = True) -> None:
-        self._keys: set[RouteKey] = set()
+        self._keys: ShardedSet[RouteKey] = ShardedSet()
         self._indexed = indexed
-        self._buckets: dict[Slot, set[RouteKey]] = {}
+        # Most buckets hold a key or two; the few that grow large become sharded.
+        self._buckets: ShardedDict[Slot, _Bucket] = ShardedDict()
         self._unsat: set[RouteKey] = set()
         for key in keys:
             self.add(key)
@@ -123,21 +126,15 @@ class CoverIndex:
         return len(self._keys)
 
     @property
-    def keys(self) -> Set[RouteKey]:
+    def keys(self) -> Collection[RouteKey]:
         return self._keys
 
     def add(self, key: RouteKey) -> None:
-        if key in self._keys:
-            return
-        self._keys.add(key)
-        if self._indexed:
+        if self._keys.add(key) and self._indexed:
             self._file(key, add=True)
 
     def discard(self, key: RouteKey) -> None:
-        if key not in self._keys:
-            return
-        self._keys.remove(key)
-        if self._indexed:
+        if self._keys.discard(key) and self._indexed:
             self._file(key, add=False)
 
     def _file(self, key: RouteKey, *, add: bool) -> None:
@@ -152,6 +149,8 @@ class CoverIndex:
                     buckets[slot] = {key}
                 else:
                     bucket.add(key)
+                    if isinstance(bucket, set) and len(bucket) > SPLIT_AT:
+                        buckets[slot] = ShardedSet(bucket)
                 continue
             bucket = buckets[slot]
             bucket.discard(key)
@@ -182,7 +181,7 @@ class CoverIndex:
         if not p.narrow:
             return self._keys  # the match-all filter covers everything
         get = self._buckets.get
-        smallest = min((get(s) or _EMPTY for s in p.narrow), key=len)
+        smallest: Collection[RouteKey] = min((get(s) or _EMPTY for s in p.narrow), key=len)
         return [*smallest, *self._unsat] if self._unsat else smallest
 
     def dominated(self, h: RouteKey) -> bool:
@@ -232,12 +231,14 @@ class RoutingState:
     def __init__(self, mode: RoutingMode = RoutingMode.COVERING) -> None:
         self.mode = mode
         self._covering = mode is RoutingMode.COVERING
-        self._from: dict[str, set[RouteKey]] = {}
+        # The tables that grow with the subscriptions are sharded (core/tables.py) so that no
+        # single update pays for rehashing all of them.
+        self._from: dict[str, ShardedSet[RouteKey]] = {}
         self._adv: dict[str, CoverIndex] = {}
-        self._clients: dict[str, dict[str, Filter]] = {}
+        self._clients: ShardedDict[str, dict[str, Filter]] = ShardedDict()
         # How many sources (neighbours, local subscriptions) hold each key, and those keys
         # indexed for the covering questions.
-        self._holders: dict[RouteKey, int] = {}
+        self._holders: ShardedDict[RouteKey, int] = ShardedDict()
         self._held = CoverIndex(indexed=self._covering)
         self._matcher: IndexedMatcher[Dest] = IndexedMatcher()
         self._frozen: set[str] = set()
@@ -254,11 +255,11 @@ class RoutingState:
     def is_frozen(self, peer: str) -> bool:
         return peer in self._frozen
 
-    def held_from(self, peer: str) -> Set[RouteKey]:
+    def held_from(self, peer: str) -> Collection[RouteKey]:
         """The keys received from neighbour ``peer`` (read-only view)."""
         return self._from[peer]
 
-    def advertised_to(self, peer: str) -> Set[RouteKey]:
+    def advertised_to(self, peer: str) -> Collection[RouteKey]:
         return self._adv[peer].keys
 
     @property
@@ -301,7 +302,7 @@ class RoutingState:
         if peer in self._from:
             raise ProtocolError(f"link to {peer!r} exists already")
         adv = maximal(self._holders, self.mode)
-        self._from[peer] = set()
+        self._from[peer] = ShardedSet()
         self._adv[peer] = CoverIndex(adv, indexed=self._covering)
         out.extend(SendToLink(peer, Subscribe(key)) for key in _sorted(adv))
 
@@ -310,7 +311,7 @@ class RoutingState:
         reconciled; ``believed`` is what the other end already thinks it has from us."""
         if peer in self._from:
             raise ProtocolError(f"link to {peer!r} exists already")
-        self._from[peer] = set()
+        self._from[peer] = ShardedSet()
         self._adv[peer] = CoverIndex(believed, indexed=self._covering)
         self._frozen.add(peer)
 
@@ -387,13 +388,13 @@ class RoutingState:
     def learn(self, peer: str, keys: Iterable[RouteKey], out: list[Effect]) -> None:
         """Add keys to what ``peer`` holds, skipping those it already has."""
         table = self._from[peer]
-        for key in _sorted(set(keys) - table):
+        for key in _sorted({k for k in keys if k not in table}):
             self.apply(peer, Subscribe(key), out)
 
     def forget(self, peer: str, keys: Iterable[RouteKey], out: list[Effect]) -> None:
         """Drop keys from what ``peer`` holds; ``peer`` itself is not told (it knows)."""
         table = self._from[peer]
-        for key in _sorted(set(keys) & table):
+        for key in _sorted({k for k in keys if k in table}):
             table.remove(key)
             self._matcher.remove(key.filter, peer)
             self._key_removed(key, peer, out)
@@ -402,8 +403,8 @@ class RoutingState:
         """Make what ``peer`` holds exactly ``keys`` (the exchange's Done)."""
         want = set(keys)
         table = self._from[peer]
-        self.learn(peer, want - table, out)
-        for key in _sorted(table - want):
+        self.learn(peer, want, out)
+        for key in _sorted([k for k in table if k not in want]):
             self.apply(peer, Unsubscribe(key), out)
 
     # ------------------------------------------------------------------ local clients
