@@ -249,6 +249,49 @@ async def test_client_vanishing_mid_stream_harms_nobody(make_broker: MakeBroker)
         assert all(flaky.client_id not in subs for subs in [b.core.routing_table().clients])
 
 
+async def test_a_client_with_thousands_of_subscriptions_leaves_over_several_turns(
+    make_broker: MakeBroker,
+) -> None:
+    """Its subscriptions are withdrawn a budget at a time, and other clients are served in
+    between: one answer comes back while the withdrawal is still under way. An event matching
+    them meanwhile harms nothing; the neighbour ends up holding none of them; a client that
+    comes back under the same id mid-way starts clean."""
+    a, z = await make_broker("a"), await make_broker("z")
+    await link(a, z)
+    a.work_budget.seconds = 0.0  # one withdrawal per turn: the interleaving is certain
+    async with await connect(addr(a), "pub") as pub, await connect(addr(a), "steady") as steady:
+        await steady.subscribe("k = -1", sub_id="steady")
+        for leave in ("close", "abort", "come back"):
+            big = await connect(addr(a), "big")
+            await big.subscribe_many([(f"k{i}", f"k = {i}") for i in range(1000)])
+            await settled(a, z)
+            assert len(z.core.routing_table().links["a"]) == 1001
+            if leave == "close":
+                await big.close()
+            else:
+                big.abort()
+            await eventually(lambda: "big" not in a.clients)
+            held = a.core.routing_table().clients.get("big", {})
+            assert 0 < len(held) < 1000, "withdrawn at once, or not at all"
+            await pub.publish({"k": 999})  # matches a subscription being withdrawn
+            await pub.publish({"k": -1})
+            [n] = await collect(steady, 1)  # served while the withdrawal goes on
+            assert n.event.attrs == {"k": -1}
+            assert "big" in a.core.routing_table().clients, "the withdrawal was not interleaved"
+            if leave == "come back":
+                back = await connect(addr(a), "big")
+                assert a.core.routing_table().clients["big"] == {}
+                await back.subscribe("k = 5", sub_id="k5")
+                await pub.publish({"k": 5})
+                assert [m.sub_ids for m in await collect(back, 1)] == [("k5",)]
+                await back.close()
+            await eventually(lambda: "big" not in a.core.routing_table().clients)
+            await settled(a, z)
+            assert [str(k) for k in z.core.routing_table().links["a"]] == ["k = -1"]
+            assert not a.client_sessions._leaving
+    assert not a.tasks.failures
+
+
 async def test_slow_consumer_is_disconnected_and_publisher_keeps_going(
     make_broker: MakeBroker,
 ) -> None:

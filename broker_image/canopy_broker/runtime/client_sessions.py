@@ -54,6 +54,7 @@ from canopy_broker.runtime.framing import (
     F_ERROR,
     FrameError,
     FrameProtocol,
+    TurnBudget,
     check_wire_attributes,
     control_frame,
     decode_filter,
@@ -63,9 +64,13 @@ from canopy_broker.runtime.framing import (
 from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.metrics import BrokerMetrics
 from canopy_broker.runtime.security import AccessError, Policy, Principal
+from canopy_broker.runtime.tasks import TaskSet
 
 log = logging.getLogger("canopy.broker")
 _PUBLISH = frozenset((C_PUBLISH, C_REPUBLISH))
+WITHDRAW_AT = 256
+"""A leaving client with more subscriptions than this has them withdrawn over several loop
+turns (see :meth:`ClientSessions.detach`); fewer are withdrawn at once (~10 ms at most)."""
 
 
 class ClientHost(Protocol):
@@ -81,6 +86,8 @@ class ClientHost(Protocol):
     """Seconds added to a resuming client's outage: what its broker may have swallowed before
     the client noticed it was gone."""
     max_subscriptions: int
+    tasks: TaskSet
+    work_budget: TurnBudget
 
     @property
     def publishers_paused(self) -> bool: ...
@@ -126,6 +133,8 @@ class ClientSessions:
         # Draining (before a leaf is removed): the neighbour its clients are sent to.
         self.drain_target: tuple[str, str] | None = None  # (name, HOST:PORT)
         self._drained = asyncio.Event()
+        # Clients gone from ``clients`` whose subscriptions are still being withdrawn.
+        self._leaving: dict[str, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------------ attach and detach
 
@@ -142,6 +151,10 @@ class ClientSessions:
             raise FrameError(f"client_id must be a non-empty string, got {cid!r}", "bad-hello")
         if cid in self.clients:
             raise FrameError(f"client id {cid!r} is already attached here", "client-id-in-use")
+        leaving = self._leaving.pop(cid, None)
+        if leaving is not None:  # back before its old subscriptions were all withdrawn
+            leaving.cancel()
+            self._detached(cid)
         host.apply(host.core.handle(ClientAttach(cid), host.now()))
         client = Client(cid, conn, principal)
         self.clients[cid] = client
@@ -158,14 +171,45 @@ class ClientSessions:
     def detach(self, client: Client) -> None:
         """The client is gone (left, or its connection broke): withdraw its subscriptions.
         Only the connection that attached it may detach it: a late loss of an older
-        connection under the same id must not take the newer one's subscriptions with it."""
+        connection under the same id must not take the newer one's subscriptions with it.
+
+        A client holding thousands of subscriptions is withdrawn over several loop turns, each
+        within the broker's turn budget: in one go, 5,000 held the loop for ~0.2 s, and every
+        other connection and heartbeat with it. Meanwhile nothing is delivered to it (it is
+        no longer in ``clients``) and it keeps its id in the core until the last one is gone;
+        a client that comes back under that id first has the rest withdrawn at once."""
         if self.clients.get(client.id) is not client:
             return
         host = self.host
         del self.clients[client.id]
         client.pending.clear()
         host.unpressure(client)
-        host.apply(host.core.handle(ClientDetach(client.id), host.now()))
+        subs = host.core.routing.subscriptions(client.id)
+        if subs is not None and len(subs) > WITHDRAW_AT:
+            self._leaving[client.id] = host.tasks.spawn(
+                self._withdraw(client.id, list(subs)), f"withdraw {client.id}"
+            )
+        else:
+            self._detached(client.id)
+
+    async def _withdraw(self, cid: str, sub_ids: list[str]) -> None:
+        host = self.host
+        core, loop = host.core, asyncio.get_running_loop()
+        i, n = 0, len(sub_ids)
+        while i < n:
+            await asyncio.sleep(0)
+            deadline = host.work_budget.deadline(loop)
+            while i < n:  # at least one per turn, like any connection
+                sub_id = sub_ids[i]
+                i += 1
+                host.apply(core.handle(ClientUnsubscribe(cid, sub_id), host.now()))
+                if time.perf_counter() >= deadline:
+                    break
+        del self._leaving[cid]
+        self._detached(cid)
+
+    def _detached(self, cid: str) -> None:
+        self.host.apply(self.host.core.handle(ClientDetach(cid), self.host.now()))
         if self.drain_target is not None:
             self.check_drained()
 
@@ -422,7 +466,10 @@ class ClientSessions:
             "address": target[1] if target else None,
             "clients": len(self.clients),
             "unacknowledged": unacked,
-            "drained": target is not None and not self.clients and not unacked,
+            "drained": target is not None
+            and not self.clients
+            and not self._leaving
+            and not unacked,
         }
 
     def check_drained(self) -> None:
