@@ -15,7 +15,9 @@ Brokers are real processes on 127.0.0.1 (covering routing), linked as a binary t
   during the install (and during the churn);
 * **churn**: with the table full, a publisher on the root sends ``--rate`` events/s while another
   client subscribes and unsubscribes as fast as acknowledgements come back for ``--churn-seconds``;
-  a steady subscriber counts what it received against what was published (must be all).
+  a steady subscriber counts what it received against what was published (must be all);
+* **leave**: the subscribing clients close, each holding thousands of subscriptions; the
+  figure is the time until no broker holds any of them, and the longest stall meanwhile.
 
 Progress goes to stderr; with ``--json`` the last stdout line is one JSON object.
 """
@@ -139,6 +141,25 @@ async def install(
     return result
 
 
+async def leave(overlay: Overlay, clients: Sequence[Client]) -> dict[str, Any]:
+    """Every subscribing client closes at once; its broker withdraws what it held and the
+    withdrawals travel the tree (the tables were empty before the install)."""
+    held = sum(len(c.subscriptions) for c in clients)
+    since = time.time()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(c.close() for c in clients))
+    while any((await _table_sizes(overlay)).values()):
+        if time.perf_counter() - t0 > 900:
+            raise RuntimeError(
+                f"after 900 s tables still hold entries: {await _table_sizes(overlay)}"
+            )
+        await asyncio.sleep(0.05)
+    took = time.perf_counter() - t0
+    stalls = await _stalls(overlay, since)
+    progress(f"leave: {held:,} withdrawn from every routing table in {took:.2f}s; {_said(stalls)}")
+    return {"subscriptions": held, "withdrawn_everywhere_s": round(took, 3), **stalls}
+
+
 async def churn(
     overlay: Overlay, root: str, other: str, rate: float, seconds: float
 ) -> dict[str, Any]:
@@ -236,14 +257,16 @@ async def run(
         churned.update(stalls)
         progress(f"churn: {_said(stalls)}")
         shown.advance("bench subscriptions", "churn")
-        for c in clients:  # before the brokers stop: a stopping broker would make them fail over
-            await c.close()
+        # Before the brokers stop: a stopping broker would make them fail over.
+        left = await leave(overlay, clients)
+        shown.advance("bench subscriptions", "leave")
     return {
         "brokers": brokers,
         "clients": n_clients,
         "routing": "covering",
         "install": results,
         "churn": churned,
+        "leave": left,
     }
 
 
@@ -266,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_args(args: argparse.Namespace) -> int:
     """Run with arguments parsed by :func:`add_arguments` (``canopy bench subscriptions``)."""
     counts = [int(c) for c in str(args.counts).split(",") if c.strip()]
-    with shown.showing("bench subscriptions", len(counts) + 1):
+    with shown.showing("bench subscriptions", len(counts) + 2):
         result = asyncio.run(
             run(
                 args.brokers,

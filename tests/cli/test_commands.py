@@ -344,14 +344,15 @@ def test_plan_rejects_an_invalid_spec_by_name(tmp_path: Path) -> None:
 @pytest.mark.integration
 def test_bench_subscriptions_measures_and_loses_nothing_under_churn() -> None:
     """A small run of the real benchmark: the figures are there, every broker's table got the
-    subscriptions, and the steady subscriber received every event published during churn."""
+    subscriptions, the steady subscriber received every event published during churn, and
+    when the subscribers leave every table empties."""
     result = canopy(
         "bench",
         "subscriptions",
         "--brokers",
         "4",
         "--counts",
-        "300,600",
+        "300,900",
         "--batch",
         "100",
         "--clients",
@@ -366,7 +367,7 @@ def test_bench_subscriptions_measures_and_loses_nothing_under_churn() -> None:
     data = last_json(result.stdout)
     installs = data["install"]
     assert isinstance(installs, list)
-    assert [r["subscriptions"] for r in installs] == [300, 600] and data["clients"] == 4
+    assert [r["subscriptions"] for r in installs] == [300, 900] and data["clients"] == 4
     for r in installs:
         assert 0 < r["acknowledged_s"] <= r["installed_everywhere_s"]
         # Stalls as the brokers measured them (none over 10 ms is possible in a small run).
@@ -378,6 +379,8 @@ def test_bench_subscriptions_measures_and_loses_nothing_under_churn() -> None:
     assert isinstance(churn, dict)
     assert churn["churn_pairs_per_s"] > 0
     assert churn["received_by_steady_subscriber"] == churn["published"] > 0
+    # 300 per client: past WITHDRAW_AT, so each broker withdraws over several loop turns.
+    assert data["leave"]["subscriptions"] == 1200 and data["leave"]["withdrawn_everywhere_s"] > 0
 
 
 def test_bench_faults_reports_repair_time_and_no_losses() -> None:

@@ -233,7 +233,10 @@ class RoutingState:
         self._covering = mode is RoutingMode.COVERING
         # The tables that grow with the subscriptions are sharded (core/tables.py) so that no
         # single update pays for rehashing all of them.
-        self._from: dict[str, ShardedSet[RouteKey]] = {}
+        # Keys held from each neighbour, each mapped to itself: a withdrawal arrives as an equal
+        # but new object, and the stored one is what the rest of the state uses (its filter
+        # carries the memoised cover profile; lookups then hit on identity).
+        self._from: dict[str, ShardedDict[RouteKey, RouteKey]] = {}
         self._adv: dict[str, CoverIndex] = {}
         self._clients: ShardedDict[str, dict[str, Filter]] = ShardedDict()
         # How many sources (neighbours, local subscriptions) hold each key, and those keys
@@ -302,7 +305,7 @@ class RoutingState:
         if peer in self._from:
             raise ProtocolError(f"link to {peer!r} exists already")
         adv = maximal(self._holders, self.mode)
-        self._from[peer] = ShardedSet()
+        self._from[peer] = ShardedDict()
         self._adv[peer] = CoverIndex(adv, indexed=self._covering)
         out.extend(SendToLink(peer, Subscribe(key)) for key in _sorted(adv))
 
@@ -311,7 +314,7 @@ class RoutingState:
         reconciled; ``believed`` is what the other end already thinks it has from us."""
         if peer in self._from:
             raise ProtocolError(f"link to {peer!r} exists already")
-        self._from[peer] = ShardedSet()
+        self._from[peer] = ShardedDict()
         self._adv[peer] = CoverIndex(believed, indexed=self._covering)
         self._frozen.add(peer)
 
@@ -377,11 +380,11 @@ class RoutingState:
         table = self._from[peer]
         key = msg.key
         if isinstance(msg, Subscribe):
-            table.add(key)
+            table[key] = key
             self._matcher.add(key.filter, peer)
             self._key_added(key, peer, out)
         else:
-            table.remove(key)
+            key = table.pop(key)
             self._matcher.remove(key.filter, peer)
             self._key_removed(key, peer, out)
 
@@ -394,8 +397,8 @@ class RoutingState:
     def forget(self, peer: str, keys: Iterable[RouteKey], out: list[Effect]) -> None:
         """Drop keys from what ``peer`` holds; ``peer`` itself is not told (it knows)."""
         table = self._from[peer]
-        for key in _sorted({k for k in keys if k in table}):
-            table.remove(key)
+        for key in _sorted({table[k] for k in keys if k in table}):
+            table.pop(key)
             self._matcher.remove(key.filter, peer)
             self._key_removed(key, peer, out)
 
