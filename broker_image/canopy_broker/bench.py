@@ -35,6 +35,7 @@ from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Constraint, Filter, Op
 from canopy_broker.core.matching import IndexedMatcher, ScanMatcher
 from canopy_broker.procs import Overlay, process_cpu_seconds
+from canopy_broker.runtime import eventloop
 
 N_SUBSCRIBERS = 50
 FILTERS_PER_SUBSCRIBER = 20
@@ -560,7 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     tune_gc()  # the subscribers here are measured too: same GC settings as the brokers
     with shown.showing("bench dataplane", 4):  # matching, serialisers, 1 broker, chain of 3
-        result = asyncio.run(run(args.duration, insecure=args.insecure, loads=loads))
+        result = eventloop.run(run(args.duration, insecure=args.insecure, loads=loads))
     print(report(result))
     if args.json:
         print(json.dumps(result))

@@ -36,6 +36,7 @@ from canopy_broker.bench import done, progress, run_dataplane
 from canopy_broker.client import Client, ConnectionLostError, Notification, connect
 from canopy_broker.procs import Overlay, wait_settled
 from canopy_broker.progress import showing
+from canopy_broker.runtime import eventloop
 
 NAMES = ["b0", "b1", "b2", "b3", "b4", "b5", "b6"]
 EDGES = [("b0", "b1"), ("b1", "b2"), ("b1", "b3"), ("b3", "b4"), ("b3", "b5"), ("b5", "b6")]
@@ -327,7 +328,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_args(args: argparse.Namespace) -> int:
     with showing("bench faults", len(scenarios(args))):
-        result = asyncio.run(run(args))
+        result = eventloop.run(run(args))
     print(report(result))
     if args.json:
         print(json.dumps(result))

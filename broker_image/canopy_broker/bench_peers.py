@@ -57,6 +57,7 @@ from canopy_broker.cli import tune_gc
 from canopy_broker.client import connect
 from canopy_broker.procs import Overlay, process_cpu_seconds, stop_process
 from canopy_broker.progress import showing
+from canopy_broker.runtime import eventloop
 
 if TYPE_CHECKING:
     from paho.mqtt.client import Client as MqttClient
@@ -487,7 +488,7 @@ def run_args(args: argparse.Namespace) -> int:
         return 2
     tune_gc()  # the clients must keep up at the full rate: same GC settings as the brokers
     with showing("bench peers", len(SYSTEMS)):
-        result = asyncio.run(run(w))
+        result = eventloop.run(run(w))
     print(report(w, result))
     if args.json:
         print(json.dumps(result))

@@ -44,6 +44,7 @@ from canopy_broker.cli import tune_gc
 from canopy_broker.client import connect
 from canopy_broker.procs import Overlay, process_cpu_seconds
 from canopy_broker.progress import showing
+from canopy_broker.runtime import eventloop
 
 FULL: dict[str, Any] = {
     "filters": "1000,10000,100000",
@@ -199,7 +200,7 @@ def run_args(args: argparse.Namespace) -> int:
         return measured
 
     with showing("bench broker", len(counts)):
-        points = asyncio.run(run())
+        points = eventloop.run(run())
     print(report(w, points))
     if args.json:
         print(json.dumps({"workload": w.describe(), "points": points}))

@@ -34,6 +34,7 @@ from typing import Any
 from canopy_broker import progress as shown
 from canopy_broker.client import Client, connect
 from canopy_broker.procs import Overlay
+from canopy_broker.runtime import eventloop
 
 
 def progress(msg: str) -> None:
@@ -290,7 +291,7 @@ def run_args(args: argparse.Namespace) -> int:
     """Run with arguments parsed by :func:`add_arguments` (``canopy bench subscriptions``)."""
     counts = [int(c) for c in str(args.counts).split(",") if c.strip()]
     with shown.showing("bench subscriptions", len(counts) + 2):
-        result = asyncio.run(
+        result = eventloop.run(
             run(
                 args.brokers,
                 counts,

@@ -28,6 +28,7 @@ from canopy_broker import logs
 from canopy_broker.core.messages import RoutingMode
 from canopy_broker.gateway import make_gateway_app
 from canopy_broker.mqtt import MqttGateway, start_mqtt
+from canopy_broker.runtime import eventloop
 from canopy_broker.runtime.admin import make_admin_app
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import parse_address
@@ -403,12 +404,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = os.environ.get(PROFILE_ENV)
     with contextlib.suppress(KeyboardInterrupt):
         if not profile:
-            return asyncio.run(serve(args))
+            return eventloop.run(serve(args))
         # Profiling hook for the benchmark work: CANOPY_PROFILE=out.prof canopy-broker serve ...
         import cProfile  # noqa: PLC0415 - only when asked for
 
         with cProfile.Profile() as prof:
-            code = asyncio.run(serve(args))
+            code = eventloop.run(serve(args))
         prof.dump_stats(profile.replace("{name}", args.name))
         return code
     return 0

@@ -29,6 +29,7 @@ from typing import Any, TextIO
 from canopy_broker.client import ClientError, Gap, connect
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.core.events import Value
+from canopy_broker.runtime import eventloop
 
 _INT = re.compile(r"[-+]?\d+")
 _FLOAT = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?")
@@ -175,7 +176,7 @@ async def run_sub(
 
 def _run(coro: Any) -> int:
     try:
-        asyncio.run(coro)
+        eventloop.run(coro)
     except (OSError, ValueError, ClientError) as exc:
         print(f"canopy: {exc}", file=sys.stderr)
         return 1

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Mapping
 from enum import Enum
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final, Self, cast
 
 import orjson
 
@@ -597,9 +597,9 @@ class FrameProtocol(asyncio.Protocol):
     # -- asyncio callbacks -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.set_write_buffer_limits(high=self.write_high_water)
+        # A stream transport (asyncio's or uvloop's, which does not subclass asyncio.Transport).
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=self.write_high_water)
 
     def data_received(self, data: bytes) -> None:
         try:

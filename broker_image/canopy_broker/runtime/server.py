@@ -65,6 +65,7 @@ from canopy_broker.core.messages import (
 from canopy_broker.runtime.client_sessions import ClientSessions
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.conn import Conn
+from canopy_broker.runtime.eventloop import loop_name
 from canopy_broker.runtime.framing import (
     B_MARKER,
     F_BYE,
@@ -286,7 +287,7 @@ class Broker:
         self.tasks.spawn(self._acknowledge(), "publish acks", forever=True)
         self._update_placement()
         log.info(
-            "broker %s listening on %s:%d%s (%s; core %s)",
+            "broker %s listening on %s:%d%s (%s; core %s, loop %s)",
             self.name,
             *self.address,
             f", links on {self.link_address[0]}:{self.link_address[1]}"
@@ -294,6 +295,7 @@ class Broker:
             else "",
             "TLS" if self.secure else "PLAINTEXT: no TLS, no authentication",
             core_build(),
+            loop_name(self._loop),
         )
 
     @property
@@ -1102,6 +1104,7 @@ class Broker:
             "name": self.name,
             "routing": self.core.mode.value,
             "core": core_build(),  # "compiled" (mypyc, setup.py) or "pure-python"
+            "event_loop": loop_name(self._loop),  # "uvloop" or "asyncio" (runtime/eventloop.py)
             "incarnation": self.incarnation,
             "address": f"{self.address[0]}:{self.address[1]}" if self.address else None,
             "advertised": self.advertised,
