@@ -449,6 +449,25 @@ def test_bench_peers_without_the_peers_says_how_to_install_them(tmp_path: Path) 
     assert result.stdout == ""
 
 
+def test_bench_peers_measures_only_the_systems_asked_for(tmp_path: Path) -> None:
+    """Canopy alone needs no peer installed (none on this PATH), and says so in its JSON; an
+    unknown system is refused."""
+    alone = canopy(
+        "bench", "peers", "--quick", "--systems", "canopy", "--json",
+        env={"CANOPY_PEERS_PATH": str(tmp_path)}, timeout=120,
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-2000:]
+    data = last_json(alone.stdout)
+    assert set(data) == {"canopy"} and data["canopy"]["delivered"] == 2_000
+    nats_only = canopy(
+        "bench", "peers", "--quick", "--systems", "nats", env={"CANOPY_PEERS_PATH": str(tmp_path)}
+    )
+    assert nats_only.returncode == 2 and "nats-server" in nats_only.stderr
+    assert "mosquitto (program)" not in nats_only.stderr  # only what nats needs is missing
+    bad = canopy("bench", "peers", "--systems", "canopy,kafka")
+    assert bad.returncode == 2 and "--systems takes some of canopy, nats, mosquitto" in bad.stderr
+
+
 def test_bench_peers_refuses_a_fanout_that_does_not_divide_the_subscribers() -> None:
     result = canopy("bench", "peers", "--subscribers", "50", "--fanout", "7")
     assert result.returncode == 2
