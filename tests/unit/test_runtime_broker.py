@@ -255,7 +255,7 @@ async def test_a_client_with_thousands_of_subscriptions_leaves_over_several_turn
     """Its subscriptions are withdrawn a budget at a time, and other clients are served in
     between: one answer comes back while the withdrawal is still under way. An event matching
     them meanwhile harms nothing; the neighbour ends up holding none of them; a client that
-    comes back under the same id mid-way starts clean."""
+    comes back under the same id mid-way waits for the withdrawal and starts clean."""
     a, z = await make_broker("a"), await make_broker("z")
     await link(a, z)
     a.work_budget.seconds = 0.0  # one withdrawal per turn: the interleaving is certain
@@ -278,8 +278,14 @@ async def test_a_client_with_thousands_of_subscriptions_leaves_over_several_turn
             [n] = await collect(steady, 1)  # served while the withdrawal goes on
             assert n.event.attrs == {"k": -1}
             assert "big" in a.core.routing_table().clients, "the withdrawal was not interleaved"
-            if leave == "come back":
-                back = await connect(addr(a), "big")
+            if leave == "come back":  # its hello waits for the withdrawal, which is not hurried
+                coming = asyncio.create_task(connect(addr(a), "big"))
+                await eventually(lambda: any(c.held for c in a._conns))
+                left = len(a.core.routing_table().clients.get("big", {}))
+                await pub.publish({"k": -1})
+                await collect(steady, 1)  # served meanwhile
+                assert 0 < len(a.core.routing_table().clients.get("big", {})) < left
+                back = await coming
                 assert a.core.routing_table().clients["big"] == {}
                 await back.subscribe("k = 5", sub_id="k5")
                 await pub.publish({"k": 5})

@@ -152,8 +152,8 @@ class ClientSessions:
         if cid in self.clients:
             raise FrameError(f"client id {cid!r} is already attached here", "client-id-in-use")
         leaving = self._leaving.pop(cid, None)
-        if leaving is not None:  # back before its old subscriptions were all withdrawn
-            leaving.cancel()
+        if leaving is not None:  # defensive: a hello under a leaving id is held first
+            leaving.cancel()  # (held_until_withdrawn); were it not, the rest goes at once
             self._detached(cid)
         host.apply(host.core.handle(ClientAttach(cid), host.now()))
         client = Client(cid, conn, principal)
@@ -177,7 +177,7 @@ class ClientSessions:
         within the broker's turn budget: in one go, 5,000 held the loop for ~0.2 s, and every
         other connection and heartbeat with it. Meanwhile nothing is delivered to it (it is
         no longer in ``clients``) and it keeps its id in the core until the last one is gone;
-        a client that comes back under that id first has the rest withdrawn at once."""
+        a client that comes back under that id waits for that (:meth:`held_until_withdrawn`)."""
         if self.clients.get(client.id) is not client:
             return
         host = self.host
@@ -191,6 +191,23 @@ class ClientSessions:
             )
         else:
             self._detached(client.id)
+
+    def held_until_withdrawn(self, conn: Conn, cid: object) -> bool:
+        """A hello under the id of a client whose subscriptions are still being withdrawn
+        waits for the withdrawal (the caller holds the frame; released here when it ends)
+        rather than have the rest withdrawn at once, which would hold the loop: a client that
+        reconnects at once, or one doing so on purpose, costs no stall. Nothing is decided
+        before the hello is handled (authentication included)."""
+        task = self._leaving.get(cid) if isinstance(cid, str) else None
+        if task is None:
+            return False
+
+        def release(_: object) -> None:
+            if not conn.is_closing():
+                conn.release("withdrawing")
+
+        task.add_done_callback(release)
+        return True
 
     async def _withdraw(self, cid: str, sub_ids: list[str]) -> None:
         host = self.host

@@ -637,6 +637,8 @@ class Broker:
         elif ftype == F_HELLO and len(frame) == 2 and isinstance(frame[1], dict):
             if conn.dialing:
                 self.sessions.answered(conn, frame[1])
+            elif self.client_sessions.held_until_withdrawn(conn, frame[1].get("client_id")):
+                conn.hold("withdrawing", frame)  # handled once the old subscriptions are gone
             else:
                 self._hello(conn, frame[1])
             return None
