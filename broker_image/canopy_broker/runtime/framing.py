@@ -472,6 +472,12 @@ def msgs_frame(msgs: list[bytes]) -> bytes:
     return frame(join_array(b"[6,", msgs))
 
 
+def msg_frame(msg: bytes) -> bytes:
+    """``msgs_frame([msg])`` in one step: a subscriber's flush is usually one notification."""
+    payload = b"[6,[" + msg + b"]]"
+    return len(payload).to_bytes(_HEADER, "big") + payload
+
+
 def control_frame(*parts: object) -> bytes:
     return frame(orjson.dumps(parts))
 
@@ -718,9 +724,9 @@ class FrameProtocol(asyncio.Protocol):
         return self.transport is None or self.transport.is_closing()
 
     def write(self, data: bytes) -> None:
-        if not self.is_closing():
-            assert self.transport is not None
-            self.transport.write(data)
+        transport = self.transport  # is_closing() inline: one write per subscriber per turn
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
 
     def fail(self, exc: FrameError) -> None:
         """Tell the peer why (best effort) and close this connection only."""

@@ -32,6 +32,7 @@ from canopy_broker.runtime.framing import (
     batches,
     control_frame,
     data_frame,
+    msg_frame,
     msgs_frame,
 )
 from canopy_broker.runtime.linkstate import LinkEvent, LinkState, LinkStates, Route, Standing
@@ -301,6 +302,6 @@ class Client:
             return
         msgs, self.pending = self.pending, []
         if len(msgs) == 1:
-            conn.write(msgs_frame(msgs))
+            conn.write(msg_frame(msgs[0]))
         else:
             conn.write(b"".join(msgs_frame(chunk) for chunk in batches(msgs)))
