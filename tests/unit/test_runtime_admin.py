@@ -247,6 +247,7 @@ async def test_drain_sends_clients_to_the_neighbour(make_broker: MakeBroker, ser
             "target": "hub",
             "address": addr(hub),
             "clients": 0,
+            "withdrawing": 0,
             "unacknowledged": 0,
             "drained": True,
         }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,57 @@ async def test_a_client_with_thousands_of_subscriptions_leaves_over_several_turn
             assert [str(k) for k in z.core.routing_table().links["a"]] == ["k = -1"]
             assert not a.client_sessions._leaving
     assert not a.tasks.failures
+
+
+async def test_a_withdrawal_cannot_be_wedged_or_outlive_the_broker(
+    make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure mid-withdrawal withdraws the rest at once and the broker stays healthy; a
+    second hello under a leaving id is refused, a held one still times out; a broker that
+    stops mid-withdrawal leaves nothing behind."""
+    a = await make_broker("a", handshake_timeout=0.3)
+    a.work_budget.seconds = 0.0
+    core = a.core
+    real = core.handle
+    failed = []
+
+    def flaky(inp: object, now: float) -> object:
+        if type(inp).__name__ == "ClientUnsubscribe" and not failed:
+            failed.append(inp)
+            raise RuntimeError("a bug in the core")
+        return real(inp, now)  # type: ignore[arg-type]
+
+    big = await connect(addr(a), "big")
+    await big.subscribe_many([(f"k{i}", f"k = {i}") for i in range(400)])
+    monkeypatch.setattr(core, "handle", flaky)
+    big.abort()
+    await eventually(lambda: "big" not in core.routing_table().clients)
+    assert failed and a.failed is None and not a.tasks.failures and a.ready
+    monkeypatch.setattr(core, "handle", real)
+    async with await connect(addr(a), "big"):  # the id is free again
+        pass
+
+    def slow(inp: object, now: float) -> object:  # a withdrawal that outlasts the timeout
+        if type(inp).__name__ == "ClientUnsubscribe":
+            time.sleep(0.001)
+        return real(inp, now)  # type: ignore[arg-type]
+
+    big = await connect(addr(a), "big")
+    await big.subscribe_many([(f"k{i}", f"k = {i}") for i in range(2000)])
+    monkeypatch.setattr(core, "handle", slow)
+    big.abort()
+    await eventually(lambda: "big" in a.client_sessions._leaving)
+    waiting = asyncio.create_task(connect(addr(a), "big"))
+    await eventually(lambda: any(c.holds("withdrawing") for c in a._conns))
+    with pytest.raises(ClientError) as second:
+        await connect(addr(a), "big")
+    assert second.value.code == "client-id-in-use"
+    with pytest.raises((ClientError, ConnectionLost)):  # held past the hello timeout: closed
+        await waiting
+    assert "big" in a.client_sessions._leaving  # the withdrawal went on, at its pace
+    monkeypatch.setattr(core, "handle", real)
+    await a.stop(flush_timeout=0.1)
+    assert not a.client_sessions._leaving and "big" not in core.routing_table().clients
 
 
 async def test_slow_consumer_is_disconnected_and_publisher_keeps_going(

@@ -449,6 +449,11 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ failover
 
+    def holds_for(self, client: str) -> bool:
+        """Whether events ``client`` published here wait in a migration's hold (released when it
+        moves on, or when it detaches)."""
+        return client in self._held
+
     def custody_settled(self, client: str) -> bool:
         """Everything ``client`` published here has left the core: none of it waits in an
         exchange's queues, a repair's hold or a migration's hold. Only then may the runtime

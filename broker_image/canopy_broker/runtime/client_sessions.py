@@ -88,6 +88,7 @@ class ClientHost(Protocol):
     max_subscriptions: int
     tasks: TaskSet
     work_budget: TurnBudget
+    stopping: bool
 
     @property
     def publishers_paused(self) -> bool: ...
@@ -133,8 +134,11 @@ class ClientSessions:
         # Draining (before a leaf is removed): the neighbour its clients are sent to.
         self.drain_target: tuple[str, str] | None = None  # (name, HOST:PORT)
         self._drained = asyncio.Event()
-        # Clients gone from ``clients`` whose subscriptions are still being withdrawn.
-        self._leaving: dict[str, asyncio.Task[None]] = {}
+        # Clients gone from ``clients`` whose subscriptions are still being withdrawn (what is
+        # left of each, in reverse), the worker doing it, and the hello waiting for each.
+        self._leaving: dict[str, list[str]] = {}
+        self._withdrawer: asyncio.Task[None] | None = None
+        self._waiting: dict[str, Conn] = {}
 
     # ------------------------------------------------------------------ attach and detach
 
@@ -151,10 +155,8 @@ class ClientSessions:
             raise FrameError(f"client_id must be a non-empty string, got {cid!r}", "bad-hello")
         if cid in self.clients:
             raise FrameError(f"client id {cid!r} is already attached here", "client-id-in-use")
-        leaving = self._leaving.pop(cid, None)
-        if leaving is not None:  # defensive: a hello under a leaving id is held first
-            leaving.cancel()  # (held_until_withdrawn); were it not, the rest goes at once
-            self._detached(cid)
+        if cid in self._leaving:  # defensive: a hello under a leaving id is held first
+            self._withdrawn(cid)  # (held_until_withdrawn); were it not, the rest goes at once
         host.apply(host.core.handle(ClientAttach(cid), host.now()))
         client = Client(cid, conn, principal)
         self.clients[cid] = client
@@ -173,11 +175,14 @@ class ClientSessions:
         Only the connection that attached it may detach it: a late loss of an older
         connection under the same id must not take the newer one's subscriptions with it.
 
-        A client holding thousands of subscriptions is withdrawn over several loop turns, each
-        within the broker's turn budget: in one go, 5,000 held the loop for ~0.2 s, and every
-        other connection and heartbeat with it. Meanwhile nothing is delivered to it (it is
-        no longer in ``clients``) and it keeps its id in the core until the last one is gone;
-        a client that comes back under that id waits for that (:meth:`held_until_withdrawn`)."""
+        A client holding thousands of subscriptions is withdrawn over several loop turns, by
+        one worker for all leaving clients, within the broker's turn budget: in one go, 5,000
+        held the loop for ~0.2 s, and every other connection and heartbeat with it. Meanwhile
+        nothing is delivered to it (it is no longer in ``clients``) and it keeps its id in the
+        core until the last one is gone; a client that comes back under that id waits for that
+        (:meth:`held_until_withdrawn`). Withdrawn at once instead: a client the core holds
+        published events for (a migration's hold, released by the detach: later would reorder
+        them behind the client's republications elsewhere), and any while the broker stops."""
         if self.clients.get(client.id) is not client:
             return
         host = self.host
@@ -185,48 +190,71 @@ class ClientSessions:
         client.pending.clear()
         host.unpressure(client)
         subs = host.core.routing.subscriptions(client.id)
-        if subs is not None and len(subs) > WITHDRAW_AT:
-            self._leaving[client.id] = host.tasks.spawn(
-                self._withdraw(client.id, list(subs)), f"withdraw {client.id}"
-            )
+        if (
+            subs is not None
+            and len(subs) > WITHDRAW_AT
+            and not host.stopping
+            and not host.core.holds_for(client.id)
+        ):
+            self._leaving[client.id] = list(subs)[::-1]  # popped from the end, in order
+            if self._withdrawer is None:
+                self._withdrawer = host.tasks.spawn(self._withdraw(), "withdrawals")
         else:
             self._detached(client.id)
 
     def held_until_withdrawn(self, conn: Conn, cid: object) -> bool:
-        """A hello under the id of a client whose subscriptions are still being withdrawn
-        waits for the withdrawal (the caller holds the frame; released here when it ends)
-        rather than have the rest withdrawn at once, which would hold the loop: a client that
-        reconnects at once, or one doing so on purpose, costs no stall. Nothing is decided
-        before the hello is handled (authentication included)."""
-        task = self._leaving.get(cid) if isinstance(cid, str) else None
-        if task is None:
+        """Whether a client's hello (authenticated already) must wait: its id is that of a
+        client whose subscriptions are still being withdrawn. The caller holds the frame and it
+        is handled when the withdrawal ends, rather than have the rest withdrawn at once, which
+        would hold the loop: reconnecting at once, even on purpose, costs no stall. One hello
+        waits per id (another is refused as for an attached id); a held connection still
+        answers to the hello timeout, so none waits longer than that."""
+        if not isinstance(cid, str) or cid not in self._leaving:
             return False
-
-        def release(_: object) -> None:
-            if not conn.is_closing():
-                conn.release("withdrawing")
-
-        task.add_done_callback(release)
+        waiting = self._waiting.get(cid)
+        if waiting is not None and not waiting.is_closing():
+            raise FrameError(f"client id {cid!r} is already attached here", "client-id-in-use")
+        self._waiting[cid] = conn
         return True
 
-    async def _withdraw(self, cid: str, sub_ids: list[str]) -> None:
+    async def _withdraw(self) -> None:
+        """The worker: one unsubscription after another, oldest leaver first, at least one per
+        loop turn and as many as the turn budget allows. A failure withdraws that client's
+        rest at once (logged); cancelled (the broker stops), everything left goes at once."""
         host = self.host
-        core, loop = host.core, asyncio.get_running_loop()
-        i, n = 0, len(sub_ids)
-        while i < n:
-            await asyncio.sleep(0)
-            deadline = host.work_budget.deadline(loop)
-            while i < n:  # at least one per turn, like any connection
-                sub_id = sub_ids[i]
-                i += 1
-                host.apply(core.handle(ClientUnsubscribe(cid, sub_id), host.now()))
-                if time.perf_counter() >= deadline:
-                    break
+        core, loop, leaving = host.core, asyncio.get_running_loop(), self._leaving
+        try:
+            while leaving:
+                await asyncio.sleep(0)
+                deadline = host.work_budget.deadline(loop)
+                while leaving:
+                    cid = next(iter(leaving))
+                    rest = leaving[cid]
+                    try:
+                        host.apply(core.handle(ClientUnsubscribe(cid, rest.pop()), host.now()))
+                    except Exception:
+                        log.exception("%s: withdrawing %s failed; the rest at once", host.name, cid)
+                        rest.clear()
+                    if not rest:
+                        self._withdrawn(cid)
+                    if time.perf_counter() >= deadline:
+                        break
+        finally:
+            self._withdrawer = None
+            for cid in list(leaving):
+                self._withdrawn(cid)
+
+    def _withdrawn(self, cid: str) -> None:
         del self._leaving[cid]
         self._detached(cid)
+        waiting = self._waiting.pop(cid, None)
+        if waiting is not None and not waiting.is_closing():
+            waiting.release("withdrawing")
 
     def _detached(self, cid: str) -> None:
-        self.host.apply(self.host.core.handle(ClientDetach(cid), self.host.now()))
+        core = self.host.core
+        if core.routing.has_client(cid):
+            self.host.apply(core.handle(ClientDetach(cid), self.host.now()))
         if self.drain_target is not None:
             self.check_drained()
 
@@ -482,6 +510,7 @@ class ClientSessions:
             "target": target[0] if target else None,
             "address": target[1] if target else None,
             "clients": len(self.clients),
+            "withdrawing": len(self._leaving),  # clients gone, subscriptions still going
             "unacknowledged": unacked,
             "drained": target is not None
             and not self.clients

@@ -701,6 +701,9 @@ class FrameProtocol(asyncio.Protocol):
     def held(self) -> bool:
         return bool(self._holds)
 
+    def holds(self, reason: str) -> bool:
+        return reason in self._holds
+
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.lost.done():
             self.lost.set_result(None)

@@ -458,8 +458,8 @@ class Broker:
         for conn in list(self._conns):
             if conn.dialing or conn.is_closing():
                 continue
-            if conn.reading_paused:  # our doing, not the peer's (its clock restarts on resume)
-                continue
+            if conn.reading_paused and not conn.holds("withdrawing"):
+                continue  # our doing, not the peer's (its clock restarts on resume)
             if conn.role is None and now - conn.opened_at > cfg.handshake_timeout:
                 conn.fail(
                     FrameError(f"no hello within {cfg.handshake_timeout:g}s", "hello-timeout")
@@ -637,8 +637,6 @@ class Broker:
         elif ftype == F_HELLO and len(frame) == 2 and isinstance(frame[1], dict):
             if conn.dialing:
                 self.sessions.answered(conn, frame[1])
-            elif self.client_sessions.held_until_withdrawn(conn, frame[1].get("client_id")):
-                conn.hold("withdrawing", frame)  # handled once the old subscriptions are gone
             else:
                 self._hello(conn, frame[1])
             return None
@@ -672,6 +670,9 @@ class Broker:
         except AccessError as exc:
             raise self.refusal(str(role), conn, exc) from None
         if role == "client":
+            if self.client_sessions.held_until_withdrawn(conn, hello.get("client_id")):
+                conn.hold("withdrawing", [F_HELLO, hello])  # handled again once it is gone
+                return
             self.client_sessions.attach(conn, hello, principal)
         elif role in {"link", "peer", "standby"}:
             self.sessions.accept(conn, hello, role)
