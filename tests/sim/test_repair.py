@@ -216,6 +216,23 @@ def test_retention_covers_a_resume_only_from_after_what_it_dropped_early() -> No
     assert not r.covers(1.2, 12.0)  # but not past the window
 
 
+def test_retention_serves_a_publisher_in_order_when_timestamps_tie() -> None:
+    """A coarse clock (uvloop's counts milliseconds) stamps a burst alike. What a resume is
+    served must still be in each publisher's order, across links and within one: a client that
+    fails over drops anything older than what it got last. (Sorting on the time alone gave a
+    burst backwards: the case this test was written from, two crash tests losing 9 events.)"""
+    r = Retention(window=10.0, limit=100)
+    for seq in range(1, 7):
+        r.keep("x", 5.0, Event("p", seq, {}))  # all six in the same millisecond
+        if seq % 2:
+            r.keep("y", 5.0, Event("p", seq, {}))  # some forwarded on a second link too
+        r.keep("y", 5.0, Event("q", seq, {}))
+    served = r.since(0.0, 6.0)
+    for publisher in ("p", "q"):
+        assert [e.seq for _, e in served if e.publisher == publisher] == [1, 2, 3, 4, 5, 6]
+    assert len(served) == 12  # each once
+
+
 def test_standby_peers_are_the_chain_links_of_every_single_failure() -> None:
     # b's neighbours: x (whose neighbours are a, b, c) and y (whose neighbours are b, z).
     lists = {"x": ("a", "b", "c"), "y": ("b", "z")}

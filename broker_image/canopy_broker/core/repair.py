@@ -298,7 +298,10 @@ class Retention:
                 if key not in seen:
                     seen.add(key)
                     found.append((when, event))
-        found.sort(key=lambda te: te[0])  # stable: a publisher's order is kept
+        # Oldest first, and a publisher's own in sequence order: several share a timestamp
+        # when the clock is coarse (collected newest first per link, a sort on the time alone
+        # gave those backwards, and a failed-over client dropped all but the newest as old).
+        found.sort(key=lambda te: (te[0], te[1].publisher, te[1].seq))
         return found
 
     def covers(self, t: float, now: float) -> bool:

@@ -5,12 +5,14 @@ callbacks, one socket write per subscriber per turn through the transport), and 
 that work in C on libuv. Measured with ``canopy bench peers`` (interleaved runs,
 docs/performance.md): about 11 % less broker CPU per notification.
 
-**The clock.** uvloop's ``loop.time()`` is libuv's, which counts whole milliseconds (up to
-1 ms behind ``time.monotonic()``). Canopy stamps retention and custody with the loop's clock
-and compares those stamps with times taken elsewhere; on uvloop's own clock a client failing
-over from a SIGKILLed broker missed notifications (two crash tests, every run; the exact
-comparison that tripped was not pinned down). So the loop here reads ``time.monotonic()``, as
-asyncio's does, and both crash tests pass on it; its timers, relative, are libuv's.
+**The clock.** uvloop's ``loop.time()`` is libuv's, which counts whole milliseconds, so a
+burst of events gets one timestamp. On it, a subscriber failing over from a SIGKILLed broker
+missed notifications (two crash tests, every run): the retention sorted what it serves a
+resuming client on the timestamp alone and handed a same-millisecond burst over backwards, and
+the client dropped all but the newest as old. That sort is fixed (core/repair.py, with a test
+of tied timestamps), and both crash tests pass on uvloop's own clock. The loop here still reads
+``time.monotonic()``, as asyncio's does: timestamps are compared in more places (custody,
+coverage of a resume), and no tie should decide one. Its timers, relative, are libuv's.
 
 The runtime uses only the public asyncio API, so both loops run the same code; the tests run
 brokers in-process on asyncio's loop and as processes on this one. ``CANOPY_LOOP=asyncio``
