@@ -254,8 +254,12 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
     if crash is not None:
         print(
             f"crashed {crash['broker']} (SIGKILL, no clients on it) under traffic: repaired in "
-            f"{crash['repaired_s']:.2f}s with new links "
-            + ", ".join(f"{a}-{b}" for a, b in crash["new_links"])
+            f"{crash['repaired_s']:.2f}s "
+            + (
+                "with new links " + ", ".join(f"{a}-{b}" for a, b in crash["new_links"])
+                if crash["new_links"]
+                else "with no new link (it was a leaf: the rest was still one tree)"
+            )
             + f", declared shape restored {crash['restored_s']:.2f}s after the kill"
             + "; the delivery check above covers everything published meanwhile"
         )
@@ -324,7 +328,7 @@ async def crash_phase(
     added = sorted(links - {e for e in live})
     progress(
         f"crash: repaired {repaired_s:.2f}s after the kill; new links "
-        + ", ".join(f"{a}-{b}" for a, b in added)
+        + (", ".join(f"{a}-{b}" for a, b in added) or "none (a leaf)")
     )
     await asyncio.sleep(1.0)  # traffic over the repaired tree
     # What `canopy up`'s supervisor does: bring the dead broker back in the declared shape.
