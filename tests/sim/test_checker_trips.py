@@ -63,9 +63,10 @@ class DuplicatingCore(BrokerCore):
         for e in super().handle(inp, now):
             out.append(e)
             if isinstance(e, Deliver):
-                DuplicatingCore.n += 1
-                if DuplicatingCore.n % 5 == 0:
-                    out.append(e)
+                for target in e.targets:
+                    DuplicatingCore.n += 1
+                    if DuplicatingCore.n % 5 == 0:
+                        out.append(Deliver(e.event, (target,)))
         return out
 
 
@@ -78,17 +79,20 @@ class ReorderingCore(BrokerCore):
 
     def handle(self, inp: Input, now: float = 0.0) -> list[Effect]:
         out: list[Effect] = []
-        for e in super().handle(inp, now):
-            if isinstance(e, Deliver):
-                key = (e.client, e.event.publisher)
+        for effect in super().handle(inp, now):
+            if not isinstance(effect, Deliver):
+                out.append(effect)
+                continue
+            for target in effect.targets:  # one client at a time
+                e = Deliver(effect.event, (target,))
+                key = (target[0], e.event.publisher)
                 if key in self.held:
                     out.append(e)
                     out.append(self.held.pop(key))
-                    continue
-                if e.event.seq % 2:
+                elif e.event.seq % 2:
                     self.held[key] = e
-                    continue
-            out.append(e)
+                else:
+                    out.append(e)
         return out
 
 
@@ -101,8 +105,10 @@ class PromiscuousCore(BrokerCore):
         if isinstance(inp, FromLink) and isinstance(inp.message, Publish):
             event = inp.message.event
         if event is not None:
-            done = {e.client for e in out if isinstance(e, Deliver)}
-            out += [Deliver(c, event, ()) for c in self.clients if c not in done]
+            done = {t[0] for e in out if isinstance(e, Deliver) for t in e.targets}
+            rest = tuple((c, ()) for c in self.clients if c not in done)
+            if rest:
+                out.append(Deliver(event, rest))
         return out
 
 

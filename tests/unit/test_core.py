@@ -93,7 +93,7 @@ def test_events_go_to_matching_neighbours_except_source_and_to_local_clients() -
     out = core.handle(FromLink("n1", Publish(Event("p", 1, {"x": 3}, hops=1))))
     assert out == [
         SendToLink("n2", Publish(Event("p", 1, {"x": 3}, hops=2))),
-        Deliver("c", Event("p", 1, {"x": 3}, hops=1), ("1", "2")),
+        Deliver(Event("p", 1, {"x": 3}, hops=1), (("c", ("1", "2")),)),
     ]
     assert core.handle(FromLink("n1", Publish(Event("p", 2, {"y": 3})))) == []
 

@@ -6,7 +6,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from canopy_broker.core.filters import Filter
-from canopy_broker.core.matching import IndexedMatcher, ScanMatcher, access_constraint
+from canopy_broker.core.matching import (
+    Dest,
+    IndexedMatcher,
+    RouteMatcher,
+    ScanMatcher,
+    access_constraint,
+)
 from tests.strategies import events, filters
 
 
@@ -33,6 +39,42 @@ def test_indexed_equals_scan(
     for e in evs:
         assert sorted(map(str, indexed.match(e))) == sorted(map(str, scan.match(e)))  # type: ignore[arg-type]
         assert indexed.match_payloads(e) == scan.match_payloads(e)  # type: ignore[arg-type]
+
+
+_DESTS = st.one_of(
+    st.sampled_from(["n1", "n2", "n3"]),  # neighbours
+    st.tuples(st.sampled_from(["c1", "c2", "c3"]), st.sampled_from(["s1", "s2", "s3"])),
+)
+
+
+@given(
+    st.lists(st.tuples(filters, _DESTS), max_size=40),
+    st.lists(events, min_size=1, max_size=20),
+    st.sampled_from([None, "n1", "n2"]),
+)
+def test_routing_an_event_is_the_scan_split_by_destination(
+    entries: list[tuple[Filter, Dest]], evs: list[dict[str, object]], source: str | None
+) -> None:
+    """What RouteMatcher.route computes in one pass (compiled) equals the obvious way: scan,
+    drop the source, group each client's matching subscriptions, sort everything."""
+    route = RouteMatcher()
+    scan: ScanMatcher[Dest] = ScanMatcher()
+    seen: set[tuple[Filter, Dest]] = set()
+    for f, d in entries:
+        if not isinstance(d, str) and any(d == d2 for _, d2 in seen):
+            continue  # a subscription has one filter
+        seen.add((f, d))
+        route.add(f, d)
+        scan.add(f, d)
+    for e in evs:
+        dests = scan.match_payloads(e)  # type: ignore[arg-type]
+        peers = sorted(d for d in dests if isinstance(d, str) and d != source)
+        local: dict[str, list[str]] = {}
+        for d in dests:
+            if not isinstance(d, str):
+                local.setdefault(d[0], []).append(d[1])
+        targets = tuple((c, tuple(sorted(subs))) for c, subs in sorted(local.items()))
+        assert route.route(e, source) == (peers, targets)  # type: ignore[arg-type]
 
 
 def test_candidates_skip_filters_that_cannot_match() -> None:

@@ -26,7 +26,7 @@ PROBE = r"""
 import json, random, sys
 import canopy_broker
 from canopy_broker.core.filters import Filter, FilterError
-from canopy_broker.core.matching import IndexedMatcher
+from canopy_broker.core.matching import IndexedMatcher, RouteMatcher
 from canopy_broker.core.routing import dominates
 from canopy_broker.core.messages import RouteKey
 
@@ -69,6 +69,10 @@ for _ in range(300):
     e = event()
     direct = sorted(i for i, f in enumerate(filters) if f.matches(e))
     out["matches"].append([direct, sorted(index.match_payloads(e))])
+routes = RouteMatcher()
+for i, f in enumerate(filters):
+    routes.add(f, f"n{i % 3}" if i % 4 == 0 else (f"c{i % 7}", f"s{i}"))
+out["routes"] = [routes.route(event(), rng.choice([None, "n0", "n1"])) for _ in range(300)]
 keys = [RouteKey(f) for f in filters[:120]]
 out["covers"] = [[i, j] for i, g in enumerate(keys) for j, h in enumerate(keys) if dominates(g, h)]
 from canopy_broker.core.tables import ShardedDict, ShardedSet
@@ -111,6 +115,7 @@ def test_the_compiled_core_answers_as_the_pure_python_reference() -> None:
     assert pure["matches"] == default["matches"]
     assert pure["covers"] == default["covers"]
     assert pure["tables"] == default["tables"]
+    assert pure["routes"] == default["routes"]
     # The probe is not vacuous: filters parse, events match, some keys cover others, and the
     # index agrees with testing every filter.
     valid = [f for f in pure["filters"] if f[0] != "error"]  # type: ignore[attr-defined]
@@ -118,6 +123,8 @@ def test_the_compiled_core_answers_as_the_pure_python_reference() -> None:
     assert all(direct == indexed for direct, indexed in pure["matches"])  # type: ignore[union-attr]
     assert sum(bool(direct) for direct, _ in pure["matches"]) > 100  # type: ignore[union-attr]
     assert len(pure["covers"]) > 500  # type: ignore[arg-type]
+    routed = pure["routes"]
+    assert sum(bool(peers) and bool(local) for peers, local in routed) > 50  # type: ignore[union-attr]
 
 
 def test_the_build_is_in_use() -> None:

@@ -402,17 +402,7 @@ class BrokerCore:
             # is sent with the replay, once the routes are known (they are partial now).
             for run in dict.fromkeys(self._holding.values()):
                 run.retained.append(event.forwarded())
-        dests = self.routing.match(event.attrs)
-        if not dests:
-            return
-        peers: list[str] = []
-        local: dict[str, list[str]] = {}
-        for d in dests:
-            if type(d) is str:  # a neighbour (else a (client, subscription) pair)
-                if d != source:
-                    peers.append(d)
-            else:
-                local.setdefault(d[0], []).append(d[1])
+        peers, targets = self.routing.route(event.attrs, source)
         if peers:
             ex = self.ex
             copy = Publish(event.forwarded(), replay=replay)
@@ -424,28 +414,27 @@ class BrokerCore:
                 # too: the repair is not the exchange's business).
                 peers = [p for p in peers if p not in holding and p not in ghosts]
             if ex is None:
-                for peer in sorted(peers):
+                for peer in peers:
                     out.append(SendToLink(peer, copy))
                     if keep is not None:
                         keep(peer, self.now, copy.event)
             else:
                 sent = len(out)
-                coordinated.route_on_cycle(ex, copy, sorted(peers), out, source=source, tag=tag)
+                coordinated.route_on_cycle(ex, copy, peers, out, source=source, tag=tag)
                 if keep is not None:  # custody holds during an exchange as well
                     for eff in out[sent:]:
                         assert isinstance(eff, SendToLink)
                         keep(eff.peer, self.now, copy.event)
+        if not targets:
+            return
         if deliver:
-            for client in sorted(local):
-                subs = local[client]
-                out.append(
-                    Deliver(client, event, (subs[0],) if len(subs) == 1 else tuple(sorted(subs)))
-                )
+            out.append(Deliver(event, targets))
         elif deliver is None:
             now = self.now
-            for client in sorted(local):
-                if self.resuming.get(client, -1.0) >= now:
-                    out.append(Deliver(client, event, tuple(sorted(local[client]))))
+            resuming = self.resuming
+            again = tuple(t for t in targets if resuming.get(t[0], -1.0) >= now)
+            if again:
+                out.append(Deliver(event, again))
 
     # ------------------------------------------------------------------ failover
 
@@ -486,7 +475,7 @@ class BrokerCore:
                     continue
                 matched = tuple(sorted(s for s, f in subs.items() if f.matches(event.attrs)))
                 if matched:
-                    out.append(Deliver(inp.client, event, matched))
+                    out.append(Deliver(event, ((inp.client, matched),)))
                     served += 1
         window = self.retention.window
         self.resuming = {c: t for c, t in self.resuming.items() if t >= now}
@@ -645,7 +634,7 @@ class BrokerCore:
             self._remove_link(run.dead, out)
 
         def route(event: Event) -> list[str]:
-            return [d for d in self.routing.match(event.attrs) if isinstance(d, str)]
+            return self.routing.route(event.attrs, None)[0]
 
         sent = len(out)
         run.finish(route, out, now=self.now, timed_out=timed_out)

@@ -90,6 +90,10 @@ class Event:
         return Event(self.publisher, self.seq, self.attrs, self.hops + 1)
 
 
+Targets = tuple[tuple[str, tuple[str, ...]], ...]
+"""Where one event is delivered locally: (client, its matching subscription ids), by client."""
+
+
 def sample_hash(event_id: str) -> int:
     """A hash of the event id that is the same on every broker and every run.
 

@@ -24,7 +24,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Iterator, Mapping
 from typing import Generic, TypeVar
 
-from canopy_broker.core.events import Kind, Value, kind_of
+from canopy_broker.core.events import Kind, Targets, Value, kind_of
 from canopy_broker.core.filters import Constraint, Filter, Op
 from canopy_broker.core.tables import ShardedDict
 
@@ -222,6 +222,44 @@ class IndexedMatcher(Generic[P]):
             if f.matches(attrs):
                 out.update(payloads[f])
         return out
+
+
+Dest = str | tuple[str, str]
+"""A routing table's matcher payload: a neighbour name, or a local subscription (client, sub_id)."""
+
+
+class RouteMatcher(IndexedMatcher[Dest]):
+    """The routing table's matcher: one event in, where it goes out.
+
+    Routing an event is the hottest loop of a broker (every event, every matching subscription).
+    Doing the whole of it here — match, drop the link it came from, group subscriptions per
+    client, sort for a deterministic order — keeps it in the compiled module: the pure-Python
+    split it replaces cost about as much as the match itself.
+    """
+
+    def route(self, attrs: Mapping[str, Value], source: str | None) -> tuple[list[str], Targets]:
+        """The neighbours to forward to (sorted, without ``source``) and the local targets."""
+        peers: set[str] = set()
+        local: dict[str, list[str]] = {}
+        payloads = self._payloads
+        for f in self.candidates(attrs):
+            if not f.matches(attrs):
+                continue
+            for d in payloads[f]:
+                if isinstance(d, str):
+                    if d != source:
+                        peers.add(d)
+                else:
+                    subs = local.get(d[0])
+                    if subs is None:
+                        local[d[0]] = [d[1]]
+                    else:
+                        subs.append(d[1])
+        targets: list[tuple[str, tuple[str, ...]]] = []
+        for client in sorted(local):
+            subs = local[client]
+            targets.append((client, (subs[0],) if len(subs) == 1 else tuple(sorted(subs))))
+        return sorted(peers), tuple(targets)
 
 
 class ScanMatcher(Generic[P]):

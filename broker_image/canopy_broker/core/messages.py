@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from canopy_broker.core.events import Event
+from canopy_broker.core.events import Event, Targets
 from canopy_broker.core.filters import Filter
 
 
@@ -590,11 +590,13 @@ class SendToLink:
 
 @dataclass(frozen=True, slots=True)
 class Deliver:
-    """Deliver ``event`` once to ``client``; ``sub_ids`` are its subscriptions that matched."""
+    """Deliver ``event`` once to each target client; with each, its subscriptions that matched.
 
-    client: str
+    One effect per event, not per client: an event matching ten subscribers is one object to
+    build and to dispatch, where ten frozen objects used to cost more than the matching."""
+
     event: Event
-    sub_ids: tuple[str, ...]
+    targets: Targets
 
 
 @dataclass(frozen=True, slots=True)

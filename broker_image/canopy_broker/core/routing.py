@@ -37,9 +37,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from canopy_broker.core.errors import ProtocolError
-from canopy_broker.core.events import Value
+from canopy_broker.core.events import Targets, Value
 from canopy_broker.core.filters import Filter, Slot, cover_profile, covers
-from canopy_broker.core.matching import IndexedMatcher
+from canopy_broker.core.matching import Dest, RouteMatcher
 from canopy_broker.core.messages import (
     Effect,
     RouteKey,
@@ -59,9 +59,6 @@ __all__ = [
     "dominates",
     "maximal",
 ]
-
-Dest = str | tuple[str, str]
-"""A matcher payload: a neighbour name, or a local subscription (client, sub_id)."""
 
 
 def dominates(g: RouteKey, h: RouteKey) -> bool:
@@ -243,7 +240,7 @@ class RoutingState:
         # indexed for the covering questions.
         self._holders: ShardedDict[RouteKey, int] = ShardedDict()
         self._held = CoverIndex(indexed=self._covering)
-        self._matcher: IndexedMatcher[Dest] = IndexedMatcher()
+        self._matcher = RouteMatcher()
         self._frozen: set[str] = set()
 
     # ------------------------------------------------------------------ queries
@@ -272,8 +269,10 @@ class RoutingState:
     def subscriptions(self, client: str) -> Mapping[str, Filter] | None:
         return self._clients.get(client)
 
-    def match(self, attrs: Mapping[str, Value]) -> set[Dest]:
-        return self._matcher.match_payloads(attrs)
+    def route(self, attrs: Mapping[str, Value], source: str | None) -> tuple[list[str], Targets]:
+        """Where an event with ``attrs`` goes: neighbours (sorted, not ``source``) and local
+        (client, subscription ids) targets, sorted by client."""
+        return self._matcher.route(attrs, source)
 
     def snapshot(self) -> RoutingTable:
         return RoutingTable(

@@ -827,22 +827,24 @@ class Broker:
         """Carry out effects, encoding each distinct message or event once."""
         last_msg: object = None
         last_bytes = b""
-        last_event: object = None
-        body = b""
         delivered = 0
         for eff in effects:
             if isinstance(eff, Deliver):  # the most common effect first: one check each
-                client = self.clients.get(eff.client)
-                if client is None:
-                    continue
-                event = eff.event
-                if event is not last_event:
-                    body = encode_event_body(event)
-                    last_event = event
-                client.pending.append(notify_message(body, eff.sub_ids))
-                delivered += 1
-                if not client.dirty:
-                    self.mark_dirty(client)
+                body = encode_event_body(eff.event)  # once for all its subscribers
+                clients = self.clients
+                last_ids: tuple[str, ...] | None = None
+                note = b""
+                for client_id, sub_ids in eff.targets:
+                    client = clients.get(client_id)
+                    if client is None:
+                        continue
+                    if sub_ids != last_ids:  # clients often name their subscriptions alike
+                        note = notify_message(body, sub_ids)
+                        last_ids = sub_ids
+                    client.pending.append(note)
+                    delivered += 1
+                    if not client.dirty:
+                        self.mark_dirty(client)
             elif isinstance(eff, SendToLink):
                 msg = eff.message
                 if msg is not last_msg:

@@ -82,7 +82,7 @@ class Telemetry:
         """Record ``event`` if the consistent sampler keeps it (cheap when it does not)."""
         if not is_sampled(event.id, self.sample_rate):
             return
-        deliveries = [e.client for e in effects if type(e) is Deliver]
+        deliveries = [t[0] for e in effects if type(e) is Deliver for t in e.targets]
         rec = self._base("event")
         rec.update(
             event_id=event.id,

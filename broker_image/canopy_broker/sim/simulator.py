@@ -910,11 +910,12 @@ class Simulator:
                 self._schedule(t, eff.peer, FromLink(broker, msg))
             elif isinstance(eff, Deliver):
                 e = eff.event
-                self.stats.delivery_hops[e.hops] += 1
-                delivery = DeliveryRecord(eff.client, e.publisher, e.seq, self.now)
-                m = self._migrations.get(eff.client)
-                if m is None or self._through_migration(m, broker, delivery):
-                    self._record_delivery(delivery)
+                for client, _subs in eff.targets:
+                    self.stats.delivery_hops[e.hops] += 1
+                    delivery = DeliveryRecord(client, e.publisher, e.seq, self.now)
+                    m = self._migrations.get(client)
+                    if m is None or self._through_migration(m, broker, delivery):
+                        self._record_delivery(delivery)
             elif isinstance(eff, SendToPeer):
                 msg2 = eff.message
                 self.stats.messages[type(msg2).__name__] += 1
