@@ -599,6 +599,9 @@ class FrameProtocol(asyncio.Protocol):
         self._pauses: set[str] = set()
         self._holds: set[str] = set()  # reasons no frame may be handled now (see hold)
         self._continuing = False
+        # This end closed (or failed) the connection: what it read but has not handled yet is
+        # dropped. Not when the *peer* closed: what it sent before is handled (see _work).
+        self._closed_here = False
 
     # -- asyncio callbacks -------------------------------------------------------------------
 
@@ -630,7 +633,7 @@ class FrameProtocol(asyncio.Protocol):
         pending = self.pending
         try:
             while pending and not self._holds:
-                if self.is_closing():
+                if self._closed_here:
                     pending.clear()
                     return
                 rest = self.frame_received(pending.popleft())
@@ -705,6 +708,12 @@ class FrameProtocol(asyncio.Protocol):
         return reason in self._holds
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.pending and not self._holds and not self._closed_here:
+            # The peer sent these before it closed (a publisher's last events, then its clean
+            # close): handled now, before the owner learns of the loss, not dropped because a
+            # busy turn had put them off. Bounded by what was read: reading pauses while busy.
+            self.work_budget = None
+            self._work()
         if not self.lost.done():
             self.lost.set_result(None)
         self._wake_drain()
@@ -737,6 +746,7 @@ class FrameProtocol(asyncio.Protocol):
         self.close()
 
     def close(self) -> None:
+        self._closed_here = True
         transport = self.transport
         if transport is not None and not transport.is_closing():
             try:
@@ -747,6 +757,7 @@ class FrameProtocol(asyncio.Protocol):
                 transport.abort()
 
     def abort(self) -> None:
+        self._closed_here = True
         if self.transport is not None:
             self.transport.abort()
 
