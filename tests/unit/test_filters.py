@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from canopy_broker.core.events import event_sampled, is_sampled
 from canopy_broker.core.filters import MATCH_ALL, Constraint, Filter, FilterError, Op, covers
 from tests.strategies import ATTRS, NUMBERS, STRINGS, all_events, filters
 
@@ -141,3 +142,17 @@ def test_booleans_are_not_numbers_in_identity() -> None:
     assert Filter.parse("a = true") != Filter.parse("a = 1")
     assert not covers(Filter.parse("a = true"), Filter.parse("a = 1"))
     assert len(Filter.parse("a = true and a = 1").constraints) == 2
+
+
+@given(
+    st.text(max_size=12),
+    st.integers(min_value=1, max_value=2**40),
+    st.sampled_from([0.0, 0.01, 0.3, 0.5, 0.99, 1.0]),
+)
+def test_the_brokers_sampling_shortcut_decides_as_the_event_id_does(
+    publisher: str, seq: int, rate: float
+) -> None:
+    """Telemetry asks event_sampled(publisher, seq) for every event routed; the miner and the
+    tests reason with is_sampled("publisher:seq"): the same events must be kept."""
+    assert event_sampled(publisher, seq, rate) == is_sampled(f"{publisher}:{seq}", rate)
+    assert event_sampled(publisher, seq, 0.5) == is_sampled(f"{publisher}:{seq}", 0.5)

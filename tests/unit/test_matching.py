@@ -49,32 +49,47 @@ _DESTS = st.one_of(
 
 @given(
     st.lists(st.tuples(filters, _DESTS), max_size=40),
+    st.lists(st.integers(min_value=0, max_value=39), max_size=10),
     st.lists(events, min_size=1, max_size=20),
     st.sampled_from([None, "n1", "n2"]),
 )
 def test_routing_an_event_is_the_scan_split_by_destination(
-    entries: list[tuple[Filter, Dest]], evs: list[dict[str, object]], source: str | None
+    entries: list[tuple[Filter, Dest]],
+    removals: list[int],
+    evs: list[dict[str, object]],
+    source: str | None,
 ) -> None:
-    """What RouteMatcher.route computes in one pass (compiled) equals the obvious way: scan,
-    drop the source, group each client's matching subscriptions, sort everything."""
+    """What RouteMatcher.route computes in one pass (compiled, and cached per matched filter
+    set) equals the obvious way: scan, drop the source, group each client's matching
+    subscriptions, sort everything — before and after the table changes, asked once or twice."""
     route = RouteMatcher()
     scan: ScanMatcher[Dest] = ScanMatcher()
-    seen: set[tuple[Filter, Dest]] = set()
+    live: list[tuple[Filter, Dest]] = []
     for f, d in entries:
-        if not isinstance(d, str) and any(d == d2 for _, d2 in seen):
+        if not isinstance(d, str) and any(d == d2 for _, d2 in live):
             continue  # a subscription has one filter
-        seen.add((f, d))
+        live.append((f, d))
         route.add(f, d)
         scan.add(f, d)
-    for e in evs:
+
+    def expected(e: dict[str, object]) -> tuple[tuple[str, ...], tuple[object, ...]]:
         dests = scan.match_payloads(e)  # type: ignore[arg-type]
-        peers = sorted(d for d in dests if isinstance(d, str) and d != source)
+        peers = tuple(sorted(d for d in dests if isinstance(d, str) and d != source))
         local: dict[str, list[str]] = {}
         for d in dests:
             if not isinstance(d, str):
                 local.setdefault(d[0], []).append(d[1])
-        targets = tuple((c, tuple(sorted(subs))) for c, subs in sorted(local.items()))
-        assert route.route(e, source) == (peers, targets)  # type: ignore[arg-type]
+        return peers, tuple((c, tuple(sorted(subs))) for c, subs in sorted(local.items()))
+
+    for e in evs * 2:  # the second time from the cache
+        assert route.route(e, source) == expected(e)  # type: ignore[arg-type]
+    for i in removals:
+        if i < len(live):
+            f, d = live.pop(i)
+            route.remove(f, d)
+            scan.remove(f, d)
+            for e in evs:  # a change drops every cached decision it could affect
+                assert route.route(e, source) == expected(e)  # type: ignore[arg-type]
 
 
 def test_candidates_skip_filters_that_cannot_match() -> None:

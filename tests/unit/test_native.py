@@ -72,7 +72,13 @@ for _ in range(300):
 routes = RouteMatcher()
 for i, f in enumerate(filters):
     routes.add(f, f"n{i % 3}" if i % 4 == 0 else (f"c{i % 7}", f"s{i}"))
-out["routes"] = [routes.route(event(), rng.choice([None, "n0", "n1"])) for _ in range(300)]
+out["routes"] = []
+for step in range(300):
+    out["routes"].append(routes.route(event(), rng.choice([None, "n0", "n1"])))
+    if step % 50 == 49:  # a change in between: the cached decisions go
+        i = rng.randrange(len(filters))
+        routes.remove(filters[i], f"n{i % 3}" if i % 4 == 0 else (f"c{i % 7}", f"s{i}"))
+        routes.add(filters[i], "n9")
 keys = [RouteKey(f) for f in filters[:120]]
 out["covers"] = [[i, j] for i, g in enumerate(keys) for j, h in enumerate(keys) if dominates(g, h)]
 from canopy_broker.core.tables import ShardedDict, ShardedSet

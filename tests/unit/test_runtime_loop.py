@@ -167,10 +167,15 @@ class Collecting(FrameProtocol):
         super().__init__()
         self.work_budget = TurnBudget(0.0)
         self.handled: list[list[Any]] = []
+        self.handled_at_end = -1
 
     def frame_received(self, frame: list[Any]) -> list[Any] | None:
         self.handled.append(frame)
         return None
+
+    def connection_ended(self, exc: Exception | None) -> None:
+        self.handled_at_end = len(self.handled)
+        super().connection_ended(exc)
 
 
 class TlsTransport(Transport):
@@ -221,6 +226,7 @@ async def test_what_the_peer_sent_before_closing_is_handled_not_dropped() -> Non
     conn.eof_received()  # ...and then the peer's end is read
     await asyncio.wait_for(asyncio.shield(conn.lost), 5)
     assert conn.handled == frames
+    assert conn.handled_at_end == 200  # the loss is reported once they are handled
 
 
 async def test_what_this_end_closed_on_is_not_handled() -> None:
@@ -231,3 +237,4 @@ async def test_what_this_end_closed_on_is_not_handled() -> None:
     conn.close()
     await asyncio.wait_for(asyncio.shield(conn.lost), 5)
     assert 0 < len(conn.handled) < 200
+    assert conn.handled_at_end == len(conn.handled)

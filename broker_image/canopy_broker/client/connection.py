@@ -127,8 +127,8 @@ class BrokerConnection(FrameProtocol):
         self.set_error(ClientError(f"bad data from the broker: {exc}", exc.code))
         super().fail(exc)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
+    def connection_ended(self, exc: Exception | None) -> None:
+        super().connection_ended(exc)
         if isinstance(exc, (ConnectionResetError, BrokenPipeError)) and not self.ending:
             # A broker that is killed with bytes of ours unread resets the connection instead
             # of closing it (TLS makes that the usual case): to the user it is the same event.

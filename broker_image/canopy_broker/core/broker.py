@@ -412,7 +412,7 @@ class BrokerCore:
             if holding or ghosts:
                 # A repair's new link, or a dead one: sent with the replay (during an exchange
                 # too: the repair is not the exchange's business).
-                peers = [p for p in peers if p not in holding and p not in ghosts]
+                peers = tuple(p for p in peers if p not in holding and p not in ghosts)
             if ex is None:
                 for peer in peers:
                     out.append(SendToLink(peer, copy))
@@ -634,7 +634,7 @@ class BrokerCore:
             self._remove_link(run.dead, out)
 
         def route(event: Event) -> list[str]:
-            return self.routing.route(event.attrs, None)[0]
+            return list(self.routing.route(event.attrs, None)[0])
 
         sent = len(out)
         run.finish(route, out, now=self.now, timed_out=timed_out)

@@ -111,3 +111,22 @@ def is_sampled(event_id: str, rate: float) -> bool:
     if rate <= 0.0:
         return False
     return sample_hash(event_id) < int(rate * 0x1_0000_0000)
+
+
+_PREFIX_CRC: dict[str, int] = {}  # publisher -> crc32 of "publisher:" (bounded, see below)
+
+
+def event_sampled(publisher: str, seq: int, rate: float) -> bool:
+    """``is_sampled(f"{publisher}:{seq}", rate)`` without building the id: a broker asks for
+    every event it routes, so the CRC of each publisher's ``publisher:`` is kept and the
+    sequence number's digits continue it (CRC-32 runs over bytes in order)."""
+    if rate >= 1.0:
+        return True
+    if rate <= 0.0:
+        return False
+    prefix = _PREFIX_CRC.get(publisher)
+    if prefix is None:
+        if len(_PREFIX_CRC) >= 4096:
+            _PREFIX_CRC.clear()
+        prefix = _PREFIX_CRC[publisher] = zlib.crc32(publisher.encode() + b":")
+    return zlib.crc32(str(seq).encode(), prefix) < int(rate * 0x1_0000_0000)

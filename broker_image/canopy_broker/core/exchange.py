@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
@@ -317,7 +318,7 @@ def backoff(xid: str, attempt: int, base: float = 0.05, cap: float = 5.0) -> flo
 def route_on_cycle(
     ex: Exchange,
     copy: Publish,
-    peers: list[str],
+    peers: Sequence[str],
     out: list[Effect],
     *,
     source: str | None,

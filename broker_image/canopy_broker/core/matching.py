@@ -232,23 +232,56 @@ Dest = str | tuple[str, str]
 """A routing table's matcher payload: a neighbour name, or a local subscription (client, sub_id)."""
 
 
+ROUTE_CACHE = 1024
+"""Routing decisions kept by :class:`RouteMatcher` (all dropped at once when full)."""
+
+Route = tuple[tuple[str, ...], Targets]
+"""Neighbours to forward to (sorted) and local targets (sorted by client)."""
+
+
 class RouteMatcher(IndexedMatcher[Dest]):
     """The routing table's matcher: one event in, where it goes out.
 
     Routing an event is the hottest loop of a broker (every event, every matching subscription).
     Doing the whole of it here — match, drop the link it came from, group subscriptions per
-    client, sort for a deterministic order — keeps it in the compiled module: the pure-Python
-    split it replaces cost about as much as the match itself.
+    client, sort for a deterministic order — keeps it in the compiled module.
+
+    And it is done once per *set of matched filters*, not per event: events that match the
+    same filters (arriving from the same link) go to the same places, and in a running
+    overlay most events repeat a few such sets. The decisions are cached by (source, matched
+    filters) and the whole cache is dropped on any change to the table — exact, and cheap
+    next to the subscribe or unsubscribe that caused it.
     """
 
-    def route(self, attrs: Mapping[str, Value], source: str | None) -> tuple[list[str], Targets]:
-        """The neighbours to forward to (sorted, without ``source``) and the local targets."""
+    def __init__(self) -> None:
+        super().__init__()
+        self._routes: dict[tuple[str | Filter | None, ...], Route] = {}
+
+    def add(self, f: Filter, payload: Dest) -> None:
+        if self._routes:
+            self._routes.clear()
+        super().add(f, payload)
+
+    def remove(self, f: Filter, payload: Dest) -> None:
+        if self._routes:
+            self._routes.clear()
+        super().remove(f, payload)
+
+    def route(self, attrs: Mapping[str, Value], source: str | None) -> Route:
+        """Where an event with ``attrs`` that came from ``source`` goes (see :data:`Route`)."""
+        matched = [f for f in self.candidates(attrs) if f.matches(attrs)]
+        if not matched:
+            return (), ()
+        key: list[str | Filter | None] = [source]
+        key.extend(matched)
+        frozen = tuple(key)
+        known = self._routes.get(frozen)
+        if known is not None:
+            return known
         peers: set[str] = set()
         local: dict[str, list[str]] = {}
         payloads = self._payloads
-        for f in self.candidates(attrs):
-            if not f.matches(attrs):
-                continue
+        for f in matched:
             for d in payloads[f]:
                 if isinstance(d, str):
                     if d != source:
@@ -263,7 +296,11 @@ class RouteMatcher(IndexedMatcher[Dest]):
         for client in sorted(local):
             subs = local[client]
             targets.append((client, (subs[0],) if len(subs) == 1 else tuple(sorted(subs))))
-        return sorted(peers), tuple(targets)
+        found = (tuple(sorted(peers)), tuple(targets))
+        if len(self._routes) >= ROUTE_CACHE:
+            self._routes.clear()
+        self._routes[frozen] = found
+        return found
 
 
 class ScanMatcher(Generic[P]):

@@ -37,9 +37,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from canopy_broker.core.errors import ProtocolError
-from canopy_broker.core.events import Targets, Value
+from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Filter, Slot, cover_profile, covers
-from canopy_broker.core.matching import Dest, RouteMatcher
+from canopy_broker.core.matching import Dest, Route, RouteMatcher
 from canopy_broker.core.messages import (
     Effect,
     RouteKey,
@@ -269,7 +269,7 @@ class RoutingState:
     def subscriptions(self, client: str) -> Mapping[str, Filter] | None:
         return self._clients.get(client)
 
-    def route(self, attrs: Mapping[str, Value], source: str | None) -> tuple[list[str], Targets]:
+    def route(self, attrs: Mapping[str, Value], source: str | None) -> Route:
         """Where an event with ``attrs`` goes: neighbours (sorted, not ``source``) and local
         (client, subscription ids) targets, sorted by client."""
         return self._matcher.route(attrs, source)

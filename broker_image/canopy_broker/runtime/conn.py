@@ -105,8 +105,8 @@ class Conn(FrameProtocol):
         if self.dialing and not self.handshake.done():
             self.handshake.set_exception(exc)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
+    def connection_ended(self, exc: Exception | None) -> None:
+        super().connection_ended(exc)
         if self.dialing and not self.handshake.done():
             self.handshake.set_exception(ConnectionError("connection closed during the hello"))
         self.broker.conn_lost(self)

@@ -602,6 +602,9 @@ class FrameProtocol(asyncio.Protocol):
         # This end closed (or failed) the connection: what it read but has not handled yet is
         # dropped. Not when the *peer* closed: what it sent before is handled (see _work).
         self._closed_here = False
+        # The transport is gone but frames the peer sent before are still being handled (a
+        # turn budget at a time): the loss is reported once they are (see connection_lost).
+        self._loss: tuple[Exception | None] | None = None
 
     # -- asyncio callbacks -------------------------------------------------------------------
 
@@ -635,7 +638,7 @@ class FrameProtocol(asyncio.Protocol):
             while pending and not self._holds:
                 if self._closed_here:
                     pending.clear()
-                    return
+                    break
                 rest = self.frame_received(pending.popleft())
                 if rest is not None:
                     pending.appendleft(rest)
@@ -650,6 +653,10 @@ class FrameProtocol(asyncio.Protocol):
         except Exception as exc:  # a bug must cost this connection, not the process
             log.exception("internal error while handling a frame")
             self.fail(FrameError(f"internal error: {exc!r}", "internal"))
+        if self._loss is not None:  # everything the peer sent is handled: now it is lost
+            (why,) = self._loss
+            self._loss = None
+            self.connection_ended(why)
 
     def eof_received(self) -> bool | None:
         """The peer closed its side. Over plain TCP the transport then closes itself (None).
@@ -708,12 +715,21 @@ class FrameProtocol(asyncio.Protocol):
         return reason in self._holds
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """asyncio's callback. If a busy turn put off frames the peer sent before it closed (a
+        publisher's last events, then its clean close; over TLS its close_notify arrives with
+        them), they are handled first, a turn budget at a time as ever, and only then is the
+        loss reported (:meth:`connection_ended`): what was sent is not dropped."""
         if self.pending and not self._holds and not self._closed_here:
-            # The peer sent these before it closed (a publisher's last events, then its clean
-            # close): handled now, before the owner learns of the loss, not dropped because a
-            # busy turn had put them off. Bounded by what was read: reading pauses while busy.
-            self.work_budget = None
-            self._work()
+            self._loss = (exc,)
+            if not self._continuing:
+                self._continuing = True
+                self._loop.call_soon(self._work)
+            return
+        self.connection_ended(exc)
+
+    def connection_ended(self, exc: Exception | None) -> None:
+        """The connection is gone and what the peer sent is handled; subclasses extend this
+        (not ``connection_lost``) to act on the loss."""
         if not self.lost.done():
             self.lost.set_result(None)
         self._wake_drain()

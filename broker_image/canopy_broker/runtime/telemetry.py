@@ -18,7 +18,8 @@ Record types:
   neighbour, or ``probe``, a fresh connection to a broker of the address book that is not a
   neighbour (underlay distances for the miner's network-distance matrix).
 
-Sampling is decided by :func:`canopy_broker.core.events.is_sampled` on the event id, a hash that
+Sampling is decided by :func:`canopy_broker.core.events.is_sampled` on the event id (computed as
+:func:`~canopy_broker.core.events.event_sampled` without building the id), a hash that
 is the same on every broker, so all brokers keep the *same* events and the miner can intersect
 their histories. Records live in a ring buffer of the last *N* and, with ``--telemetry-dir``, are
 appended as JSON lines to ``broker=NAME/date=YYYY-MM-DD/hour=HH/part-<start>-<pid>.jsonl`` (Hive
@@ -38,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from canopy_broker.core.events import Event, is_sampled
+from canopy_broker.core.events import Event, event_sampled
 from canopy_broker.core.messages import Deliver, Effect, SendToLink
 from canopy_broker.runtime.placement import Placement
 
@@ -80,7 +81,7 @@ class Telemetry:
 
     def event(self, event: Event, source_kind: str, source: str, effects: Sequence[Effect]) -> None:
         """Record ``event`` if the consistent sampler keeps it (cheap when it does not)."""
-        if not is_sampled(event.id, self.sample_rate):
+        if not event_sampled(event.publisher, event.seq, self.sample_rate):
             return
         deliveries = [t[0] for e in effects if type(e) is Deliver for t in e.targets]
         rec = self._base("event")
