@@ -15,6 +15,7 @@ from canopy_broker.core.events import Event
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import Publish, RouteKey, RoutingMode, Subscribe, Unsubscribe
 from canopy_broker.runtime.framing import (
+    BATCH_BYTES,
     MAX_FRAME,
     FrameError,
     FrameSplitter,
@@ -31,6 +32,7 @@ from canopy_broker.runtime.framing import (
     frame,
     from_wire,
     loads_frame,
+    notify_frames,
     notify_message,
     parse_address,
     to_wire,
@@ -167,6 +169,21 @@ def test_batches_split_at_the_byte_limit_and_keep_order() -> None:
     assert [m for c in chunks for m in c] == msgs
     assert all(sum(map(len, c)) <= 1000 for c in chunks)
     assert batches([b"x" * 5000], limit=1000) == [[b"x" * 5000]]  # one oversize message alone
+
+
+@given(st.lists(st.integers(min_value=0, max_value=3000), min_size=1, max_size=120))
+def test_a_clients_queue_goes_out_as_frames_of_its_messages_in_order(sizes: list[int]) -> None:
+    """notify_frames: one frame for a short queue, several of about BATCH_BYTES for a long
+    one; either way the client reads back exactly the messages queued, in order."""
+    msgs = [orjson.dumps([20, "x" * n, i]) for i, n in enumerate(sizes)]
+    splitter = FrameSplitter()
+    frames = [loads_frame(p) for p in splitter.feed(notify_frames(msgs))]
+    assert all(f[0] == 6 for f in frames)
+    assert [orjson.dumps(m) for f in frames for m in f[1]] == msgs
+    if len(b",".join(msgs)) <= BATCH_BYTES:
+        assert len(frames) == 1
+    else:
+        assert len(frames) > 1
 
 
 def test_parse_address() -> None:

@@ -472,6 +472,18 @@ def msgs_frame(msgs: list[bytes]) -> bytes:
     return frame(join_array(b"[6,", msgs))
 
 
+def notify_frames(msgs: list[bytes]) -> bytes:
+    """A client's queued messages as F_MSGS frames of about :data:`BATCH_BYTES` each: usually
+    one, built with a single join (the split only when the queue is long)."""
+    if len(msgs) == 1:
+        return msg_frame(msgs[0])
+    body = b",".join(msgs)
+    if len(body) > BATCH_BYTES:
+        return b"".join(msgs_frame(chunk) for chunk in batches(msgs))
+    payload = b"[6,[" + body + b"]]"
+    return len(payload).to_bytes(_HEADER, "big") + payload
+
+
 def msg_frame(msg: bytes) -> bytes:
     """``msgs_frame([msg])`` in one step: a subscriber's flush is usually one notification."""
     payload = b"[6,[" + msg + b"]]"

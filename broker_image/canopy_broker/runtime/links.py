@@ -32,8 +32,7 @@ from canopy_broker.runtime.framing import (
     batches,
     control_frame,
     data_frame,
-    msg_frame,
-    msgs_frame,
+    notify_frames,
 )
 from canopy_broker.runtime.linkstate import LinkEvent, LinkState, LinkStates, Route, Standing
 from canopy_broker.runtime.security import ANYTHING, Principal
@@ -297,11 +296,8 @@ class Client:
         return len(self.pending)
 
     def flush(self) -> None:
-        conn = self.conn
-        if not self.pending or conn.writing_paused:
+        msgs = self.pending
+        if not msgs or self.conn.writing_paused:
             return
-        msgs, self.pending = self.pending, []
-        if len(msgs) == 1:
-            conn.write(msg_frame(msgs[0]))
-        else:
-            conn.write(b"".join(msgs_frame(chunk) for chunk in batches(msgs)))
+        self.pending = []
+        self.conn.write(notify_frames(msgs))
