@@ -16,7 +16,8 @@ invocation runs the same paced workload against each broker in turn, on this mac
   one per write, and per-write costs dominate every broker's CPU per notification.
 * **CPU**: ``utime + stime`` of the broker process from ``/proc/<pid>/stat``, read just before
   the first event is published and as soon as the last expected notification has arrived.
-  ``us_per_notification`` = that CPU / notifications delivered. The clients run in this process
+  ``us_per_notification`` = that CPU / notifications delivered, ``user_us`` and ``system_us``
+  its two parts (the broker's own code, the kernel's work for it). The clients run in this process
   (one asyncio loop, a system at a time), never in a broker's, so their CPU is not counted.
 * **deliveries**: counted by the subscribers; ``expected`` = events published x fan-out;
   ``notif_per_s`` = delivered / (last arrival - first publish).
@@ -27,8 +28,8 @@ on 127.0.0.1 on a free port and stopped at the end; no system service is used. T
 Canopy's client library, nats-py and paho-mqtt (the ``dev`` extra).
 
 Progress goes to stderr; with ``--json`` the last stdout line is one JSON object with keys
-``canopy``, ``nats`` and ``mosquitto``, each ``{us_per_notification, delivered, expected,
-notif_per_s}``.
+``canopy``, ``nats`` and ``mosquitto``, each ``{us_per_notification, user_us, system_us,
+delivered, expected, notif_per_s}``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ import orjson
 from canopy_broker.bench import Send, Sink, canopy_sender, done, progress, publish_paced
 from canopy_broker.cli import tune_gc
 from canopy_broker.client import connect
-from canopy_broker.procs import Overlay, process_cpu_seconds, stop_process
+from canopy_broker.procs import Overlay, process_cpu_split, stop_process
 from canopy_broker.progress import showing
 
 if TYPE_CHECKING:
@@ -388,14 +389,17 @@ async def measure(name: str, w: Workload, tmp: Path) -> dict[str, Any]:
     progress(f"{name}: starting the broker, {w.subscribers} subscribers and the publisher")
     async with PEERS[name](w, sink, tmp) as (pids, send):
         progress(f"{name}: publishing {w.rate:,.0f} events/s for {w.duration:g} s")
-        cpu0, t0 = process_cpu_seconds(pids), time.perf_counter()
+        (user0, sys0), t0 = process_cpu_split(pids), time.perf_counter()
         published = await publish_paced(w.rate, w.duration, send, w.tick)
         expected = published * w.fanout
         await wait_delivered(sink, expected)
-        cpu = process_cpu_seconds(pids) - cpu0
+        user1, sys1 = process_cpu_split(pids)
         delivered = sink.count
+    per = 1e6 / max(1, delivered)
     result = {
-        "us_per_notification": round(cpu / max(1, delivered) * 1e6, 3),
+        "us_per_notification": round((user1 - user0 + sys1 - sys0) * per, 3),
+        "user_us": round((user1 - user0) * per, 3),
+        "system_us": round((sys1 - sys0) * per, 3),
         "delivered": delivered,
         "expected": expected,
         "notif_per_s": round(delivered / max(1e-9, sink.last_arrival - t0)),
@@ -420,13 +424,14 @@ def report(w: Workload, r: dict[str, dict[str, Any]]) -> str:
     nats_us = r["nats"]["us_per_notification"] if "nats" in r else 0.0
     lines = [
         f"workload: {w.describe()}",
-        f"{'system':<10}  {'CPU us/notification':>19}  {'x NATS':>6}  "
+        f"{'system':<10}  {'CPU us/notification':>19}  {'(user + system)':>15}  {'x NATS':>6}  "
         f"{'delivered / expected':>21}  {'notifications/s':>15}",
     ]
     for name, m in r.items():
         ratio = m["us_per_notification"] / nats_us if nats_us else float("nan")
+        split = f"({m['user_us']:.2f} + {m['system_us']:.2f})"
         lines.append(
-            f"{name:<10}  {m['us_per_notification']:>19.2f}  {ratio:>5.1f}x  "
+            f"{name:<10}  {m['us_per_notification']:>19.2f}  {split:>15}  {ratio:>5.1f}x  "
             f"{m['delivered']:>10,} / {m['expected']:<8,}  {m['notif_per_s']:>15,}"
         )
     return "\n".join(lines)
