@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.matching import (
+    ROUTE_CACHE_ITEMS,
+    ROUTE_CACHE_LARGEST,
     Dest,
     IndexedMatcher,
     RouteMatcher,
@@ -108,3 +110,25 @@ def test_access_constraint_prefers_equality() -> None:
     c = access_constraint(f)
     assert c is not None and c.attr == "d"
     assert access_constraint(Filter()) is None
+
+
+def test_the_route_cache_is_bounded_by_what_its_decisions_hold() -> None:
+    """Subscribers choose filters and publishers values: events that each match a different
+    large set must not grow the cache past ROUTE_CACHE_ITEMS (1,024 such decisions once held
+    over a GB), and a decision over more than ROUTE_CACHE_LARGEST is not kept at all."""
+    m = RouteMatcher()
+    fresh = RouteMatcher()
+    for i in range(1500):
+        for r in (m, fresh):
+            r.add(Filter.parse(f"price < {i}"), (f"c{i}", "s"))
+    for p in range(0, 1500, 5):  # 300 decisions of up to 3,000 items each
+        assert m.route({"price": p}, None) == fresh.route({"price": p}, None)
+        assert 0 < m._held <= ROUTE_CACHE_ITEMS
+    held = sum(len(k) + len(v[0]) + len(v[1]) for k, v in m._routes.items())
+    assert held == m._held
+    big = RouteMatcher()
+    for i in range(ROUTE_CACHE_LARGEST):
+        big.add(Filter.parse(f"price < {i + 10}"), (f"c{i}", "s"))
+    (peers, targets) = big.route({"price": 1}, None)
+    assert len(targets) == ROUTE_CACHE_LARGEST and not peers
+    assert big._held == 0 and not big._routes

@@ -238,3 +238,30 @@ async def test_what_this_end_closed_on_is_not_handled() -> None:
     await asyncio.wait_for(asyncio.shield(conn.lost), 5)
     assert 0 < len(conn.handled) < 200
     assert conn.handled_at_end == len(conn.handled)
+
+
+async def test_held_frames_are_never_handled_after_the_loss_is_reported() -> None:
+    """Frames held (a hello waiting for a withdrawal) when the peer goes are dropped with the
+    connection: a release after the loss must not hand them to a session already cleaned up."""
+    conn = _tls_conn()
+    conn.hold("waiting", [6, ["hello"]])
+    conn.data_received(frame(orjson.dumps([6, ["publish"]])))
+    conn.connection_lost(None)
+    assert conn.lost.done() and conn.handled_at_end == 0
+    conn.release("waiting")
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert conn.handled == []
+
+
+async def test_after_a_reset_what_was_put_off_is_dropped() -> None:
+    """A connection that failed (reset): its client sends what was not acknowledged again
+    through its next broker, so handling the put-off rest here too would only race with that."""
+    conn = _tls_conn()
+    conn.data_received(b"".join(frame(orjson.dumps([6, [i]])) for i in range(200)))
+    handled = len(conn.handled)
+    conn.connection_lost(ConnectionResetError())
+    assert conn.lost.done() and conn.handled_at_end == handled
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(conn.handled) == handled < 200

@@ -232,8 +232,14 @@ Dest = str | tuple[str, str]
 """A routing table's matcher payload: a neighbour name, or a local subscription (client, sub_id)."""
 
 
-ROUTE_CACHE = 1024
-"""Routing decisions kept by :class:`RouteMatcher` (all dropped at once when full)."""
+ROUTE_CACHE_ITEMS = 65_536
+"""What :class:`RouteMatcher` keeps of routing decisions, counted in filters, neighbours and
+targets held (all dropped at once when full): bounded memory, and a drop that frees at most
+this much in one go (a few MB at most, freed in about a millisecond), however many filters
+events match."""
+ROUTE_CACHE_LARGEST = 4_096
+"""A decision over more filters, neighbours and targets than this is not kept: an event that
+matches that many is rare, and costs more to route than a lookup saves."""
 
 Route = tuple[tuple[str, ...], Targets]
 """Neighbours to forward to (sorted) and local targets (sorted by client)."""
@@ -250,34 +256,43 @@ class RouteMatcher(IndexedMatcher[Dest]):
     same filters (arriving from the same link) go to the same places, and in a running
     overlay most events repeat a few such sets. The decisions are cached by (source, matched
     filters) and the whole cache is dropped on any change to the table — exact, and cheap
-    next to the subscribe or unsubscribe that caused it.
+    next to the subscribe or unsubscribe that caused it (its size is bounded by what the
+    decisions hold, :data:`ROUTE_CACHE_ITEMS`, not by their count: subscribers choose the
+    filters and publishers the values, so either could otherwise fill it with huge ones).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._routes: dict[tuple[str | Filter | None, ...], Route] = {}
+        self._held = 0  # filters, neighbours and targets the cached decisions hold
 
     def add(self, f: Filter, payload: Dest) -> None:
         if self._routes:
-            self._routes.clear()
+            self._forget()
         super().add(f, payload)
 
     def remove(self, f: Filter, payload: Dest) -> None:
         if self._routes:
-            self._routes.clear()
+            self._forget()
         super().remove(f, payload)
+
+    def _forget(self) -> None:
+        self._routes.clear()
+        self._held = 0
 
     def route(self, attrs: Mapping[str, Value], source: str | None) -> Route:
         """Where an event with ``attrs`` that came from ``source`` goes (see :data:`Route`)."""
         matched = [f for f in self.candidates(attrs) if f.matches(attrs)]
         if not matched:
             return (), ()
-        key: list[str | Filter | None] = [source]
-        key.extend(matched)
-        frozen = tuple(key)
-        known = self._routes.get(frozen)
-        if known is not None:
-            return known
+        frozen: tuple[str | Filter | None, ...] = ()
+        if len(matched) <= ROUTE_CACHE_LARGEST:
+            key: list[str | Filter | None] = [source]
+            key.extend(matched)
+            frozen = tuple(key)
+            known = self._routes.get(frozen)
+            if known is not None:
+                return known
         peers: set[str] = set()
         local: dict[str, list[str]] = {}
         payloads = self._payloads
@@ -297,9 +312,12 @@ class RouteMatcher(IndexedMatcher[Dest]):
             subs = local[client]
             targets.append((client, (subs[0],) if len(subs) == 1 else tuple(sorted(subs))))
         found = (tuple(sorted(peers)), tuple(targets))
-        if len(self._routes) >= ROUTE_CACHE:
-            self._routes.clear()
-        self._routes[frozen] = found
+        size = len(frozen) + len(peers) + len(targets)
+        if frozen and size <= ROUTE_CACHE_LARGEST:
+            if self._held + size > ROUTE_CACHE_ITEMS:
+                self._forget()
+            self._routes[frozen] = found
+            self._held += size
         return found
 
 

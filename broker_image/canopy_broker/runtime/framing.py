@@ -617,6 +617,7 @@ class FrameProtocol(asyncio.Protocol):
         # The transport is gone but frames the peer sent before are still being handled (a
         # turn budget at a time): the loss is reported once they are (see connection_lost).
         self._loss: tuple[Exception | None] | None = None
+        self._ended = False  # the loss is reported: nothing more is handled
 
     # -- asyncio callbacks -------------------------------------------------------------------
 
@@ -648,7 +649,7 @@ class FrameProtocol(asyncio.Protocol):
         pending = self.pending
         try:
             while pending and not self._holds:
-                if self._closed_here:
+                if self._closed_here or self._ended:
                     pending.clear()
                     break
                 rest = self.frame_received(pending.popleft())
@@ -727,11 +728,14 @@ class FrameProtocol(asyncio.Protocol):
         return reason in self._holds
 
     def connection_lost(self, exc: Exception | None) -> None:
-        """asyncio's callback. If a busy turn put off frames the peer sent before it closed (a
-        publisher's last events, then its clean close; over TLS its close_notify arrives with
-        them), they are handled first, a turn budget at a time as ever, and only then is the
-        loss reported (:meth:`connection_ended`): what was sent is not dropped."""
-        if self.pending and not self._holds and not self._closed_here:
+        """asyncio's callback. If the peer closed cleanly (``exc`` None: its FIN, or over TLS
+        its close_notify, which arrives with its last data) while a busy turn had put off
+        frames it sent before (a publisher's last events), they are handled first, a turn
+        budget at a time as ever, and only then is the loss reported
+        (:meth:`connection_ended`): what was sent and then closed on is not dropped. After an
+        error (a reset) they are dropped as before: a client whose connection failed sends
+        what was not acknowledged again, through its next broker."""
+        if exc is None and self.pending and not self._holds and not self._closed_here:
             self._loss = (exc,)
             if not self._continuing:
                 self._continuing = True
@@ -740,8 +744,11 @@ class FrameProtocol(asyncio.Protocol):
         self.connection_ended(exc)
 
     def connection_ended(self, exc: Exception | None) -> None:
-        """The connection is gone and what the peer sent is handled; subclasses extend this
-        (not ``connection_lost``) to act on the loss."""
+        """The connection is gone and what the peer sent is handled (or dropped: held, or
+        after an error); subclasses extend this (not ``connection_lost``) to act on the loss.
+        Nothing is handled after it, not even frames a :meth:`release` would free."""
+        self._ended = True
+        self.pending.clear()
         if not self.lost.done():
             self.lost.set_result(None)
         self._wake_drain()
