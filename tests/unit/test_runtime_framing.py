@@ -32,7 +32,7 @@ from canopy_broker.runtime.framing import (
     frame,
     from_wire,
     loads_frame,
-    notify_frames,
+    msgs_frames,
     notify_message,
     parse_address,
     to_wire,
@@ -173,11 +173,11 @@ def test_batches_split_at_the_byte_limit_and_keep_order() -> None:
 
 @given(st.lists(st.integers(min_value=0, max_value=3000), min_size=1, max_size=120))
 def test_a_clients_queue_goes_out_as_frames_of_its_messages_in_order(sizes: list[int]) -> None:
-    """notify_frames: one frame for a short queue, several of about BATCH_BYTES for a long
+    """msgs_frames: one frame for a short queue, several of about BATCH_BYTES for a long
     one; either way the client reads back exactly the messages queued, in order."""
     msgs = [orjson.dumps([20, "x" * n, i]) for i, n in enumerate(sizes)]
     splitter = FrameSplitter()
-    frames = [loads_frame(p) for p in splitter.feed(notify_frames(msgs))]
+    frames = [loads_frame(p) for p in splitter.feed(msgs_frames(msgs))]
     assert all(f[0] == 6 for f in frames)
     assert [orjson.dumps(m) for f in frames for m in f[1]] == msgs
     if len(b",".join(msgs)) <= BATCH_BYTES:

@@ -23,10 +23,9 @@ from canopy_broker.runtime.framing import (
     PROTOCOL_VERSION,
     FrameError,
     FrameProtocol,
-    batches,
     control_frame,
     encode_filter,
-    msgs_frame,
+    msgs_frames,
     parse_address,
 )
 
@@ -197,7 +196,7 @@ class BrokerConnection(FrameProtocol):
         if not self.out:
             return
         msgs, self.out, self.out_bytes = self.out, [], 0
-        self.write(b"".join(msgs_frame(chunk) for chunk in batches(msgs)))
+        self.write(msgs_frames(msgs))
 
     async def request(self, code: int, key: str, msg: bytes) -> None:
         """Send ``msg`` and wait for the broker's answer ``[code, key]``."""

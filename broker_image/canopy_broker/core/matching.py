@@ -282,7 +282,7 @@ class RouteMatcher(IndexedMatcher[Dest]):
 
     def route(self, attrs: Mapping[str, Value], source: str | None) -> Route:
         """Where an event with ``attrs`` that came from ``source`` goes (see :data:`Route`)."""
-        matched = [f for f in self.candidates(attrs) if f.matches(attrs)]
+        matched = self.match(attrs)
         if not matched:
             return (), ()
         frozen: tuple[str | Filter | None, ...] = ()

@@ -472,9 +472,10 @@ def msgs_frame(msgs: list[bytes]) -> bytes:
     return frame(join_array(b"[6,", msgs))
 
 
-def notify_frames(msgs: list[bytes]) -> bytes:
-    """A client's queued messages as F_MSGS frames of about :data:`BATCH_BYTES` each: usually
-    one, built with a single join (the split only when the queue is long)."""
+def msgs_frames(msgs: list[bytes]) -> bytes:
+    """Queued messages (a client's notifications, or a client library's publishes) as F_MSGS
+    frames of about :data:`BATCH_BYTES` each: usually one, built with a single join (the split
+    only when the queue is long)."""
     if len(msgs) == 1:
         return msg_frame(msgs[0])
     body = b",".join(msgs)
@@ -616,7 +617,7 @@ class FrameProtocol(asyncio.Protocol):
         self._closed_here = False
         # The transport is gone but frames the peer sent before are still being handled (a
         # turn budget at a time): the loss is reported once they are (see connection_lost).
-        self._loss: tuple[Exception | None] | None = None
+        self._loss_deferred = False
         self._ended = False  # the loss is reported: nothing more is handled
 
     # -- asyncio callbacks -------------------------------------------------------------------
@@ -666,10 +667,9 @@ class FrameProtocol(asyncio.Protocol):
         except Exception as exc:  # a bug must cost this connection, not the process
             log.exception("internal error while handling a frame")
             self.fail(FrameError(f"internal error: {exc!r}", "internal"))
-        if self._loss is not None:  # everything the peer sent is handled: now it is lost
-            (why,) = self._loss
-            self._loss = None
-            self.connection_ended(why)
+        if self._loss_deferred:  # everything the peer sent is handled: now it is lost
+            self._loss_deferred = False
+            self.connection_ended(None)
 
     def eof_received(self) -> bool | None:
         """The peer closed its side. Over plain TCP the transport then closes itself (None).
@@ -736,7 +736,7 @@ class FrameProtocol(asyncio.Protocol):
         error (a reset) they are dropped as before: a client whose connection failed sends
         what was not acknowledged again, through its next broker."""
         if exc is None and self.pending and not self._holds and not self._closed_here:
-            self._loss = (exc,)
+            self._loss_deferred = True
             if not self._continuing:
                 self._continuing = True
                 self._loop.call_soon(self._work)

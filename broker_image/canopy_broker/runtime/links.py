@@ -32,7 +32,7 @@ from canopy_broker.runtime.framing import (
     batches,
     control_frame,
     data_frame,
-    notify_frames,
+    msgs_frames,
 )
 from canopy_broker.runtime.linkstate import LinkEvent, LinkState, LinkStates, Route, Standing
 from canopy_broker.runtime.security import ANYTHING, Principal
@@ -300,4 +300,4 @@ class Client:
         if not msgs or self.conn.writing_paused:
             return
         self.pending = []
-        self.conn.write(notify_frames(msgs))
+        self.conn.write(msgs_frames(msgs))
