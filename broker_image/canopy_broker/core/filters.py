@@ -21,13 +21,12 @@ by deciding, per attribute, whether the constraints of f2 imply each constraint 
 from __future__ import annotations
 
 import math
-import operator
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
-from typing import Any
+from typing import Any, Final, cast
 
 from canopy_broker.core.events import Kind, Value, kind_of
 
@@ -54,6 +53,36 @@ RANGE_OPS = frozenset({Op.LT, Op.LE, Op.GT, Op.GE})
 STRING_OPS = frozenset({Op.PREFIX, Op.SUFFIX, Op.CONTAINS})
 _OP_ORDER = {op: i for i, op in enumerate(Op)}
 
+# Operators and kinds as small ints, for :func:`satisfied` (order matters: the string
+# operators and ``exists`` come last).
+# Final literals: compiled, they are constants in the code, not lookups in the module.
+_EQ: Final = 0
+_NE: Final = 1
+_LT: Final = 2
+_LE: Final = 3
+_GT: Final = 4
+_GE: Final = 5
+_PREFIX: Final = 6
+_SUFFIX: Final = 7
+_CONTAINS: Final = 8
+_EXISTS: Final = 9
+_CODE = {
+    Op.EQ: _EQ,
+    Op.NE: _NE,
+    Op.LT: _LT,
+    Op.LE: _LE,
+    Op.GT: _GT,
+    Op.GE: _GE,
+    Op.PREFIX: _PREFIX,
+    Op.SUFFIX: _SUFFIX,
+    Op.CONTAINS: _CONTAINS,
+    Op.EXISTS: _EXISTS,
+}
+_NUMBER: Final = 1
+_STRING: Final = 2
+_BOOL: Final = 3
+_KCODE = {Kind.NUMBER: _NUMBER, Kind.STRING: _STRING, Kind.BOOL: _BOOL}
+
 
 class FilterError(ValueError):
     """A filter text or structure is invalid; the message says where and why."""
@@ -66,10 +95,10 @@ class Constraint:
     value: Value | None = None
     # Part of equality and hashing on purpose: Python says ``True == 1``, Canopy does not.
     kind: Kind | None = field(init=False, default=None)
-    # The constraint compiled into one predicate over a present value (matching's inner loop).
-    test: Callable[[Value], bool] = field(
-        init=False, default=lambda _v: True, compare=False, hash=False, repr=False
-    )
+    # The operator and kind as small ints: matching's innermost step (:func:`satisfied`)
+    # dispatches on them in compiled code.
+    code: int = field(init=False, default=_EXISTS, compare=False, hash=False, repr=False)
+    kcode: int = field(init=False, default=0, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.attr or not isinstance(self.attr, str):
@@ -88,11 +117,12 @@ class Constraint:
         if self.op in RANGE_OPS and kind is Kind.BOOL:
             raise FilterError(f"'{self.op.value}' on {self.attr!r} cannot compare booleans")
         object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "test", _compile(self.op, self.value, kind))
+        object.__setattr__(self, "code", _CODE[self.op])
+        object.__setattr__(self, "kcode", _KCODE[kind])
 
     def matches_value(self, value: Value) -> bool:
         """Whether an attribute value (known to be present) satisfies this constraint."""
-        return self.test(value)
+        return satisfied(self, value)
 
     def sort_key(self) -> tuple[str, int, str, str]:
         kind = self.kind
@@ -104,44 +134,49 @@ class Constraint:
         return f"{self.attr} {self.op.value} {format_value(self.value)}"
 
 
-# Kind of a value by one dict lookup on its exact type (bool is its own type, not int's).
-_KIND_OF_TYPE: dict[type, Kind] = {
-    int: Kind.NUMBER,
-    float: Kind.NUMBER,
-    bool: Kind.BOOL,
-    str: Kind.STRING,
-}
-_COMPARE: dict[Op, Callable[[Any, Any], bool]] = {
-    Op.EQ: operator.eq,
-    Op.NE: operator.ne,
-    Op.LT: operator.lt,
-    Op.LE: operator.le,
-    Op.GT: operator.gt,
-    Op.GE: operator.ge,
-}
+def satisfied(c: Constraint, v: Value) -> bool:
+    """Whether a present attribute value ``v`` satisfies ``c``.
 
-
-def _compile(op: Op, c: Value | None, kind: Kind | None) -> Callable[[Value], bool]:
-    """One closure per constraint: the matcher's inner loop calls it once per candidate.
-
-    A value of another kind never matches (values reaching the core were validated, so NaN and
-    other types do not occur here)."""
-    kinds = _KIND_OF_TYPE
-    if op is Op.EXISTS:
-        return lambda _v: True
-    if op is Op.PREFIX:
-        assert isinstance(c, str)
-        return lambda v: type(v) is str and v.startswith(c)
-    if op is Op.SUFFIX:
-        assert isinstance(c, str)
-        return lambda v: type(v) is str and v.endswith(c)
-    if op is Op.CONTAINS:
-        assert isinstance(c, str)
-        return lambda v: type(v) is str and c in v
-    if op is Op.EQ:
-        return lambda v: v == c and kinds.get(type(v)) is kind
-    compare = _COMPARE[op]
-    return lambda v: kinds.get(type(v)) is kind and compare(v, c)
+    Matching's innermost step, once per candidate filter and constraint: a dispatch on small
+    ints, which compiled is a few comparisons (a closure per constraint, called here before,
+    cost about as much as everything else in matching). A value of another kind never
+    matches; values reaching the core were validated (exact types, no NaN)."""
+    code = c.code
+    t = type(v)
+    if code >= _PREFIX:
+        if code == _EXISTS:
+            return True
+        if t is not str:
+            return False
+        s = cast(str, v)
+        a = cast(str, c.value)
+        if code == _PREFIX:
+            return s.startswith(a)
+        if code == _SUFFIX:
+            return s.endswith(a)
+        return a in s
+    k = c.kcode
+    if k == _NUMBER:
+        if t is not int and t is not float:
+            return False
+    elif k == _STRING:
+        if t is not str:
+            return False
+    elif t is not bool:
+        return False
+    x = cast(Any, v)
+    y = cast(Any, c.value)
+    if code == _EQ:
+        return bool(x == y)
+    if code == _NE:
+        return bool(x != y)
+    if code == _LT:
+        return bool(x < y)
+    if code == _LE:
+        return bool(x <= y)
+    if code == _GT:
+        return bool(x > y)
+    return bool(x >= y)
 
 
 def format_value(value: Value | None) -> str:
@@ -150,6 +185,16 @@ def format_value(value: Value | None) -> str:
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return repr(value)
+
+
+def all_satisfied(cs: tuple[Constraint, ...], attrs: dict[str, Value]) -> bool:
+    """Whether the event's ``attrs`` satisfy every constraint of ``cs`` (a dict, not any
+    mapping: compiled, its lookups are then direct calls, not a method looked up per call)."""
+    for c in cs:
+        value = attrs.get(c.attr)
+        if value is None or not satisfied(c, value):
+            return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +206,10 @@ class Filter:
         default_factory=dict, compare=False, hash=False, repr=False
     )
     _hash: int = field(default=0, compare=False, repr=False)
-    _tests: tuple[tuple[str, Callable[[Value], bool]], ...] = field(
-        default=(), compare=False, repr=False
+    # What an index still has to check of a filter it found by one of its constraints (see
+    # :meth:`indexed_by`); None until a matcher files it.
+    _rest: tuple[Constraint, ...] | None = field(
+        default=None, init=False, compare=False, repr=False
     )
     # Memo of cover_profile(): on the filter rather than in a cache table, because a table of
     # every filter routed would grow (and rehash in one go) with the subscriptions.
@@ -172,7 +219,6 @@ class Filter:
         canon = tuple(sorted(set(self.constraints), key=Constraint.sort_key))
         object.__setattr__(self, "constraints", canon)
         object.__setattr__(self, "_hash", hash(canon))
-        object.__setattr__(self, "_tests", tuple((c.attr, c.test) for c in canon))
         by_attr: dict[str, list[Constraint]] = {}
         for c in canon:
             by_attr.setdefault(c.attr, []).append(c)
@@ -198,12 +244,19 @@ class Filter:
         return self._by_attr.keys()
 
     def matches(self, attrs: Mapping[str, Value]) -> bool:
-        get = attrs.get
-        for attr, test in self._tests:
-            value = get(attr)
-            if value is None or not test(value):
-                return False
-        return True
+        return all_satisfied(self.constraints, attrs if isinstance(attrs, dict) else dict(attrs))
+
+    def indexed_by(self, access: Constraint) -> None:
+        """A matcher files this filter under ``access``, one of its constraints, and finds it
+        only for events that satisfy it: :meth:`matches_rest` then checks just the others."""
+        if self._rest is None:
+            object.__setattr__(self, "_rest", tuple(c for c in self.constraints if c != access))
+
+    def matches_rest(self, attrs: dict[str, Value]) -> bool:
+        """:meth:`matches` for an event known to satisfy the constraint given to
+        :meth:`indexed_by` (all of them if it was not called)."""
+        rest = self._rest
+        return all_satisfied(self.constraints if rest is None else rest, attrs)
 
     def __str__(self) -> str:
         return " and ".join(map(str, self.constraints)) if self.constraints else "true"

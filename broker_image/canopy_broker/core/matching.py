@@ -25,7 +25,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from canopy_broker.core.events import Kind, Targets, Value, kind_of
-from canopy_broker.core.filters import Constraint, Filter, Op
+from canopy_broker.core.filters import Constraint, Filter, Op, all_satisfied
 from canopy_broker.core.tables import ShardedDict
 
 P = TypeVar("P", bound=Hashable)
@@ -43,6 +43,10 @@ _RANK = {
     Op.NE: 4,
     Op.EXISTS: 5,
 }
+
+
+_UNCHECKED = frozenset({Op.NE, Op.CONTAINS, Op.EXISTS})
+"""Access operators filed by attribute only: the index does not check them for an event."""
 
 
 def access_constraint(f: Filter) -> Constraint | None:
@@ -121,6 +125,8 @@ class IndexedMatcher(Generic[P]):
         if c is None:
             _toggle(self._always, f, add)
             return
+        if add and c.op not in _UNCHECKED:
+            f.indexed_by(c)  # the index below only finds it for events that satisfy c
         kind = c.kind
         if c.op is Op.EQ:
             assert kind is not None and c.value is not None
@@ -167,11 +173,21 @@ class IndexedMatcher(Generic[P]):
         return iter(self._payloads.items())
 
     def candidates(self, attrs: Mapping[str, Value]) -> list[Filter]:
-        """Filters whose access constraint the event satisfies (each filter at most once).
+        """Filters whose access constraint the event may satisfy (each filter at most once)."""
+        sure: list[Filter] = []
+        unsure: list[Filter] = []
+        self._collect(attrs, sure, unsure)
+        return sure + unsure
 
-        A list, not a generator: compiled, extending a list costs a fraction of resuming a
+    def _collect(
+        self, attrs: Mapping[str, Value], sure: list[Filter], unsure: list[Filter]
+    ) -> None:
+        """Candidates into ``sure`` (the event satisfies their access constraint: the index
+        checked it) and ``unsure`` (filed by attribute only: ``!=``, ``contains``, ``exists``).
+
+        Lists, not a generator: compiled, extending a list costs a fraction of resuming a
         generator once per filter, and every caller reads all of it anyway."""
-        out = list(self._always)
+        sure.extend(self._always)
         eq = self._eq
         for attr, value in attrs.items():
             kind = kind_of(value)
@@ -180,10 +196,10 @@ class IndexedMatcher(Generic[P]):
             if eq:
                 hit = eq.get((attr, kind, value))
                 if hit:
-                    out.extend(hit)
+                    sure.extend(hit)
             if kind is Kind.STRING and attr in self._affix_keys_by_attr:
                 assert isinstance(value, str)
-                self._affix_candidates(attr, value, out)
+                self._affix_candidates(attr, value, sure)
             range_keys = self._range_keys_by_attr.get(attr)
             if range_keys:
                 for key in range_keys:
@@ -192,17 +208,16 @@ class IndexedMatcher(Generic[P]):
                     arr = self._ranges[key]
                     op = key[0]
                     if op is Op.GT:  # bound < value
-                        out.extend(arr.filters[: bisect_left(arr.values, value)])
+                        sure.extend(arr.filters[: bisect_left(arr.values, value)])
                     elif op is Op.GE:  # bound <= value
-                        out.extend(arr.filters[: bisect_right(arr.values, value)])
+                        sure.extend(arr.filters[: bisect_right(arr.values, value)])
                     elif op is Op.LT:  # bound > value
-                        out.extend(arr.filters[bisect_right(arr.values, value) :])
+                        sure.extend(arr.filters[bisect_right(arr.values, value) :])
                     else:  # LE: bound >= value
-                        out.extend(arr.filters[bisect_left(arr.values, value) :])
+                        sure.extend(arr.filters[bisect_left(arr.values, value) :])
             rest = self._by_attr.get(attr)
             if rest:
-                out.extend(rest)
-        return out
+                unsure.extend(rest)
 
     def _affix_candidates(self, attr: str, value: str, out: list[Filter]) -> None:
         for op, _attr in self._affix_keys_by_attr[attr]:
@@ -216,15 +231,22 @@ class IndexedMatcher(Generic[P]):
                     out.extend(hit)
 
     def match(self, attrs: Mapping[str, Value]) -> list[Filter]:
-        """All stored filters matching the event."""
-        return [f for f in self.candidates(attrs) if f.matches(attrs)]
+        """All stored filters matching the event: of the candidates the index found by a
+        constraint it checked, only the other constraints are evaluated."""
+        sure: list[Filter] = []
+        unsure: list[Filter] = []
+        self._collect(attrs, sure, unsure)
+        d = attrs if isinstance(attrs, dict) else dict(attrs)
+        out = [f for f in sure if f.matches_rest(d)]
+        if unsure:
+            out.extend([f for f in unsure if all_satisfied(f.constraints, d)])
+        return out
 
     def match_payloads(self, attrs: Mapping[str, Value]) -> set[P]:
         out: set[P] = set()
         payloads = self._payloads
-        for f in self.candidates(attrs):
-            if f.matches(attrs):
-                out.update(payloads[f])
+        for f in self.match(attrs):
+            out.update(payloads[f])
         return out
 
 
