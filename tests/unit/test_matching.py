@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from canopy_broker.core.filters import Filter
+from canopy_broker.core.filters import Constraint, Filter, Op
 from canopy_broker.core.matching import (
     ROUTE_CACHE_ITEMS,
     ROUTE_CACHE_LARGEST,
@@ -15,7 +15,7 @@ from canopy_broker.core.matching import (
     ScanMatcher,
     access_constraint,
 )
-from tests.strategies import events, filters
+from tests.strategies import NUMBERS, events, filters
 
 
 @given(
@@ -41,6 +41,37 @@ def test_indexed_equals_scan(
     for e in evs:
         assert sorted(map(str, indexed.match(e))) == sorted(map(str, scan.match(e)))  # type: ignore[arg-type]
         assert indexed.match_payloads(e) == scan.match_payloads(e)  # type: ignore[arg-type]
+
+
+# Equality and one range (on another attribute or the same), the shape the index keeps sorted
+# under its equality: generic random filters rarely share a bucket, these always do.
+_eq_and_range = st.builds(
+    lambda eq, attr, op, bound: Filter.of(
+        [Constraint("a", Op.EQ, eq), Constraint(attr, op, bound)]
+    ),
+    st.sampled_from([0, 1, "x"]),
+    st.sampled_from(["a", "b"]),
+    st.sampled_from([Op.LT, Op.LE, Op.GT, Op.GE]),
+    st.sampled_from([*NUMBERS, "a", "b"]),
+)
+
+
+_into_buckets = st.fixed_dictionaries(
+    {"a": st.sampled_from([0, 1, "x"])}, optional={"b": st.sampled_from([*NUMBERS, "a", "b"])}
+)
+
+
+@given(
+    st.lists(st.one_of(_eq_and_range, filters), max_size=40),
+    st.lists(st.integers(min_value=0, max_value=39), max_size=20),
+    st.lists(st.one_of(_into_buckets, events), min_size=1, max_size=20),
+)
+def test_equality_buckets_equal_scan(
+    fs: list[Filter], removals: list[int], evs: list[dict[str, object]]
+) -> None:
+    test_indexed_equals_scan.hypothesis.inner_test(  # type: ignore[attr-defined]
+        [(f, "p") for f in fs], removals, evs
+    )
 
 
 _DESTS = st.one_of(
@@ -103,6 +134,25 @@ def test_candidates_skip_filters_that_cannot_match() -> None:
     cands = list(m.candidates({"symbol": "S7", "price": 3, "name": "abc"}))
     assert len(cands) == 2
     assert m.match_payloads({"symbol": "S7", "price": 3, "name": "abc"}) == {7, -1}
+
+
+def test_an_equality_with_one_range_is_found_by_bisection() -> None:
+    """``symbol = S and price < P``, the commonest shape, is kept sorted by P under its
+    equality: an event's candidates are exactly the filters it matches, none to check one by
+    one, through removals and next to filters of other shapes in the same bucket."""
+    m: IndexedMatcher[int] = IndexedMatcher()
+    for i in range(1000):
+        m.add(Filter.parse(f'symbol = "S" and price < {i}'), i)
+    m.add(Filter.parse('symbol = "S" and price < 2000 and size > 5'), -1)  # two more: checked
+    m.add(Filter.parse('symbol = "S" and price < "z"'), -2)  # a range over strings
+    event = {"symbol": "S", "price": 500}
+    assert len(m.candidates(event)) == 499 + 1  # price < 501 .. 999, and the checked one
+    assert m.match_payloads(event) == set(range(501, 1000))
+    for i in range(501, 1000, 2):
+        m.remove(Filter.parse(f'symbol = "S" and price < {i}'), i)
+    assert m.match_payloads(event) == set(range(502, 1000, 2))
+    assert m.match_payloads({"symbol": "S", "price": "a"}) == {-2}
+    assert m.match_payloads({"symbol": "S", "price": 1999, "size": 6}) == {-1}
 
 
 def test_access_constraint_prefers_equality() -> None:

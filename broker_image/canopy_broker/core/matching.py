@@ -45,6 +45,7 @@ _RANK = {
 }
 
 
+_RANGES = frozenset({Op.LT, Op.LE, Op.GT, Op.GE})
 _UNCHECKED = frozenset({Op.NE, Op.CONTAINS, Op.EXISTS})
 """Access operators filed by attribute only: the index does not check them for an event."""
 
@@ -82,6 +83,57 @@ class _Sorted:
         del self.values[i]
         del self.filters[i]
 
+    def satisfied_by(self, op: Op, value: Value) -> list[Filter]:
+        """The filters whose threshold ``value`` satisfies under ``op``: one bisection."""
+        if op is Op.GT:  # bound < value
+            return self.filters[: bisect_left(self.values, value)]
+        if op is Op.GE:  # bound <= value
+            return self.filters[: bisect_right(self.values, value)]
+        if op is Op.LT:  # bound > value
+            return self.filters[bisect_right(self.values, value) :]
+        return self.filters[bisect_left(self.values, value) :]  # LE: bound >= value
+
+
+class _Bucket:
+    """The filters filed under one equality (``symbol = "S"``), split by what is left of them.
+
+    The commonest content-based filter is an equality and one range (``symbol = "S" and
+    price < 10``). Those are kept sorted by their threshold, per (attribute, operator, kind)
+    of the range, so an event's value finds all that match with one bisection and nothing
+    more is checked of them; the other filters (``plain``) are candidates to check."""
+
+    __slots__ = ("plain", "ranged", "size")
+
+    def __init__(self) -> None:
+        self.plain: list[Filter] = []
+        self.ranged: dict[tuple[str, Op, Kind], _Sorted] = {}
+        self.size = 0
+
+    def toggle(self, f: Filter, access: Constraint, add: bool) -> None:
+        rest = [c for c in f.constraints if c != access]
+        c = rest[0] if len(rest) == 1 else None
+        if c is None or c.op not in _RANGES or c.kind is None or c.value is None:
+            _toggle(self.plain, f, add)
+        else:
+            _toggle_sorted(self.ranged, (c.attr, c.op, c.kind), c.value, f, add)
+        self.size += 1 if add else -1
+
+    def collect(self, attrs: dict[str, Value], matched: list[Filter], sure: list[Filter]) -> None:
+        """Into ``matched`` the ranged filters the event satisfies; into ``sure`` the plain
+        ones, whose other constraints are still to check."""
+        if self.plain:
+            sure.extend(self.plain)
+        for (attr, op, kind), arr in self.ranged.items():
+            value = attrs.get(attr)
+            if value is not None and kind_of(value) is kind:
+                matched.extend(arr.satisfied_by(op, value))
+
+    def all(self) -> list[Filter]:
+        out = list(self.plain)
+        for arr in self.ranged.values():
+            out.extend(arr.filters)
+        return out
+
 
 class IndexedMatcher(Generic[P]):
     """Maps filters to payloads (e.g. destinations) and finds the payloads an event matches."""
@@ -91,7 +143,7 @@ class IndexedMatcher(Generic[P]):
         # subscription pays for rehashing them all.
         self._payloads: ShardedDict[Filter, dict[P, int]] = ShardedDict()
         self._always: list[Filter] = []
-        self._eq: ShardedDict[tuple[str, Kind, Value], list[Filter]] = ShardedDict()
+        self._eq: ShardedDict[tuple[str, Kind, Value], _Bucket] = ShardedDict()
         self._affix: ShardedDict[tuple[Op, str, str], list[Filter]] = ShardedDict()
         self._affix_lengths: dict[tuple[Op, str], dict[int, int]] = {}
         self._ranges: dict[tuple[Op, str, Kind], _Sorted] = {}
@@ -130,7 +182,13 @@ class IndexedMatcher(Generic[P]):
         kind = c.kind
         if c.op is Op.EQ:
             assert kind is not None and c.value is not None
-            _toggle_in(self._eq, (c.attr, kind, c.value), f, add)
+            eq_key = (c.attr, kind, c.value)
+            bucket = self._eq.get(eq_key)
+            if bucket is None:
+                bucket = self._eq[eq_key] = _Bucket()
+            bucket.toggle(f, c, add)
+            if not bucket.size:
+                del self._eq[eq_key]
         elif c.op in (Op.PREFIX, Op.SUFFIX):
             assert isinstance(c.value, str)
             _toggle_in(self._affix, (c.op, c.attr, c.value), f, add)
@@ -148,19 +206,11 @@ class IndexedMatcher(Generic[P]):
         elif c.op in (Op.LT, Op.LE, Op.GT, Op.GE):
             assert kind is not None and c.value is not None
             key = (c.op, c.attr, kind)
-            arr = self._ranges.get(key)
-            if arr is None:
-                arr = self._ranges[key] = _Sorted()
-            if add:
-                arr.add(c.value, f)
-            else:
-                arr.remove(c.value, f)
             keys2 = self._range_keys_by_attr.setdefault(c.attr, set())
-            if arr.values:
+            if _toggle_sorted(self._ranges, key, c.value, f, add):
                 keys2.add(key)
             else:
                 keys2.discard(key)
-                del self._ranges[key]
         else:
             _toggle_in(self._by_attr, c.attr, f, add)
 
@@ -173,48 +223,45 @@ class IndexedMatcher(Generic[P]):
         return iter(self._payloads.items())
 
     def candidates(self, attrs: Mapping[str, Value]) -> list[Filter]:
-        """Filters whose access constraint the event may satisfy (each filter at most once)."""
+        """Filters the event may match: every filter it matches, and none that the index rules
+        out (each filter at most once)."""
+        matched: list[Filter] = []
         sure: list[Filter] = []
         unsure: list[Filter] = []
-        self._collect(attrs, sure, unsure)
-        return sure + unsure
+        self._collect(_as_dict(attrs), matched, sure, unsure)
+        return matched + sure + unsure
 
     def _collect(
-        self, attrs: Mapping[str, Value], sure: list[Filter], unsure: list[Filter]
+        self,
+        attrs: dict[str, Value],
+        matched: list[Filter],
+        sure: list[Filter],
+        unsure: list[Filter],
     ) -> None:
-        """Candidates into ``sure`` (the event satisfies their access constraint: the index
-        checked it) and ``unsure`` (filed by attribute only: ``!=``, ``contains``, ``exists``).
+        """Candidates in three lists: ``matched`` (the index checked all their constraints),
+        ``sure`` (it checked the one they are filed under) and ``unsure`` (filed by attribute
+        only: ``!=``, ``contains``, ``exists``).
 
         Lists, not a generator: compiled, extending a list costs a fraction of resuming a
         generator once per filter, and every caller reads all of it anyway."""
-        sure.extend(self._always)
+        matched.extend(self._always)
         eq = self._eq
         for attr, value in attrs.items():
             kind = kind_of(value)
             if kind is None:
                 continue
             if eq:
-                hit = eq.get((attr, kind, value))
-                if hit:
-                    sure.extend(hit)
+                bucket = eq.get((attr, kind, value))
+                if bucket is not None:
+                    bucket.collect(attrs, matched, sure)
             if kind is Kind.STRING and attr in self._affix_keys_by_attr:
                 assert isinstance(value, str)
                 self._affix_candidates(attr, value, sure)
             range_keys = self._range_keys_by_attr.get(attr)
             if range_keys:
                 for key in range_keys:
-                    if key[2] is not kind:
-                        continue
-                    arr = self._ranges[key]
-                    op = key[0]
-                    if op is Op.GT:  # bound < value
-                        sure.extend(arr.filters[: bisect_left(arr.values, value)])
-                    elif op is Op.GE:  # bound <= value
-                        sure.extend(arr.filters[: bisect_right(arr.values, value)])
-                    elif op is Op.LT:  # bound > value
-                        sure.extend(arr.filters[bisect_right(arr.values, value) :])
-                    else:  # LE: bound >= value
-                        sure.extend(arr.filters[bisect_left(arr.values, value) :])
+                    if key[2] is kind:
+                        sure.extend(self._ranges[key].satisfied_by(key[0], value))
             rest = self._by_attr.get(attr)
             if rest:
                 unsure.extend(rest)
@@ -233,11 +280,13 @@ class IndexedMatcher(Generic[P]):
     def match(self, attrs: Mapping[str, Value]) -> list[Filter]:
         """All stored filters matching the event: of the candidates the index found by a
         constraint it checked, only the other constraints are evaluated."""
+        d = _as_dict(attrs)
+        out: list[Filter] = []
         sure: list[Filter] = []
         unsure: list[Filter] = []
-        self._collect(attrs, sure, unsure)
-        d = attrs if isinstance(attrs, dict) else dict(attrs)
-        out = [f for f in sure if f.matches_rest(d)]
+        self._collect(d, out, sure, unsure)
+        if sure:
+            out.extend([f for f in sure if f.matches_rest(d)])
         if unsure:
             out.extend([f for f in unsure if all_satisfied(f.constraints, d)])
         return out
@@ -373,6 +422,28 @@ class ScanMatcher(Generic[P]):
             if f.matches(attrs):
                 out.update(payloads)
         return out
+
+
+def _as_dict(attrs: Mapping[str, Value]) -> dict[str, Value]:
+    """Event attributes as a dict (they are one, coming from the wire): compiled, its
+    lookups are then direct calls."""
+    return attrs if isinstance(attrs, dict) else dict(attrs)
+
+
+def _toggle_sorted(table: dict[_K, _Sorted], key: _K, value: Value, f: Filter, add: bool) -> bool:
+    """Add ``f`` under threshold ``value`` to (or remove it from) ``table[key]``, which is
+    created when needed and deleted once empty; whether it still holds any."""
+    arr = table.get(key)
+    if arr is None:
+        arr = table[key] = _Sorted()
+    if add:
+        arr.add(value, f)
+    else:
+        arr.remove(value, f)
+        if not arr.values:
+            del table[key]
+            return False
+    return True
 
 
 def _toggle(items: list[Filter], f: Filter, add: bool) -> None:
