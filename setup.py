@@ -9,8 +9,9 @@ broker instead of failing (``canopy-broker serve`` and ``/status`` say which one
 ``CANOPY_PURE_PYTHON=1`` at install time skips the compilation altogether.
 
 Why only these: they are the data plane's matching (half of it in compiled code, measured in
-docs/performance.md) and the sharded tables it looks filters up in, and hold no state that tests
-patch at run time; routing.py would gain little (13 % per subscription) and is patched by tests
+docs/performance.md), the sharded tables it looks filters up in, and the runtime's fan-out loop
+(runtime/outbox.py: pure, on plain lists and dicts), and hold no state that tests patch at run
+time; routing.py would gain little (13 % per subscription) and is patched by tests
 that count covering checks.
 """
 
@@ -25,6 +26,7 @@ COMPILED = [
     "broker_image/canopy_broker/core/filters.py",
     "broker_image/canopy_broker/core/matching.py",
     "broker_image/canopy_broker/core/tables.py",
+    "broker_image/canopy_broker/runtime/outbox.py",
 ]
 
 

@@ -1,6 +1,7 @@
 """Canopy's broker: the sans-I/O core, its asyncio runtime, the client library and tools.
 
-Part of the core is compiled with mypyc when the project is installed (setup.py): the modules
+Part of the core (and the runtime's fan-out loop, runtime/outbox.py) is compiled with mypyc
+when the project is installed (setup.py): the modules
 in :data:`COMPILED` then exist twice, as an extension next to the Python source. Python loads
 the extension. Two cases load the source instead, by a finder installed here before anything
 imports the core:
@@ -30,6 +31,7 @@ COMPILED = (
     "canopy_broker.core.filters",
     "canopy_broker.core.matching",
     "canopy_broker.core.tables",
+    "canopy_broker.runtime.outbox",
 )
 PURE_ENV = "CANOPY_PURE_PYTHON"
 STALE_AFTER = 60.0

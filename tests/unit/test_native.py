@@ -92,6 +92,15 @@ for step in range(20000):  # past the split and back (tables.SPLIT_AT)
         said.append(table.discard(k))
         said.append(mapping.pop(k) if k in mapping else None)
 out["tables"] = [said, sorted(table), sorted(mapping.items())]
+from canopy_broker.runtime.outbox import fan_out
+queues = {f"c{i}": [] for i in range(6)}  # c6: routed to, gone since
+woken = []
+for n, (peers, local) in enumerate(out["routes"][:100]):
+    fan_out(b'"p",%d,0,{}' % n, local, queues, woken, 3)
+    if n % 10 == 5:  # a flush
+        for q in queues.values():
+            q.clear()
+out["fanout"] = [sorted((c, [m.decode() for m in q]) for c, q in queues.items()), woken]
 json.dump(out, sys.stdout)
 """
 
@@ -122,6 +131,7 @@ def test_the_compiled_core_answers_as_the_pure_python_reference() -> None:
     assert pure["covers"] == default["covers"]
     assert pure["tables"] == default["tables"]
     assert pure["routes"] == default["routes"]
+    assert pure["fanout"] == default["fanout"]
     # The probe is not vacuous: filters parse, events match, some keys cover others, and the
     # index agrees with testing every filter.
     valid = [f for f in pure["filters"] if f[0] != "error"]  # type: ignore[attr-defined]
@@ -131,6 +141,7 @@ def test_the_compiled_core_answers_as_the_pure_python_reference() -> None:
     assert len(pure["covers"]) > 500  # type: ignore[arg-type]
     routed = pure["routes"]
     assert sum(bool(peers) and bool(local) for peers, local in routed) > 50  # type: ignore[union-attr]
+    assert sum(len(q) for _, q in pure["fanout"][0]) > 10  # type: ignore[index]
 
 
 def test_the_build_is_in_use() -> None:

@@ -14,6 +14,7 @@ from canopy_broker.core import messages as core_messages
 from canopy_broker.core.events import Event
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import Publish, RouteKey, RoutingMode, Subscribe, Unsubscribe
+from canopy_broker.runtime import outbox
 from canopy_broker.runtime.framing import (
     BATCH_BYTES,
     MAX_FRAME,
@@ -33,10 +34,10 @@ from canopy_broker.runtime.framing import (
     from_wire,
     loads_frame,
     msgs_frames,
-    notify_message,
     parse_address,
     to_wire,
 )
+from canopy_broker.runtime.outbox import SUB_IDS_KEPT, fan_out, notify_message
 
 
 @given(
@@ -161,6 +162,53 @@ def test_notify_message_reuses_one_encoded_event_body() -> None:
         {"a": 1},
         ["s1", "s2"],
     ]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["c1", "c2", "c3", "gone"]),
+            st.lists(st.sampled_from(["s1", "s2", "s3"]), min_size=1, max_size=2, unique=True),
+        ),
+        max_size=8,
+    ),
+    st.sets(st.sampled_from(["c1", "c2", "c3"])),
+    st.integers(min_value=1, max_value=4),
+)
+def test_fan_out_queues_one_notification_per_target_and_wakes_empty_queues(
+    targets: list[tuple[str, list[str]]], busy: set[str], high: int
+) -> None:
+    """The compiled fan-out against the plain loop it replaces: every target with a queue
+    gets the event's notification with its own subscription ids, in order; a target without
+    one (a client gone since routing) gets nothing; a client is woken when its queue was
+    empty, and at every notification once it holds ``high`` (so that a queue that keeps
+    growing is seen by the flush, which presses or cuts it)."""
+    body = encode_event_body(Event("p", 7, {"a": 1}))
+    earlier = b'[20,"q",1,0,{},["s1"]]'
+    queues = {c: [earlier] if c in busy else [] for c in ("c1", "c2", "c3")}
+    expected = {c: list(q) for c, q in queues.items()}
+    woken_expected = []
+    typed = tuple((c, tuple(ids)) for c, ids in targets)
+    for c, ids in typed:
+        if c in expected:
+            if not expected[c] or len(expected[c]) >= high:
+                woken_expected.append(c)
+            expected[c].append(notify_message(body, ids))
+    woken: list[str] = []
+    n = fan_out(body, typed, queues, woken, high)
+    assert queues == expected
+    assert woken == woken_expected
+    assert n == sum(c in queues for c, _ in typed)
+    for c, ids in typed:  # what a subscriber decodes
+        if c in queues:
+            assert [20, "p", 7, 0, {"a": 1}, list(ids)] in [orjson.loads(m) for m in queues[c]]
+
+
+def test_the_sub_ids_encodings_kept_are_bounded() -> None:
+    body = encode_event_body(Event("p", 1, {}))
+    for i in range(SUB_IDS_KEPT + 10):
+        assert orjson.loads(notify_message(body, (f"s{i}",)))[-1] == [f"s{i}"]
+    assert len(outbox._SUB_IDS) <= SUB_IDS_KEPT
 
 
 def test_batches_split_at_the_byte_limit_and_keep_order() -> None:

@@ -126,6 +126,9 @@ class ClientSessions:
     def __init__(self, host: ClientHost, unacknowledged: Callable[[], int]) -> None:
         self.host = host
         self.clients: dict[str, Client] = {}
+        # Each attached client's ``pending`` list by id, kept with ``clients`` (and only here):
+        # what the compiled fan-out queues notifications to (runtime/outbox.py).
+        self.queues: dict[str, list[bytes]] = {}
         self._counter = 0
         self._unacknowledged = unacknowledged
         m = host.metrics
@@ -160,6 +163,7 @@ class ClientSessions:
         host.apply(host.core.handle(ClientAttach(cid), host.now()))
         client = Client(cid, conn, principal)
         self.clients[cid] = client
+        self.queues[cid] = client.pending
         conn.role = "client"
         conn.client = client
         core = host.core
@@ -187,6 +191,7 @@ class ClientSessions:
             return
         host = self.host
         del self.clients[client.id]
+        del self.queues[client.id]
         client.pending.clear()
         host.unpressure(client)
         subs = host.core.routing.subscriptions(client.id)

@@ -495,21 +495,6 @@ def control_frame(*parts: object) -> bytes:
     return frame(orjson.dumps(parts))
 
 
-_SUB_IDS: dict[tuple[str, ...], bytes] = {}  # a client's matching subscriptions, encoded
-
-
-def notify_message(body: bytes, sub_ids: tuple[str, ...]) -> bytes:
-    """Broker -> client notification from a pre-encoded event body. The subscription ids
-    that matched repeat from one notification to the next, so their encoding is kept (a
-    bounded cache: cleared when it grows past 4,096 different sets)."""
-    tail = _SUB_IDS.get(sub_ids)
-    if tail is None:
-        if len(_SUB_IDS) >= 4096:
-            _SUB_IDS.clear()
-        tail = _SUB_IDS[sub_ids] = b"," + orjson.dumps(sub_ids) + b"]"
-    return b"[20," + body + tail
-
-
 def batches(msgs: list[bytes], limit: int = BATCH_BYTES) -> list[list[bytes]]:
     """Split encoded messages into runs of about ``limit`` bytes each (at least one message)."""
     if sum(map(len, msgs)) + len(msgs) <= limit:  # the common case, at C speed

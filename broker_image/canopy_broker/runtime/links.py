@@ -277,6 +277,8 @@ class Client:
         # Who it proved to be and what that principal may do (security.py); the permissions
         # are looked up again when the policy is reloaded.
         self.principal = principal or Principal("anonymous", ANYTHING, "insecure")
+        # Encoded messages waiting for the next flush. The same list for the client's whole
+        # attachment (cleared in place): ClientSessions.queues holds it for the fan-out.
         self.pending: list[bytes] = []
         self.last_seq = 0
         self.publisher = False
@@ -299,5 +301,6 @@ class Client:
         msgs = self.pending
         if not msgs or self.conn.writing_paused:
             return
-        self.pending = []
-        self.conn.write(msgs_frames(msgs))
+        data = msgs_frames(msgs)
+        msgs.clear()  # in place: the broker's fan-out holds this list (ClientSessions.queues)
+        self.conn.write(data)

@@ -83,12 +83,12 @@ from canopy_broker.runtime.framing import (
     dumps,
     encode_event_body,
     encode_link_message,
-    notify_message,
     parse_address,
 )
 from canopy_broker.runtime.link_sessions import LinkSessions
 from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.metrics import BrokerMetrics, Gauges, LoopWatch
+from canopy_broker.runtime.outbox import fan_out
 from canopy_broker.runtime.placement import PlacementSource
 from canopy_broker.runtime.security import (
     AccessError,
@@ -205,6 +205,7 @@ class Broker:
         self._link_server: asyncio.Server | None = None
         self._conns: set[Conn] = set()
         self._dirty: list[Link | Client] = []
+        self._woken: list[str] = []  # fan_out's answer: clients whose queue was empty
         self._flush_scheduled = False
         self._unflushed = 0  # events routed since the last flush
         self._delivered = 0  # notifications queued to clients, not yet in the metrics
@@ -830,21 +831,19 @@ class Broker:
         delivered = 0
         for eff in effects:
             if isinstance(eff, Deliver):  # the most common effect first: one check each
-                body = encode_event_body(eff.event)  # once for all its subscribers
-                clients = self.clients
-                last_ids: tuple[str, ...] | None = None
-                note = b""
-                for client_id, sub_ids in eff.targets:
-                    client = clients.get(client_id)
-                    if client is None:
-                        continue
-                    if sub_ids != last_ids:  # clients often name their subscriptions alike
-                        note = notify_message(body, sub_ids)
-                        last_ids = sub_ids
-                    client.pending.append(note)
-                    delivered += 1
-                    if not client.dirty:
-                        self.mark_dirty(client)
+                woken = self._woken  # compiled (runtime/outbox.py): encoded once, queued to all
+                delivered += fan_out(
+                    encode_event_body(eff.event),
+                    eff.targets,
+                    self.client_sessions.queues,
+                    woken,
+                    self.config.high_water,
+                )
+                if woken:
+                    clients = self.clients
+                    for client_id in woken:
+                        self.mark_dirty(clients[client_id])
+                    woken.clear()
             elif isinstance(eff, SendToLink):
                 msg = eff.message
                 if msg is not last_msg:
