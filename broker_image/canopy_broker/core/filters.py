@@ -100,7 +100,19 @@ class Constraint:
     code: int = field(init=False, default=_EXISTS, compare=False, hash=False, repr=False)
     kcode: int = field(init=False, default=0, compare=False, hash=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def __init__(self, attr: str, op: Op, value: Value | None = None) -> None:
+        # Written out, like Event's: the generated __init__ of a frozen dataclass is Python
+        # code (object.__setattr__ per field, then __post_init__), and every subscription
+        # builds its constraints anew at every broker it reaches.
+        object.__setattr__(self, "attr", attr)
+        object.__setattr__(self, "op", op)
+        object.__setattr__(self, "value", value)
+        object.__setattr__(self, "kind", None)
+        object.__setattr__(self, "code", _EXISTS)
+        object.__setattr__(self, "kcode", 0)
+        self._check()
+
+    def _check(self) -> None:
         if not self.attr or not isinstance(self.attr, str):
             raise FilterError(f"constraint needs an attribute name, got {self.attr!r}")
         if self.op is Op.EXISTS:
@@ -215,14 +227,17 @@ class Filter:
     # every filter routed would grow (and rehash in one go) with the subscriptions.
     _profile: CoverProfile | None = field(default=None, init=False, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
-        canon = tuple(sorted(set(self.constraints), key=Constraint.sort_key))
+    def __init__(self, constraints: tuple[Constraint, ...] = ()) -> None:
+        # Written out (see Constraint.__init__): canonical order, hash and per-attribute view.
+        canon = tuple(sorted(set(constraints), key=Constraint.sort_key))
         object.__setattr__(self, "constraints", canon)
         object.__setattr__(self, "_hash", hash(canon))
         by_attr: dict[str, list[Constraint]] = {}
         for c in canon:
             by_attr.setdefault(c.attr, []).append(c)
         object.__setattr__(self, "_by_attr", {a: tuple(cs) for a, cs in by_attr.items()})
+        object.__setattr__(self, "_rest", None)
+        object.__setattr__(self, "_profile", None)
 
     def __hash__(self) -> int:
         # Filters are dictionary keys and cache keys on every routing decision: hash once.
@@ -544,6 +559,24 @@ class CoverProfile:
     filed: tuple[Slot, ...]
     probe: tuple[Slot, ...]
     narrow: tuple[Slot, ...]
+
+    def __init__(  # noqa: PLR0917 - the record's fields, written out (see Constraint.__init__)
+        self,
+        satisfiable: bool,
+        attrs: tuple[str, ...],
+        pins: tuple[Pin, ...],
+        anchor: Slot,
+        filed: tuple[Slot, ...],
+        probe: tuple[Slot, ...],
+        narrow: tuple[Slot, ...],
+    ) -> None:
+        object.__setattr__(self, "satisfiable", satisfiable)
+        object.__setattr__(self, "attrs", attrs)
+        object.__setattr__(self, "pins", pins)
+        object.__setattr__(self, "anchor", anchor)
+        object.__setattr__(self, "filed", filed)
+        object.__setattr__(self, "probe", probe)
+        object.__setattr__(self, "narrow", narrow)
 
 
 MATCH_ALL_SLOT: Slot = ("cover", "top", None)
