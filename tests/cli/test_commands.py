@@ -497,7 +497,14 @@ def test_bench_dataplane_reports_latency_percentiles_at_each_load() -> None:
         for p in points:
             assert p["samples"] > 0 and 0 < p["p50_ms"] <= p["p99_ms"] <= p["p999_ms"], p
         assert detail[where]["p99_ms"] == points[1]["p99_ms"]  # the half-load figure
+        # The brokers' capacity is what they delivered per CPU-second they used: consistent
+        # with the rate and CPU per event printed beside it, and the client process's load.
+        d = detail[where]
+        per_event = d["fanout"] / d["broker_cpu_us_per_event"] * 1e6
+        assert abs(d["notif_per_broker_cpu_s"] - per_event) <= 0.02 * per_event, d
+        assert 0 < d["client_cpu_pct"] <= 150, d
     assert "latency at 25% load, chain of 3, p50 / p99 / p99.9 ms" in result.stdout
+    assert "notifications per broker CPU-second, 1 broker" in result.stdout
 
 
 def test_bench_dataplane_refuses_a_load_that_is_not_a_fraction() -> None:
