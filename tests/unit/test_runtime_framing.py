@@ -145,11 +145,29 @@ def test_bad_link_messages_are_rejected(item: object) -> None:
 
 @pytest.mark.parametrize(
     "attrs",
-    [{"x": math.inf}, {"x": math.nan}, {"x": 2**70}, {"x": None}, {"": 1}, {"x": [1]}, [1, 2]],
+    [
+        {"x": math.inf},
+        {"x": -math.inf},
+        {"x": math.nan},
+        {"x": 2**70},
+        {"x": 2**64},
+        {"x": -(2**63) - 1},
+        {"x": None},
+        {"": 1},
+        {1: 2},  # a key that is not a string (the client library's publish takes any mapping)
+        {"x": [1]},
+        [1, 2],
+    ],
 )
 def test_wire_attributes_refuse_what_json_or_the_core_cannot_carry(attrs: object) -> None:
-    with pytest.raises(FrameError):
+    with pytest.raises(FrameError) as refused:
         check_wire_attributes(attrs)
+    assert refused.value.code in {"invalid-event", "malformed"}
+
+
+def test_wire_attributes_keep_what_json_carries() -> None:
+    edge = {"a": 2**64 - 1, "b": -(2**63), "c": 1.5, "d": True, "e": "", "f": -0.0}
+    assert check_wire_attributes(edge) == edge
 
 
 def test_notify_message_reuses_one_encoded_event_body() -> None:

@@ -17,6 +17,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import Final, cast
 
 Value = str | int | float | bool
 
@@ -47,8 +48,17 @@ def kind_of(value: object) -> Kind | None:
     return None
 
 
-def check_attributes(attrs: Mapping[str, object]) -> dict[str, Value]:
-    """Validate an attribute map coming from outside; raise ``ValueError`` naming the bad entry."""
+WIRE_INT_MIN: Final = -(2**63)
+WIRE_INT_MAX: Final = 2**64 - 1
+"""Integers an attribute may carry on the wire: what orjson encodes (signed or unsigned)."""
+
+
+def check_attributes(attrs: Mapping[object, object], *, wire: bool = False) -> dict[str, Value]:
+    """Validate an attribute map coming from outside; raise ``ValueError`` naming the bad entry.
+
+    ``wire``: also refuse what JSON cannot carry between brokers (infinities) and integers
+    beyond 64 bits (orjson refuses them): checked here, compiled, because every broker an
+    event passes checks it again."""
     out: dict[str, Value] = {}
     for name, value in attrs.items():
         if not isinstance(name, str) or not name:
@@ -65,6 +75,11 @@ def check_attributes(attrs: Mapping[str, object]) -> dict[str, Value]:
                 f"attribute {name!r} has value {value!r} of type {type(value).__name__}; "
                 "allowed: str, int, float (not NaN), bool"
             )
+        if wire:
+            if t is float and not math.isfinite(cast(float, value)):
+                raise ValueError(f"attribute {name!r} is not a finite number")
+            if t is int and not WIRE_INT_MIN <= cast(int, value) <= WIRE_INT_MAX:
+                raise ValueError(f"attribute {name!r} does not fit in 64 bits")
         out[name] = value  # type: ignore[assignment]  # kind_of() proved it is a Value
     return out
 

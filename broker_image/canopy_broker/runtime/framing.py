@@ -102,7 +102,6 @@ B_RESUMED: Final = 27  # [27, served, [[since_ago, until_ago, reason]]]   gaps i
 
 _HEADER = 4
 log = logging.getLogger("canopy.framing")
-_INT64 = (-(2**63), 2**64 - 1)
 
 
 class FrameError(Exception):
@@ -196,19 +195,14 @@ def loads_frame(payload: bytes) -> list[Any]:
 
 def check_wire_attributes(attrs: object) -> dict[str, Value]:
     """Validate event attributes for the wire: the core's rules plus finite floats and 64-bit
-    ints (JSON has no infinities, and orjson refuses larger integers)."""
+    ints (JSON has no infinities, and orjson refuses larger integers), all checked in the
+    compiled core (``check_attributes(..., wire=True)``)."""
     if not isinstance(attrs, Mapping):
         raise FrameError(f"event attributes must be an object, got {type(attrs).__name__}")
     try:
-        out = check_attributes(attrs)
+        return check_attributes(attrs, wire=True)
     except ValueError as exc:
         raise FrameError(str(exc), "invalid-event") from None
-    for name, value in out.items():
-        if type(value) is float and not math.isfinite(value):
-            raise FrameError(f"attribute {name!r} is not a finite number", "invalid-event")
-        if type(value) is int and not _INT64[0] <= value <= _INT64[1]:
-            raise FrameError(f"attribute {name!r} does not fit in 64 bits", "invalid-event")
-    return out
 
 
 def _str(value: object, what: str) -> str:
