@@ -20,9 +20,8 @@ subscriber that stopped reading would grow its queue without bound.
 
 from __future__ import annotations
 
+import json
 from typing import Final
-
-import orjson
 
 from canopy_broker.core.events import Targets
 
@@ -39,7 +38,10 @@ def notify_message(body: bytes, sub_ids: tuple[str, ...]) -> bytes:
     if tail is None:
         if len(_SUB_IDS) >= SUB_IDS_KEPT:
             _SUB_IDS.clear()
-        tail = b"," + orjson.dumps(sub_ids) + b"]"
+        # The standard library's JSON, not orjson: a compiled module imports only what mypyc
+        # finds at build time (the build has mypy, not the runtime's dependencies), and this
+        # runs once per distinct set of ids.
+        tail = b"," + json.dumps(sub_ids, ensure_ascii=False, separators=(",", ":")).encode() + b"]"
         _SUB_IDS[sub_ids] = tail
     return b"[20," + body + tail
 
