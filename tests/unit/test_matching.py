@@ -182,3 +182,36 @@ def test_the_route_cache_is_bounded_by_what_its_decisions_hold() -> None:
     (peers, targets) = big.route({"price": 1}, None)
     assert len(targets) == ROUTE_CACHE_LARGEST and not peers
     assert big._held == 0 and not big._routes
+
+
+class _Str(str):
+    pass
+
+
+class _Float(float):
+    pass
+
+
+def test_subclass_values_match_as_validation_makes_them_and_never_half_way() -> None:
+    """Validation keeps a subclass value (a str subclass, numpy's floats, IntEnum) as its
+    exact base type, so it matches like that type; a value that skipped validation matches
+    nothing, in the index exactly as in a plain scan (the index once found such values by
+    isinstance while the checks compared exact types)."""
+    from canopy_broker.core.events import check_attributes  # noqa: PLC0415 - this test only
+
+    filters = [
+        Filter.parse('x = "a"'),
+        Filter.parse('x = "a" and y < 5'),
+        Filter.parse('x prefix "a"'),
+        Filter.parse("y < 5"),
+    ]
+    indexed: IndexedMatcher[int] = IndexedMatcher()
+    scan: ScanMatcher[int] = ScanMatcher()
+    for i, f in enumerate(filters):
+        indexed.add(f, i)
+        scan.add(f, i)
+    raw = {"x": _Str("a"), "y": _Float(3.0)}
+    assert indexed.match_payloads(raw) == scan.match_payloads(raw) == set()  # type: ignore[arg-type]
+    valid = check_attributes(raw)
+    assert type(valid["x"]) is str and type(valid["y"]) is float
+    assert indexed.match_payloads(valid) == scan.match_payloads(valid) == {0, 1, 2, 3}

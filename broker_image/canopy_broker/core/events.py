@@ -48,6 +48,23 @@ def kind_of(value: object) -> Kind | None:
     return None
 
 
+def exact_kind(value: object) -> Kind | None:
+    """:func:`kind_of` for the exact types only, as matching compares (``satisfied``): a
+    subclass of str, int or float is no value of any kind there. Values validated by
+    :func:`check_attributes` are exact (it converts subclasses); this keeps the index and a
+    plain scan agreeing on values that were not validated."""
+    t = type(value)
+    if t is str:
+        return Kind.STRING
+    if t is int:
+        return Kind.NUMBER
+    if t is float:
+        return None if value != value else Kind.NUMBER  # noqa: PLR0124 - NaN is not itself
+    if t is bool:
+        return Kind.BOOL
+    return None
+
+
 WIRE_INT_MIN: Final = -(2**63)
 WIRE_INT_MAX: Final = 2**64 - 1
 """Integers an attribute may carry on the wire: what orjson encodes (signed or unsigned)."""
@@ -60,28 +77,40 @@ def check_attributes(attrs: Mapping[object, object], *, wire: bool = False) -> d
     beyond 64 bits (orjson refuses them): checked here, compiled, because every broker an
     event passes checks it again."""
     out: dict[str, Value] = {}
-    for name, value in attrs.items():
+    for name, given in attrs.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"attribute names must be non-empty strings, got {name!r}")
+        value = given
         t = type(value)  # the common exact types without a call; kind_of decides the rest
-        if (
-            t is not str
-            and t is not int
-            and t is not bool
-            and (t is not float or value != value)  # noqa: PLR0124 - NaN is not itself
-            and kind_of(value) is None
-        ):
-            raise ValueError(
-                f"attribute {name!r} has value {value!r} of type {type(value).__name__}; "
-                "allowed: str, int, float (not NaN), bool"
-            )
+        if t is not str and t is not int and t is not bool and t is not float:
+            value = _exact(name, value)
+            t = type(value)
+        elif t is float and value != value:  # noqa: PLR0124 - NaN is not itself
+            _exact(name, value)  # raises: NaN has no kind
         if wire:
             if t is float and not math.isfinite(cast(float, value)):
                 raise ValueError(f"attribute {name!r} is not a finite number")
             if t is int and not WIRE_INT_MIN <= cast(int, value) <= WIRE_INT_MAX:
                 raise ValueError(f"attribute {name!r} does not fit in 64 bits")
-        out[name] = value  # type: ignore[assignment]  # kind_of() proved it is a Value
+        out[name] = value  # type: ignore[assignment]  # an exact str, int, float or bool
     return out
+
+
+def _exact(name: str, value: object) -> Value:
+    """A value that is not of an exact allowed type: refused, or (a subclass: IntEnum,
+    numpy.float64, a str subclass) its exact base type, which is what matching compares and
+    what the wire would carry anyway."""
+    kind = kind_of(value)
+    if kind is None:
+        raise ValueError(
+            f"attribute {name!r} has value {value!r} of type {type(value).__name__}; "
+            "allowed: str, int, float (not NaN), bool"
+        )
+    if kind is Kind.STRING:
+        return str.__str__(cast(str, value))
+    if isinstance(value, float):
+        return float.__float__(value)
+    return int.__int__(cast(int, value))
 
 
 @dataclass(frozen=True, slots=True)

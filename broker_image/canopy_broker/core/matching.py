@@ -24,7 +24,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Iterator, Mapping
 from typing import Generic, TypeVar
 
-from canopy_broker.core.events import Kind, Targets, Value, kind_of
+from canopy_broker.core.events import Kind, Targets, Value, exact_kind
 from canopy_broker.core.filters import Constraint, Filter, Op, all_satisfied
 from canopy_broker.core.tables import ShardedDict
 
@@ -125,7 +125,7 @@ class _Bucket:
             sure.extend(self.plain)
         for (attr, op, kind), arr in self.ranged.items():
             value = attrs.get(attr)
-            if value is not None and kind_of(value) is kind:
+            if value is not None and exact_kind(value) is kind:
                 matched.extend(arr.satisfied_by(op, value))
 
     def all(self) -> list[Filter]:
@@ -247,7 +247,7 @@ class IndexedMatcher(Generic[P]):
         matched.extend(self._always)
         eq = self._eq
         for attr, value in attrs.items():
-            kind = kind_of(value)
+            kind = exact_kind(value)  # as satisfied() compares: exact types only
             if kind is None:
                 continue
             if eq:
