@@ -199,6 +199,12 @@ def format_value(value: Value | None) -> str:
     return repr(value)
 
 
+def as_dict(attrs: Mapping[str, Value]) -> dict[str, Value]:
+    """Event attributes as a dict (they are one, coming from the wire): compiled, its
+    lookups are then direct calls (:func:`all_satisfied`)."""
+    return attrs if isinstance(attrs, dict) else dict(attrs)
+
+
 def all_satisfied(cs: tuple[Constraint, ...], attrs: dict[str, Value]) -> bool:
     """Whether the event's ``attrs`` satisfy every constraint of ``cs`` (a dict, not any
     mapping: compiled, its lookups are then direct calls, not a method looked up per call)."""
@@ -259,13 +265,18 @@ class Filter:
         return self._by_attr.keys()
 
     def matches(self, attrs: Mapping[str, Value]) -> bool:
-        return all_satisfied(self.constraints, attrs if isinstance(attrs, dict) else dict(attrs))
+        return all_satisfied(self.constraints, as_dict(attrs))
 
     def indexed_by(self, access: Constraint) -> None:
         """A matcher files this filter under ``access``, one of its constraints, and finds it
         only for events that satisfy it: :meth:`matches_rest` then checks just the others."""
         if self._rest is None:
-            object.__setattr__(self, "_rest", tuple(c for c in self.constraints if c != access))
+            object.__setattr__(self, "_rest", self.others(access))
+
+    def others(self, access: Constraint) -> tuple[Constraint, ...]:
+        """The constraints besides ``access``: what is left to check of an event known to
+        satisfy it (the matcher's index, :meth:`indexed_by`)."""
+        return tuple(c for c in self.constraints if c != access)
 
     def matches_rest(self, attrs: dict[str, Value]) -> bool:
         """:meth:`matches` for an event known to satisfy the constraint given to

@@ -25,7 +25,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from canopy_broker.core.events import Kind, Targets, Value, exact_kind
-from canopy_broker.core.filters import Constraint, Filter, Op, all_satisfied
+from canopy_broker.core.filters import RANGE_OPS, Constraint, Filter, Op, all_satisfied, as_dict
 from canopy_broker.core.tables import ShardedDict
 
 P = TypeVar("P", bound=Hashable)
@@ -45,7 +45,6 @@ _RANK = {
 }
 
 
-_RANGES = frozenset({Op.LT, Op.LE, Op.GT, Op.GE})
 _UNCHECKED = frozenset({Op.NE, Op.CONTAINS, Op.EXISTS})
 """Access operators filed by attribute only: the index does not check them for an event."""
 
@@ -110,9 +109,9 @@ class _Bucket:
         self.size = 0
 
     def toggle(self, f: Filter, access: Constraint, add: bool) -> None:
-        rest = [c for c in f.constraints if c != access]
+        rest = f.others(access)
         c = rest[0] if len(rest) == 1 else None
-        if c is None or c.op not in _RANGES or c.kind is None or c.value is None:
+        if c is None or c.op not in RANGE_OPS or c.kind is None or c.value is None:
             _toggle(self.plain, f, add)
         else:
             _toggle_sorted(self.ranged, (c.attr, c.op, c.kind), c.value, f, add)
@@ -127,12 +126,6 @@ class _Bucket:
             value = attrs.get(attr)
             if value is not None and exact_kind(value) is kind:
                 matched.extend(arr.satisfied_by(op, value))
-
-    def all(self) -> list[Filter]:
-        out = list(self.plain)
-        for arr in self.ranged.values():
-            out.extend(arr.filters)
-        return out
 
 
 class IndexedMatcher(Generic[P]):
@@ -203,7 +196,7 @@ class IndexedMatcher(Generic[P]):
                 keys.add((c.op, c.attr))
             else:
                 keys.discard((c.op, c.attr))
-        elif c.op in (Op.LT, Op.LE, Op.GT, Op.GE):
+        elif c.op in RANGE_OPS:
             assert kind is not None and c.value is not None
             key = (c.op, c.attr, kind)
             keys2 = self._range_keys_by_attr.setdefault(c.attr, set())
@@ -228,7 +221,7 @@ class IndexedMatcher(Generic[P]):
         matched: list[Filter] = []
         sure: list[Filter] = []
         unsure: list[Filter] = []
-        self._collect(_as_dict(attrs), matched, sure, unsure)
+        self._collect(as_dict(attrs), matched, sure, unsure)
         return matched + sure + unsure
 
     def _collect(
@@ -280,7 +273,7 @@ class IndexedMatcher(Generic[P]):
     def match(self, attrs: Mapping[str, Value]) -> list[Filter]:
         """All stored filters matching the event: of the candidates the index found by a
         constraint it checked, only the other constraints are evaluated."""
-        d = _as_dict(attrs)
+        d = as_dict(attrs)
         out: list[Filter] = []
         sure: list[Filter] = []
         unsure: list[Filter] = []
@@ -422,12 +415,6 @@ class ScanMatcher(Generic[P]):
             if f.matches(attrs):
                 out.update(payloads)
         return out
-
-
-def _as_dict(attrs: Mapping[str, Value]) -> dict[str, Value]:
-    """Event attributes as a dict (they are one, coming from the wire): compiled, its
-    lookups are then direct calls."""
-    return attrs if isinstance(attrs, dict) else dict(attrs)
 
 
 def _toggle_sorted(table: dict[_K, _Sorted], key: _K, value: Value, f: Filter, add: bool) -> bool:
