@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from typing import Any
 
@@ -89,6 +90,34 @@ async def test_connect_failures_are_reported() -> None:
         await connect("127.0.0.1:9", connect_timeout=2)
     with pytest.raises(ValueError):
         await connect("no-port")
+
+
+async def test_a_publish_and_flush_loop_lets_the_rest_of_the_process_run(
+    make_broker: MakeBroker,
+) -> None:
+    """flush() gives the loop a turn even when the socket took everything at once: a
+    flat-out publisher must not starve its own process (timers, subscribers, the broker's
+    acknowledgements); without that turn the benchmark's publisher once grew to 23 GB."""
+    b = await make_broker("b")
+    async with await connect(addr(b)) as pub:
+        turns = 0
+
+        async def other_task() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        other = asyncio.create_task(other_task())
+        await asyncio.sleep(0)
+        before = turns
+        for n in range(50):
+            pub.publish_nowait({"n": n})
+            await pub.flush()
+        assert turns - before >= 40, (before, turns)
+        other.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await other
 
 
 async def test_receive_timeout_returns_empty(make_broker: MakeBroker) -> None:

@@ -300,10 +300,18 @@ class Client(FailingOver, Migrating, AsyncClosing):
         return self._check_open()
 
     async def flush(self) -> None:
-        """Write everything buffered now and wait until the socket takes it."""
+        """Write everything buffered now and wait until the socket takes it; and give the
+        event loop a turn even when the socket took it at once.
+
+        Without that turn, a loop of ``publish_nowait`` and ``flush`` against a broker that
+        keeps up never yields: nothing else in the process runs (its timers, its subscribers,
+        the broker's acknowledgements), and what waits for an acknowledgement grows without
+        bound. The benchmark's flat-out publisher did exactly that once its subscribers were
+        cut as slow consumers (the process grew to 23 GB, CI on a clean clone)."""
         conn = await self._open_now()
         conn.write_out()
         await conn.drain()
+        await asyncio.sleep(0)
 
     # -- acknowledgements of what we published ----------------------------------------------
 
