@@ -196,8 +196,10 @@ async def canopy(w: Workload, sink: Sink, _tmp: Path) -> Started:
     # against `--insecure`, docs/performance.md).
     async with Overlay(["canopy"], insecure=True) as ov:
         address = ov["canopy"].listen
-        subs = [await connect(address, credentials=ov.credentials) for _ in range(w.subscribers)]
-        drains = [asyncio.create_task(sink.drain(c)) for c in subs]
+        subs = [
+            await connect(address, credentials=ov.credentials, on_notifications=sink.deliver)
+            for _ in range(w.subscribers)
+        ]
         pub = await connect(address, client_id="bench-peers-pub", credentials=ov.credentials)
         try:
             for i, c in enumerate(subs):
@@ -207,7 +209,6 @@ async def canopy(w: Workload, sink: Sink, _tmp: Path) -> Started:
         finally:
             for c in [pub, *subs]:
                 await c.close()
-            await asyncio.gather(*drains, return_exceptions=True)
 
 
 @contextlib.asynccontextmanager

@@ -66,9 +66,11 @@ async def point(n_filters: int, w: Workload) -> dict[str, Any]:
         broker = ov["b"]
         address = broker.listen
         creds = ov.credentials
-        subs = [await connect(address, credentials=creds) for _ in range(w.subscribers)]
+        subs = [
+            await connect(address, credentials=creds, on_notifications=sink.deliver)
+            for _ in range(w.subscribers)
+        ]
         pub = await connect(address, client_id="bench-scale-pub", credentials=creds)
-        drains = [asyncio.create_task(sink.drain(c)) for c in subs]
         try:
             rss_before = broker.rss_mb()
             progress(f"{n_filters:,} filters: installing over {w.subscribers} subscribers")
@@ -107,7 +109,6 @@ async def point(n_filters: int, w: Workload) -> dict[str, Any]:
         finally:
             for c in [pub, *subs]:
                 await c.close()
-            await asyncio.gather(*drains, return_exceptions=True)
     us = cpu / max(1, sink.count) * 1e6
     result = {
         "filters": n_filters,

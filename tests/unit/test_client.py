@@ -276,3 +276,60 @@ async def test_subscribe_many_refused_midway_forgets_what_was_not_acknowledged(
         await sub.subscribe_many([(f"k{i}", f"k = {i}") for i in range(5)])
     assert set(sub.subscriptions) <= {"k0", "k1"}
     await sub.close()
+
+
+async def test_on_notifications_gets_every_batch_in_order_and_receive_waits_for_the_end(
+    make_broker: MakeBroker,
+) -> None:
+    """With a callback the notifications go to it, in batches, in order, and never to
+    receive(), which then only ends with the stream: here with the lost broker's error."""
+    b = await make_broker("b")
+    batches: list[list[Notification]] = []
+    sub = await connect(addr(b), failover_within=0.3, on_notifications=batches.append)
+    await sub.subscribe("n >= 0")
+    end = asyncio.create_task(sub.receive())
+    async with await connect(addr(b), "p") as pub:
+        for n in range(300):
+            pub.publish_nowait({"n": n})
+            if n % 100 == 99:
+                await pub.flush()
+        await eventually(lambda: sum(map(len, batches)) == 300)
+    assert [x.attrs["n"] for batch in batches for x in batch] == list(range(300))
+    assert len(batches) > 1 and all(batches)  # one call per arrival, never an empty one
+    assert not sub._inbox and not end.done()
+    await b.stop()
+    with pytest.raises(ConnectionLost):
+        await end
+    await sub.close()
+
+
+async def test_an_exception_in_on_notifications_is_reported_and_the_connection_stays(
+    make_broker: MakeBroker,
+) -> None:
+    """The callback's bug goes to the loop's exception handler, not the connection: the
+    notifications after it still arrive, and the client can still publish."""
+    b = await make_broker("b")
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    got: list[int] = []
+
+    def callback(batch: list[Notification]) -> None:
+        got.extend(int(x.attrs["n"]) for x in batch)
+        if got[0] == 0 and len(reported) == 0:
+            raise RuntimeError("application bug")
+
+    try:
+        async with await connect(addr(b), "s", on_notifications=callback) as sub:
+            await sub.subscribe("n >= 0")
+            async with await connect(addr(b), "p") as pub:
+                await pub.publish({"n": 0})
+                await eventually(lambda: len(reported) == 1)
+                await pub.publish({"n": 1})
+                await eventually(lambda: got == [0, 1])
+            await sub.publish({"n": 2})  # still connected
+            await eventually(lambda: got == [0, 1, 2])
+    finally:
+        loop.set_exception_handler(None)
+    assert isinstance(reported[0]["exception"], RuntimeError)
+    assert "on_notifications of client 's' raised" in reported[0]["message"]

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
 import pytest
 
-from canopy_broker.client import Client, ClientError, connect
+from canopy_broker.client import Client, ClientError, Notification, connect
 from canopy_broker.core.filters import Filter
 from canopy_broker.procs import env_pki
 from canopy_broker.runtime.framing import (
@@ -139,15 +139,35 @@ async def stubs() -> AsyncIterator[Stubs]:
         await stub.stop()
 
 
+def consumer(client: Client, style: str) -> Callable[[int], Awaitable[list[Notification]]]:
+    """``take(n)``: the next ``n`` notifications, read with ``receive()`` or, in the
+    ``callback`` style, as ``on_notifications`` handed them over."""
+    if style == "receive":
+        return lambda n: collect(client, n)
+    handed: list[Notification] = []
+    taken = 0
+    client.on_notifications = handed.extend
+
+    async def take(n: int) -> list[Notification]:
+        nonlocal taken
+        await eventually(lambda: len(handed) >= taken + n)
+        taken += n
+        return handed[taken - n : taken]
+
+    return take
+
+
+@pytest.mark.parametrize("style", ["receive", "callback"])
 @pytest.mark.parametrize("dedup", [True, False])
 async def test_switch_at_the_marker_filters_what_both_connections_carried(
-    stubs: Stubs, dedup: bool
+    stubs: Stubs, dedup: bool, style: str
 ) -> None:
     old, new, client = stubs
     new.ack_migrating = False  # the test answers the migration notice itself
     client.dedup = dedup
+    take = consumer(client, style)
     old.notify(1, 2, 3)
-    assert [n.seq for n in await collect(client, 3)] == [1, 2, 3]
+    assert [n.seq for n in await take(3)] == [1, 2, 3]
     client.publish_nowait({"n": 100})
 
     move = asyncio.create_task(client.migrate(new.address, "new"))
@@ -175,7 +195,7 @@ async def test_switch_at_the_marker_filters_what_both_connections_carried(
     await move
     assert old.codes()[-1] == C_LEAVE and client.broker == "new" and client.migrations == 1
     new.notify(5, 6)  # 5 again, then new
-    got = [1, 2, 3] + [n.seq for n in await collect(client, 3 if dedup else 7)]
+    got = [1, 2, 3] + [n.seq for n in await take(3 if dedup else 7)]
     if dedup:
         assert got == [1, 2, 3, 4, 5, 6] and client.duplicates_dropped == 4
     else:

@@ -32,7 +32,7 @@ The package is split by job: :mod:`.connection` (one connection to one broker), 
 
 from __future__ import annotations
 
-from canopy_broker.client.api import Client, connect, parse_addresses
+from canopy_broker.client.api import Client, NotificationCallback, connect, parse_addresses
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.client.failover import Gap
 from canopy_broker.client.notification import (
@@ -50,6 +50,7 @@ __all__ = [
     "Credentials",
     "Gap",
     "Notification",
+    "NotificationCallback",
     "connect",
     "parse_addresses",
 ]
