@@ -319,7 +319,7 @@ async def run_dataplane(
         await asyncio.sleep(duration)
         stop.set()
         await publisher
-        await _quiesce(sink)
+        await _quiesce(sink, pub)
         c1, p1, t1 = sink.count, pub.last_seq, sink.last_arrival
         broker_cpu = _cpu_seconds(overlay) - cpu0
         # This process (the publisher and every subscriber) on one core: at 100 % it, not
@@ -339,6 +339,7 @@ async def run_dataplane(
 
         latency = []
         for load in loads:
+            await _steady(overlay)
             rate = event_rate * load
             progress(
                 f"{label}: latency at {load:.0%} load ({rate:,.0f} events/s) for {duration:.1f}s"
@@ -346,7 +347,7 @@ async def run_dataplane(
             sink.latencies_ns.clear()
             sink.record_latency = True
             await publish_paced(rate, duration, canopy_sender(pub, lambda: _tick(rng)))
-            await _quiesce(sink)
+            await _quiesce(sink, pub)
             sink.record_latency = False
             point = {"load": load, "events_per_s": round(rate), **percentiles(sink.latencies_ns)}
             latency.append(point)
@@ -390,12 +391,31 @@ def _cpu_seconds(overlay: Overlay) -> float:
     return process_cpu_seconds(p.pid for p in overlay.brokers.values())
 
 
-async def _quiesce(sink: Sink, quiet: float = 0.3) -> None:
-    """Wait until no notification has arrived for ``quiet`` seconds (queues drained)."""
+async def _quiesce(sink: Sink, pub: Client, quiet: float = 0.3) -> None:
+    """Wait until every event ``pub`` sent is in the overlay's custody (acknowledged) and no
+    notification arrived for ``quiet`` seconds. Acknowledged first: a broker that holds its
+    publishers back (backpressure, a full retention) leaves events unread in the publisher's
+    socket, and a pause of the arrivals would otherwise pass for the end."""
+    if not await pub.wait_acknowledged(timeout=120.0):
+        raise RuntimeError(f"{pub.unacknowledged} events unacknowledged after 120 s")
     last = -1
     while sink.count != last:
         last = sink.count
         await asyncio.sleep(quiet)
+
+
+async def _steady(overlay: Overlay, within: float = 30.0) -> None:
+    """Wait until no broker holds its publishers back and the links' retention is empty.
+    Flat out, a chain fills its retention (each notification is kept for the retention
+    horizon, up to a limit, so that a crashed broker's traffic can be repaired), and while it
+    is full publishers wait for it to age out: a latency phase started before it is empty
+    would measure that wait (up to the horizon, seconds), not the overlay at that load."""
+    async with asyncio.timeout(within):
+        while True:
+            statuses = await asyncio.gather(*(b.admin.status() for b in overlay.brokers.values()))
+            if not any(s["publishers_paused"] or s["retention_depth"] for s in statuses):
+                return
+            await asyncio.sleep(0.05)
 
 
 async def handshake_ms(overlay: Overlay, broker: str, n: int = 50) -> float:

@@ -20,6 +20,7 @@ from canopy_broker.client import Client, ClientError, ConnectionLost, Notificati
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.core.events import is_sampled
 from canopy_broker.procs import env_pki
+from canopy_broker.runtime import server
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import control_frame, frame
 from canopy_broker.runtime.server import Broker
@@ -371,6 +372,40 @@ async def test_slow_consumer_is_disconnected_and_publisher_keeps_going(
         total += 1
         got = await collect(healthy, total, within=30)  # the healthy one lost nothing
         assert [n.seq for n in got] == list(range(1, total + 1))
+
+
+@pytest.mark.parametrize("flush_after", [0.0, 60.0])
+async def test_a_long_read_is_written_out_in_parts_bounded_in_time(
+    make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch, flush_after: float
+) -> None:
+    """Within one read, what the broker routed is written once ``FLUSH_AFTER`` has passed
+    since the first of it (looked at every ``FLUSH_CHECK`` events), else at the end of the
+    read: the first notifications of a long read do not wait for the whole of it, and a read
+    that fits in the bound goes out in one write per subscriber. Same notifications, in order,
+    either way."""
+    monkeypatch.setattr(server, "FLUSH_AFTER", flush_after)
+    b = await make_broker("b")
+    async with await connect(addr(b), "s") as sub, await connect(addr(b), "p") as pub:
+        await sub.subscribe("i >= 0")
+        client = b.clients["s"]
+        flush = client.flush
+        writes = 0
+
+        def counting() -> None:
+            nonlocal writes
+            writes += bool(client.pending)
+            flush()
+
+        client.flush = counting  # type: ignore[method-assign]
+        for i in range(640):  # one frame: one read, or two (TLS records are 16 KiB at most)
+            pub.publish_nowait({"i": i})
+        await pub.flush()
+        got = await collect(sub, 640)
+    assert [n.attrs["i"] for n in got] == list(range(640))
+    if flush_after:
+        assert writes <= 3  # at the end of each read (or turn)
+    else:
+        assert writes >= 640 // server.FLUSH_CHECK - 2, writes
 
 
 # --------------------------------------------------------------------------- links

@@ -109,10 +109,18 @@ log = logging.getLogger("canopy.broker")
 REFUSAL_CODES = frozenset({"unauthenticated", "wrong-identity", "forbidden", "wrong-port"})
 """Error codes of security refusals (counted as refusals, not as malformed input)."""
 
-FLUSH_EVERY = 64
-"""Flush after this many routed events even within one TCP read. A read can hold thousands of
-events; routing all of them before writing anything would hold the first notification back for
-the whole read (tens of ms), while 64 events still make batches of hundreds of messages."""
+FLUSH_AFTER = 0.002
+"""Within one TCP read, flush once the events routed since the last flush took this long
+(seconds). A read can hold a thousand events when a broker is behind; routing them all before
+writing anything would hold the first notification back for the whole read (over 10 ms), and
+flushing after each few events would cost a write per subscriber per few events. Measured
+(docs/performance.md, session 5): a flush every 64 events held the one-broker benchmark to
+430-460k notifications/s, every 256 events gave 620-630k, as each write carried four times as
+much. A bound in time rather than events keeps the wait the same whatever an event costs
+(filters, fan-out): at most about 2 ms for the first notification of a read, and a read that
+fits in that is written whole, at its end, as before."""
+FLUSH_CHECK = 16
+"""Look at the clock every this many events (a clock read per event would be wasted work)."""
 ACK_INTERVAL = 0.05
 """Seconds between publish acknowledgements (see ClientSessions.acknowledge_publishers)."""
 
@@ -208,6 +216,7 @@ class Broker:
         self._woken: list[str] = []  # fan_out's answer: clients whose queue was empty
         self._flush_scheduled = False
         self._unflushed = 0  # events routed since the last flush
+        self._unflushed_since = 0.0  # when the first of them was (time.perf_counter)
         self._delivered = 0  # notifications queued to clients, not yet in the metrics
         self._over: set[Link | Client] = set()
         self._lagging: set[Client] = set()  # slow consumers under the disconnect policy
@@ -821,7 +830,12 @@ class Broker:
         if self.telemetry.sample_rate > 0.0:
             self.telemetry.event(event, source_kind, source, effects)
         self._unflushed += 1
-        if self._unflushed >= FLUSH_EVERY:
+        if self._unflushed == 1:
+            self._unflushed_since = time.perf_counter()
+        elif (
+            not self._unflushed % FLUSH_CHECK
+            and time.perf_counter() - self._unflushed_since >= FLUSH_AFTER
+        ):
             self._flush()
 
     def apply(self, effects: list[Effect]) -> None:
@@ -1127,6 +1141,7 @@ class Broker:
                 "clients_max": max((c.depth for c in self.clients.values()), default=0),
             },
             "publishers_paused": self.publishers_paused,
+            "retention_depth": self.core.retention.depth(),
             "routing_table_size": self.core.routing_table_size(),
             "loop": self.loop_watch.status(),
             "channels": {
