@@ -339,8 +339,8 @@ async def run_dataplane(
 
         latency = []
         for load in loads:
-            await _steady(overlay)
             rate = event_rate * load
+            await _steady(overlay, rate)
             progress(
                 f"{label}: latency at {load:.0%} load ({rate:,.0f} events/s) for {duration:.1f}s"
             )
@@ -404,16 +404,21 @@ async def _quiesce(sink: Sink, pub: Client, quiet: float = 0.3) -> None:
         await asyncio.sleep(quiet)
 
 
-async def _steady(overlay: Overlay, within: float = 30.0) -> None:
-    """Wait until no broker holds its publishers back and the links' retention is empty.
-    Flat out, a chain fills its retention (each notification is kept for the retention
-    horizon, up to a limit, so that a crashed broker's traffic can be repaired), and while it
-    is full publishers wait for it to age out: a latency phase started before it is empty
-    would measure that wait (up to the horizon, seconds), not the overlay at that load."""
+async def _steady(overlay: Overlay, rate: float, within: float = 30.0) -> None:
+    """Wait until no broker holds its publishers back and every link's retention has room for
+    what ``rate`` events/s will add to it within the horizon. Flat out, a chain fills its
+    retention (each notification is kept a while, up to a limit per link, so that a crashed
+    broker's traffic can be repaired) and publishers wait until entries are older than the
+    horizon: a latency phase started before would measure that wait (seconds), not the
+    overlay at this load."""
+
+    def has_room(r: dict[str, Any]) -> bool:
+        return not r["limit"] or r["young"] + 1.2 * rate * r["horizon_s"] < r["limit"]
+
     async with asyncio.timeout(within):
         while True:
             statuses = await asyncio.gather(*(b.admin.status() for b in overlay.brokers.values()))
-            if not any(s["publishers_paused"] or s["retention_depth"] for s in statuses):
+            if not any(s["publishers_paused"] or not has_room(s["retention"]) for s in statuses):
                 return
             await asyncio.sleep(0.05)
 

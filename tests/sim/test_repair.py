@@ -206,6 +206,19 @@ def test_retention_at_its_limit_drops_only_what_is_past_the_horizon() -> None:
     assert not r.pressing(20.0) and r.depth() == 0  # past the window: all aged out
 
 
+def test_retention_counts_what_is_younger_than_the_horizon_on_its_fullest_link() -> None:
+    r = Retention(window=10.0, limit=100, horizon=2.0)
+    assert r.young(0.0) == 0
+    for i in range(10):
+        r.keep("x", float(i), Event("p", i + 1, {}))  # at 0, 1, ..., 9
+    for i in range(3):
+        r.keep("y", 8.5 + i * 0.25, Event("q", i + 1, {}))  # at 8.5, 8.75, 9.0
+    assert r.young(9.0) == 3  # x: 7, 8, 9 (7 is exactly at the horizon); y: all three
+    assert r.young(9.6) == 3  # x: 8, 9; y: 8.5 (not past the horizon yet), 8.75, 9.0
+    assert r.young(10.6) == 2  # x: 9; y: 8.75, 9.0
+    assert r.young(20.0) == 0 and r.depth() == 13  # aged past the horizon, still kept
+
+
 def test_retention_covers_a_resume_only_from_after_what_it_dropped_early() -> None:
     r = Retention(window=10.0, limit=2, horizon=1.0)
     for i, t in enumerate((1.0, 1.5, 4.0)):  # the one kept at 1.0 goes at the limit

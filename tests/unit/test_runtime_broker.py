@@ -706,6 +706,9 @@ async def test_a_full_retention_slows_publishers_instead_of_dropping_custody(
         await eventually(lambda: a.custody_full and a.publishers_paused, 5.0)
         assert a.core.retention.depth() >= 50 and a.core.retention.dropped == 0
         assert "canopy_retention_full 1.0" in a.metrics.render().decode()
+        retention = a.status()["retention"]
+        assert retention["full"] and retention["limit"] == 50 and retention["young"] >= 50
+        assert retention["horizon_s"] == a.core.retention.horizon
         await eventually(lambda: not a.custody_full and not a.publishers_paused, 5.0)
         for n in range(200, 260):  # entries now older than the horizon make room
             pub.publish_nowait({"n": n})

@@ -40,6 +40,7 @@ applies the results to the routing state.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -313,6 +314,20 @@ class Retention:
 
     def depth(self) -> int:
         return sum(len(k) for k in self.by_peer.values())
+
+    def young(self, now: float) -> int:
+        """The most notifications any link holds that are younger than the horizon: what
+        counts against the limit (older ones may go when it is reached). A bisection, as the
+        entries are in forwarding order."""
+        cutoff = now - self.horizon
+        return max(
+            (len(k) - bisect_left(k, cutoff, key=_forwarded_at) for k in self.by_peer.values()),
+            default=0,
+        )
+
+
+def _forwarded_at(entry: tuple[float, Event]) -> float:
+    return entry[0]
 
 
 class Phase(Enum):

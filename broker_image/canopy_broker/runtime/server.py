@@ -1141,7 +1141,7 @@ class Broker:
                 "clients_max": max((c.depth for c in self.clients.values()), default=0),
             },
             "publishers_paused": self.publishers_paused,
-            "retention_depth": self.core.retention.depth(),
+            "retention": self._retention_status(),
             "routing_table_size": self.core.routing_table_size(),
             "loop": self.loop_watch.status(),
             "channels": {
@@ -1167,6 +1167,16 @@ class Broker:
             "cycles": self.sessions.cycles_status(),
             "link_repairs": list(self.sessions.link_repairs),
             "cut": sorted(self.sessions.cut),
+        }
+
+    def _retention_status(self) -> dict[str, Any]:
+        r = self.core.retention
+        return {
+            "depth": r.depth(),
+            "young": r.young(self._loop.time()),
+            "limit": r.limit if r.enabled else 0,
+            "horizon_s": r.horizon,
+            "full": self.custody_full,
         }
 
     def _gauges(self) -> Gauges:
