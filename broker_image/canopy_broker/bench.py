@@ -413,7 +413,9 @@ async def _steady(overlay: Overlay, rate: float, within: float = 30.0) -> None:
     overlay at this load."""
 
     def has_room(r: dict[str, Any]) -> bool:
-        return not r["limit"] or r["young"] + 1.2 * rate * r["horizon_s"] < r["limit"]
+        # A rate that fills the retention by itself needs all of it: the horizon passed.
+        needed = min(r["limit"], 1.2 * rate * r["horizon_s"])
+        return r["young"] + needed <= r["limit"]
 
     async with asyncio.timeout(within):
         while True:
