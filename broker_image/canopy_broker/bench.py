@@ -414,8 +414,8 @@ async def _steady(overlay: Overlay, rate: float, within: float = 30.0) -> None:
 
     def has_room(r: dict[str, Any]) -> bool:
         # A rate that fills the retention by itself needs all of it: the horizon passed.
-        needed = min(r["limit"], 1.2 * rate * r["horizon_s"])
-        return r["young"] + needed <= r["limit"]
+        limit, young = int(r["limit"]), int(r["young"])
+        return young + min(limit, 1.2 * rate * float(r["horizon_s"])) <= limit
 
     async with asyncio.timeout(within):
         while True:
