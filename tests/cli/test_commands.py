@@ -370,6 +370,9 @@ def test_bench_subscriptions_measures_and_loses_nothing_under_churn() -> None:
     assert [r["subscriptions"] for r in installs] == [300, 900] and data["clients"] == 4
     for r in installs:
         assert 0 < r["acknowledged_s"] <= r["installed_everywhere_s"]
+        # The brokers spent CPU on each subscription (decoding, indexing, forwarding): some
+        # microseconds, not zero, and not the whole interval on the machine's two cores.
+        assert 1 < r["cpu_us_per_insert"] < 2e6 * r["installed_everywhere_s"] / (4 * 300)
         # Stalls as the brokers measured them (none over 10 ms is possible in a small run).
         assert 0 <= r["longest_stall_cpu_s"] <= r["longest_stall_s"] + 0.01
         assert r["longest_busy_stall_s"] >= r["longest_stall_cpu_s"] >= 0
