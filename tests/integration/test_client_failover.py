@@ -5,6 +5,7 @@ duplicated or reordered, not for them and not for anybody else.
 * The subscriber on b3 is told by nobody: its connection breaks, it attaches to one of b3's
   neighbours (b3's hello named them), re-subscribes and is served what it missed from that
   broker's retention; what came from the other sides reaches it with the repair's replay.
+  Twice: one reading with ``receive()``, one consuming with ``on_notifications``.
 * The publisher on b3 sends again, after failing over, what no broker had acknowledged; the
   brokers that already had some of it do not deliver it twice.
 
@@ -61,6 +62,14 @@ async def test_the_subscriber_of_a_killed_broker_fails_over_and_misses_nothing(
         await orphan.subscribe(FILTER, sub_id="all")
         received["s3"] = []
         drains.append(asyncio.create_task(drain(orphan, received["s3"])))
+        received["s3-callback"] = []  # the same, consuming with on_notifications
+        orphan_cb = await connect(
+            brokers["b3"].listen,
+            client_id="s3-callback",
+            on_gap=gaps.append,
+            on_notifications=received["s3-callback"].extend,
+        )
+        await orphan_cb.subscribe(FILTER, sub_id="all")
         cli = await asyncio.create_subprocess_exec(  # and `canopy sub` on b3, from the shell
             sys.executable,
             *("-m", "canopy_operator.cli", "sub", "--broker", brokers["b3"].listen, "--json"),
@@ -85,8 +94,9 @@ async def test_the_subscriber_of_a_killed_broker_fails_over_and_misses_nothing(
         last = published[-1]
         await wait_for_last(received, last)
 
-        assert orphan.failovers == 1
-        assert orphan.broker in {"b1", "b4", "b5"}  # one of b3's neighbours, named in its hello
+        for client in (orphan, orphan_cb):
+            assert client.failovers == 1
+            assert client.broker in {"b1", "b4", "b5"}  # one of b3's neighbours (its hello)
         assert gaps == [], [str(g) for g in gaps]
         for sub, got in received.items():
             missed, exact = verdict(got, last, "p")
@@ -104,7 +114,7 @@ async def test_the_subscriber_of_a_killed_broker_fails_over_and_misses_nothing(
         assert seqs == list(range(1, last + 1)), f"canopy sub: {len(seqs)} of {last}"
         assert b"canopy: failed over to b" in err, err
         assert b"gap" not in err, err
-        await close_all([pub, orphan, *clients.values()], drains)
+        await close_all([pub, orphan, orphan_cb, *clients.values()], drains)
     finally:
         await asyncio.gather(*(b.stop() for b in brokers.values()))
 
