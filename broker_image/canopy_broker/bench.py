@@ -417,12 +417,26 @@ async def _steady(overlay: Overlay, rate: float, within: float = 30.0) -> None:
         limit, young = int(r["limit"]), int(r["young"])
         return young + min(limit, 1.2 * rate * float(r["horizon_s"])) <= limit
 
-    async with asyncio.timeout(within):
-        while True:
-            statuses = await asyncio.gather(*(b.admin.status() for b in overlay.brokers.values()))
-            if not any(s["publishers_paused"] or not has_room(s["retention"]) for s in statuses):
-                return
-            await asyncio.sleep(0.05)
+    waiting: list[str] = []
+    try:
+        async with asyncio.timeout(within):
+            while True:
+                statuses = await asyncio.gather(
+                    *(b.admin.status() for b in overlay.brokers.values())
+                )
+                waiting = [
+                    f"{name} ({'publishers paused' if s['publishers_paused'] else s['retention']})"
+                    for name, s in zip(overlay.brokers, statuses, strict=True)
+                    if s["publishers_paused"] or not has_room(s["retention"])
+                ]
+                if not waiting:
+                    return
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise RuntimeError(
+            f"after {within:g} s these brokers still hold publishers or lack retention room for "
+            f"{rate:,.0f} events/s: {', '.join(waiting)}"
+        ) from None
 
 
 async def handshake_ms(overlay: Overlay, broker: str, n: int = 50) -> float:

@@ -303,11 +303,17 @@ async def test_on_notifications_gets_every_batch_in_order_and_receive_waits_for_
     await sub.close()
 
 
+class _NotAnError(BaseException):
+    """What a callback might raise that is not an Exception (e.g. a CancelledError)."""
+
+
+@pytest.mark.parametrize("error", [RuntimeError, _NotAnError])
 async def test_an_exception_in_on_notifications_is_reported_and_the_connection_stays(
-    make_broker: MakeBroker,
+    make_broker: MakeBroker, error: type[BaseException]
 ) -> None:
-    """The callback's bug goes to the loop's exception handler, not the connection: the
-    notifications after it still arrive, and the client can still publish."""
+    """The callback's bug goes to the loop's exception handler, not the connection (even
+    when it is no Exception): the notifications after it still arrive, the client did not
+    fail over, and it can still publish."""
     b = await make_broker("b")
     loop = asyncio.get_running_loop()
     reported: list[dict[str, Any]] = []
@@ -317,7 +323,7 @@ async def test_an_exception_in_on_notifications_is_reported_and_the_connection_s
     def callback(batch: list[Notification]) -> None:
         got.extend(int(x.attrs["n"]) for x in batch)
         if got[0] == 0 and len(reported) == 0:
-            raise RuntimeError("application bug")
+            raise error("application bug")
 
     try:
         async with await connect(addr(b), "s", on_notifications=callback) as sub:
@@ -329,7 +335,61 @@ async def test_an_exception_in_on_notifications_is_reported_and_the_connection_s
                 await eventually(lambda: got == [0, 1])
             await sub.publish({"n": 2})  # still connected
             await eventually(lambda: got == [0, 1, 2])
+            assert sub.failovers == 0
     finally:
         loop.set_exception_handler(None)
-    assert isinstance(reported[0]["exception"], RuntimeError)
-    assert "on_notifications of client 's' raised" in reported[0]["message"]
+    assert isinstance(reported[0]["exception"], error)
+    assert "on_notifications of client 's' failed" in reported[0]["message"]
+
+
+async def test_a_callback_set_later_takes_what_waits_even_when_reading_had_stopped(
+    make_broker: MakeBroker,
+) -> None:
+    """Notifications that filled the inbox (reading paused) before the application set its
+    callback are handed over at once, and reading resumes."""
+    b = await make_broker("b")
+    async with await connect(addr(b), "s") as sub, await connect(addr(b), "p") as pub:
+        sub.max_buffered = 50
+        await sub.subscribe("n >= 0")
+        for n in range(200):
+            pub.publish_nowait({"n": n})
+        await pub.flush()
+        await eventually(lambda: sub._reading_paused)
+        got: list[int] = []
+        sub.on_notifications = lambda batch: got.extend(int(x.attrs["n"]) for x in batch)
+        assert got and not sub._inbox  # at once, not at the next frame
+        for n in range(200, 210):
+            pub.publish_nowait({"n": n})
+        await pub.flush()
+        await eventually(lambda: len(got) == 210)
+        assert got == list(range(210)) and not sub._reading_paused
+
+
+async def test_an_async_callback_is_refused_and_a_returned_coroutine_reported(
+    make_broker: MakeBroker,
+) -> None:
+    """A coroutine function would lose every notification (nothing awaits what it returns):
+    refused when given. A plain function that returns a coroutine all the same is reported,
+    and the coroutine closed (no 'never awaited' warning)."""
+    b = await make_broker("b")
+
+    async def coroutine_function(batch: list[Notification]) -> None:
+        pass
+
+    with pytest.raises(TypeError, match="plain function"):
+        await connect(addr(b), "s", on_notifications=coroutine_function)  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+
+        def looks_plain(batch: list[Notification]) -> Any:  # what a user may write
+            return coroutine_function(batch)
+
+        async with await connect(addr(b), "s", on_notifications=looks_plain) as sub:
+            await sub.subscribe("n >= 0")
+            await sub.publish({"n": 1})
+            await eventually(lambda: bool(reported))
+    finally:
+        loop.set_exception_handler(None)
+    assert "returned a coroutine" in str(reported[0]["exception"])

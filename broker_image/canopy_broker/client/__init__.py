@@ -15,10 +15,11 @@ the socket's buffer fills and ``publish`` waits; ``publish_nowait`` never waits.
 
 Receiving: :meth:`Client.receive` (or ``async for`` over :meth:`Client.notifications`) waits for
 notifications in a task; ``connect(..., on_notifications=callback)`` instead hands each batch to
-``callback`` as it is read, with no task switch (the style of nats-py's ``cb`` and paho's
-``on_message``; a process with many subscribers spends a third less CPU this way, see
-docs/performance.md). The callback must not block; what it raises goes to the event loop's
-exception handler and the connection stays up.
+``callback`` as it is read, with no task switch (the style of paho's ``on_message``; a process
+with many subscribers spends a third less CPU this way, see docs/performance.md). The callback
+is a plain function (an ``async def`` one is refused: nothing would await it); it must not
+block, and with it nothing queues in the client, so its own storage is the application's flow
+control. What it raises goes to the event loop's exception handler and the connection stays up.
 
 Filters are parsed here before anything is sent, so a typo raises :class:`FilterError` at the call
 instead of costing the connection (the broker closes connections that send invalid filters).

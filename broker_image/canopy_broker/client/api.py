@@ -7,9 +7,10 @@ module holds what the application calls and the routing of received frames.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -79,9 +80,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
         on_notifications: NotificationCallback | None = None,
     ) -> None:
         self.client_id = client_id or ""
-        self.on_notifications = on_notifications
-        """Called with each batch of notifications as it arrives, instead of queueing them for
-        :meth:`receive` (see :func:`connect`)."""
+        self._on_notifications: NotificationCallback | None = None
         self.credentials = Credentials.from_env() if credentials is None else credentials
         self.follow_redirects = follow_redirects
         self.addresses = list(addresses)
@@ -110,6 +109,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
         self._inbox_waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
         self._closing = False
+        self.on_notifications = on_notifications
 
     async def _open(self, address: str, connect_timeout: float) -> None:
         self._conn = await BrokerConnection.open(
@@ -237,32 +237,64 @@ class Client(FailingOver, Migrating, AsyncClosing):
             conns.append(self._conn)
         return conns
 
+    @property
+    def on_notifications(self) -> NotificationCallback | None:
+        """Called with each batch of notifications as it arrives, instead of queueing them for
+        :meth:`receive` (see :func:`connect`). Setting it hands over at once what is already
+        waiting (and reads the socket again if a full inbox had stopped it)."""
+        return self._on_notifications
+
+    @on_notifications.setter
+    def on_notifications(self, callback: NotificationCallback | None) -> None:
+        if callback is not None and inspect.iscoroutinefunction(callback):
+            raise TypeError(
+                "on_notifications must be a plain function: it is called from the read path, "
+                "where nothing would await a coroutine (start a task from it for async work, "
+                "or use receive())"
+            )
+        self._on_notifications = callback
+        if callback is not None and self._inbox:
+            self._wake_inbox()
+
     def _wake_inbox(self) -> None:
         """Notifications were added to the inbox (or the stream may have ended): hand them to
         ``on_notifications`` if set, and wake a waiting :meth:`receive`."""
-        if self.on_notifications is not None and self._inbox:
-            self._hand_over(self.on_notifications)
+        if self._on_notifications is not None and self._inbox:
+            self._hand_over(self._on_notifications)
         w = self._inbox_waiter
         if w is not None and not w.done():
             w.set_result(None)
 
     def _hand_over(self, callback: NotificationCallback) -> None:
         """Everything in the inbox to ``callback``, as one batch, in order of arrival. What the
-        callback raises goes to the event loop's exception handler, as an exception in any loop
-        callback does: it is the application's bug, not the connection's, so the connection
-        stays up and the batch counts as delivered."""
+        callback raises (short of KeyboardInterrupt or SystemExit) goes to the event loop's
+        exception handler, as an exception in any loop callback does: it is the application's
+        bug, not the connection's, so the connection stays up and the batch counts as
+        delivered. So does a coroutine returned by mistake (it is closed: nothing awaits it)."""
         batch = list(self._inbox)
         self._inbox.clear()
+        problem: BaseException | None = None
         try:
-            callback(batch)
-        except Exception as exc:
+            # Typed to return None, so that mypy flags an async function given here; this
+            # checks what it did return all the same.
+            result = cast(Callable[[list[Notification]], object], callback)(batch)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:
+            problem = exc
+        else:
+            if asyncio.iscoroutine(result):
+                result.close()
+                problem = TypeError("on_notifications returned a coroutine, which nothing awaits")
+        if problem is not None:
             asyncio.get_running_loop().call_exception_handler(
                 {
-                    "message": f"on_notifications of client {self.client_id!r} raised on a "
+                    "message": f"on_notifications of client {self.client_id!r} failed on a "
                     f"batch of {len(batch)} (they count as delivered)",
-                    "exception": exc,
+                    "exception": problem,
                 }
             )
+        self._resume_reading()
 
     async def receive(
         self,
@@ -542,12 +574,18 @@ async def connect(
     ``credentials``: the CA and a client certificate or token (default: from the environment,
     see :mod:`canopy_broker.client.credentials`).
 
-    ``on_notifications``: a function called with each batch of notifications (a list, oldest
-    first) as it is read, from the event loop, instead of queueing them for :meth:`~Client.
-    receive`: the style of nats-py's ``cb`` and paho's ``on_message``, and the cheapest way to
-    consume (no task switch per batch; a process receiving from many connections spends about
-    a third less CPU). It must not block; what it raises goes to the loop's exception handler.
-    Migration, failover and duplicate suppression apply as for :meth:`~Client.receive`."""
+    ``on_notifications``: a plain function (not ``async``) called with each batch of
+    notifications (a list, oldest first) as it is read, from the event loop, instead of
+    queueing them for :meth:`~Client.receive`: the style of paho's ``on_message`` (nats-py's
+    ``cb`` is a coroutine run in a task; this is not), and the cheapest way to consume (no
+    task switch per batch; a process receiving on many connections spends about a third less
+    CPU). Migration, failover and duplicate suppression apply as for :meth:`~Client.receive`;
+    it may also be called from within ``close()`` and ``migrate()`` (what a move held is
+    handed over at its switch). It must not block, and it is the application's flow control:
+    with a callback nothing queues in the client, so the socket is never paused for a full
+    inbox, and a callback that stores into an unbounded queue of its own grows without bound
+    (the broker's slow-consumer protection sees only a client that reads). What it raises goes
+    to the loop's exception handler; the connection stays up."""
     addresses = parse_addresses(address)
     client = Client(
         client_id,
