@@ -390,10 +390,10 @@ async def test_a_long_read_is_written_out_in_parts_bounded_in_time(
         flush = client.flush
         writes = 0
 
-        def counting() -> None:
+        def counting() -> int:
             nonlocal writes
             writes += bool(client.pending)
-            flush()
+            return flush()
 
         client.flush = counting  # type: ignore[method-assign]
         for i in range(640):  # one frame: one read, or two (TLS records are 16 KiB at most)

@@ -214,10 +214,11 @@ class Link:
         self.ack(peer_last_rx)
         self.sent = peer_last_rx + 1
 
-    def flush(self) -> None:
+    def flush(self) -> int:
+        """Write what is unsent (and the acknowledgement owed); return the depth after it."""
         conn = self.conn
         if conn is None:
-            return
+            return len(self.out)
         parts: list[bytes] = []
         if self.rx_seq != self.acked_rx:
             parts.append(control_frame(F_ACK, self.rx_seq))
@@ -237,6 +238,7 @@ class Link:
             if self.m_bytes_out is not None:
                 self.m_bytes_out.inc(len(data))
             conn.write(data)
+        return len(self.out)
 
     def status(self) -> dict[str, Any]:
         return {
@@ -297,10 +299,13 @@ class Client:
     def depth(self) -> int:
         return len(self.pending)
 
-    def flush(self) -> None:
+    def flush(self) -> int:
+        """Write what is queued, unless the connection is paused; return the depth after it
+        (the broker's flush reads it once per subscriber per loop turn)."""
         msgs = self.pending
         if not msgs or self.conn.writing_paused:
-            return
+            return len(msgs)
         data = msgs_frames(msgs)
         msgs.clear()  # in place: the broker's fan-out holds this list (ClientSessions.queues)
         self.conn.write(data)
+        return 0

@@ -533,11 +533,11 @@ class Broker:
         lagging = self._lagging
         for dest in dirty:
             dest.dirty = False
-            dest.flush()
+            depth = dest.flush()
             if dest.over:
-                if dest.depth < low:
+                if depth < low:
                     self.unpressure(dest)
-            elif dest.depth > high:
+            elif depth > high:
                 if not isinstance(dest, Client):
                     if dest.kind == "link" and dest.conn is not None:
                         self._pressure(dest)
@@ -546,7 +546,7 @@ class Broker:
                 elif dest not in lagging:  # its own problem: timed and capped, not pressed
                     dest.over_since = self._loop.time()
                     lagging.add(dest)
-            elif lagging and isinstance(dest, Client) and dest in lagging and dest.depth < low:
+            elif lagging and isinstance(dest, Client) and dest in lagging and depth < low:
                 lagging.discard(dest)
                 dest.over_since = None
         if self._over or lagging:
@@ -850,11 +850,18 @@ class Broker:
                     woken,
                     self.config.high_water,
                 )
-                if woken:
+                if woken:  # mark_dirty inline: once per subscriber per loop turn
                     clients = self.clients
+                    dirty = self._dirty
                     for client_id in woken:
-                        self.mark_dirty(clients[client_id])
+                        client = clients[client_id]
+                        if not client.dirty:
+                            client.dirty = True
+                            dirty.append(client)
                     woken.clear()
+                    if not self._flush_scheduled:
+                        self._flush_scheduled = True
+                        self._loop.call_soon(self._flush)
             elif isinstance(eff, SendToLink):
                 msg = eff.message
                 if msg is not last_msg:
