@@ -36,7 +36,7 @@ from canopy_broker.client import Client, Notification, connect
 from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Constraint, Filter, Op
 from canopy_broker.core.matching import IndexedMatcher, ScanMatcher
-from canopy_broker.procs import Overlay, process_cpu_seconds
+from canopy_broker.procs import Overlay
 from canopy_broker.runtime import eventloop
 
 N_SUBSCRIBERS = 50
@@ -313,7 +313,7 @@ async def run_dataplane(
         # publishing would credit backlog drained from before the window (or miss backlog left
         # after it), since brokers buffer up to their high-water marks.
         stop = asyncio.Event()
-        cpu0, own0 = _cpu_seconds(overlay), time.process_time()
+        cpu0, own0 = overlay.cpu_seconds(), time.process_time()
         c0, p0, t0 = sink.count, pub.last_seq, time.perf_counter()
         publisher = asyncio.create_task(_publish_flat_out(pub, stop, rng))
         await asyncio.sleep(duration)
@@ -321,7 +321,7 @@ async def run_dataplane(
         await publisher
         await _quiesce(sink, pub)
         c1, p1, t1 = sink.count, pub.last_seq, sink.last_arrival
-        broker_cpu = _cpu_seconds(overlay) - cpu0
+        broker_cpu = overlay.cpu_seconds() - cpu0
         # This process (the publisher and every subscriber) on one core: at 100 % it, not
         # the brokers, set the rate measured, and the brokers' capacity says what they had.
         client_cpu_pct = (time.process_time() - own0) / max(1e-9, t1 - t0) * 100
@@ -386,11 +386,6 @@ def percentiles(latencies_ns: Sequence[int]) -> dict[str, Any]:
     return {"p50_ms": at(0.5), "p99_ms": at(0.99), "p999_ms": at(0.999), "samples": len(lat)}
 
 
-def _cpu_seconds(overlay: Overlay) -> float:
-    """User + system CPU time of all broker processes of ``overlay`` so far."""
-    return process_cpu_seconds(p.pid for p in overlay.brokers.values())
-
-
 async def _quiesce(sink: Sink, pub: Client, quiet: float = 0.3) -> None:
     """Wait until every event ``pub`` sent is in the overlay's custody (acknowledged) and no
     notification arrived for ``quiet`` seconds. Acknowledged first: a broker that holds its
@@ -421,12 +416,9 @@ async def _steady(overlay: Overlay, rate: float, within: float = 30.0) -> None:
     try:
         async with asyncio.timeout(within):
             while True:
-                statuses = await asyncio.gather(
-                    *(b.admin.status() for b in overlay.brokers.values())
-                )
                 waiting = [
                     f"{name} ({'publishers paused' if s['publishers_paused'] else s['retention']})"
-                    for name, s in zip(overlay.brokers, statuses, strict=True)
+                    for name, s in (await overlay.statuses()).items()
                     if s["publishers_paused"] or not has_room(s["retention"])
                 ]
                 if not waiting:

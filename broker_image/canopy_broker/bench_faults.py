@@ -119,7 +119,7 @@ async def kill_scenario(
         repaired_s = None
         async with asyncio.timeout(60):
             while repaired_s is None:
-                statuses = {n: await b.admin.status() for n, b in ov.brokers.items()}
+                statuses = await ov.statuses()
                 if _edges(statuses) >= CHAIN:
                     repaired_s = time.monotonic() - killed
                 else:

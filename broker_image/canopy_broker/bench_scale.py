@@ -42,7 +42,7 @@ from canopy_broker.bench import Sink, canopy_sender, done, progress, publish_pac
 from canopy_broker.bench_peers import Numbered, Workload, wait_delivered
 from canopy_broker.cli import tune_gc
 from canopy_broker.client import connect
-from canopy_broker.procs import Overlay, process_cpu_seconds
+from canopy_broker.procs import Overlay
 from canopy_broker.progress import showing
 from canopy_broker.runtime import eventloop
 
@@ -100,11 +100,11 @@ async def point(n_filters: int, w: Workload) -> dict[str, Any]:
                 f"{w.rate:,.0f} events/s for {w.duration:g} s"
             )
             send = canopy_sender(pub, Numbered(w.groups).attrs)
-            cpu0, t1 = process_cpu_seconds([broker.pid]), time.perf_counter()
+            cpu0, t1 = ov.cpu_seconds(), time.perf_counter()
             published = await publish_paced(w.rate, w.duration, send, w.tick)
             expected = published * w.fanout
             await wait_delivered(sink, expected)
-            cpu = process_cpu_seconds([broker.pid]) - cpu0
+            cpu = ov.cpu_seconds() - cpu0
             rss_end = broker.rss_mb()
         finally:
             for c in [pub, *subs]:

@@ -36,7 +36,7 @@ from typing import Any
 
 from canopy_broker import progress as shown
 from canopy_broker.client import Client, connect
-from canopy_broker.procs import Overlay, process_cpu_seconds
+from canopy_broker.procs import Overlay
 from canopy_broker.runtime import eventloop
 
 
@@ -55,7 +55,7 @@ async def _stalls(overlay: Overlay, since: float) -> dict[str, Any]:
     and how much of it the broker spent on CPU (the rest it waited for a core, which on a
     machine with fewer cores than brokers is the machine's doing); the longest in CPU; and the
     longest garbage collection."""
-    statuses = await asyncio.gather(*(p.admin.status() for p in overlay.brokers.values()))
+    statuses = await overlay.statuses()
     out: dict[str, Any] = {
         "longest_stall_s": 0.0,
         "longest_stall_broker": "",
@@ -63,7 +63,7 @@ async def _stalls(overlay: Overlay, since: float) -> dict[str, Any]:
         "longest_busy_stall_s": 0.0,
         "longest_gc_pause_s": 0.0,
     }
-    for name, st in zip(overlay.brokers, statuses, strict=True):
+    for name, st in statuses.items():
         for t, kind, took, cpu in st["loop"]["stalls"]:
             if t < since:
                 continue
@@ -87,11 +87,7 @@ def _said(stalls: dict[str, Any]) -> str:
 
 
 async def _table_sizes(overlay: Overlay) -> dict[str, int]:
-    statuses = await asyncio.gather(*(p.admin.status() for p in overlay.brokers.values()))
-    return {
-        name: int(s["routing_table_size"])
-        for name, s in zip(overlay.brokers, statuses, strict=True)
-    }
+    return {name: int(s["routing_table_size"]) for name, s in (await overlay.statuses()).items()}
 
 
 async def install(
@@ -104,8 +100,7 @@ async def install(
     base = {name: size for name, size in (await _table_sizes(overlay)).items()}
     acked: list[float] = []
     since = time.time()
-    pids = [p.pid for p in overlay.brokers.values()]
-    cpu0 = process_cpu_seconds(pids)
+    cpu0 = overlay.cpu_seconds()
     t0 = time.perf_counter()
     for start in range(0, n, batch):
         ids = range(offset + start, offset + min(n, start + batch))
@@ -129,7 +124,7 @@ async def install(
         await asyncio.sleep(0.05)
     t_all = time.perf_counter() - t0
     # What an insertion costs a broker: every broker holds every one of them.
-    cpu_us = (process_cpu_seconds(pids) - cpu0) / (n * len(pids)) * 1e6
+    cpu_us = (overlay.cpu_seconds() - cpu0) / (n * len(overlay.brokers)) * 1e6
     stalls = await _stalls(overlay, since)
     per_batch = [b - a for a, b in zip([t0, *acked], acked, strict=False)]
     k = max(1, 1000 // batch)

@@ -444,6 +444,15 @@ class Overlay:
     async def settle(self, within: float = 30.0) -> list[dict[str, Any]]:
         return await wait_settled(self.brokers.values(), within=within)
 
+    async def statuses(self) -> dict[str, dict[str, Any]]:
+        """Every broker's ``GET /status``, by name, asked at once."""
+        found = await asyncio.gather(*(b.admin.status() for b in self.brokers.values()))
+        return dict(zip(self.brokers, found, strict=True))
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of all its broker processes so far."""
+        return process_cpu_seconds(b.pid for b in self.brokers.values())
+
     async def stop(self) -> dict[str, int]:
         procs = list(self.brokers.values())
         codes = await asyncio.gather(*(p.stop() for p in procs), return_exceptions=True)
