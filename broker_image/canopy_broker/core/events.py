@@ -81,12 +81,9 @@ def check_attributes(attrs: Mapping[object, object], *, wire: bool = False) -> d
         if not isinstance(name, str) or not name:
             raise ValueError(f"attribute names must be non-empty strings, got {name!r}")
         value = given
-        t = type(value)  # the common exact types without a call; kind_of decides the rest
-        if (
-            t is not str and t is not int and t is not bool and (t is not float or value != value)  # noqa: PLR0124 - NaN is not itself
-        ):
+        if exact_kind(value) is None:  # not an exact allowed type (compiled: a direct call)
             value = _exact(name, value)  # a subclass kept as its base type; else refused
-            t = type(value)
+        t = type(value)
         if wire:
             if t is float and not math.isfinite(cast(float, value)):
                 raise ValueError(f"attribute {name!r} is not a finite number")
