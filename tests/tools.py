@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -10,6 +11,7 @@ import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import yaml
@@ -98,3 +100,29 @@ def value_keys(values: Any, prefix: str = "") -> dict[str, Any]:
             out |= value_keys(v, f"{prefix}.{k}" if prefix else str(k))
         return out
     return {prefix: values}
+
+
+class LoopTurns:
+    """``async with LoopTurns() as turns``: a task that only yields, counting in
+    ``turns.count`` the event-loop turns it got while the block ran. Tests show with it that
+    other work had the loop (a flush that yields, a long frame handled in slices)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _spin(self) -> None:
+        while True:
+            self.count += 1
+            await asyncio.sleep(0)
+
+    async def __aenter__(self) -> LoopTurns:
+        self._task = asyncio.create_task(self._spin())
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)

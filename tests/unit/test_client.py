@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from typing import Any
 
@@ -14,6 +13,7 @@ from canopy_broker.client.connection import BrokerConnection
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import ClientSubscribe, ClientUnsubscribe
+from tests.tools import LoopTurns
 from tests.unit.test_runtime_broker import (
     MakeBroker,
     addr,
@@ -99,25 +99,13 @@ async def test_a_publish_and_flush_loop_lets_the_rest_of_the_process_run(
     flat-out publisher must not starve its own process (timers, subscribers, the broker's
     acknowledgements); without that turn the benchmark's publisher once grew to 23 GB."""
     b = await make_broker("b")
-    async with await connect(addr(b)) as pub:
-        turns = 0
-
-        async def other_task() -> None:
-            nonlocal turns
-            while True:
-                turns += 1
-                await asyncio.sleep(0)
-
-        other = asyncio.create_task(other_task())
+    async with await connect(addr(b)) as pub, LoopTurns() as turns:
         await asyncio.sleep(0)
-        before = turns
+        before = turns.count
         for n in range(50):
             pub.publish_nowait({"n": n})
             await pub.flush()
-        assert turns - before >= 40, (before, turns)
-        other.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await other
+        assert turns.count - before >= 40, (before, turns.count)
 
 
 async def test_receive_timeout_returns_empty(make_broker: MakeBroker) -> None:

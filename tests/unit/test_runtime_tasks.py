@@ -16,6 +16,7 @@ from canopy_broker.core.errors import CoreFailedError
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import ClientSubscribe, Input
 from canopy_broker.runtime.tasks import TaskSet
+from tests.tools import LoopTurns
 from tests.unit.test_runtime_admin import Serve, serve
 from tests.unit.test_runtime_broker import MakeBroker, make_broker
 
@@ -89,22 +90,9 @@ async def test_a_long_frame_is_handled_over_several_loop_turns(make_broker: Make
         return rest
 
     b.client_sessions.messages = counting  # type: ignore[method-assign]
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    tick_task = asyncio.create_task(ticker())
-    try:
-        async with await connect(b.advertised) as c:
-            await asyncio.gather(*(c.subscribe(f"k = {i}", f"s{i}") for i in range(5000)))
-            subs = b.core.routing.subscriptions(c.client_id)
-            assert subs is not None and list(subs) == [f"s{i}" for i in range(5000)]
-    finally:
-        tick_task.cancel()
-        await asyncio.gather(tick_task, return_exceptions=True)
+    async with LoopTurns() as ticks, await connect(b.advertised) as c:
+        await asyncio.gather(*(c.subscribe(f"k = {i}", f"s{i}") for i in range(5000)))
+        subs = b.core.routing.subscriptions(c.client_id)
+        assert subs is not None and list(subs) == [f"s{i}" for i in range(5000)]
     assert sum(slices) == 5000 and len(slices) > 3, slices
-    assert ticks > len(slices)
+    assert ticks.count > len(slices)

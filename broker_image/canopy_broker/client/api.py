@@ -253,8 +253,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
                 "or use receive())"
             )
         self._on_notifications = callback
-        if callback is not None and self._inbox:
-            self._wake_inbox()
+        self._wake_inbox()  # hands over what already waits, if there is a callback
 
     def _wake_inbox(self) -> None:
         """Notifications were added to the inbox (or the stream may have ended): hand them to
