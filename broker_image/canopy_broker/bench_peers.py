@@ -27,9 +27,16 @@ The brokers: one ``canopy-broker serve`` with its default settings, ``nats-serve
 on 127.0.0.1 on a free port and stopped at the end; no system service is used. The clients:
 Canopy's client library, nats-py and paho-mqtt (the ``dev`` extra).
 
+* **rounds**: ``--rounds N`` measures every system N times, interleaved, and reports each
+  system's median round; the ratios between systems are the medians of the rounds' paired
+  ratios. One run per system compares systems measured a minute apart on a machine whose speed
+  drifts; pairs from the same round cancel most of that drift.
+
 Progress goes to stderr; with ``--json`` the last stdout line is one JSON object with keys
 ``canopy``, ``nats`` and ``mosquitto``, each ``{us_per_notification, user_us, system_us,
-delivered, expected, notif_per_s}``.
+delivered, expected, notif_per_s}``; with ``--rounds`` above 1 the first four are the median
+round's, ``delivered`` and ``expected`` are summed over the rounds, and ``rounds`` lists each
+round's figures in the order run.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import contextlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import shutil
 import socket
@@ -412,29 +420,80 @@ async def measure(name: str, w: Workload, tmp: Path) -> dict[str, Any]:
     return result
 
 
-async def run(w: Workload, systems: Sequence[str] = SYSTEMS) -> dict[str, dict[str, Any]]:
+async def run(
+    w: Workload, systems: Sequence[str] = SYSTEMS, rounds: int = 1
+) -> dict[str, dict[str, Any]]:
+    """Measure each system ``rounds`` times, interleaved (round ``r`` starts ``r`` systems
+    further along, so no system always runs first or right after the same one): a machine
+    whose speed drifts, as this VM's does by a third within an hour, then slows every system's
+    rounds alike, and the rounds' paired ratios cancel the drift (see :func:`summary`)."""
     with tempfile.TemporaryDirectory(prefix="canopy-bench-peers-") as tmp:
-        measured = {}
-        for name in systems:
-            measured[name] = await measure(name, w, Path(tmp))
-            done(f"{name}: {measured[name]['us_per_notification']:.1f} us per notification")
-        return measured
+        measured: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
+        for r in range(rounds):
+            k = r % len(systems)
+            for name in [*systems[k:], *systems[:k]]:
+                m = await measure(name, w, Path(tmp))
+                measured[name].append(m)
+                done(f"{name}: {m['us_per_notification']:.1f} us per notification")
+        return {name: summary(ms) for name, ms in measured.items()}
+
+
+def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's result: its only round, or over several the median round (by CPU per
+    notification; the lower one of an even count), whose figures stay consistent with each
+    other (user + system = total), with ``delivered`` and ``expected`` summed over every
+    round and each round under ``rounds``, in the order run."""
+    if len(rounds) == 1:
+        return rounds[0]
+    median = sorted(rounds, key=lambda m: m["us_per_notification"])[(len(rounds) - 1) // 2]
+    return {
+        **median,
+        "delivered": sum(m["delivered"] for m in rounds),
+        "expected": sum(m["expected"] for m in rounds),
+        "rounds": rounds,
+    }
+
+
+def paired_ratio(r: dict[str, dict[str, Any]], name: str, other: str) -> float:
+    """CPU per notification of ``name`` over ``other``'s: the median of the rounds' ratios when
+    there are rounds (each round's two systems ran minutes apart at most), else the ratio."""
+    if other not in r or name not in r:
+        return math.nan
+    a = r[name].get("rounds", [r[name]])
+    b = r[other].get("rounds", [r[other]])
+    ratios: list[float] = sorted(
+        x["us_per_notification"] / y["us_per_notification"]
+        for x, y in zip(a, b, strict=True)
+        if y["us_per_notification"] > 0
+    )
+    if not ratios:
+        return math.nan
+    mid = len(ratios) // 2
+    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
 
 
 def report(w: Workload, r: dict[str, dict[str, Any]]) -> str:
-    nats_us = r["nats"]["us_per_notification"] if "nats" in r else 0.0
     lines = [
         f"workload: {w.describe()}",
         f"{'system':<10}  {'CPU us/notification':>19}  {'(user + system)':>15}  {'x NATS':>6}  "
-        f"{'delivered / expected':>21}  {'notifications/s':>15}",
+        f"{'x Mosquitto':>11}  {'delivered / expected':>21}  {'notifications/s':>15}",
     ]
     for name, m in r.items():
-        ratio = m["us_per_notification"] / nats_us if nats_us else float("nan")
         split = f"({m['user_us']:.2f} + {m['system_us']:.2f})"
         lines.append(
-            f"{name:<10}  {m['us_per_notification']:>19.2f}  {split:>15}  {ratio:>5.1f}x  "
-            f"{m['delivered']:>10,} / {m['expected']:<8,}  {m['notif_per_s']:>15,}"
+            f"{name:<10}  {m['us_per_notification']:>19.2f}  {split:>15}  "
+            f"{paired_ratio(r, name, 'nats'):>5.2f}x  {paired_ratio(r, name, 'mosquitto'):>10.2f}x"
+            f"  {m['delivered']:>10,} / {m['expected']:<8,}  {m['notif_per_s']:>15,}"
         )
+    rounds = max(len(m.get("rounds", [m])) for m in r.values())
+    if rounds > 1:
+        lines.append(
+            f"{rounds} rounds, interleaved: each figure is the system's median round, each ratio "
+            "the median of the rounds' paired ratios; per round (us/notification):"
+        )
+        for name, m in r.items():
+            per = "  ".join(f"{x['us_per_notification']:.2f}" for x in m["rounds"])
+            lines.append(f"  {name:<10}  {per}")
     return "\n".join(lines)
 
 
@@ -471,6 +530,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ms between the publisher's batches (default 1: about rate/1000 events per batch); "
         "larger ticks let every broker batch its writes, which changes CPU per notification",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every system this many times, interleaved, and report the median round "
+        "and the median of the rounds' paired ratios (default 1; 3 or 5 on a machine whose "
+        "speed drifts)",
+    )
 
 
 def workload(args: argparse.Namespace) -> Workload:
@@ -491,6 +558,8 @@ def workload(args: argparse.Namespace) -> Workload:
         )
     if w.rate <= 0 or w.duration <= 0 or w.tick <= 0:
         raise ValueError("--rate, --duration and --tick must be positive")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds {args.rounds} must be at least 1")
     return w
 
 
@@ -510,11 +579,11 @@ def run_args(args: argparse.Namespace) -> int:
         print(f"error: missing {', '.join(missing)}: {INSTALL_HINT}", file=sys.stderr)
         return 2
     tune_gc()  # the clients must keep up at the full rate: same GC settings as the brokers
-    with showing("bench peers", len(systems)):
+    with showing("bench peers", len(systems) * args.rounds):
         # The clients of all three systems share this process; on asyncio's loop, whatever
         # CANOPY_LOOP says for the brokers: a faster client loop made Mosquitto's broker
         # cheaper per notification (3.8-4.1 vs 5.0-5.6 us), so the harness stays fixed.
-        result = asyncio.run(run(w, systems))
+        result = asyncio.run(run(w, systems, args.rounds))
     print(report(w, result))
     if args.json:
         print(json.dumps(result))

@@ -479,6 +479,26 @@ def test_bench_peers_measures_only_the_systems_asked_for(tmp_path: Path) -> None
     assert bad.returncode == 2 and "--systems takes some of canopy, nats, mosquitto" in bad.stderr
 
 
+def test_bench_peers_rounds_report_the_median_round_and_every_round(tmp_path: Path) -> None:
+    """--rounds 3 on Canopy alone (no peer needed): three measured rounds, the summary is the
+    median one (its figures, not an average), deliveries are summed and complete, and the
+    table lists every round; --rounds 0 is refused."""
+    result = canopy(
+        "bench", "peers", "--quick", "--systems", "canopy", "--rounds", "3", "--json",
+        env={"CANOPY_PEERS_PATH": str(tmp_path)}, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    m = last_json(result.stdout)["canopy"]
+    rounds = m["rounds"]
+    assert len(rounds) == 3 and all(r["delivered"] == r["expected"] == 2_000 for r in rounds)
+    assert m["delivered"] == m["expected"] == 6_000
+    median = sorted(rounds, key=lambda r: r["us_per_notification"])[1]
+    assert {k: m[k] for k in median} | {"delivered": 2_000, "expected": 2_000} == median
+    assert "3 rounds, interleaved" in result.stdout
+    bad = canopy("bench", "peers", "--rounds", "0")
+    assert bad.returncode == 2 and "--rounds 0 must be at least 1" in bad.stderr
+
+
 def test_bench_peers_refuses_a_fanout_that_does_not_divide_the_subscribers() -> None:
     result = canopy("bench", "peers", "--subscribers", "50", "--fanout", "7")
     assert result.returncode == 2
