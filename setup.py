@@ -9,10 +9,11 @@ broker instead of failing (``canopy-broker serve`` and ``/status`` say which one
 ``CANOPY_PURE_PYTHON=1`` at install time skips the compilation altogether.
 
 Why only these: they are the data plane's matching (half of it in compiled code, measured in
-docs/performance.md), the sharded tables it looks filters up in, and the runtime's fan-out loop
-(runtime/outbox.py: pure, on plain lists and dicts), and hold no state that tests patch at run
-time; routing.py would gain little (13 % per subscription) and is patched by tests
-that count covering checks.
+docs/performance.md), the sharded tables it looks filters up in, and the runtime's way out to
+its clients (runtime/outbox.py: the fan-out, the flush and the frames they build, on plain
+lists, dicts and one small class), and hold no state that tests patch at run time;
+routing.py would gain little (13 % per subscription) and is patched by tests that count
+covering checks.
 """
 
 from __future__ import annotations

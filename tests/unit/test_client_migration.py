@@ -36,8 +36,8 @@ from canopy_broker.runtime.framing import (
     F_MSGS,
     FrameSplitter,
     control_frame,
-    msgs_frame,
 )
+from canopy_broker.runtime.outbox import msgs_frame
 from canopy_broker.runtime.server import Broker
 from canopy_broker.sim.checker import DeliveryRecord, PubRecord, SubRecord, check_deliveries
 from tests.unit.test_runtime_broker import (

@@ -93,15 +93,27 @@ for step in range(20000):  # past the split and back (tables.SPLIT_AT)
         said.append(table.discard(k))
         said.append(mapping.pop(k) if k in mapping else None)
 out["tables"] = [said, sorted(table), sorted(mapping.items())]
-from canopy_broker.runtime.outbox import fan_out
-queues = {f"c{i}": [] for i in range(6)}  # c6: routed to, gone since
-woken = []
+from canopy_broker.runtime.outbox import Outlet, fan_out, flush_outlets
+class Transport:  # what flush_outlets writes to: records, closes after its third write
+    def __init__(self): self.written = []
+    def is_closing(self): return len(self.written) >= 3
+    def write(self, data): self.written.append(data.hex())
+class Conn:
+    def __init__(self, paused): self.writing_paused, self.transport = paused, Transport()
+outlets = {f"c{i}": Outlet(f"c{i}", Conn(paused=i == 4)) for i in range(6)}  # c6: gone since
+dirty, flushed = [], []
 for n, (peers, local) in enumerate(out["routes"][:100]):
-    fan_out(b'"p",%d,0,{}' % n, local, queues, woken, 3)
-    if n % 10 == 5:  # a flush
-        for q in queues.values():
-            q.clear()
-out["fanout"] = [sorted((c, [m.decode() for m in q]) for c, q in queues.items()), woken]
+    fan_out(b'"p",%d,0,{}' % n, local, outlets, dirty)
+    if n % 10 == 5:  # a flush: c4 is paused, limit 2, c1 marked
+        attention = flush_outlets(dirty, 2, {outlets["c1"]})
+        flushed.append([[o.client_id for o in dirty], [o.client_id for o in attention]])
+        dirty = []
+out["fanout"] = [
+    sorted((c, [m.decode() for m in o.pending], o.conn.transport.written, o.dirty)
+           for c, o in outlets.items()),
+    [o.client_id for o in dirty],
+    flushed,
+]
 json.dump(out, sys.stdout)
 """
 
@@ -142,7 +154,13 @@ def test_the_compiled_core_answers_as_the_pure_python_reference() -> None:
     assert len(pure["covers"]) > 500  # type: ignore[arg-type]
     routed = pure["routes"]
     assert sum(bool(peers) and bool(local) for peers, local in routed) > 50  # type: ignore[union-attr]
-    assert sum(len(q) for _, q in pure["fanout"][0]) > 10  # type: ignore[index]
+    # Fan-out and flush did something of each kind: queued, wrote, held a paused client's
+    # queue, stopped writing to a closing transport, and handed clients back to decide about.
+    outlets, _, flushes = pure["fanout"]  # type: ignore[misc]
+    written = {c: w for c, _, w, _ in outlets}
+    assert all(len(written[c]) == 3 for c in ("c0", "c1", "c2", "c3", "c5")), written
+    assert written["c4"] == [] and len(next(q for c, q, _, _ in outlets if c == "c4")) > 10
+    assert all("c1" in attention and "c4" in attention for _, attention in flushes[1:])
 
 
 def test_the_build_is_in_use() -> None:

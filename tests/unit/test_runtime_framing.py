@@ -16,11 +16,10 @@ from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import Publish, RouteKey, RoutingMode, Subscribe, Unsubscribe
 from canopy_broker.runtime import outbox
 from canopy_broker.runtime.framing import (
-    BATCH_BYTES,
+    F_MSGS,
     MAX_FRAME,
     FrameError,
     FrameSplitter,
-    batches,
     check_wire_attributes,
     data_frame,
     decode_filter,
@@ -33,11 +32,19 @@ from canopy_broker.runtime.framing import (
     frame,
     from_wire,
     loads_frame,
-    msgs_frames,
     parse_address,
     to_wire,
 )
-from canopy_broker.runtime.outbox import SUB_IDS_KEPT, fan_out, notify_message
+from canopy_broker.runtime.outbox import (
+    BATCH_BYTES,
+    SUB_IDS_KEPT,
+    Outlet,
+    batches,
+    fan_out,
+    flush_outlets,
+    msgs_frames,
+    notify_message,
+)
 
 
 @given(
@@ -191,35 +198,100 @@ def test_notify_message_reuses_one_encoded_event_body() -> None:
         max_size=8,
     ),
     st.sets(st.sampled_from(["c1", "c2", "c3"])),
-    st.integers(min_value=1, max_value=4),
+    st.integers(min_value=0, max_value=3),
 )
-def test_fan_out_queues_one_notification_per_target_and_wakes_empty_queues(
-    targets: list[tuple[str, list[str]]], busy: set[str], high: int
+def test_fan_out_queues_one_notification_per_target_and_wakes_each_outlet_once(
+    targets: list[tuple[str, list[str]]], busy: set[str], waiting: int
 ) -> None:
-    """The compiled fan-out against the plain loop it replaces: every target with a queue
-    gets the event's notification with its own subscription ids, in order; a target without
-    one (a client gone since routing) gets nothing; a client is woken when its queue was
-    empty, and at every notification once it holds ``high`` (so that a queue that keeps
-    growing is seen by the flush, which presses or cuts it)."""
+    """The compiled fan-out against the plain loop it replaces: every target with an outlet
+    gets the event's notification with its own subscription ids, in order, behind what its
+    queue held; a target without one (a client gone since routing) gets nothing; each outlet
+    not waiting for a flush yet is marked and put on the dirty list once, in order of first
+    notification, after those already on it (``waiting`` of them)."""
     body = encode_event_body(Event("p", 7, {"a": 1}))
     earlier = b'[20,"q",1,0,{},["s1"]]'
-    queues = {c: [earlier] if c in busy else [] for c in ("c1", "c2", "c3")}
-    expected = {c: list(q) for c, q in queues.items()}
-    woken_expected = []
+    outlets = {c: Outlet(c, None) for c in ("c1", "c2", "c3")}
+    for c in busy:
+        outlets[c].pending.append(earlier)
+    dirty = [outlets[c] for c in sorted(busy)[:waiting]]  # on the list already: marked
+    for o in dirty:
+        o.dirty = True
+    expected = {c: list(o.pending) for c, o in outlets.items()}
+    dirty_expected = [o.client_id for o in dirty]
     typed = tuple((c, tuple(ids)) for c, ids in targets)
     for c, ids in typed:
         if c in expected:
-            if not expected[c] or len(expected[c]) >= high:
-                woken_expected.append(c)
+            if c not in dirty_expected:
+                dirty_expected.append(c)
             expected[c].append(notify_message(body, ids))
-    woken: list[str] = []
-    n = fan_out(body, typed, queues, woken, high)
-    assert queues == expected
-    assert woken == woken_expected
-    assert n == sum(c in queues for c, _ in typed)
+    n = fan_out(body, typed, outlets, dirty)
+    assert {c: o.pending for c, o in outlets.items()} == expected
+    assert [o.client_id for o in dirty] == dirty_expected
+    assert all(o.dirty == (c in dirty_expected) for c, o in outlets.items())
+    assert n == sum(c in outlets for c, _ in typed)
     for c, ids in typed:  # what a subscriber decodes
-        if c in queues:
-            assert [20, "p", 7, 0, {"a": 1}, list(ids)] in [orjson.loads(m) for m in queues[c]]
+        if c in outlets:
+            assert [20, "p", 7, 0, {"a": 1}, list(ids)] in [
+                orjson.loads(m) for m in outlets[c].pending
+            ]
+
+
+class _Transport:
+    def __init__(self, closing: bool = False) -> None:
+        self.closing = closing
+        self.written: list[bytes] = []
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+class _Conn:
+    def __init__(self, paused: bool = False, transport: _Transport | None = None) -> None:
+        self.writing_paused = paused
+        self.transport = transport
+
+
+def test_flush_writes_each_queue_as_frames_and_hands_back_what_needs_deciding() -> None:
+    """flush_outlets writes each dirty outlet's queue as F_MSGS frame(s) and clears it (in
+    place: Client.pending is the same list), leaves a paused connection's queue as it is, drops
+    nothing into a closing or absent transport (the connection's loss drops the queue), unmarks
+    every outlet, and returns exactly those over the limit or marked, in order."""
+    msgs = [b'[20,"p",%d,0,{},["s"]]' % i for i in range(5)]
+    live, paused, closing, gone, marked, empty = (
+        Outlet("live", _Conn(transport=_Transport())),
+        Outlet("paused", _Conn(paused=True, transport=_Transport())),
+        Outlet("closing", _Conn(transport=_Transport(closing=True))),
+        Outlet("gone", _Conn(transport=None)),
+        Outlet("marked", _Conn(transport=_Transport())),
+        Outlet("empty", _Conn(transport=_Transport())),
+    )
+    for o in (live, paused, closing, gone, marked):
+        o.pending.extend(msgs)
+    queue = live.pending
+    dirty = [live, paused, closing, gone, marked, empty]
+    for o in dirty:
+        o.dirty = True
+    attention = flush_outlets(dirty, 3, {marked, empty})
+    assert [o.client_id for o in attention] == ["paused", "marked", "empty"]
+    assert not any(o.dirty for o in dirty)
+    assert live.pending is queue and queue == [] and closing.pending == gone.pending == []
+    assert paused.pending == msgs and paused.conn.transport.written == []
+    assert closing.conn.transport.written == [] and empty.conn.transport.written == []
+    for o in (live, marked):
+        (data,) = o.conn.transport.written
+        frames = [loads_frame(p) for p in FrameSplitter().feed(data)]
+        assert frames == [[F_MSGS, [orjson.loads(m) for m in msgs]]]
+    assert flush_outlets([], 0, None) == []
+    big = Outlet("big", _Conn(transport=_Transport()))
+    big.pending.extend(msgs)
+    assert flush_outlets([big], 4, None) == [] and big.pending == []
+    paused.conn.writing_paused = False  # drained: its next flush writes it all, in order
+    assert flush_outlets([paused], 0, None) == []
+    (data,) = paused.conn.transport.written
+    assert FrameSplitter().feed(data) == [msgs_frames(msgs)[4:]]
 
 
 def test_the_sub_ids_encodings_kept_are_bounded() -> None:

@@ -25,9 +25,9 @@ from canopy_broker.runtime.framing import (
     FrameProtocol,
     control_frame,
     encode_filter,
-    msgs_frames,
     parse_address,
 )
+from canopy_broker.runtime.outbox import msgs_frames
 
 
 class ConnectionOwner(Protocol):

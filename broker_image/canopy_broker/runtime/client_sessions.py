@@ -63,6 +63,7 @@ from canopy_broker.runtime.framing import (
 )
 from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.metrics import BrokerMetrics
+from canopy_broker.runtime.outbox import Outlet
 from canopy_broker.runtime.security import AccessError, Policy, Principal
 from canopy_broker.runtime.tasks import TaskSet
 
@@ -126,9 +127,9 @@ class ClientSessions:
     def __init__(self, host: ClientHost, unacknowledged: Callable[[], int]) -> None:
         self.host = host
         self.clients: dict[str, Client] = {}
-        # Each attached client's ``pending`` list by id, kept with ``clients`` (and only here):
-        # what the compiled fan-out queues notifications to (runtime/outbox.py).
-        self.queues: dict[str, list[bytes]] = {}
+        # Each attached client's outlet by id, kept with ``clients`` (and only here): what the
+        # compiled fan-out queues notifications to (runtime/outbox.py).
+        self.outlets: dict[str, Outlet] = {}
         self._counter = 0
         self._unacknowledged = unacknowledged
         m = host.metrics
@@ -163,7 +164,7 @@ class ClientSessions:
         host.apply(host.core.handle(ClientAttach(cid), host.now()))
         client = Client(cid, conn, principal)
         self.clients[cid] = client
-        self.queues[cid] = client.pending
+        self.outlets[cid] = client.outlet
         conn.role = "client"
         conn.client = client
         core = host.core
@@ -191,7 +192,7 @@ class ClientSessions:
             return
         host = self.host
         del self.clients[client.id]
-        del self.queues[client.id]
+        del self.outlets[client.id]
         client.pending.clear()
         host.unpressure(client)
         subs = host.core.routing.subscriptions(client.id)

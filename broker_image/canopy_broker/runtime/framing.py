@@ -47,6 +47,11 @@ from canopy_broker.core.messages import (
     Unsubscribe,
 )
 
+# Frames built from messages encoded already live with the flush that builds most of them
+# (outbox.py, compiled): frame, join_array, msgs_frames and batches.
+from canopy_broker.runtime.outbox import HEADER as _HEADER
+from canopy_broker.runtime.outbox import frame, join_array
+
 PROTOCOL_VERSION: Final = 1
 FEATURES: Final = ("placement",)
 """What this broker's link protocol understands beyond version 1, told in every hello (a peer
@@ -54,9 +59,6 @@ without a feature is not sent what it would refuse): ``placement``, neighbour li
 sender's zone and node, in chain order."""
 MAX_FRAME: Final = 8 * 1024 * 1024
 """Largest accepted payload; a bigger length prefix closes the connection before any is read."""
-BATCH_BYTES: Final = 256 * 1024
-"""Writers start a new frame once a batch reaches this many bytes (well under ``MAX_FRAME``)."""
-
 # Frame types (first element of every frame's JSON array).
 F_HELLO: Final = 0  # [0, {hello}]
 F_DATA: Final = 1  # [1, first_seq, [link messages]]      link only, sequence-numbered
@@ -100,7 +102,6 @@ B_REDIRECT: Final = 25  # [25, target, address]   please migrate to neighbour `t
 B_PUBACK: Final = 26  # [26, seq]   everything you published up to seq is in the next hops' custody
 B_RESUMED: Final = 27  # [27, served, [[since_ago, until_ago, reason]]]   gaps in seconds ago
 
-_HEADER = 4
 log = logging.getLogger("canopy.framing")
 
 
@@ -115,18 +116,8 @@ class FrameError(Exception):
 # --------------------------------------------------------------------------- frames
 
 
-def frame(payload: bytes) -> bytes:
-    """Prefix ``payload`` with its length."""
-    return len(payload).to_bytes(_HEADER, "big") + payload
-
-
 def dumps(obj: object) -> bytes:
     return orjson.dumps(obj)
-
-
-def join_array(prefix: bytes, items: list[bytes]) -> bytes:
-    """``prefix`` + a JSON array of already-encoded items + ``]``, e.g. ``b"[6,"`` for F_MSGS."""
-    return prefix + b"[" + b",".join(items) + b"]]"
 
 
 class FrameSplitter:
@@ -462,50 +453,8 @@ def data_frame(first_seq: int, msgs: list[bytes]) -> bytes:
     return frame(join_array(b"[1,%d," % first_seq, msgs))
 
 
-def msgs_frame(msgs: list[bytes]) -> bytes:
-    return frame(join_array(b"[6,", msgs))
-
-
-def msgs_frames(msgs: list[bytes]) -> bytes:
-    """Queued messages (a client's notifications, or a client library's publishes) as F_MSGS
-    frames of about :data:`BATCH_BYTES` each: usually one, built with a single join (the split
-    only when the queue is long)."""
-    if len(msgs) == 1:
-        return msg_frame(msgs[0])
-    body = b",".join(msgs)
-    if len(body) > BATCH_BYTES:
-        return b"".join(msgs_frame(chunk) for chunk in batches(msgs))
-    payload = b"[6,[" + body + b"]]"
-    return len(payload).to_bytes(_HEADER, "big") + payload
-
-
-def msg_frame(msg: bytes) -> bytes:
-    """``msgs_frame([msg])`` in one step: a subscriber's flush is usually one notification."""
-    payload = b"[6,[" + msg + b"]]"
-    return len(payload).to_bytes(_HEADER, "big") + payload
-
-
 def control_frame(*parts: object) -> bytes:
     return frame(orjson.dumps(parts))
-
-
-def batches(msgs: list[bytes], limit: int = BATCH_BYTES) -> list[list[bytes]]:
-    """Split encoded messages into runs of about ``limit`` bytes each (at least one message)."""
-    if sum(map(len, msgs)) + len(msgs) <= limit:  # the common case, at C speed
-        return [msgs]
-    out: list[list[bytes]] = []
-    cur: list[bytes] = []
-    size = 0
-    for m in msgs:
-        if cur and size + len(m) > limit:
-            out.append(cur)
-            cur = []
-            size = 0
-        cur.append(m)
-        size += len(m) + 1
-    if cur:
-        out.append(cur)
-    return out
 
 
 def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:

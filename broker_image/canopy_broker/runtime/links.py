@@ -29,12 +29,11 @@ from canopy_broker.runtime.framing import (
     F_ACK,
     FrameError,
     FrameProtocol,
-    batches,
     control_frame,
     data_frame,
-    msgs_frames,
 )
 from canopy_broker.runtime.linkstate import LinkEvent, LinkState, LinkStates, Route, Standing
+from canopy_broker.runtime.outbox import Outlet, batches
 from canopy_broker.runtime.security import ANYTHING, Principal
 
 if TYPE_CHECKING:
@@ -279,13 +278,14 @@ class Client:
         # Who it proved to be and what that principal may do (security.py); the permissions
         # are looked up again when the policy is reloaded.
         self.principal = principal or Principal("anonymous", ANYTHING, "insecure")
-        # Encoded messages waiting for the next flush. The same list for the client's whole
-        # attachment (cleared in place): ClientSessions.queues holds it for the fan-out.
-        self.pending: list[bytes] = []
+        # Its way out (outbox.py, compiled): the encoded messages waiting for the next flush
+        # (``pending``: the same list for the client's whole attachment, cleared in place;
+        # ClientSessions.outlets holds the outlet for the fan-out) and whether it waits.
+        self.outlet = Outlet(client_id, conn)
+        self.pending = self.outlet.pending
         self.last_seq = 0
         self.publisher = False
         self.moved = False  # it said it moved to another broker: it may not publish here
-        self.dirty = False
         self.over = False
         self.over_since: float | None = None
         self.delivered = 0
@@ -298,14 +298,3 @@ class Client:
     @property
     def depth(self) -> int:
         return len(self.pending)
-
-    def flush(self) -> int:
-        """Write what is queued, unless the connection is paused; return the depth after it
-        (the broker's flush reads it once per subscriber per loop turn)."""
-        msgs = self.pending
-        if not msgs or self.conn.writing_paused:
-            return len(msgs)
-        data = msgs_frames(msgs)
-        msgs.clear()  # in place: the broker's fan-out holds this list (ClientSessions.queues)
-        self.conn.write(data)
-        return 0

@@ -1,27 +1,27 @@
-"""An event's notification queued to each of its local subscribers: the broker's fan-out loop,
-compiled with mypyc (setup.py).
+"""A broker's way out to its clients: the fan-out that queues an event's notification to each
+local subscriber, and the flush that writes each woken client's queue as one frame; compiled
+with mypyc (setup.py), as are the frames they build.
 
-Why a module of its own: once matching was native, the loop that queues one event's
-notification to each target was the largest Python cost per notification left in a broker
-running flat out (per target: a dict lookup, a bytes concatenation, an append and a check of
-whether the client waits for a flush, about 0.4 us interpreted; ten targets per event in the
-benchmarks). It works on plain dicts and lists, so the runtime's classes stay interpreted; and
-it is pure (no I/O, no event loop), so it is compiled like the core and tested against its
-source like the core (tests/unit/test_native.py).
+Why a module of its own: once matching was native, these loops were the largest Python cost per
+notification left in a broker (``canopy bench peers`` delivers one notification per write, so
+each notification passes through both): per target a dict lookup, an append and a wake-up; per
+client woken a frame built and written. Interpreted, about 0.85 us per notification; compiled,
+a third of that (docs/performance.md). They work on :class:`Outlet` (a native class: its fields
+are C struct slots) and plain lists, dicts and bytes, so the runtime's other classes stay
+interpreted; they are pure apart from the one ``transport.write`` per client, and tested against
+their own source like the core (tests/unit/test_native.py).
 
-The queues are the clients' own ``pending`` lists (``Client.pending``, flushed and cleared in
-place once per loop turn). A queue that was empty wakes its client: the caller marks it for the
-next flush. A queue that was not empty is marked already, or waits for its connection to drain,
-which marks it again (``Conn.resume_writing``); except that a queue at or above ``high`` (the
-broker's high-water mark) wakes its client on every notification, because the flush is also
-where a queue that keeps growing is pressed or cut (``Broker._flush``): without that, a
-subscriber that stopped reading would grow its queue without bound.
+Each client's :class:`Outlet` holds its queue (``Client.pending`` is the same list, cleared in
+place). A notification queued to an outlet that does not wait for a flush yet puts it on the
+broker's dirty list; the flush writes every outlet on it once, and hands back to the broker the
+few whose queue needs a decision (over a limit, or already marked over high water or lagging):
+pressing, releasing or cutting a slow consumer is the broker's (``Broker._flush``).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Final
+from typing import Any, Final
 
 from canopy_broker.core.events import Targets
 
@@ -46,16 +46,28 @@ def notify_message(body: bytes, sub_ids: tuple[str, ...]) -> bytes:
     return b"[20," + body + tail
 
 
+class Outlet:
+    """One attached client's outbound side: the messages queued to it (encoded), the connection
+    they are written to, and whether it is on the broker's dirty list already."""
+
+    def __init__(self, client_id: str, conn: Any) -> None:
+        self.client_id = client_id
+        # The runtime's FrameProtocol (interpreted, so Any here): ``writing_paused`` and its
+        # ``transport``, read by flush_outlets.
+        self.conn = conn
+        self.pending: list[bytes] = []
+        self.dirty = False
+
+
 def fan_out(
     body: bytes,
     targets: Targets,
-    queues: dict[str, list[bytes]],
-    woken: list[str],
-    high: int,
+    outlets: dict[str, Outlet],
+    dirty: list[Outlet],
 ) -> int:
     """Queue the notification of the event encoded as ``body`` (``encode_event_body``) to
-    each of ``targets`` that has a queue; return how many were queued. The ids of the
-    clients whose queue was empty, or held ``high`` or more, are appended to ``woken``.
+    each of ``targets`` that has an outlet; return how many were queued. Each outlet that was
+    not waiting for a flush yet is marked and appended to ``dirty``.
 
     Consecutive targets with the same subscription ids (clients often name theirs alike)
     share one encoded notification."""
@@ -63,14 +75,104 @@ def fan_out(
     last_ids: tuple[str, ...] | None = None
     note = b""
     for client_id, sub_ids in targets:
-        queue = queues.get(client_id)
-        if queue is None:
+        outlet = outlets.get(client_id)
+        if outlet is None:
             continue
         if sub_ids != last_ids:
             note = notify_message(body, sub_ids)
             last_ids = sub_ids
-        if not queue or len(queue) >= high:
-            woken.append(client_id)
-        queue.append(note)
+        outlet.pending.append(note)
+        if not outlet.dirty:
+            outlet.dirty = True
+            dirty.append(outlet)
         delivered += 1
     return delivered
+
+
+def flush_outlets(dirty: list[Outlet], limit: int, marked: set[Outlet] | None) -> list[Outlet]:
+    """Write what each of ``dirty`` holds as F_MSGS frame(s), unless its connection is paused
+    for writing (or closing: the queue is then dropped with the connection); unmark them all.
+    Return those whose queue still holds more than ``limit`` messages, or that are in
+    ``marked``: the broker decides about them (pressure, a lagging or slow consumer).
+
+    The transport is written directly (what ``FrameProtocol.write`` does, without its call):
+    this runs once per client per loop turn, and most flushes are one notification."""
+    attention: list[Outlet] = []
+    for outlet in dirty:
+        outlet.dirty = False
+        msgs = outlet.pending
+        if msgs:
+            conn = outlet.conn
+            if not conn.writing_paused:
+                data = msgs_frames(msgs)
+                msgs.clear()  # in place: Client.pending is the same list
+                transport = conn.transport
+                if transport is not None and not transport.is_closing():
+                    transport.write(data)
+        if len(msgs) > limit or (marked is not None and outlet in marked):
+            attention.append(outlet)
+    return attention
+
+
+# --------------------------------------------------------------------------- frames
+#
+# A frame is a 4-byte big-endian length and a payload (runtime/framing.py describes the wire
+# format); these build frames from messages encoded already, by joining bytes. Here because the
+# flush above builds them; framing.py re-exports them.
+
+BATCH_BYTES: Final = 256 * 1024
+"""Writers start a new frame once a batch reaches this many bytes (well under ``MAX_FRAME``)."""
+
+HEADER: Final = 4
+
+
+def frame(payload: bytes) -> bytes:
+    """Prefix ``payload`` with its length."""
+    return len(payload).to_bytes(HEADER, "big") + payload
+
+
+def join_array(prefix: bytes, items: list[bytes]) -> bytes:
+    """``prefix`` + a JSON array of already-encoded items + ``]``, e.g. ``b"[6,"`` for F_MSGS."""
+    return prefix + b"[" + b",".join(items) + b"]]"
+
+
+def msgs_frame(msgs: list[bytes]) -> bytes:
+    return frame(join_array(b"[6,", msgs))
+
+
+def msgs_frames(msgs: list[bytes]) -> bytes:
+    """Queued messages (a client's notifications, or a client library's publishes) as F_MSGS
+    frames of about :data:`BATCH_BYTES` each: usually one, built with a single join (the split
+    only when the queue is long)."""
+    if len(msgs) == 1:
+        return msg_frame(msgs[0])
+    body = b",".join(msgs)
+    if len(body) > BATCH_BYTES:
+        return b"".join([msgs_frame(chunk) for chunk in batches(msgs)])
+    payload = b"[6,[" + body + b"]]"
+    return len(payload).to_bytes(HEADER, "big") + payload
+
+
+def msg_frame(msg: bytes) -> bytes:
+    """``msgs_frame([msg])`` in one step: a subscriber's flush is usually one notification."""
+    payload = b"[6,[" + msg + b"]]"
+    return len(payload).to_bytes(HEADER, "big") + payload
+
+
+def batches(msgs: list[bytes], limit: int = BATCH_BYTES) -> list[list[bytes]]:
+    """Split encoded messages into runs of about ``limit`` bytes each (at least one message)."""
+    if sum(map(len, msgs)) + len(msgs) <= limit:  # the common case, at C speed
+        return [msgs]
+    out: list[list[bytes]] = []
+    cur: list[bytes] = []
+    size = 0
+    for m in msgs:
+        if cur and size + len(m) > limit:
+            out.append(cur)
+            cur = []
+            size = 0
+        cur.append(m)
+        size += len(m) + 1
+    if cur:
+        out.append(cur)
+    return out

@@ -88,7 +88,7 @@ from canopy_broker.runtime.framing import (
 from canopy_broker.runtime.link_sessions import LinkSessions
 from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.metrics import BrokerMetrics, Gauges, LoopWatch
-from canopy_broker.runtime.outbox import fan_out
+from canopy_broker.runtime.outbox import Outlet, fan_out, flush_outlets
 from canopy_broker.runtime.placement import PlacementSource
 from canopy_broker.runtime.security import (
     AccessError,
@@ -211,8 +211,8 @@ class Broker:
         self._server: asyncio.Server | None = None
         self._link_server: asyncio.Server | None = None
         self._conns: set[Conn] = set()
-        self._dirty: list[Link | Client] = []
-        self._woken: list[str] = []  # fan_out's answer: clients whose queue was empty
+        self._dirty: list[Link] = []  # links to flush; clients wait on their outlets:
+        self._outlets: list[Outlet] = []  # runtime/outbox.py (compiled fan-out and flush)
         self._flush_scheduled = False
         self._unflushed = 0  # events routed since the last flush
         self._unflushed_since = 0.0  # when the first of them was (time.perf_counter)
@@ -508,12 +508,21 @@ class Broker:
             self.sessions.lost(conn.link, conn)
 
     def mark_dirty(self, dest: Link | Client) -> None:
-        if not dest.dirty:
+        """``dest`` has something to write (or a decision to take): flush it this loop turn."""
+        if isinstance(dest, Client):
+            outlet = dest.outlet
+            if outlet.dirty:
+                return
+            outlet.dirty = True
+            self._outlets.append(outlet)
+        elif not dest.dirty:
             dest.dirty = True
             self._dirty.append(dest)
-            if not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._loop.call_soon(self._flush)
+        else:
+            return
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
 
     def _count_delivered(self) -> None:
         """Into the metrics: once per flush (and scrape), not per event (two counter updates
@@ -524,36 +533,64 @@ class Broker:
             self._delivered = 0
 
     def _flush(self) -> None:
+        """Write what every woken link and client holds, then take the decisions their queues
+        ask for: press or release publishers (a queue over high water, or back under low), and
+        time or cut a slow consumer. The clients' writes are compiled (``flush_outlets``), which
+        hands back only the few clients to decide about: those over ``high`` (or the hard cap,
+        while anything is pressed or lagging) and those pressed or lagging already."""
         self._flush_scheduled = False
         self._unflushed = 0
         self._count_delivered()
-        dirty, self._dirty = self._dirty, []
         high = self.config.high_water
         low = self.config.low_water
-        lagging = self._lagging
-        for dest in dirty:
-            dest.dirty = False
-            depth = dest.flush()
-            if dest.over:
-                if depth < low:
-                    self.unpressure(dest)
-            elif depth > high:
-                if not isinstance(dest, Client):
-                    if dest.kind == "link" and dest.conn is not None:
-                        self._pressure(dest)
-                elif self.config.slow_consumer_policy == "backpressure":
-                    self._pressure(dest)
-                elif dest not in lagging:  # its own problem: timed and capped, not pressed
-                    dest.over_since = self._loop.time()
-                    lagging.add(dest)
-            elif lagging and isinstance(dest, Client) and dest in lagging and depth < low:
-                lagging.discard(dest)
-                dest.over_since = None
-        if self._over or lagging:
+        over, lagging = self._over, self._lagging
+        outlets, self._outlets = self._outlets, []
+        links, self._dirty = self._dirty, []
+        if outlets:
             cap = self.config.client_hard_cap
-            for dest in dirty:
-                if isinstance(dest, Client) and dest.depth > cap:
-                    self._slow_consumer(dest, f"queue above {cap}")
+            marked = None
+            if over or lagging:
+                high_or_cap = min(high, cap)
+                marked = {c.outlet for c in lagging}
+                marked.update(d.outlet for d in over if isinstance(d, Client))
+            else:
+                high_or_cap = high
+            clients = self.clients
+            for outlet in flush_outlets(outlets, high_or_cap, marked):
+                client = clients.get(outlet.client_id)
+                if client is not None and client.outlet is outlet:
+                    self._decide(client, len(outlet.pending), high, low)
+            if over or lagging:
+                for outlet in outlets:
+                    client = clients.get(outlet.client_id)
+                    if client is not None and client.outlet is outlet and client.depth > cap:
+                        self._slow_consumer(client, f"queue above {cap}")
+        for link in links:
+            link.dirty = False
+            depth = link.flush()
+            if link.over:
+                if depth < low:
+                    self.unpressure(link)
+            elif depth > high and link.kind == "link" and link.conn is not None:
+                self._pressure(link)
+
+    def _decide(self, client: Client, depth: int, high: int, low: int) -> None:
+        """A client's queue after a flush, where it is ``depth`` long: pressed publishers are
+        released once it is under ``low``; over ``high`` it presses them (the backpressure
+        policy) or is timed as a slow consumer (disconnect: its own problem, not pressed)."""
+        lagging = self._lagging
+        if client.over:
+            if depth < low:
+                self.unpressure(client)
+        elif depth > high:
+            if self.config.slow_consumer_policy == "backpressure":
+                self._pressure(client)
+            elif client not in lagging:
+                client.over_since = self._loop.time()
+                lagging.add(client)
+        elif client in lagging and depth < low:
+            lagging.discard(client)
+            client.over_since = None
 
     # ------------------------------------------------------------------ backpressure
 
@@ -842,26 +879,17 @@ class Broker:
         delivered = 0
         for eff in effects:
             if isinstance(eff, Deliver):  # the most common effect first: one check each
-                woken = self._woken  # compiled (runtime/outbox.py): encoded once, queued to all
+                # Compiled (runtime/outbox.py): encoded once, queued to every target, each
+                # outlet not waiting yet put on the dirty list.
                 delivered += fan_out(
                     encode_event_body(eff.event),
                     eff.targets,
-                    self.client_sessions.queues,
-                    woken,
-                    self.config.high_water,
+                    self.client_sessions.outlets,
+                    self._outlets,
                 )
-                if woken:  # mark_dirty inline: once per subscriber per loop turn
-                    clients = self.clients
-                    dirty = self._dirty
-                    for client_id in woken:
-                        client = clients[client_id]
-                        if not client.dirty:
-                            client.dirty = True
-                            dirty.append(client)
-                    woken.clear()
-                    if not self._flush_scheduled:
-                        self._flush_scheduled = True
-                        self._loop.call_soon(self._flush)
+                if self._outlets and not self._flush_scheduled:
+                    self._flush_scheduled = True
+                    self._loop.call_soon(self._flush)
             elif isinstance(eff, SendToLink):
                 msg = eff.message
                 if msg is not last_msg:
