@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 from typing import Any
 
+import orjson
 import pytest
 
 from canopy_broker.client import ClientError, ConnectionLost, Notification, connect
 from canopy_broker.client.connection import BrokerConnection
 from canopy_broker.client.credentials import Credentials
+from canopy_broker.client.inbox import NOTIFY, take_notifications
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import ClientSubscribe, ClientUnsubscribe
+from canopy_broker.runtime.framing import B_NOTIFY, B_PUBACK
+from canopy_broker.runtime.outbox import msgs_frame
 from tests.tools import LoopTurns
 from tests.unit.test_runtime_broker import (
     MakeBroker,
@@ -381,3 +386,68 @@ async def test_an_async_callback_is_refused_and_a_returned_coroutine_reported(
     finally:
         loop.set_exception_handler(None)
     assert "returned a coroutine" in str(reported[0]["exception"])
+
+
+# --------------------------------------------------------------------------- reading notifications
+
+
+def _note(publisher: str, seq: int) -> list[Any]:
+    return [B_NOTIFY, publisher, seq, 1, {"n": seq}, ["s1", "s2"]]
+
+
+def test_take_notifications_reads_a_run_up_to_the_next_other_message_and_drops_duplicates() -> None:
+    """The client's compiled reading loop: notifications from ``start`` up to the first other
+    message go into the inbox in order, ``last`` follows each publisher's seq, and with
+    ``only_newer`` (after a move) a seq already delivered is dropped and counted."""
+    assert NOTIFY == B_NOTIFY  # the compiled module's copy of the wire code
+    items = [_note("p", 1), _note("q", 5), _note("p", 2), [B_PUBACK, 3], _note("p", 3)]
+    inbox: deque[Notification] = deque()
+    last: dict[str, int] = {}
+    assert take_notifications(items, 0, inbox, last, False) == (3, 0)
+    assert [(n.publisher, n.seq, n.hops, n.attrs, n.sub_ids) for n in inbox] == [
+        ("p", 1, 1, {"n": 1}, ("s1", "s2")),
+        ("q", 5, 1, {"n": 5}, ("s1", "s2")),
+        ("p", 2, 1, {"n": 2}, ("s1", "s2")),
+    ]
+    assert last == {"p": 2, "q": 5}
+    assert take_notifications(items, 4, inbox, last, False) == (5, 0)  # from index 4 on
+    assert take_notifications(items, 3, inbox, last, False) == (3, 0)  # not a notification
+    again = [_note("p", 2), _note("p", 4), _note("q", 5), _note("q", 6)]
+    inbox.clear()
+    assert take_notifications(again, 0, inbox, last, True) == (4, 2)
+    assert [n.id for n in inbox] == ["p:4", "q:6"] and last == {"p": 4, "q": 6}
+    inbox.clear()
+    assert take_notifications(again, 0, inbox, last, False) == (4, 0)  # no move: all of them
+    assert [n.id for n in inbox] == ["p:2", "p:4", "q:5", "q:6"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [B_NOTIFY, "p", 1, 1, {}],  # a field short
+        [B_NOTIFY, 7, 1, 1, {}, []],  # publisher not a string
+        [B_NOTIFY, "p", "1", 1, {}, []],  # seq not an int
+        [B_NOTIFY, "p", 1.0, 1, {}, []],
+        [B_NOTIFY, "p", 1, None, {}, []],  # hops
+        [B_NOTIFY, "p", 1, 1, [], []],  # attributes not an object
+        [B_NOTIFY, "p", 1, 1, {}, "s1"],  # sub ids not an array
+    ],
+)
+def test_a_malformed_notification_is_refused_by_name(bad: list[Any]) -> None:
+    inbox: deque[Notification] = deque()
+    with pytest.raises(ValueError, match="notification"):
+        take_notifications([_note("p", 1), bad], 0, inbox, {}, False)
+    assert [n.id for n in inbox] == ["p:1"]  # what came before it was read
+
+
+async def test_a_malformed_notification_costs_the_connection_not_the_client(
+    make_broker: MakeBroker,
+) -> None:
+    """A frame from the broker with a malformed notification closes that connection with a
+    message naming it (the client's failover takes over), like any other malformed frame."""
+    b = await make_broker("b")
+    async with await connect(addr(b), "s") as sub:
+        conn = sub._conn
+        assert conn is not None
+        conn.data_received(msgs_frame([orjson.dumps([B_NOTIFY, "p", "one", 0, {}, ["x"]])]))
+        assert conn.is_closing()

@@ -9,7 +9,7 @@ import asyncio
 import mqtt5
 import pytest
 
-from canopy_broker.client.notification import Notification
+from canopy_broker.client.inbox import Notification
 from canopy_broker.core.filters import Filter
 from canopy_broker.mqtt import (
     MAX_PACKET,

@@ -114,6 +114,20 @@ out["fanout"] = [
     [o.client_id for o in dirty],
     flushed,
 ]
+from collections import deque
+from canopy_broker.client.inbox import take_notifications
+inbox, last, runs = deque(), {}, []
+for n in range(200):  # runs of notifications between other messages, duplicates among them
+    items = [[20, f"p{k % 3}", rng.randrange(1, 60), k % 4, {"k": k}, ["s"]] for k in range(7)]
+    items.insert(rng.randrange(8), [21, "sub"])
+    i = 0
+    while i < len(items):
+        if items[i][0] == 20:
+            i, dropped = take_notifications(items, i, inbox, last, n % 2 == 1)
+            runs.append([i, dropped])
+        else:
+            i += 1
+out["inbox"] = [[x.id, x.hops, x.attrs, list(x.sub_ids), repr(x)] for x in inbox], last, runs
 json.dump(out, sys.stdout)
 """
 
@@ -145,6 +159,7 @@ def test_the_compiled_core_answers_as_the_pure_python_reference() -> None:
     assert pure["tables"] == default["tables"]
     assert pure["routes"] == default["routes"]
     assert pure["fanout"] == default["fanout"]
+    assert pure["inbox"] == default["inbox"]
     # The probe is not vacuous: filters parse, events match, some keys cover others, and the
     # index agrees with testing every filter.
     valid = [f for f in pure["filters"] if f[0] != "error"]  # type: ignore[attr-defined]

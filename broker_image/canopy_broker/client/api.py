@@ -17,11 +17,11 @@ import orjson
 from canopy_broker.client.connection import BrokerConnection, subscribe_message
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.client.failover import FailingOver, Gap
+from canopy_broker.client.inbox import Notification, notification, take_notifications
 from canopy_broker.client.migration import Migrating, Migration
 from canopy_broker.client.notification import (
     ClientError,
     ConnectionLostError,
-    Notification,
     NotificationStream,
 )
 from canopy_broker.core.events import Value
@@ -185,20 +185,29 @@ class Client(FailingOver, Migrating, AsyncClosing):
             inbox = self._inbox
             last = self._last_seq
             only_newer = self._migrated and self.dedup
-            for item in frame[1]:
+            items: list[Any] = frame[1]
+            i, end = 0, len(items)
+            while i < end:
+                item = items[i]
+                if type(item) is not list or not item:
+                    raise FrameError(f"a message from the broker must be an array: {item!r}")
                 code = item[0]
-                if code == B_NOTIFY:
-                    if mode == "deliver":
-                        publisher, seq = item[1], item[2]
-                        if only_newer and seq <= last.get(publisher, 0):
-                            self.duplicates_dropped += 1
-                            continue
-                        last[publisher] = seq  # per notification: a move may start any time
-                        inbox.append(Notification(publisher, seq, item[3], item[4], tuple(item[5])))
-                    elif mode == "hold":
-                        assert m is not None
-                        m.held.append(Notification(item[1], item[2], item[3], item[4], (*item[5],)))
-                elif code in (B_SUBSCRIBED, B_UNSUBSCRIBED, B_MIGRATING):
+                try:
+                    if code == B_NOTIFY and mode == "deliver":
+                        # Compiled (client/inbox.py): the run of notifications up to the next
+                        # other message, deduplicated into the inbox.
+                        i, dropped = take_notifications(items, i, inbox, last, only_newer)
+                        self.duplicates_dropped += dropped
+                        continue
+                    i += 1
+                    if code == B_NOTIFY:
+                        if mode == "hold":
+                            assert m is not None
+                            m.held.append(notification(item))
+                        continue
+                except ValueError as exc:
+                    raise FrameError(str(exc)) from None
+                if code in (B_SUBSCRIBED, B_UNSUBSCRIBED, B_MIGRATING):
                     conn.answered(code, item[1])
                 elif code == B_MARKER:
                     if m is not None and conn is m.old and not m.switched.done():

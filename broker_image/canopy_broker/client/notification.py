@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-from canopy_broker.core.events import Event, Value
+from canopy_broker.client.inbox import Notification
 
 
 class ClientError(Exception):
@@ -26,42 +25,6 @@ class ConnectionLostError(ClientError):
 
 
 ConnectionLost = ConnectionLostError  # the short name the docs use
-
-
-class Notification:
-    """One delivered event: envelope, attributes and which of our subscriptions matched."""
-
-    __slots__ = ("attrs", "hops", "publisher", "seq", "sub_ids")
-
-    def __init__(
-        self, publisher: str, seq: int, hops: int, attrs: dict[str, Value], sub_ids: tuple[str, ...]
-    ) -> None:
-        self.publisher = publisher
-        self.seq = seq
-        self.hops = hops
-        self.attrs = attrs
-        self.sub_ids = sub_ids
-
-    @property
-    def id(self) -> str:
-        return f"{self.publisher}:{self.seq}"
-
-    @property
-    def event(self) -> Event:
-        return Event(self.publisher, self.seq, self.attrs, self.hops)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "publisher": self.publisher,
-            "seq": self.seq,
-            "hops": self.hops,
-            "attrs": self.attrs,
-            "sub_ids": list(self.sub_ids),
-        }
-
-    def __repr__(self) -> str:
-        return f"Notification({self.id}, hops={self.hops}, {self.attrs!r}, subs={self.sub_ids})"
 
 
 class NotificationStream:
