@@ -736,6 +736,41 @@ async def test_a_full_retention_slows_publishers_instead_of_dropping_custody(
 # --------------------------------------------------------------------------- hostile input
 
 
+async def test_a_lagging_consumer_that_catches_up_is_forgiven(make_broker: MakeBroker) -> None:
+    """Under the disconnect policy a subscriber whose queue passes high water is timed, not cut
+    at once; when it reads again and its queue drains under low water it is no longer lagging
+    (its clock is reset), and it stays attached with nothing lost."""
+    b = await make_broker(
+        "b", high_water=50, low_water=10, client_hard_cap=100_000, slow_consumer_grace=60
+    )
+    reader, writer = await raw_connection(b)
+    writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "lagger"}))
+    writer.write(control_frame(6, [[10, "s", "true"]]))
+    await eventually(lambda: "lagger" in b.core.routing_table().clients)
+    received = bytearray()
+
+    async def read_all() -> None:
+        while chunk := await reader.read(1 << 20):
+            received.extend(chunk)
+
+    async with await connect(addr(b), "pub") as pub:
+        sent = 0
+        while not b._lagging:  # until its socket is full and its queue over high water
+            for _ in range(50):
+                pub.publish_nowait({"n": sent, "blob": "x" * 2000})
+                sent += 1
+            await pub.flush()
+        lagger = b.clients["lagger"]
+        assert lagger in b._lagging and lagger.over_since is not None
+        reading = asyncio.create_task(read_all())
+        await eventually(lambda: not b._lagging)
+        assert b.clients.get("lagger") is lagger and lagger.over_since is None
+        await eventually(lambda: received.count(b'"blob"') == sent)  # every one of them
+        assert b.metrics.slow_consumers._value.get() == 0
+        reading.cancel()
+    await hang_up(writer)
+
+
 async def test_a_slow_consumer_never_stalls_another_subscriber(make_broker: MakeBroker) -> None:
     """The issue's case: one subscriber never reads while 20,000 events of 1 KB flow to it;
     another subscriber on the same broker gets all of them at once, the publisher is never
