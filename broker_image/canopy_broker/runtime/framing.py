@@ -48,9 +48,17 @@ from canopy_broker.core.messages import (
 )
 
 # Frames built from messages encoded already live with the flush that builds most of them
-# (outbox.py, compiled): frame, join_array, msgs_frames and batches.
+# (outbox.py, compiled); they stay importable from here, the wire format's module, for tools.
+from canopy_broker.runtime.outbox import (  # noqa: F401
+    BATCH_BYTES,
+    batches,
+    frame,
+    join_array,
+    msg_frame,
+    msgs_frame,
+    msgs_frames,
+)
 from canopy_broker.runtime.outbox import HEADER as _HEADER
-from canopy_broker.runtime.outbox import frame, join_array
 
 PROTOCOL_VERSION: Final = 1
 FEATURES: Final = ("placement",)
