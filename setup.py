@@ -12,7 +12,7 @@ Why only these: they are the data plane's matching (half of it in compiled code,
 docs/performance.md), the sharded tables it looks filters up in, and the runtime's way out to
 its clients (runtime/outbox.py: the fan-out, the flush and the frames they build, on plain
 lists, dicts and one small class), and the client library's reading of notifications
-(client/inbox.py), and hold no state that tests patch at run time;
+(runtime/inbox.py), and hold no state that tests patch at run time;
 routing.py would gain little (13 % per subscription) and is patched by tests that count
 covering checks.
 """
@@ -29,7 +29,7 @@ COMPILED = [
     "broker_image/canopy_broker/core/matching.py",
     "broker_image/canopy_broker/core/tables.py",
     "broker_image/canopy_broker/runtime/outbox.py",
-    "broker_image/canopy_broker/client/inbox.py",
+    "broker_image/canopy_broker/runtime/inbox.py",
 ]
 
 

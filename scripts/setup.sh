@@ -48,7 +48,7 @@ stamp=.venv/.canopy-installed
 want="$(cat pyproject.toml setup.py scripts/setup.sh broker_image/canopy_broker/core/events.py \
     broker_image/canopy_broker/core/filters.py broker_image/canopy_broker/core/matching.py \
     broker_image/canopy_broker/core/tables.py broker_image/canopy_broker/runtime/outbox.py \
-    broker_image/canopy_broker/client/inbox.py \
+    broker_image/canopy_broker/runtime/inbox.py \
     | sha256sum | cut -d' ' -f1) $EXTRAS"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "[setup] installing canopy[$EXTRAS] into .venv (first time takes a minute)" >&2

@@ -32,7 +32,7 @@ COMPILED = (
     "canopy_broker.core.matching",
     "canopy_broker.core.tables",
     "canopy_broker.runtime.outbox",
-    "canopy_broker.client.inbox",
+    "canopy_broker.runtime.inbox",
 )
 PURE_ENV = "CANOPY_PURE_PYTHON"
 STALE_AFTER = 60.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from canopy_broker.bench_peers import paired_ratio, summary
+from canopy_broker.bench_peers import delivered_all, paired_ratio, summary
 
 
 def _round(us: float, user: float, delivered: int = 10) -> dict[str, Any]:
@@ -54,3 +54,12 @@ def test_ratios_pair_the_rounds_so_a_drifting_machine_cancels_out() -> None:
     assert math.isnan(paired_ratio(r, "canopy", "mosquitto"))  # not measured
     single = {"canopy": _round(6.0, 3.0), "nats": _round(4.0, 1.0)}
     assert paired_ratio(single, "canopy", "nats") == 1.5
+
+
+def test_a_loss_in_one_round_is_not_hidden_by_a_duplicate_in_another() -> None:
+    rounds = [_round(5.0, 2.0, delivered=11), _round(6.0, 2.0, delivered=9), _round(7.0, 2.0)]
+    s = summary(rounds)
+    assert s["delivered"] == s["expected"] == 30  # the sums agree...
+    assert not delivered_all(s)  # ...the rounds do not
+    assert delivered_all(summary([_round(5.0, 2.0), _round(6.0, 2.0)]))
+    assert not delivered_all(_round(5.0, 2.0, delivered=9))  # a single run

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
+import pickle
 from collections import deque
 from typing import Any
 
@@ -13,10 +15,10 @@ import pytest
 from canopy_broker.client import ClientError, ConnectionLost, Notification, connect
 from canopy_broker.client.connection import BrokerConnection
 from canopy_broker.client.credentials import Credentials
-from canopy_broker.client.inbox import NOTIFY, take_notifications
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import ClientSubscribe, ClientUnsubscribe
 from canopy_broker.runtime.framing import B_NOTIFY, B_PUBACK
+from canopy_broker.runtime.inbox import NOTIFY, take_notifications
 from canopy_broker.runtime.outbox import msgs_frame
 from tests.tools import LoopTurns
 from tests.unit.test_runtime_broker import (
@@ -451,3 +453,21 @@ async def test_a_malformed_notification_costs_the_connection_not_the_client(
         assert conn is not None
         conn.data_received(msgs_frame([orjson.dumps([B_NOTIFY, "p", "one", 0, {}, ["x"]])]))
         assert conn.is_closing()
+
+
+def test_a_notification_pickles_copies_and_takes_its_sub_ids_as_any_sequence() -> None:
+    """What users did with the interpreted class (tests/unit/test_native checks both builds
+    alike): pickling, copying, building one with a list of subscription ids."""
+    n = Notification("p", 3, 1, {"a": [1, 2]}, ["s1", "s2"])
+    assert n.sub_ids == ("s1", "s2") and n.id == "p:3"
+    for other in (pickle.loads(pickle.dumps(n)), copy.copy(n), copy.deepcopy(n)):
+        assert other is not n
+        assert (other.publisher, other.seq, other.hops, other.attrs, other.sub_ids) == (
+            "p",
+            3,
+            1,
+            {"a": [1, 2]},
+            ("s1", "s2"),
+        )
+    with pytest.raises(AttributeError):
+        n.extra = 1  # type: ignore[attr-defined]

@@ -9,7 +9,6 @@ import asyncio
 import mqtt5
 import pytest
 
-from canopy_broker.client.inbox import Notification
 from canopy_broker.core.filters import Filter
 from canopy_broker.mqtt import (
     MAX_PACKET,
@@ -23,6 +22,7 @@ from canopy_broker.mqtt import (
     topic_matches,
     upgrade,
 )
+from canopy_broker.runtime.inbox import Notification
 
 
 @pytest.mark.parametrize(

@@ -115,7 +115,7 @@ out["fanout"] = [
     flushed,
 ]
 from collections import deque
-from canopy_broker.client.inbox import take_notifications
+from canopy_broker.runtime.inbox import take_notifications
 inbox, last, runs = deque(), {}, []
 for n in range(200):  # runs of notifications between other messages, duplicates among them
     items = [[20, f"p{k % 3}", rng.randrange(1, 60), k % 4, {"k": k}, ["s"]] for k in range(7)]
@@ -127,7 +127,12 @@ for n in range(200):  # runs of notifications between other messages, duplicates
             runs.append([i, dropped])
         else:
             i += 1
-out["inbox"] = [[x.id, x.hops, x.attrs, list(x.sub_ids), repr(x)] for x in inbox], last, runs
+import copy, pickle
+out["inbox"] = [
+    [x.id, x.hops, x.attrs, list(x.sub_ids), repr(x), repr(pickle.loads(pickle.dumps(x))),
+     repr(copy.deepcopy(x))]
+    for x in inbox
+], last, runs
 json.dump(out, sys.stdout)
 """
 

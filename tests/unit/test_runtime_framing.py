@@ -237,15 +237,21 @@ def test_fan_out_queues_one_notification_per_target_and_wakes_each_outlet_once(
 
 
 class _Transport:
-    def __init__(self, closing: bool = False) -> None:
+    def __init__(self, closing: bool = False, broken: bool = False) -> None:
         self.closing = closing
+        self.broken = broken
         self.written: list[bytes] = []
 
     def is_closing(self) -> bool:
         return self.closing
 
     def write(self, data: bytes) -> None:
+        if self.broken:
+            raise RuntimeError("the transport is gone")
         self.written.append(data)
+
+    def abort(self) -> None:
+        self.closing = True
 
 
 class _Conn:
@@ -285,6 +291,14 @@ def test_flush_writes_each_queue_as_frames_and_hands_back_what_needs_deciding() 
         frames = [loads_frame(p) for p in FrameSplitter().feed(data)]
         assert frames == [[F_MSGS, [orjson.loads(m) for m in msgs]]]
     assert flush_outlets([], 0, None) == []
+    broken = Outlet("broken", _Conn(transport=_Transport(broken=True)))
+    after = Outlet("after", _Conn(transport=_Transport()))
+    for o in (broken, after):
+        o.pending.extend(msgs)
+        o.dirty = True
+    assert flush_outlets([broken, after], 10, None) == []  # a write that raises: that one
+    assert broken.conn.transport.closing and not broken.dirty  # is dropped, the next written
+    assert len(after.conn.transport.written) == 1 and not after.dirty
     big = Outlet("big", _Conn(transport=_Transport()))
     big.pending.extend(msgs)
     assert flush_outlets([big], 4, None) == [] and big.pending == []

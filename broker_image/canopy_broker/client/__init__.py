@@ -43,12 +43,12 @@ from __future__ import annotations
 from canopy_broker.client.api import Client, NotificationCallback, connect, parse_addresses
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.client.failover import Gap
-from canopy_broker.client.inbox import Notification
 from canopy_broker.client.notification import (
     ClientError,
     ConnectionLost,
     ConnectionLostError,
 )
+from canopy_broker.runtime.inbox import Notification
 
 __all__ = [
     "Client",

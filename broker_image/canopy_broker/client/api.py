@@ -17,7 +17,6 @@ import orjson
 from canopy_broker.client.connection import BrokerConnection, subscribe_message
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.client.failover import FailingOver, Gap
-from canopy_broker.client.inbox import Notification, notification, take_notifications
 from canopy_broker.client.migration import Migrating, Migration
 from canopy_broker.client.notification import (
     ClientError,
@@ -44,6 +43,7 @@ from canopy_broker.runtime.framing import (
     check_wire_attributes,
     decode_filter,
 )
+from canopy_broker.runtime.inbox import Notification, notification, take_notifications
 from canopy_broker.runtime.tasks import TaskSet
 
 FilterLike = str | Filter | Sequence[Sequence[object]]
@@ -184,7 +184,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
                 mode = "drop"
             inbox = self._inbox
             last = self._last_seq
-            only_newer = self._migrated and self.dedup
+            only_newer = bool(self._migrated and self.dedup)  # a bool for the compiled loop
             items: list[Any] = frame[1]
             i, end = 0, len(items)
             while i < end:
@@ -194,7 +194,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
                 code = item[0]
                 try:
                     if code == B_NOTIFY and mode == "deliver":
-                        # Compiled (client/inbox.py): the run of notifications up to the next
+                        # Compiled (runtime/inbox.py): the run of notifications up to the next
                         # other message, deduplicated into the inbox.
                         i, dropped = take_notifications(items, i, inbox, last, only_newer)
                         self.duplicates_dropped += dropped

@@ -23,10 +23,10 @@ import orjson
 
 from canopy_broker.client.connection import BrokerConnection, subscribe_message
 from canopy_broker.client.credentials import Credentials
-from canopy_broker.client.inbox import Notification
 from canopy_broker.client.notification import ClientError
 from canopy_broker.core.filters import Filter
 from canopy_broker.runtime.framing import B_MIGRATING, B_SUBSCRIBED, C_MIGRATING, C_MOVE
+from canopy_broker.runtime.inbox import Notification
 from canopy_broker.runtime.tasks import TaskSet
 
 log = logging.getLogger("canopy.client")

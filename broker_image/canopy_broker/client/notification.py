@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from canopy_broker.client.inbox import Notification
+from canopy_broker.runtime.inbox import Notification
 
 
 class ClientError(Exception):

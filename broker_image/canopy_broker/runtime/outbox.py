@@ -20,6 +20,7 @@ pressing, releasing or cutting a slow consumer is the broker's (``Broker._flush`
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any, Final
 
@@ -108,7 +109,11 @@ def flush_outlets(dirty: list[Outlet], limit: int, marked: set[Outlet] | None) -
                 msgs.clear()  # in place: Client.pending is the same list
                 transport = conn.transport
                 if transport is not None and not transport.is_closing():
-                    transport.write(data)
+                    try:
+                        transport.write(data)
+                    except Exception:  # that connection broke, not the flush:
+                        with contextlib.suppress(Exception):  # it goes, the others are written
+                            transport.abort()
         if len(msgs) > limit or (marked is not None and outlet in marked):
             attention.append(outlet)
     return attention

@@ -550,20 +550,20 @@ class Broker:
             cap = self.config.client_hard_cap
             marked = None
             if over or lagging:
-                high_or_cap = min(high, cap)
                 marked = {c.outlet for c in lagging}
                 marked.update(d.outlet for d in over if isinstance(d, Client))
-            else:
-                high_or_cap = high
             clients = self.clients
-            for outlet in flush_outlets(outlets, high_or_cap, marked):
+            # Every queue over high water or the hard cap comes back: the decisions and the
+            # cap below need to look at no other.
+            decide = []
+            for outlet in flush_outlets(outlets, min(high, cap), marked):
                 client = clients.get(outlet.client_id)
                 if client is not None and client.outlet is outlet:
                     self._decide(client, len(outlet.pending), high, low)
+                    decide.append(client)
             if over or lagging:
-                for outlet in outlets:
-                    client = clients.get(outlet.client_id)
-                    if client is not None and client.outlet is outlet and client.depth > cap:
+                for client in decide:
+                    if client.depth > cap:
                         self._slow_consumer(client, f"queue above {cap}")
         for link in links:
             link.dirty = False

@@ -7,11 +7,17 @@ notification (a duplicate check, the object built, the inbox appended to): inter
 class is also cheaper to build than a class with ``__slots__`` and an interpreted
 ``__init__``. The module is pure (no I/O) and stays importable as Python, the reference the
 compiled build is tested against (tests/unit/test_native.py).
+
+Why here, in the runtime's wire layer and not in the client package: the client reads with it
+as it writes with framing.py and outbox.py, and mypyc type-checks a compiled module's packages
+at build time, where the client package's ``__init__`` would pull in orjson, which the build
+environment does not have.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Any, Final
 
 from canopy_broker.core.events import Event, Value
@@ -22,16 +28,24 @@ import: it needs orjson, which the build does not have); a test holds the two eq
 
 
 class Notification:
-    """One delivered event: envelope, attributes and which of our subscriptions matched."""
+    """One delivered event: envelope, attributes and which of our subscriptions matched.
+
+    Compiled, it cannot be subclassed (nor can it be given other attributes, as with its
+    ``__slots__`` interpreted); it pickles and copies as before (``__reduce__``)."""
+
+    __slots__ = ("attrs", "hops", "publisher", "seq", "sub_ids")
 
     def __init__(
-        self, publisher: str, seq: int, hops: int, attrs: dict[str, Value], sub_ids: tuple[str, ...]
+        self, publisher: str, seq: int, hops: int, attrs: dict[str, Value], sub_ids: Iterable[str]
     ) -> None:
         self.publisher = publisher
         self.seq = seq
         self.hops = hops
         self.attrs = attrs
-        self.sub_ids = sub_ids
+        self.sub_ids: tuple[str, ...] = tuple(sub_ids)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Notification, (self.publisher, self.seq, self.hops, self.attrs, self.sub_ids))
 
     @property
     def id(self) -> str:
