@@ -471,3 +471,22 @@ def test_a_notification_pickles_copies_and_takes_its_sub_ids_as_any_sequence() -
         )
     with pytest.raises(AttributeError):
         n.extra = 1  # type: ignore[attr-defined]
+
+
+async def test_dedup_set_to_any_truthy_value_still_reads_after_a_move(
+    make_broker: MakeBroker,
+) -> None:
+    """``Client.dedup`` is documented as a switch; the compiled reading loop takes a bool, so
+    the client passes one whatever the application set (an int raised TypeError there)."""
+    b = await make_broker("b")
+    async with await connect(addr(b), "s") as sub:
+        conn = sub._conn
+        assert conn is not None
+        sub._migrated = True  # as after a move: duplicates are dropped from here on
+        for dedup in (1, 0, None):
+            sub.dedup = dedup  # type: ignore[assignment]
+            seq = 10 + (dedup or 0) if dedup is not None else 20
+            conn.data_received(msgs_frame([orjson.dumps([B_NOTIFY, "p", seq, 0, {}, ["x"]])]))
+            assert not conn.is_closing(), dedup
+        got = await sub.receive(10, timeout=1)
+        assert [n.seq for n in got] == [11, 10, 20]
