@@ -57,7 +57,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from paho.mqtt.client import Client as MqttClient
 
 SYSTEMS = ("canopy", "nats", "mosquitto")
+T = TypeVar("T")
 PATH_ENV = "CANOPY_PEERS_PATH"
 """Where to look for ``nats-server`` and ``mosquitto`` instead of ``$PATH`` and the sbin
 directories (Debian puts ``mosquitto`` in /usr/sbin, which a non-root ``$PATH`` may lack)."""
@@ -445,7 +446,7 @@ def summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     round and each round under ``rounds``, in the order run."""
     if len(rounds) == 1:
         return rounds[0]
-    median = sorted(rounds, key=lambda m: m["us_per_notification"])[(len(rounds) - 1) // 2]
+    median = _lower_middle(sorted(rounds, key=lambda m: m["us_per_notification"]))
     return {
         **median,
         "delivered": sum(m["delivered"] for m in rounds),
@@ -460,16 +461,23 @@ def paired_ratio(r: dict[str, dict[str, Any]], name: str, other: str) -> float:
     of an even count, as :func:`summary` takes), else the ratio."""
     if other not in r or name not in r:
         return math.nan
-    a = r[name].get("rounds", [r[name]])
-    b = r[other].get("rounds", [r[other]])
     ratios: list[float] = sorted(
         x["us_per_notification"] / y["us_per_notification"]
-        for x, y in zip(a, b, strict=True)
+        for x, y in zip(_rounds(r[name]), _rounds(r[other]), strict=True)
         if y["us_per_notification"] > 0
     )
-    if not ratios:
-        return math.nan
-    return ratios[(len(ratios) - 1) // 2]
+    return _lower_middle(ratios) if ratios else math.nan
+
+
+def _rounds(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """A system's rounds: those under ``rounds``, or the one run it is."""
+    rounds: list[dict[str, Any]] = m.get("rounds", [m])
+    return rounds
+
+
+def _lower_middle(ordered: Sequence[T]) -> T:
+    """The median of a sorted, non-empty sequence: the lower middle one of an even count."""
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def report(w: Workload, r: dict[str, dict[str, Any]]) -> str:
@@ -485,14 +493,14 @@ def report(w: Workload, r: dict[str, dict[str, Any]]) -> str:
             f"{paired_ratio(r, name, 'nats'):>5.2f}x  {paired_ratio(r, name, 'mosquitto'):>10.2f}x"
             f"  {m['delivered']:>10,} / {m['expected']:<8,}  {m['notif_per_s']:>15,}"
         )
-    rounds = max(len(m.get("rounds", [m])) for m in r.values())
+    rounds = max(len(_rounds(m)) for m in r.values())
     if rounds > 1:
         lines.append(
             f"{rounds} rounds, interleaved: each figure is the system's median round, each ratio "
             "the median of the rounds' paired ratios; per round (us/notification):"
         )
         for name, m in r.items():
-            per = "  ".join(f"{x['us_per_notification']:.2f}" for x in m["rounds"])
+            per = "  ".join(f"{x['us_per_notification']:.2f}" for x in _rounds(m))
             lines.append(f"  {name:<10}  {per}")
     return "\n".join(lines)
 
@@ -597,7 +605,7 @@ def run_args(args: argparse.Namespace) -> int:
 def delivered_all(m: dict[str, Any]) -> bool:
     """Every round delivered exactly what it owed (summed counts could hide a loss in one round
     behind a duplicate in another)."""
-    return all(r["delivered"] == r["expected"] for r in m.get("rounds", [m]))
+    return all(r["delivered"] == r["expected"] for r in _rounds(m))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -83,7 +83,7 @@ def notification(item: list[Any]) -> Notification:
         or type(sub_ids) is not list
     ):
         raise ValueError(f"malformed notification {item!r}")
-    return Notification(publisher, seq, hops, attrs, tuple(sub_ids))
+    return Notification(publisher, seq, hops, attrs, sub_ids)  # the ids made a tuple there
 
 
 def take_notifications(

@@ -5,11 +5,12 @@ with mypyc (setup.py), as are the frames they build.
 Why a module of its own: once matching was native, these loops were the largest Python cost per
 notification left in a broker (``canopy bench peers`` delivers one notification per write, so
 each notification passes through both): per target a dict lookup, an append and a wake-up; per
-client woken a frame built and written. Interpreted, about 0.85 us per notification; compiled,
-a third of that (docs/performance.md). They work on :class:`Outlet` (a native class: its fields
-are C struct slots) and plain lists, dicts and bytes, so the runtime's other classes stay
-interpreted; they are pure apart from the one ``transport.write`` per client, and tested against
-their own source like the core (tests/unit/test_native.py).
+client woken a frame built and written. In-process, 0.63-1.06 us of Python per notification
+interpreted, 0.37-0.74 compiled (docs/performance.md, session 6). They work on
+:class:`Outlet` (a native class: its fields are C struct slots) and plain lists, dicts and
+bytes, so the runtime's other classes stay interpreted; they are pure apart from the one
+``transport.write`` per client, and tested against their own source like the core
+(tests/unit/test_native.py).
 
 Each client's :class:`Outlet` holds its queue (``Client.pending`` is the same list, cleared in
 place). A notification queued to an outlet that does not wait for a flush yet puts it on the
@@ -154,14 +155,12 @@ def msgs_frames(msgs: list[bytes]) -> bytes:
     body = b",".join(msgs)
     if len(body) > BATCH_BYTES:
         return b"".join([msgs_frame(chunk) for chunk in batches(msgs)])
-    payload = b"[6,[" + body + b"]]"
-    return len(payload).to_bytes(HEADER, "big") + payload
+    return frame(b"[6,[" + body + b"]]")
 
 
 def msg_frame(msg: bytes) -> bytes:
     """``msgs_frame([msg])`` in one step: a subscriber's flush is usually one notification."""
-    payload = b"[6,[" + msg + b"]]"
-    return len(payload).to_bytes(HEADER, "big") + payload
+    return frame(b"[6,[" + msg + b"]]")
 
 
 def batches(msgs: list[bytes], limit: int = BATCH_BYTES) -> list[list[bytes]]:
