@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -123,6 +126,43 @@ def test_routing_an_event_is_the_scan_split_by_destination(
             scan.remove(f, d)
             for e in evs:  # a change drops every cached decision it could affect
                 assert route.route(e, source) == expected(e)  # type: ignore[arg-type]
+
+
+_SHARED_FILTERS = [Filter.parse("x = 1"), Filter.parse("x = 1 and y > 2"), Filter.parse("y > 0")]
+
+
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.sampled_from(range(3)), st.sampled_from(["p", "q", "r"])),
+        max_size=40,
+    )
+)
+def test_payloads_are_counted_through_every_shape(steps: list[tuple[bool, int, str]]) -> None:
+    """A filter held for one payload once stores it alone, for more in a dict: through any
+    sequence of adds and removes (the same payload twice, others, back to one), what an event
+    matching every filter finds, and what ``filters()`` reports, are the counts held."""
+    m: RouteMatcher = RouteMatcher()
+    held: Counter[tuple[int, str]] = Counter()
+    for add, i, p in steps:
+        f = _SHARED_FILTERS[i]
+        if add:
+            m.add(f, p)
+            held[i, p] += 1
+        elif held[i, p]:
+            m.remove(f, p)
+            held[i, p] -= 1
+        else:
+            with pytest.raises(KeyError):
+                m.remove(f, p)
+            continue
+        live = +held
+        assert m.match_payloads({"x": 1, "y": 3}) == {p for _, p in live}
+        assert {str(f): dict(ps) for f, ps in m.filters()} == {
+            str(f): {p: n for (j, p), n in live.items() if j == i}
+            for i, f in enumerate(_SHARED_FILTERS)
+            if any(j == i for j, _ in live)
+        }
+        assert m.route({"x": 1, "y": 3}, None)[0] == tuple(sorted({p for _, p in live}))
 
 
 def test_candidates_skip_filters_that_cannot_match() -> None:

@@ -62,6 +62,33 @@ def test_index_candidates_are_supersets(held: list[RouteKey], probe: RouteKey) -
 
 
 @settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), filters.map(RouteKey)), max_size=60), filters.map(RouteKey)
+)
+def test_index_answers_stay_sound_as_keys_come_and_go(
+    steps: list[tuple[bool, RouteKey]], probe: RouteKey
+) -> None:
+    """Buckets change shape as they fill and empty (one key, a set, back to one key): after any
+    sequence of adds and discards the answers still cover what is held, and only that."""
+    index = CoverIndex()
+    held: set[RouteKey] = set()
+    for add, key in steps:
+        if add:
+            index.add(key)
+            held.add(key)
+        else:
+            index.discard(key)
+            held.discard(key)
+        assert set(index) == held
+        for p in (probe, key):
+            found = set(index.coverers(p))
+            assert {g for g in held if covers(g.filter, p.filter)} <= found <= held
+            found = set(index.covered(p))
+            assert {h for h in held if covers(p.filter, h.filter)} <= found <= held
+            assert index.dominated(p) == any(dominates(g, p) for g in held)
+
+
+@settings(max_examples=300, deadline=None)
 @given(keys)
 def test_maximal_matches_the_definition(held: list[RouteKey]) -> None:
     brute = {h for h in held if not any(dominates(g, h) for g in held)}

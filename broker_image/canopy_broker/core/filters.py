@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
 from canopy_broker.core.events import Kind, Value, kind_of
 
@@ -215,13 +215,36 @@ def all_satisfied(cs: tuple[Constraint, ...], attrs: dict[str, Value]) -> bool:
     return True
 
 
+T = TypeVar("T")
+
+_SHARED: dict[Any, Any] = {}
+"""One object for each equal slot or tuple made of attribute names only (not of values): a
+cover profile is kept on every filter routed, and sharing these, with the fixes in
+:data:`Pin`, halved a profile's memory (docs/performance.md, "Memory per subscription")."""
+
+_SHARED_MAX = 1 << 16  # attribute names come from users: past this many, no more sharing
+
+
+def _shared(value: T) -> T:
+    found = _SHARED.get(value)
+    if found is not None:
+        return cast(T, found)
+    if len(_SHARED) < _SHARED_MAX:
+        _SHARED[value] = value
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Filter:
     """A conjunction of constraints, sorted and de-duplicated so equal filters compare equal."""
 
     constraints: tuple[Constraint, ...] = ()
-    _by_attr: dict[str, tuple[Constraint, ...]] = field(
-        default_factory=dict, compare=False, hash=False, repr=False
+    # The per-attribute view, as two parallel tuples rather than a dict: a dict per filter was
+    # a third of a filter's memory, and filters have one to a few attributes. The names are
+    # shared between filters on the same attributes.
+    _attrs: tuple[str, ...] = field(default=(), compare=False, hash=False, repr=False)
+    _per_attr: tuple[tuple[Constraint, ...], ...] = field(
+        default=(), compare=False, hash=False, repr=False
     )
     _hash: int = field(default=0, compare=False, repr=False)
     # What an index still has to check of a filter it found by one of its constraints (see
@@ -241,7 +264,9 @@ class Filter:
         by_attr: dict[str, list[Constraint]] = {}
         for c in canon:
             by_attr.setdefault(c.attr, []).append(c)
-        object.__setattr__(self, "_by_attr", {a: tuple(cs) for a, cs in by_attr.items()})
+        object.__setattr__(self, "_attrs", _shared(tuple(by_attr)))
+        per_attr = (canon,) if len(by_attr) == 1 else tuple([tuple(cs) for cs in by_attr.values()])
+        object.__setattr__(self, "_per_attr", per_attr)
         object.__setattr__(self, "_rest", None)
         object.__setattr__(self, "_profile", None)
 
@@ -258,11 +283,15 @@ class Filter:
         return parse_filter(text)
 
     def on(self, attr: str) -> tuple[Constraint, ...]:
-        return self._by_attr.get(attr, ())
+        attrs = self._attrs
+        for i in range(len(attrs)):
+            if attrs[i] == attr:
+                return self._per_attr[i]
+        return ()
 
     @property
-    def attrs(self) -> Iterable[str]:
-        return self._by_attr.keys()
+    def attrs(self) -> tuple[str, ...]:
+        return self._attrs
 
     def matches(self, attrs: Mapping[str, Value]) -> bool:
         return all_satisfied(self.constraints, as_dict(attrs))
@@ -543,13 +572,18 @@ def covers(f1: Filter, f2: Filter) -> bool:
 
 # --------------------------------------------------------------------------- covering index keys
 
-Pin = tuple[str, str, Value]
+Pin = tuple[object, ...]
 """An attribute a filter fixes to a single value: (attribute, kind name, value). The kind keeps
 ``x = 1`` and ``x = true`` apart (Python says ``1 == True``); its name, not the enum, because
-these tuples are hashed on every routing decision and an enum member hashes in Python code."""
+these tuples are hashed on every routing decision and an enum member hashes in Python code.
 
-Slot = tuple[str, str, object]
-"""A bucket of a covering index (see :class:`CoverProfile`)."""
+Typed as a tuple of any length, not ``tuple[str, str, Value]``: compiled, a fixed-length tuple
+is a C struct that becomes a new Python tuple each time it is stored, and a profile would hold
+a copy per place it appears (as it did: 13 objects a filter instead of 8)."""
+
+Slot = tuple[object, ...]
+"""A bucket of a covering index (see :class:`CoverProfile`): (family, kind, pin or name); any
+length for the same reason as :data:`Pin`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -652,19 +686,12 @@ def _profile(f: Filter) -> CoverProfile:
         pin = _pin(cs)
         if pin is not None:
             pins.append((attr, pin[0].value, pin[1]))
-    attrs = tuple(f.attrs)
-    if pins:
-        anchor: Slot = ("cover", "pin", pins[0])
-    elif attrs:
-        anchor = ("cover", "attr", attrs[0])
-    else:
-        anchor = MATCH_ALL_SLOT
-    by_pin: list[Slot] = [("pin", "", pin) for pin in pins]
-    by_attr: list[Slot] = [("attr", "", a) for a in attrs]
+    attrs = f.attrs
+    cover_pins: list[Slot] = [("cover", "pin", pin) for pin in pins]
+    cover_attrs: list[Slot] = [_shared(("cover", "attr", a)) for a in attrs]
+    anchor = cover_pins[0] if pins else cover_attrs[0] if attrs else MATCH_ALL_SLOT
+    by_pin: tuple[Slot, ...] = tuple([("pin", "", pin) for pin in pins])
+    by_attr: tuple[Slot, ...] = _shared(tuple([_shared(("attr", "", a)) for a in attrs]))
     filed = (anchor, *by_pin, *by_attr) if ok else (anchor,)
-    probe = (
-        MATCH_ALL_SLOT,
-        *(("cover", "pin", pin) for pin in pins),
-        *(("cover", "attr", a) for a in attrs),
-    )
-    return CoverProfile(ok, attrs, tuple(pins), anchor, filed, probe, tuple(by_pin or by_attr))
+    probe = (MATCH_ALL_SLOT, *cover_pins, *cover_attrs)
+    return CoverProfile(ok, attrs, tuple(pins), anchor, filed, probe, by_pin or by_attr)

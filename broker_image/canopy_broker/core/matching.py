@@ -21,7 +21,7 @@ oracle for tests and the baseline for the benchmark.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from canopy_broker.core.events import Kind, Targets, Value, exact_kind
@@ -105,7 +105,9 @@ class _Bucket:
 
     def __init__(self) -> None:
         self.plain: list[Filter] = []
-        self.ranged: dict[tuple[str, Op, Kind], _Sorted] = {}
+        # Made by the first ranged filter: most buckets have none, and an empty dict each
+        # was a tenth of a filter's memory.
+        self.ranged: dict[tuple[str, Op, Kind], _Sorted] | None = None
         self.size = 0
 
     def toggle(self, f: Filter, access: Constraint, add: bool) -> None:
@@ -114,6 +116,8 @@ class _Bucket:
         if c is None or c.op not in RANGE_OPS or c.kind is None or c.value is None:
             _toggle(self.plain, f, add)
         else:
+            if self.ranged is None:
+                self.ranged = {}
             _toggle_sorted(self.ranged, (c.attr, c.op, c.kind), c.value, f, add)
         self.size += 1 if add else -1
 
@@ -122,6 +126,8 @@ class _Bucket:
         ones, whose other constraints are still to check."""
         if self.plain:
             sure.extend(self.plain)
+        if not self.ranged:
+            return
         for (attr, op, kind), arr in self.ranged.items():
             value = attrs.get(attr)
             if value is not None and exact_kind(value) is kind:
@@ -134,7 +140,9 @@ class IndexedMatcher(Generic[P]):
     def __init__(self) -> None:
         # The tables that grow with the filters are sharded (core/tables.py): no single
         # subscription pays for rehashing them all.
-        self._payloads: ShardedDict[Filter, dict[P, int]] = ShardedDict()
+        # A filter's payloads with their counts; one payload held once is stored as itself
+        # (most filters have one subscriber: a dict each was a tenth of a filter's memory).
+        self._payloads: ShardedDict[Filter, P | dict[P, int]] = ShardedDict()
         self._always: list[Filter] = []
         self._eq: ShardedDict[tuple[str, Kind, Value], _Bucket] = ShardedDict()
         self._affix: ShardedDict[tuple[Op, str, str], list[Filter]] = ShardedDict()
@@ -149,21 +157,30 @@ class IndexedMatcher(Generic[P]):
     def add(self, f: Filter, payload: P) -> None:
         payloads = self._payloads.get(f)
         if payloads is None:
-            self._payloads[f] = {payload: 1}
+            self._payloads[f] = payload
             self._index(f, add=True)
-        else:
+        elif isinstance(payloads, dict):
             payloads[payload] = payloads.get(payload, 0) + 1
+        else:
+            self._payloads[f] = {payload: 2} if payloads == payload else {payloads: 1, payload: 1}
 
     def remove(self, f: Filter, payload: P) -> None:
         payloads = self._payloads[f]
+        if not isinstance(payloads, dict):
+            if payloads != payload:
+                raise KeyError(payload)
+            del self._payloads[f]
+            self._index(f, add=False)
+            return
         n = payloads[payload] - 1
         if n:
             payloads[payload] = n
-            return
-        del payloads[payload]
-        if not payloads:
-            del self._payloads[f]
-            self._index(f, add=False)
+        else:
+            del payloads[payload]
+        if len(payloads) == 1:
+            ((lone, count),) = payloads.items()
+            if count == 1:
+                self._payloads[f] = lone
 
     def _index(self, f: Filter, *, add: bool) -> None:
         c = access_constraint(f)
@@ -213,7 +230,13 @@ class IndexedMatcher(Generic[P]):
         return len(self._payloads)
 
     def filters(self) -> Iterator[tuple[Filter, Mapping[P, int]]]:
-        return iter(self._payloads.items())
+        for f, payloads in self._payloads.items():
+            yield f, payloads if isinstance(payloads, dict) else {payloads: 1}
+
+    def payloads(self, f: Filter) -> Iterable[P]:
+        """The payloads ``f`` is held for (each once)."""
+        payloads = self._payloads[f]
+        return payloads if isinstance(payloads, dict) else (payloads,)
 
     def candidates(self, attrs: Mapping[str, Value]) -> list[Filter]:
         """Filters the event may match: every filter it matches, and none that the index rules
@@ -286,9 +309,8 @@ class IndexedMatcher(Generic[P]):
 
     def match_payloads(self, attrs: Mapping[str, Value]) -> set[P]:
         out: set[P] = set()
-        payloads = self._payloads
         for f in self.match(attrs):
-            out.update(payloads[f])
+            out.update(self.payloads(f))
         return out
 
 
@@ -361,7 +383,9 @@ class RouteMatcher(IndexedMatcher[Dest]):
         local: dict[str, list[str]] = {}
         payloads = self._payloads
         for f in matched:
-            for d in payloads[f]:
+            held = payloads[f]
+            dests: Iterable[Dest] = held if isinstance(held, dict) else (held,)
+            for d in dests:
                 if isinstance(d, str):
                     if d != source:
                         peers.add(d)

@@ -89,7 +89,13 @@ def client_key(mode: RoutingMode, client: str, sub_id: str, f: Filter) -> RouteK
 # --------------------------------------------------------------------------- the covering index
 
 _EMPTY: frozenset[RouteKey] = frozenset()
-_Bucket = set[RouteKey] | ShardedSet[RouteKey]
+# A bucket holding one key is that key: most buckets do (a pin's value is usually one filter's
+# alone), and a set per key cost 216 bytes each, a third of a filter's memory in the tables.
+_Bucket = RouteKey | set[RouteKey] | ShardedSet[RouteKey]
+
+
+def _keys_of(bucket: _Bucket) -> Collection[RouteKey]:
+    return (bucket,) if isinstance(bucket, RouteKey) else bucket
 
 
 class CoverIndex:
@@ -140,19 +146,24 @@ class CoverIndex:
             (self._unsat.add if add else self._unsat.discard)(key)
         buckets = self._buckets
         for slot in p.filed:
+            bucket = buckets.get(slot)
             if add:
-                bucket = buckets.get(slot)
                 if bucket is None:
-                    buckets[slot] = {key}
+                    buckets[slot] = key
+                elif isinstance(bucket, RouteKey):
+                    buckets[slot] = {bucket, key}
                 else:
                     bucket.add(key)
-                    if isinstance(bucket, set) and len(bucket) > SPLIT_AT:
+                    if type(bucket) is set and len(bucket) > SPLIT_AT:
                         buckets[slot] = ShardedSet(bucket)
-                continue
-            bucket = buckets[slot]
-            bucket.discard(key)
-            if not bucket:
-                del buckets[slot]
+            elif isinstance(bucket, RouteKey):
+                del buckets[slot]  # its one key (the index holds each key once)
+            elif bucket is not None:
+                bucket.discard(key)
+                if len(bucket) == 1 and type(bucket) is set:
+                    buckets[slot] = next(iter(bucket))
+                elif not bucket:
+                    del buckets[slot]
 
     def coverers(self, h: RouteKey) -> Iterable[RouteKey]:
         """Keys that may cover ``h``."""
@@ -165,7 +176,11 @@ class CoverIndex:
         found: list[RouteKey] = []
         for slot in p.probe:
             bucket = get(slot)
-            if bucket:
+            if bucket is None:
+                continue
+            if isinstance(bucket, RouteKey):
+                found.append(bucket)
+            else:
                 found.extend(bucket)
         return found
 
@@ -178,7 +193,9 @@ class CoverIndex:
         if not p.narrow:
             return self._keys  # the match-all filter covers everything
         get = self._buckets.get
-        smallest: Collection[RouteKey] = min((get(s) or _EMPTY for s in p.narrow), key=len)
+        smallest = min(
+            (_EMPTY if (b := get(s)) is None else _keys_of(b) for s in p.narrow), key=len
+        )
         return [*smallest, *self._unsat] if self._unsat else smallest
 
     def dominated(self, h: RouteKey) -> bool:
