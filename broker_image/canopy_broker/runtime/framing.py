@@ -196,7 +196,9 @@ def check_wire_attributes(attrs: object) -> dict[str, Value]:
     """Validate event attributes for the wire: the core's rules plus finite floats and 64-bit
     ints (JSON has no infinities, and orjson refuses larger integers), all checked in the
     compiled core (``check_attributes(..., wire=True)``)."""
-    if not isinstance(attrs, Mapping):
+    # A decoded JSON object is a dict: tested first, because isinstance against the Mapping ABC
+    # costs a Python-level __instancecheck__ on every event.
+    if type(attrs) is not dict and not isinstance(attrs, Mapping):
         raise FrameError(f"event attributes must be an object, got {type(attrs).__name__}")
     try:
         return check_attributes(attrs, wire=True)

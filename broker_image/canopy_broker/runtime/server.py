@@ -38,7 +38,7 @@ from typing import Any
 
 from canopy_broker import core_build
 from canopy_broker.core.broker import BrokerCore, CoreFailedError, ProtocolError
-from canopy_broker.core.events import Event
+from canopy_broker.core.events import Event, event_sampled
 from canopy_broker.core.messages import (
     CloseLink,
     Deliver,
@@ -863,7 +863,8 @@ class Broker:
             self.metrics.matching.observe(time.perf_counter() - t0)
         if effects:
             self.apply(effects)
-        if self.telemetry.sample_rate > 0.0:
+        rate = self.telemetry.sample_rate
+        if rate > 0.0 and event_sampled(event.publisher, event.seq, rate):
             self.telemetry.event(event, source_kind, source, effects)
         self._unflushed += 1
         now = time.perf_counter()

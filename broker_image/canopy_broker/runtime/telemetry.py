@@ -80,7 +80,9 @@ class Telemetry:
         return {"schema": SCHEMA, "type": kind, "broker": self.broker, "ts": time.time()}
 
     def event(self, event: Event, source_kind: str, source: str, effects: Sequence[Effect]) -> None:
-        """Record ``event`` if the consistent sampler keeps it (cheap when it does not)."""
+        """Record ``event`` if the consistent sampler keeps it (cheap when it does not; the
+        broker asks :func:`event_sampled` itself first, saving this call for the 99 % of
+        events a 1 % sample leaves out)."""
         if not event_sampled(event.publisher, event.seq, self.sample_rate):
             return
         deliveries = [t[0] for e in effects if type(e) is Deliver for t in e.targets]
