@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from canopy_broker.core import filters as module
 from canopy_broker.core.events import event_sampled, is_sampled
 from canopy_broker.core.filters import MATCH_ALL, Constraint, Filter, FilterError, Op, covers
 from tests.strategies import ATTRS, NUMBERS, STRINGS, all_events, events, filters
@@ -205,3 +206,22 @@ def test_the_brokers_sampling_shortcut_decides_as_the_event_id_does(
     tests reason with is_sampled("publisher:seq"): the same events must be kept."""
     assert event_sampled(publisher, seq, rate) == is_sampled(f"{publisher}:{seq}", rate)
     assert event_sampled(publisher, seq, 0.5) == is_sampled(f"{publisher}:{seq}", 0.5)
+
+
+def test_shared_names_are_bounded_by_count_and_length() -> None:
+    """Slots and tuples made of attribute names are shared between filters, through a cache
+    that users fill (they choose the names): long names stay out of it, and when it is full it
+    starts again rather than keep growing or stop sharing."""
+    long_name = "a" * (module._SHARED_LONGEST + 1)
+    before = len(module._SHARED)
+    f = Filter.parse(f"{long_name} exists")
+    module.cover_profile(f)
+    assert len(module._SHARED) == before  # nothing of it kept
+    # Short names: shared, so two filters on the same attributes hold one tuple of names.
+    g, h = Filter.parse("zz = 1 and yy > 2"), Filter.parse("yy < 9 and zz = 3")
+    assert g.attrs == h.attrs and g.attrs is h.attrs
+    assert module.cover_profile(g).narrow != module.cover_profile(h).narrow  # pins differ
+    for i in range(module._SHARED_MAX + 10):
+        module._shared(("probe", "", f"n{i}"), 3)
+        assert len(module._SHARED) <= module._SHARED_MAX
+    assert module._shared(("probe", "", "n1"), 3) == ("probe", "", "n1")

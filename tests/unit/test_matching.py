@@ -165,6 +165,30 @@ def test_payloads_are_counted_through_every_shape(steps: list[tuple[bool, int, s
         assert m.route({"x": 1, "y": 3}, None)[0] == tuple(sorted({p for _, p in live}))
 
 
+def test_payloads_that_are_none_or_equal_across_types_are_kept_as_a_dict_keeps_them() -> None:
+    """A payload held once is stored as itself: one that is None must not look like no
+    entry, and of equal payloads (1 and True) the first stays, as a dict's key does."""
+    f = Filter.parse("x = 1")
+    m: IndexedMatcher[object] = IndexedMatcher()
+    scan: ScanMatcher[object] = ScanMatcher()
+    for p in (None, None, 1, True, 1.0):
+        m.add(f, p)
+        scan.add(f, p)
+        assert m.match({"x": 1}) == [f]  # filed once, however many payloads
+        assert m.match_payloads({"x": 1}) == scan.match_payloads({"x": 1})
+    assert {type(p) for p in m.match_payloads({"x": 1})} == {type(None), int}
+    for p in (None, True, None, 1):
+        m.remove(f, p)
+        scan.remove(f, p)
+        assert m.match_payloads({"x": 1}) == scan.match_payloads({"x": 1})
+    assert [type(p) for p in m.match_payloads({"x": 1})] == [int]
+    m.remove(f, 1.0)
+    assert m.match({"x": 1}) == [] and len(m) == 0
+    m.add(f, 1)  # held once, alone; then an equal payload of another type
+    m.add(f, True)
+    assert [type(p) for p in m.match_payloads({"x": 1})] == [int]
+
+
 def test_candidates_skip_filters_that_cannot_match() -> None:
     """The index is an index: an event only looks at filters its attributes can satisfy."""
     m: IndexedMatcher[int] = IndexedMatcher()

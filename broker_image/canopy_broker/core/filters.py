@@ -222,15 +222,26 @@ _SHARED: dict[Any, Any] = {}
 cover profile is kept on every filter routed, and sharing these, with the fixes in
 :data:`Pin`, halved a profile's memory (docs/performance.md, "Memory per subscription")."""
 
-_SHARED_MAX = 1 << 16  # attribute names come from users: past this many, no more sharing
+_SHARED_MAX = 1 << 14
+"""Entries of :data:`_SHARED`; when full it starts again (what is shared stays shared). Names
+come from users: a client churning through new ones can hold this much, a few MB, no more."""
+
+_SHARED_LONGEST = 64
+"""Characters of names past which a value is not shared: long names are rare, and the cache
+would hold them after their filters are gone."""
 
 
-def _shared(value: T) -> T:
+def _shared(value: T, chars: int) -> T:
+    """``value``, or the equal one already shared; ``chars``: how many characters of names
+    it holds."""
+    if chars > _SHARED_LONGEST:
+        return value
     found = _SHARED.get(value)
     if found is not None:
         return cast(T, found)
-    if len(_SHARED) < _SHARED_MAX:
-        _SHARED[value] = value
+    if len(_SHARED) >= _SHARED_MAX:
+        _SHARED.clear()
+    _SHARED[value] = value
     return value
 
 
@@ -264,7 +275,8 @@ class Filter:
         by_attr: dict[str, list[Constraint]] = {}
         for c in canon:
             by_attr.setdefault(c.attr, []).append(c)
-        object.__setattr__(self, "_attrs", _shared(tuple(by_attr)))
+        names = tuple(by_attr)
+        object.__setattr__(self, "_attrs", _shared(names, sum([len(a) for a in names])))
         per_attr = (canon,) if len(by_attr) == 1 else tuple([tuple(cs) for cs in by_attr.values()])
         object.__setattr__(self, "_per_attr", per_attr)
         object.__setattr__(self, "_rest", None)
@@ -688,10 +700,12 @@ def _profile(f: Filter) -> CoverProfile:
             pins.append((attr, pin[0].value, pin[1]))
     attrs = f.attrs
     cover_pins: list[Slot] = [("cover", "pin", pin) for pin in pins]
-    cover_attrs: list[Slot] = [_shared(("cover", "attr", a)) for a in attrs]
+    cover_attrs: list[Slot] = [_shared(("cover", "attr", a), len(a)) for a in attrs]
     anchor = cover_pins[0] if pins else cover_attrs[0] if attrs else MATCH_ALL_SLOT
     by_pin: tuple[Slot, ...] = tuple([("pin", "", pin) for pin in pins])
-    by_attr: tuple[Slot, ...] = _shared(tuple([_shared(("attr", "", a)) for a in attrs]))
+    by_attr: tuple[Slot, ...] = _shared(
+        tuple([_shared(("attr", "", a), len(a)) for a in attrs]), sum([len(a) for a in attrs])
+    )
     filed = (anchor, *by_pin, *by_attr) if ok else (anchor,)
     probe = (MATCH_ALL_SLOT, *cover_pins, *cover_attrs)
     return CoverProfile(ok, attrs, tuple(pins), anchor, filed, probe, by_pin or by_attr)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Iterable, Iterator, Mapping
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from canopy_broker.core.events import Kind, Targets, Value, exact_kind
 from canopy_broker.core.filters import RANGE_OPS, Constraint, Filter, Op, all_satisfied, as_dict
@@ -156,13 +156,14 @@ class IndexedMatcher(Generic[P]):
 
     def add(self, f: Filter, payload: P) -> None:
         payloads = self._payloads.get(f)
-        if payloads is None:
+        if payloads is None and f not in self._payloads:  # (a lone None payload is held)
             self._payloads[f] = payload
             self._index(f, add=True)
         elif isinstance(payloads, dict):
             payloads[payload] = payloads.get(payload, 0) + 1
-        else:
-            self._payloads[f] = {payload: 2} if payloads == payload else {payloads: 1, payload: 1}
+        else:  # the one held stays the key, as a dict keeps its first key (1 then True: 1)
+            held = cast(P, payloads)
+            self._payloads[f] = {held: 2} if held == payload else {held: 1, payload: 1}
 
     def remove(self, f: Filter, payload: P) -> None:
         payloads = self._payloads[f]

@@ -157,7 +157,10 @@ class CoverIndex:
                     if type(bucket) is set and len(bucket) > SPLIT_AT:
                         buckets[slot] = ShardedSet(bucket)
             elif isinstance(bucket, RouteKey):
-                del buckets[slot]  # its one key (the index holds each key once)
+                # Its one key: _file runs only for a key the index held, and a key's slots
+                # are distinct, so the lone key here is this one.
+                assert bucket == key, (bucket, key)
+                del buckets[slot]
             elif bucket is not None:
                 bucket.discard(key)
                 if len(bucket) == 1 and type(bucket) is set:
