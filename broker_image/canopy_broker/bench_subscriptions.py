@@ -9,7 +9,9 @@ Brokers are real processes on 127.0.0.1 (covering routing), linked as a binary t
   (:meth:`Client.subscribe_many`); the figure is the time until every broker's routing table
   holds them (polled through the admin API); the brokers' CPU per subscription per broker
   meanwhile (flat from one N to the next when insertion cost does not grow with the table:
-  the tables hold the earlier runs' subscriptions too); and the time per 1,000 for the first
+  the tables hold the earlier runs' subscriptions too), and the same in each tenth of the
+  install (from the first tenth to the last, the growth within one table); and the time per
+  1,000 for the first
   and the last 1,000 acknowledgements (which also grows as the other brokers, busy with the
   earlier ones, take their share of the machine's cores);
 * **longest stall**: every broker times its own event loop (a callback due every 10 ms; the
@@ -99,6 +101,7 @@ async def install(
     acknowledgement), which would measure round trips rather than the overlay."""
     base = {name: size for name, size in (await _table_sizes(overlay)).items()}
     acked: list[float] = []
+    cpu_at: list[float] = []  # the brokers' CPU at each batch's acknowledgement
     since = time.time()
     cpu0 = overlay.cpu_seconds()
     t0 = time.perf_counter()
@@ -111,6 +114,7 @@ async def install(
             )
         )
         acked.append(time.perf_counter())
+        cpu_at.append(overlay.cpu_seconds())
         if len(acked) % max(1, 10_000 // batch) == 0:
             progress(f"N={n:,}: {start + batch:,} acknowledged")
     t_ack = time.perf_counter() - t0
@@ -129,6 +133,7 @@ async def install(
     per_batch = [b - a for a, b in zip([t0, *acked], acked, strict=False)]
     k = max(1, 1000 // batch)
     first, last = sum(per_batch[:k]), sum(per_batch[-k:])
+    tenths = _tenths([cpu0, *cpu_at], n, batch, len(overlay.brokers))
     result = {
         "subscriptions": n,
         "acknowledged_s": round(t_ack, 3),
@@ -136,14 +141,34 @@ async def install(
         "first_1k_s": round(first, 4),
         "last_1k_s": round(last, 4),
         "cpu_us_per_insert": round(cpu_us, 2),
+        **({"cpu_us_per_insert_by_tenth": tenths} if tenths else {}),
         **stalls,
     }
+    growth = f" (by tenth: {tenths[0]:.1f} -> {tenths[-1]:.1f})" if tenths else ""
     progress(
         f"N={n:,}: acknowledged in {t_ack:.2f}s, in every routing table after {t_all:.2f}s; "
         f"first 1k {first:.3f}s, last 1k {last:.3f}s; {cpu_us:.1f} CPU-us per subscription "
-        f"per broker; {_said(stalls)}"
+        f"per broker{growth}; {_said(stalls)}"
     )
     return result
+
+
+def _tenths(cpu_at: Sequence[float], n: int, batch: int, brokers: int) -> list[float]:
+    """CPU per subscription per broker in each tenth of an install, from the brokers' CPU at
+    every batch's acknowledgement (``cpu_at[0]``: before the first): whether insertion gets
+    dearer as the tables fill, within one run and one table, where comparing runs of
+    different sizes mixes in their other differences. Work the far brokers still do for a
+    tenth when its last batch is acknowledged counts in the next one. Empty below ten
+    batches."""
+    batches = len(cpu_at) - 1
+    if batches < 10:
+        return []
+    out = []
+    for t in range(10):
+        lo, hi = batches * t // 10, batches * (t + 1) // 10
+        subs = min(n, hi * batch) - lo * batch
+        out.append(round((cpu_at[hi] - cpu_at[lo]) / (subs * brokers) * 1e6, 2))
+    return out
 
 
 async def leave(overlay: Overlay, clients: Sequence[Client]) -> dict[str, Any]:

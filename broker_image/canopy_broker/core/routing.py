@@ -159,12 +159,15 @@ class CoverIndex:
             elif isinstance(bucket, RouteKey):
                 # Its one key: _file runs only for a key the index held, and a key's slots
                 # are distinct, so the lone key here is this one.
-                assert bucket == key, (bucket, key)
+                assert bucket is key or bucket == key, (bucket, key)
                 del buckets[slot]
             elif bucket is not None:
                 bucket.discard(key)
-                if len(bucket) == 1 and type(bucket) is set:
-                    buckets[slot] = next(iter(bucket))
+                if type(bucket) is set:  # (a ShardedSet's len is a sum over its shards)
+                    if len(bucket) == 1:
+                        buckets[slot] = next(iter(bucket))
+                    elif not bucket:
+                        del buckets[slot]
                 elif not bucket:
                     del buckets[slot]
 
