@@ -225,3 +225,19 @@ def test_shared_names_are_bounded_by_count_and_length() -> None:
         module._shared(("probe", "", f"n{i}"), 3)
         assert len(module._SHARED) <= module._SHARED_MAX
     assert module._shared(("probe", "", "n1"), 3) == ("probe", "", "n1")
+
+
+def test_a_cover_profile_holds_each_pin_once() -> None:
+    """A profile is kept on every routed filter, so what it holds is memory per subscription:
+    its pin, and the slots made of it, are one object wherever they appear (compiled, a tuple
+    typed with a fixed length was re-boxed into a new tuple at every store: three copies of
+    each pin per filter), and slots made of names alone are shared between filters."""
+    p = module.cover_profile(Filter.parse("k = 17 and j > 2"))
+    q = module.cover_profile(Filter.parse("k = 18 and j > 3"))
+    pin = p.pins[0]
+    assert p.anchor is p.filed[0] is p.probe[1]
+    assert all(slot[2] is pin for slot in (p.anchor, p.filed[1], p.narrow[0]))
+    assert p.attrs is q.attrs
+    assert [s for s in p.filed if s[0] == "attr"] == [s for s in q.filed if s[0] == "attr"]
+    assert all(a is b for a, b in zip(p.filed[2:], q.filed[2:], strict=True))
+    assert all(a is b for a, b in zip(p.probe[2:], q.probe[2:], strict=True))
