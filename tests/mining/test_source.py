@@ -76,7 +76,7 @@ def test_brokers_own_files_are_read_as_written(spark: SparkSession, tmp_path: Pa
     """The layout and field set a real broker writes (runtime/telemetry.py), attrs and all."""
     t = Telemetry("a", sample_rate=1.0, directory=tmp_path)
     event = Event("p", 1, {"k": 1, "s": "x"})
-    t.event(event, "client", "p", [Deliver(event, (("c1", ("s1",)),))])
+    t.record_event(event, "client", "p", [Deliver(event, (("c1", ("s1",)),))])
     t.rtt("b", 1.5, via="probe")
     t._write_pending(t._pending)
     files = list(tmp_path.rglob("*.jsonl"))
@@ -92,7 +92,7 @@ def test_the_zone_a_broker_reports_last_is_its_zone(spark: SparkSession, tmp_pat
     zone per broker; a broker that knows none ("") or never said is left to the manifest."""
     t = Telemetry("a", sample_rate=1.0, directory=tmp_path)
     event = Event("p", 1, {"k": 1})
-    t.event(event, "client", "p", [Deliver(event, (("c1", ("s1",)),))])
+    t.record_event(event, "client", "p", [Deliver(event, (("c1", ("s1",)),))])
     t.placement(Placement("", "n1"))  # not scheduled yet
     t.placement(Placement("zone-x", "n1"))
     t.placement(Placement("zone-y", "n2"))  # rescheduled elsewhere

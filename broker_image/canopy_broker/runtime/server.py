@@ -865,7 +865,7 @@ class Broker:
             self.apply(effects)
         rate = self.telemetry.sample_rate
         if rate > 0.0 and event_sampled(event.publisher, event.seq, rate):
-            self.telemetry.event(event, source_kind, source, effects)
+            self.telemetry.record_event(event, source_kind, source, effects)
         self._unflushed += 1
         now = time.perf_counter()
         if self._unflushed == 1:

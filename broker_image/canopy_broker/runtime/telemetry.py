@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from canopy_broker.core.events import Event, event_sampled
+from canopy_broker.core.events import Event
 from canopy_broker.core.messages import Deliver, Effect, SendToLink
 from canopy_broker.runtime.placement import Placement
 
@@ -79,12 +79,12 @@ class Telemetry:
     def _base(self, kind: str) -> dict[str, Any]:
         return {"schema": SCHEMA, "type": kind, "broker": self.broker, "ts": time.time()}
 
-    def event(self, event: Event, source_kind: str, source: str, effects: Sequence[Effect]) -> None:
-        """Record ``event`` if the consistent sampler keeps it (cheap when it does not; the
-        broker asks :func:`event_sampled` itself first, saving this call for the 99 % of
-        events a 1 % sample leaves out)."""
-        if not event_sampled(event.publisher, event.seq, self.sample_rate):
-            return
+    def record_event(
+        self, event: Event, source_kind: str, source: str, effects: Sequence[Effect]
+    ) -> None:
+        """Record ``event``, one the consistent sampler keeps: the broker asks
+        :func:`~canopy_broker.core.events.event_sampled` with :attr:`sample_rate` before
+        calling, so the 99 % of events a 1 % sample leaves out cost no call here."""
         deliveries = [t[0] for e in effects if type(e) is Deliver for t in e.targets]
         rec = self._base("event")
         rec.update(
