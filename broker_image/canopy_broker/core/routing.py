@@ -163,13 +163,10 @@ class CoverIndex:
                 del buckets[slot]
             elif bucket is not None:
                 bucket.discard(key)
-                if type(bucket) is set:  # (a ShardedSet's len is a sum over its shards)
-                    if len(bucket) == 1:
-                        buckets[slot] = next(iter(bucket))
-                    elif not bucket:
-                        del buckets[slot]
-                elif not bucket:
+                if not bucket:
                     del buckets[slot]
+                elif type(bucket) is set and len(bucket) == 1:  # (a ShardedSet's len is a sum)
+                    buckets[slot] = next(iter(bucket))
 
     def coverers(self, h: RouteKey) -> Iterable[RouteKey]:
         """Keys that may cover ``h``."""
