@@ -24,7 +24,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import os
 import random
+import socket
+import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -52,6 +56,67 @@ def progress(msg: str) -> None:
 def done(msg: str) -> None:
     """One of a benchmark's counted points is measured: its bar advances."""
     shown.advance("bench", msg)
+
+
+# --------------------------------------------------------------------------- this machine
+
+
+def _echo(port: int, round_trips: int) -> None:
+    """The other end of :func:`wakeup_probe` (a spawned process): sends back each byte."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(round_trips):
+            s.sendall(s.recv(1))
+
+
+def _round_trips(cores: set[int] | None, round_trips: int) -> float:
+    """Median round trip (µs) of one byte to a fresh process and back over loopback TCP, both
+    held on ``cores`` when given (else wherever the scheduler puts them)."""
+    before = os.sched_getaffinity(0)
+    if cores:
+        os.sched_setaffinity(0, cores)  # the spawned process inherits it
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            child = multiprocessing.get_context("spawn").Process(
+                target=_echo, args=(server.getsockname()[1], round_trips), daemon=True
+            )
+            child.start()
+            conn, _ = server.accept()
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                took = []
+                for _ in range(round_trips):
+                    t0 = time.perf_counter_ns()
+                    conn.sendall(b"x")
+                    if not conn.recv(1):
+                        raise RuntimeError("the echo process went away")
+                    took.append(time.perf_counter_ns() - t0)
+            child.join(10)
+    finally:
+        os.sched_setaffinity(0, before)
+    return statistics.median(took) / 1e3
+
+
+def wakeup_probe(round_trips: int = 2000, sleeps: int = 50) -> dict[str, float | None]:
+    """What a hop costs on this machine before any broker code runs. A notification on the
+    chain wakes four processes in turn (b1, b2, b3, the subscriber), each of them woken by
+    the one before through a loopback socket, so latency there is bounded below by this
+    machine's wake-ups, not by Canopy; on a virtual machine they can cost far more than on
+    bare metal. Measured: the median round trip of one byte between two processes (two
+    wake-ups) where the scheduler places them and with both held on one core, and the CPU a
+    process is charged for waking from a 10 ms sleep (what an idle timer costs)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    free = _round_trips(None, round_trips)
+    same = _round_trips({cpus[0]}, round_trips) if len(cpus) > 1 else None
+    c0 = time.process_time()
+    for _ in range(sleeps):
+        time.sleep(0.01)
+    return {
+        "round_trip_us": free,
+        "same_core_round_trip_us": same,
+        "idle_wakeup_cpu_us": (time.process_time() - c0) / sleeps * 1e6,
+        "cpus": float(len(cpus)),
+    }
 
 
 # --------------------------------------------------------------------------- matching
@@ -459,6 +524,12 @@ async def run(
 
     codecs = bench_serialisers()
     done("serialisers")
+    machine = wakeup_probe()
+    progress(
+        f"this machine: a wake-up round trip between two processes {machine['round_trip_us']:.0f}"
+        f" us (on one core: {_us(machine['same_core_round_trip_us'])}); waking from an idle "
+        f"sleep costs {machine['idle_wakeup_cpu_us']:.0f} us of CPU"
+    )
     progress(
         "serialisers (encode ns/msg, decode ns/msg, bytes/msg): "
         + "; ".join(
@@ -500,6 +571,7 @@ async def run(
             "chain3": chain,
             "matching": m,
             "serialisers": codecs,
+            "machine": machine,
             "rss_mb": rss,
             "subscribers": N_SUBSCRIBERS,
             "filters": N_SUBSCRIBERS * FILTERS_PER_SUBSCRIBER,
@@ -549,6 +621,16 @@ def report(r: dict[str, Any]) -> str:
             for p in x["latency"]
         ),
         (
+            "this machine: process-to-process round trip, us",
+            f"{d['machine']['round_trip_us']:.0f}",
+            "",
+            (
+                f"two wake-ups over loopback TCP (on one core: "
+                f"{_us(d['machine']['same_core_round_trip_us'])}); waking from an idle sleep "
+                f"costs {d['machine']['idle_wakeup_cpu_us']:.0f} us of CPU"
+            ),
+        ),
+        (
             "matching speed-up, 10k filters (indexed vs scan)",
             f"{r['matching_speedup_10k']:.0f}x",
             ">= 20x",
@@ -573,6 +655,10 @@ def report(r: dict[str, Any]) -> str:
     lines += [f"{a:<{w}}  {b:>14}  {t:>10}  {x}" for a, b, t, x in rows]
     lines.append(f"(wall time {d['wall_s']} s)")
     return "\n".join(lines)
+
+
+def _us(x: float | None) -> str:
+    return "n/a, one CPU" if x is None else f"{x:.0f} us"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -533,6 +533,11 @@ def test_bench_dataplane_reports_latency_percentiles_at_each_load() -> None:
         assert 0 < d["client_cpu_pct"] <= 150, d
     assert "latency at 25% load, chain of 3, p50 / p99 / p99.9 ms" in result.stdout
     assert "notifications per broker CPU-second, 1 broker" in result.stdout
+    # What a hop costs on this machine, printed beside the latencies it bounds.
+    machine = detail["machine"]
+    assert isinstance(machine, dict) and machine["round_trip_us"] > 0, machine
+    row = next(x for x in result.stdout.splitlines() if x.startswith("this machine: "))
+    assert row.split()[6] == f"{machine['round_trip_us']:.0f}", row
 
 
 def test_bench_dataplane_refuses_a_load_that_is_not_a_fraction() -> None:

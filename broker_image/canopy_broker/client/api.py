@@ -284,8 +284,9 @@ class Client(FailingOver, Migrating, AsyncClosing):
         problem: BaseException | None = None
         try:
             # Typed to return None, so that mypy flags an async function given here; this
-            # checks what it did return all the same.
-            result = cast(Callable[[list[Notification]], object], callback)(batch)
+            # checks what it did return all the same. (A string: cast() would otherwise build
+            # the generic alias on every batch.)
+            result = cast("Callable[[list[Notification]], object]", callback)(batch)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:
