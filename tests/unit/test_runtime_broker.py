@@ -733,6 +733,34 @@ async def test_a_full_retention_slows_publishers_instead_of_dropping_custody(
         assert a.core.retention.depth() <= 50
 
 
+async def test_an_idle_broker_rests_and_the_next_publication_wakes_it(
+    make_broker: MakeBroker,
+) -> None:
+    """Once nothing is owed (publications acknowledged, custody aged out) a broker stops its
+    acknowledgement round and its loop watch rests; a publication across the link wakes both:
+    it is delivered, acknowledged and kept in custody as before."""
+    a = await make_broker("a", retention_seconds=1.0)
+    z = await make_broker("z", retention_seconds=1.0)
+    await link(a, z)
+    async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
+        await far.subscribe("n >= 0")
+        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
+        await pub.publish({"n": 0})
+        assert await pub.wait_acknowledged(5.0)
+        assert [x.seq for x in await collect(far, 1)] == [1]
+        assert any(a.core.retention.by_peer.values()) and not a.idle  # custody owed
+        # Custody ages out after 1 s; heartbeats from z (every 0.2 s) wake it for a round.
+        await eventually(lambda: a.idle and a.loop_watch.resting, 5.0)
+        rests = a.loop_watch.rests
+        for n in range(1, 4):
+            await pub.publish({"n": n})
+            assert await pub.wait_acknowledged(2.0), "the acknowledgement round did not wake"
+            assert any(a.core.retention.by_peer.values())
+        assert [x.seq for x in await collect(far, 3)] == [2, 3, 4]
+        await eventually(lambda: a.idle, 5.0)
+        assert a.loop_watch.rests > rests
+
+
 # --------------------------------------------------------------------------- hostile input
 
 

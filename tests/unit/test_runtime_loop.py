@@ -108,6 +108,39 @@ async def test_loop_watch_tells_a_busy_loop_from_a_starved_one() -> None:
     assert watch._gc not in gc.callbacks
 
 
+async def test_a_resting_watch_ticks_rarely_and_wakes_for_work() -> None:
+    """At rest the watch is due every ``resting_interval``; :meth:`wake` brings the next tick
+    within ``interval``, so a stall right after it is measured in full."""
+    loop = asyncio.get_running_loop()
+    watch = LoopWatch(BrokerMetrics(_gauges), interval=0.01, resting_interval=0.5)
+    ticks = []
+    tick = watch._tick
+
+    def counted() -> None:
+        ticks.append(loop.time())
+        tick()
+
+    watch._tick = counted  # type: ignore[method-assign]
+    watch.start(loop)
+    try:
+        await asyncio.sleep(0.1)
+        assert len(ticks) >= 5  # awake: every 10 ms
+        watch.rest()
+        await asyncio.sleep(0.02)  # the tick already due comes, then the long one is set
+        resting_from = len(ticks)
+        await asyncio.sleep(0.3)
+        assert len(ticks) == resting_from, "ticked while resting"
+        watch.wake()
+        time.sleep(0.06)  # noqa: ASYNC251 - the work that woke it holds the loop
+        await asyncio.sleep(0.02)
+        assert len(ticks) > resting_from
+    finally:
+        watch.stop()
+    assert not watch.resting
+    loops = [lag for _, kind, lag, _ in watch.stalls if kind == "loop"]
+    assert loops and max(loops) >= 0.045, watch.stalls
+
+
 async def test_loop_watch_freezes_after_growth_only() -> None:
     """The routing table grows by ``freeze_every``: what is left after a young collection is
     frozen (out of every later scan). Shrinking and small growth freeze nothing."""

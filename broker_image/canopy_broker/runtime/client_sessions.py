@@ -476,6 +476,12 @@ class ClientSessions:
                 client.acked_seq = acked
                 self.send(client, dumps([B_PUBACK, acked]))
 
+    def acks_owed(self) -> bool:
+        """Some publisher has publications not acknowledged yet."""
+        return any(
+            c.publisher and (c.last_seq > c.acked_seq or c.ack_marks) for c in self.clients.values()
+        )
+
     # ------------------------------------------------------------------ draining
 
     def drain(self, target: str, address: str | None = None) -> dict[str, Any]:

@@ -34,6 +34,11 @@ class ConnOwner(Protocol):
     @property
     def work_budget(self) -> TurnBudget: ...
 
+    @property
+    def idle(self) -> bool: ...
+
+    def wake(self) -> None: ...
+
     def conn_made(self, conn: Conn) -> None: ...
 
     def frame_received(self, conn: Conn, frame: list[Any]) -> list[Any] | None: ...
@@ -80,6 +85,8 @@ class Conn(FrameProtocol):
         self.broker.conn_made(self)
 
     def data_received(self, data: bytes) -> None:
+        if self.broker.idle:
+            self.broker.wake()
         link = self.link
         if link is not None and self.role == "link":
             link.bytes_in += len(data)

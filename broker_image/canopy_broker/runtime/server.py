@@ -193,6 +193,8 @@ class Broker:
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self.metrics = BrokerMetrics(self._gauges)
         self.loop_watch = LoopWatch(self.metrics, size=self.core.routing_table_size)
+        self.idle = False  # nothing owed to anyone: see _acknowledge() and wake()
+        self._woken = asyncio.Event()
         # Frame handling hands the loop back every 10 ms (heartbeats, timers, other peers).
         self.work_budget = TurnBudget(0.01)
         self.telemetry = Telemetry(
@@ -415,25 +417,48 @@ class Broker:
 
     async def _acknowledge(self) -> None:
         """Publish acknowledgements, a few times per link round trip: often enough that a
-        publisher holds little for a failover, rarely enough to cost nothing per event."""
+        publisher holds little for a failover, rarely enough to cost nothing per event. Once
+        nothing is owed (every publication acknowledged, nothing retained for crash repair),
+        the broker is idle: this loop and the loop watch rest until data arrives."""
         while True:
             await asyncio.sleep(ACK_INTERVAL)
             if self.clients:
                 self.client_sessions.acknowledge_publishers()
-            retention = self.core.retention
-            if retention.enabled and (retention.by_peer or self.custody_full):
-                full = retention.pressing(self._loop.time())
-                if full != self.custody_full:
-                    self.custody_full = full
-                    if full:
-                        log.warning(
-                            "%s: a link's retention holds %d notifications younger than %.1fs:"
-                            " publishers wait (raise --retention-limit for more throughput)",
-                            self.name,
-                            retention.limit,
-                            retention.horizon,
-                        )
-                    self.update_pressure()
+            self._age_retention()
+            if not (
+                self.custody_full
+                or any(self.core.retention.by_peer.values())
+                or self.client_sessions.acks_owed()
+            ):
+                self.idle = True
+                self.loop_watch.rest()
+                self._woken.clear()
+                await self._woken.wait()
+
+    def wake(self) -> None:
+        """Data arrived while the broker was idle (see :meth:`_acknowledge`); called by the
+        connections, first thing, only while :attr:`idle`."""
+        self.idle = False
+        self.loop_watch.wake()
+        self._woken.set()
+
+    def _age_retention(self) -> None:
+        """Drop retained notifications past their window; publishers wait while a link's
+        retention is full of ones younger than the detection horizon."""
+        retention = self.core.retention
+        if retention.enabled and (retention.by_peer or self.custody_full):
+            full = retention.pressing(self._loop.time())
+            if full != self.custody_full:
+                self.custody_full = full
+                if full:
+                    log.warning(
+                        "%s: a link's retention holds %d notifications younger than %.1fs:"
+                        " publishers wait (raise --retention-limit for more throughput)",
+                        self.name,
+                        retention.limit,
+                        retention.horizon,
+                    )
+                self.update_pressure()
 
     # ------------------------------------------------------------------ connections
 
