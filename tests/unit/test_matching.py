@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from canopy_broker.core.filters import Constraint, Filter, Op
+from canopy_broker.core.filters import Constraint, Filter, Kind, Op
 from canopy_broker.core.matching import (
     ROUTE_CACHE_ITEMS,
     ROUTE_CACHE_LARGEST,
@@ -217,6 +217,27 @@ def test_an_equality_with_one_range_is_found_by_bisection() -> None:
     assert m.match_payloads(event) == set(range(502, 1000, 2))
     assert m.match_payloads({"symbol": "S", "price": "a"}) == {-2}
     assert m.match_payloads({"symbol": "S", "price": 1999, "size": 6}) == {-1}
+
+
+def test_a_value_with_one_filter_files_it_without_a_bucket() -> None:
+    """Most equality values have one filter (``k = <id>``): it is filed as itself, a second
+    one under the value makes a bucket for both, and what is found is the same throughout."""
+    m: IndexedMatcher[str] = IndexedMatcher()
+    lone, ranged = Filter.parse("k = 1"), Filter.parse("k = 1 and j < 3")
+    m.add(ranged, "q")
+    assert m._eq.get(("k", Kind.NUMBER, 1)) is ranged
+    assert m.match_payloads({"k": 1, "j": 2}) == {"q"}
+    assert m.match_payloads({"k": 1, "j": 3}) == set()  # its range is checked all the same
+    m.add(lone, "p")
+    assert type(m._eq.get(("k", Kind.NUMBER, 1))).__name__ == "_Bucket"
+    assert m.match_payloads({"k": 1, "j": 2}) == {"p", "q"}
+    m.remove(ranged, "q")
+    assert m.match_payloads({"k": 1, "j": 2}) == {"p"}
+    m.remove(lone, "p")
+    assert len(m._eq) == 0 and len(m) == 0
+    m.add(lone, "p")
+    m.remove(Filter.parse("k = 1"), "p")  # an equal filter, not the same object
+    assert len(m._eq) == 0 and m.match_payloads({"k": 1}) == set()
 
 
 def test_access_constraint_prefers_equality() -> None:

@@ -144,7 +144,7 @@ class IndexedMatcher(Generic[P]):
         # (most filters have one subscriber: a dict each was a tenth of a filter's memory).
         self._payloads: ShardedDict[Filter, P | dict[P, int]] = ShardedDict()
         self._always: list[Filter] = []
-        self._eq: ShardedDict[tuple[str, Kind, Value], _Bucket] = ShardedDict()
+        self._eq: ShardedDict[tuple[str, Kind, Value], _Bucket | Filter] = ShardedDict()
         self._affix: ShardedDict[tuple[Op, str, str], list[Filter]] = ShardedDict()
         self._affix_lengths: dict[tuple[Op, str], dict[int, int]] = {}
         self._ranges: dict[tuple[Op, str, Kind], _Sorted] = {}
@@ -194,12 +194,25 @@ class IndexedMatcher(Generic[P]):
         if c.op is Op.EQ:
             assert kind is not None and c.value is not None
             eq_key = (c.attr, kind, c.value)
-            bucket = self._eq.get(eq_key)
-            if bucket is None:
+            held = self._eq.get(eq_key)
+            if isinstance(held, _Bucket):
+                held.toggle(f, c, add)
+                if not held.size:
+                    del self._eq[eq_key]
+            elif held is None:
+                # The first filter under a value is filed as itself: most values have one
+                # filter, and a bucket with its list was a tenth of a filter's memory.
+                if not add:
+                    raise ValueError(f"{f} is not filed under {eq_key!r}")
+                self._eq[eq_key] = f
+            elif add:  # a second one: a bucket for both (it stays one until empty)
                 bucket = self._eq[eq_key] = _Bucket()
-            bucket.toggle(f, c, add)
-            if not bucket.size:
+                bucket.toggle(held, c, True)  # filed under the same value: the same access
+                bucket.toggle(f, c, True)
+            elif held == f:
                 del self._eq[eq_key]
+            else:
+                raise ValueError(f"{f} is not filed under {eq_key!r}")
         elif c.op in (Op.PREFIX, Op.SUFFIX):
             assert isinstance(c.value, str)
             _toggle_in(self._affix, (c.op, c.attr, c.value), f, add)
@@ -268,9 +281,11 @@ class IndexedMatcher(Generic[P]):
             if kind is None:
                 continue
             if eq:
-                bucket = eq.get((attr, kind, value))
-                if bucket is not None:
-                    bucket.collect(attrs, matched, sure)
+                held = eq.get((attr, kind, value))
+                if isinstance(held, _Bucket):
+                    held.collect(attrs, matched, sure)
+                elif held is not None:  # a lone filter: its other constraints are to check
+                    sure.append(held)
             if kind is Kind.STRING and attr in self._affix_keys_by_attr:
                 assert isinstance(value, str)
                 self._affix_candidates(attr, value, sure)
