@@ -236,7 +236,8 @@ def test_a_cover_profile_holds_each_pin_once() -> None:
     q = module.cover_profile(Filter.parse("k = 18 and j > 3"))
     pin = p.pins[0]
     assert p.anchor is p.filed[0] is p.probe[1]
-    assert all(slot[2] is pin for slot in (p.anchor, p.filed[1], p.narrow[0]))
+    assert p.anchor[2] is pin
+    assert p.filed[1] is pin and p.narrow is p.pins  # a pin is its own slot
     assert p.attrs is q.attrs
     assert [s for s in p.filed if s[0] == "attr"] == [s for s in q.filed if s[0] == "attr"]
     assert all(a is b for a, b in zip(p.filed[2:], q.filed[2:], strict=True))

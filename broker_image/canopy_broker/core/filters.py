@@ -594,8 +594,8 @@ is a C struct that becomes a new Python tuple each time it is stored, and a prof
 a copy per place it appears (as it did: 13 objects a filter instead of 8)."""
 
 Slot = tuple[object, ...]
-"""A bucket of a covering index (see :class:`CoverProfile`): (family, kind, pin or name); any
-length for the same reason as :data:`Pin`."""
+"""A bucket of a covering index (see :class:`CoverProfile`): (family, kind, pin or name), or a
+pin itself; any length for the same reason as :data:`Pin`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -702,10 +702,12 @@ def _profile(f: Filter) -> CoverProfile:
     cover_pins: list[Slot] = [("cover", "pin", pin) for pin in pins]
     cover_attrs: list[Slot] = [_shared(("cover", "attr", a), len(a)) for a in attrs]
     anchor = cover_pins[0] if pins else cover_attrs[0] if attrs else MATCH_ALL_SLOT
-    by_pin: tuple[Slot, ...] = tuple([("pin", "", pin) for pin in pins])
+    # A pin is its own slot: (attribute, kind name, value) can equal no other slot, whose
+    # second item is "top", "pin", "attr" or "". So the pins tuple is the narrow one too.
+    by_pin: tuple[Slot, ...] = tuple(pins)
     by_attr: tuple[Slot, ...] = _shared(
         tuple([_shared(("attr", "", a), len(a)) for a in attrs]), sum([len(a) for a in attrs])
     )
     filed = (anchor, *by_pin, *by_attr) if ok else (anchor,)
     probe = (MATCH_ALL_SLOT, *cover_pins, *cover_attrs)
-    return CoverProfile(ok, attrs, tuple(pins), anchor, filed, probe, by_pin or by_attr)
+    return CoverProfile(ok, attrs, by_pin, anchor, filed, probe, by_pin or by_attr)
