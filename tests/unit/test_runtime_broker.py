@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from canopy_broker.client import Client, ClientError, ConnectionLost, Notification, connect
@@ -757,8 +759,87 @@ async def test_an_idle_broker_rests_and_the_next_publication_wakes_it(
             assert await pub.wait_acknowledged(2.0), "the acknowledgement round did not wake"
             assert any(a.core.retention.by_peer.values())
         assert [x.seq for x in await collect(far, 3)] == [2, 3, 4]
-        await eventually(lambda: a.idle, 5.0)
-        assert a.loop_watch.rests > rests
+        await eventually(lambda: a.idle and a.loop_watch.rests > rests, 5.0)
+
+
+async def _pubacks(reader: asyncio.StreamReader, out: list[int]) -> None:
+    """Collect the seqs a raw publisher is acknowledged (B_PUBACK in F_MSGS frames)."""
+    while True:
+        (n,) = struct.unpack(">I", await reader.readexactly(4))
+        f = orjson.loads(await reader.readexactly(n))
+        if f[0] == 6:
+            out.extend(m[1] for m in f[1] if m[0] == 26)
+
+
+async def test_a_publication_handled_in_a_later_turn_wakes_the_acknowledgements(
+    make_broker: MakeBroker,
+) -> None:
+    """One read brings 9,000 subscriptions, then a publication: the subscriptions take several
+    turns of the frame budget, so the acknowledgement round (woken by the read) finds nothing
+    owed and rests before the publication is handled, from a later turn rather than from the
+    read. Handling it wakes the round: it is acknowledged (a broker without links has no
+    other data to wake it)."""
+    b = await make_broker("b")
+    await eventually(lambda: b.idle)
+    reader, writer = await raw_connection(b)
+    acked: list[int] = []
+    task = asyncio.create_task(_pubacks(reader, acked))
+    try:
+        subs = [[10, f"s{i}", f"k = {i} and v > {i}"] for i in range(9000)]
+        writer.write(
+            control_frame(0, {"v": 1, "role": "client", "client_id": "p"})
+            + control_frame(6, subs)
+            + control_frame(6, [[12, 1, {"k": 1, "v": 5}]])
+        )
+        await writer.drain()
+        await eventually(lambda: acked == [1])
+    finally:
+        task.cancel()
+        writer.transport.abort()
+        await asyncio.sleep(0)
+
+
+async def test_a_publication_held_for_a_withdrawal_wakes_the_acknowledgements(
+    make_broker: MakeBroker,
+) -> None:
+    """A client with many subscriptions drops and comes back at once under its id: its hello
+    and its publication are held until the withdrawal ends, then released, long after the
+    read that brought them. Handling them wakes the round: the publication is acknowledged."""
+    b = await make_broker("b")
+    big = await connect(addr(b), "big")
+    await big.subscribe_many([(f"k{i}", f"k = {i} and v > {i}") for i in range(9500)])
+    b.work_budget.seconds = 0.0  # the withdrawal outlasts a round of the acknowledgements
+    big.abort()
+    await eventually(lambda: "big" not in b.clients)
+    reader, writer = await raw_connection(b)
+    acked: list[int] = []
+    task = asyncio.create_task(_pubacks(reader, acked))
+    try:
+        writer.write(
+            control_frame(0, {"v": 1, "role": "client", "client_id": "big"})
+            + control_frame(6, [[12, 1, {"k": 1}]])
+        )
+        await writer.drain()
+        await eventually(lambda: any(c.held for c in b._conns), 5.0)
+        await eventually(lambda: acked == [1], 20.0)
+    finally:
+        task.cancel()
+        writer.transport.abort()
+        await asyncio.sleep(0)
+
+
+async def test_bursts_of_publications_are_all_acknowledged(make_broker: MakeBroker) -> None:
+    """The client library's bursts (as the HTTP gateway's POST /v1/publish sends, up to 10,000
+    events a request) are read in one go and handled over several turns: each is acknowledged
+    whole, however the round's rests fall between its turns."""
+    b = await make_broker("b")
+    async with await connect(addr(b), "pub") as pub, await connect(addr(b)) as sub:
+        await sub.subscribe([["n", "exists"]])
+        for _ in range(10):
+            await eventually(lambda: b.idle, 5.0)
+            for n in range(10_000):
+                pub.publish_nowait({"n": n, "pad": "x" * 40})
+            assert await pub.wait_acknowledged(3.0), (b.clients["pub"].last_seq, b.idle)
 
 
 # --------------------------------------------------------------------------- hostile input

@@ -109,10 +109,14 @@ async def test_loop_watch_tells_a_busy_loop_from_a_starved_one() -> None:
 
 
 async def test_a_resting_watch_ticks_rarely_and_wakes_for_work() -> None:
-    """At rest the watch is due every ``resting_interval``; :meth:`wake` brings the next tick
-    within ``interval``, so a stall right after it is measured in full."""
+    """While its owner may rest the watch is due every ``resting_interval``; :meth:`wake`
+    brings the next tick within ``interval``, so a stall right after it is measured in full,
+    and the watch rests again at the first tick that finds its owner idle."""
     loop = asyncio.get_running_loop()
-    watch = LoopWatch(BrokerMetrics(_gauges), interval=0.01, resting_interval=0.5)
+    idle = [False]
+    watch = LoopWatch(
+        BrokerMetrics(_gauges), interval=0.01, resting_interval=0.5, may_rest=lambda: idle[0]
+    )
     ticks = []
     tick = watch._tick
 
@@ -124,21 +128,48 @@ async def test_a_resting_watch_ticks_rarely_and_wakes_for_work() -> None:
     watch.start(loop)
     try:
         await asyncio.sleep(0.1)
-        assert len(ticks) >= 5  # awake: every 10 ms
-        watch.rest()
-        await asyncio.sleep(0.02)  # the tick already due comes, then the long one is set
+        assert len(ticks) >= 5 and not watch.resting  # awake: every 10 ms
+        idle[0] = True
+        await asyncio.sleep(0.02)  # the tick already due finds it idle: the next in 0.5 s
+        assert watch.resting and watch.rests == 1
         resting_from = len(ticks)
         await asyncio.sleep(0.3)
         assert len(ticks) == resting_from, "ticked while resting"
-        watch.wake()
-        time.sleep(0.06)  # noqa: ASYNC251 - the work that woke it holds the loop
+        watch.wake()  # work, and the owner is still idle (a heartbeat, say)
+        time.sleep(0.06)  # noqa: ASYNC251 - the work holds the loop
         await asyncio.sleep(0.02)
         assert len(ticks) > resting_from
+        assert watch.resting and watch.rests == 2  # idle still: resting again
     finally:
         watch.stop()
-    assert not watch.resting
     loops = [lag for _, kind, lag, _ in watch.stalls if kind == "loop"]
     assert loops and max(loops) >= 0.045, watch.stalls
+
+
+async def test_a_stall_on_cpu_while_resting_is_the_brokers_own() -> None:
+    """Work that starts without a wake is measured at the resting grain, and what it spent on
+    CPU is counted as CPU: a resting period's length is not CPU the idle broker could use."""
+    loop = asyncio.get_running_loop()
+    watch = LoopWatch(
+        BrokerMetrics(_gauges), interval=0.01, resting_interval=0.25, may_rest=lambda: True
+    )
+    watch.start(loop)
+    try:
+        await asyncio.sleep(0.05)
+        assert watch.resting
+        armed = watch._armed
+        while watch._armed == armed:  # noqa: ASYNC110 - just after a tick: 250 ms to the next
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:  # held, on CPU, from a timer or a task: no wake
+            pass
+        await asyncio.sleep(0.02)
+    finally:
+        watch.stop()
+    [(lag, busy)] = [(lag, cpu) for _, kind, lag, cpu in watch.stalls if kind == "loop"]
+    assert lag >= 0.1, watch.stalls  # ran until 0.4 s, due at 0.25 s
+    assert busy >= 0.8 * lag, watch.stalls  # on CPU: the broker's, not the machine's
 
 
 async def test_loop_watch_freezes_after_growth_only() -> None:

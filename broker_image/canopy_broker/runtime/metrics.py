@@ -276,10 +276,12 @@ class LoopWatch:
     caused from one the broker's own work did. The last ``keep`` stalls (lag or pause of at
     least :data:`STALL`) are kept with their wall-clock time for ``/status``.
 
-    While the broker has nothing to do (:meth:`rest`) the callback is due every
-    ``resting_interval`` instead; whatever brings work calls :meth:`wake` first, which brings
-    the next tick back within ``interval``. A stall is work, so it is measured at the fine
-    interval all the same, and an idle broker wakes a few times a second rather than a hundred.
+    While the broker has nothing to do (``may_rest()`` at a tick) the callback is due every
+    ``resting_interval`` instead; whatever brings or starts work calls :meth:`wake` first,
+    which brings the next tick back within ``interval``. A stall is work, so it is measured at
+    the fine interval all the same, and an idle broker wakes a few times a second rather than a
+    hundred. (Work that starts without a wake, such as an in-process gateway's parsing before
+    its request reaches the broker, is measured at ``resting_interval``'s grain.)
 
     It also keeps bulk growth out of the collector's way. A collection scans every object in
     the generations it collects, and the routing state of 100k subscriptions is millions of
@@ -301,6 +303,7 @@ class LoopWatch:
         *,
         interval: float = 0.01,
         resting_interval: float = 0.25,
+        may_rest: Callable[[], bool] | None = None,
         keep: int = 256,
         size: Callable[[], int] | None = None,
         freeze_every: int = 1000,
@@ -309,7 +312,8 @@ class LoopWatch:
         self.metrics = metrics
         self.interval = interval
         self.resting_interval = resting_interval
-        self.resting = False  # see rest() and wake()
+        self.may_rest = may_rest  # asked at each tick: the owner has nothing to do
+        self.resting = False  # see wake()
         self.rests = 0  # times it began to rest (``/status``: a request wakes it, so not this)
         self.size = size
         self.freeze_every = freeze_every
@@ -334,18 +338,10 @@ class LoopWatch:
         self._arm(loop.time(), time.process_time())
         gc.callbacks.append(self._gc)
 
-    def rest(self) -> None:
-        """The broker has nothing to do: tick every ``resting_interval`` from the next tick on,
-        until :meth:`wake`. An idle broker's only work would otherwise be this watch, and on a
-        virtual machine each wake-up from idle costs tens of microseconds of CPU."""
-        if not self.resting:
-            self.resting = True
-            self.rests += 1
-
     def wake(self) -> None:
-        """Work arrived (called by whoever receives it, first thing): tick every ``interval``
-        again, the next one within ``interval`` of now, so that a stall this work causes is
-        measured as finely as any other."""
+        """Work arrived (called by whoever receives it or starts it, first thing): the next
+        tick within ``interval`` of now, so that a stall this work causes is measured as finely
+        as any other. The watch rests again at the first tick that finds ``may_rest()``."""
         if not self.resting:
             return
         self.resting = False
@@ -374,12 +370,18 @@ class LoopWatch:
         self.metrics.loop_lag.observe(lag)
         self.lag_max = max(self.lag_max, lag)
         if lag >= STALL:
-            # The CPU used beyond the period's own length: what the stall spent on CPU.
-            busy = min(lag, max(0.0, cpu - self._cpu - (self._due - self._armed)))
+            # The CPU used beyond what the period itself may have used (at most one fine
+            # interval: resting, the broker had nothing to do): what the stall spent on CPU.
+            period = min(self._due - self._armed, self.interval)
+            busy = min(lag, max(0.0, cpu - self._cpu - period))
             self.busy_max = max(self.busy_max, busy)
             self.stalls.append((time.time(), "loop", lag, busy))
         if self.size is not None and self._freeze_or_thaw(now, self.size()):
             cpu = time.process_time()  # the collection is this tick's, not the next one's lag
+        resting = lag < STALL and self.may_rest is not None and self.may_rest()
+        if resting and not self.resting:
+            self.rests += 1
+        self.resting = resting
         self._arm(now, cpu)
 
     def _freeze_or_thaw(self, now: float, size: int) -> bool:

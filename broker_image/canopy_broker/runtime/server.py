@@ -192,8 +192,10 @@ class Broker:
         self.leaf_steps: dict[str, dict[str, Any]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self.metrics = BrokerMetrics(self._gauges)
-        self.loop_watch = LoopWatch(self.metrics, size=self.core.routing_table_size)
         self.idle = False  # nothing owed to anyone: see _acknowledge() and wake()
+        self.loop_watch = LoopWatch(
+            self.metrics, size=self.core.routing_table_size, may_rest=lambda: self.idle
+        )
         self._woken = asyncio.Event()
         # Frame handling hands the loop back every 10 ms (heartbeats, timers, other peers).
         self.work_budget = TurnBudget(0.01)
@@ -377,6 +379,9 @@ class Broker:
         next_probe = self._loop.time() + cfg.probe_interval
         while True:
             await asyncio.sleep(cfg.heartbeat_interval)
+            # Measured finely, as any work; nothing here is owed to a client, so the
+            # acknowledgement round sleeps on and the watch rests again at its next tick.
+            self.loop_watch.wake()
             now = self._loop.time()
             if cfg.probe_interval > 0 and now >= next_probe and self._probing is None:
                 next_probe = now + cfg.probe_interval
@@ -430,14 +435,15 @@ class Broker:
                 or any(self.core.retention.by_peer.values())
                 or self.client_sessions.acks_owed()
             ):
-                self.idle = True
-                self.loop_watch.rest()
+                self.idle = True  # the loop watch rests from its next tick
                 self._woken.clear()
                 await self._woken.wait()
 
     def wake(self) -> None:
-        """Data arrived while the broker was idle (see :meth:`_acknowledge`); called by the
-        connections, first thing, only while :attr:`idle`."""
+        """Work arrived while the broker was idle (see :meth:`_acknowledge`): called, only
+        while :attr:`idle`, first thing by whatever brings it: a connection's data and each
+        frame it handles (frames are also handled in later turns, or held and released), a
+        connection made or lost, a core timer, an admin request."""
         self.idle = False
         self.loop_watch.wake()
         self._woken.set()
@@ -463,6 +469,8 @@ class Broker:
     # ------------------------------------------------------------------ connections
 
     def conn_made(self, conn: Conn) -> None:
+        if self.idle:
+            self.wake()
         self._conns.add(conn)
         if conn.dialing:
             assert conn.link is not None
@@ -518,6 +526,8 @@ class Broker:
         log.warning("%s: closing %s connection (%s): %s", self.name, role, who, exc)
 
     def conn_lost(self, conn: Conn) -> None:
+        if self.idle:
+            self.wake()
         self._conns.discard(conn)
         if conn.source:
             n = self._per_source.get(conn.source, 1) - 1
@@ -687,6 +697,8 @@ class Broker:
 
     def frame_received(self, conn: Conn, frame: list[Any]) -> list[Any] | None:
         """Handle one frame; a long one may be handed back unfinished (see ``work_budget``)."""
+        if self.idle:  # handed back, or held and released, after the round found none owed
+            self.wake()
         ftype = frame[0]
         role = conn.role
         if role == "client":
@@ -1087,6 +1099,8 @@ class Broker:
         self._timers[key] = self._loop.call_later(delay, self._timer_fired, key)
 
     def _timer_fired(self, key: str) -> None:
+        if self.idle:
+            self.wake()
         self._timers.pop(key, None)
         if self.stopping:
             return
