@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import orjson
+import pytest
 
 from canopy_broker.runtime.framing import FrameProtocol, TurnBudget, frame
 from canopy_broker.runtime.metrics import BrokerMetrics, Gauges, LoopWatch
@@ -197,6 +198,31 @@ async def test_loop_watch_freezes_after_growth_only() -> None:
     finally:
         watch.stop()
         gc.unfreeze()  # the test process's objects go back to the collector
+
+
+async def test_a_freeze_is_not_taken_for_a_stall_of_the_next_tick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The young collection before a freeze runs inside a tick: it is a collection (timed as
+    such by the gc callbacks), and the next tick is due an interval after it, not before."""
+    collect = gc.collect
+
+    def slow(generation: int = 2) -> int:
+        time.sleep(0.03)  # a collection of a large young generation, waiting on memory
+        return collect(generation)
+
+    size = [0]
+    watch = LoopWatch(BrokerMetrics(_gauges), size=lambda: size[0], freeze_every=100)
+    monkeypatch.setattr(gc, "collect", slow)
+    watch.start(asyncio.get_running_loop())
+    try:
+        size[0] = 150
+        await asyncio.sleep(0.1)
+        assert watch.freezes == 1
+    finally:
+        watch.stop()
+        gc.unfreeze()
+    assert not [s for s in watch.stalls if s[1] == "loop"], watch.stalls
 
 
 async def test_loop_watch_thaws_once_the_table_stops_growing() -> None:

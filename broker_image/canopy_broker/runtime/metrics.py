@@ -377,7 +377,8 @@ class LoopWatch:
             self.busy_max = max(self.busy_max, busy)
             self.stalls.append((time.time(), "loop", lag, busy))
         if self.size is not None and self._freeze_or_thaw(now, self.size()):
-            cpu = time.process_time()  # the collection is this tick's, not the next one's lag
+            # The collection is this tick's (timed as a gc pause), not the next one's lag.
+            now, cpu = self._loop.time(), time.process_time()
         resting = lag < STALL and self.may_rest is not None and self.may_rest()
         if resting and not self.resting:
             self.rests += 1
