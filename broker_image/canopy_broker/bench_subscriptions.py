@@ -134,6 +134,9 @@ async def install(
     k = max(1, 1000 // batch)
     first, last = sum(per_batch[:k]), sum(per_batch[-k:])
     tenths = _tenths([cpu0, *cpu_at], n, batch, len(overlay.brokers))
+    # What the routing state costs in memory: every broker now holds the tables so far.
+    rss = {name: round(overlay[name].rss_mb(), 1) for name in overlay.brokers}
+    largest = max(rss, key=rss.__getitem__)
     result = {
         "subscriptions": n,
         "acknowledged_s": round(t_ack, 3),
@@ -142,13 +145,15 @@ async def install(
         "last_1k_s": round(last, 4),
         "cpu_us_per_insert": round(cpu_us, 2),
         **({"cpu_us_per_insert_by_tenth": tenths} if tenths else {}),
+        "rss_mb": rss,
         **stalls,
     }
     growth = f" (by tenth: {tenths[0]:.1f} -> {tenths[-1]:.1f})" if tenths else ""
     progress(
         f"N={n:,}: acknowledged in {t_ack:.2f}s, in every routing table after {t_all:.2f}s; "
         f"first 1k {first:.3f}s, last 1k {last:.3f}s; {cpu_us:.1f} CPU-us per subscription "
-        f"per broker{growth}; {_said(stalls)}"
+        f"per broker{growth}; broker RSS up to {rss[largest]:.0f} MiB ({largest}); "
+        f"{_said(stalls)}"
     )
     return result
 

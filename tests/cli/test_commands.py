@@ -375,6 +375,9 @@ def test_bench_subscriptions_measures_and_loses_nothing_under_churn() -> None:
     assert len(tenths) == 10 and min(tenths) >= 0 < sum(tenths)
     for r in installs:
         assert 0 < r["acknowledged_s"] <= r["installed_everywhere_s"]
+        # Each broker's resident memory once it holds them (a broker process: tens of MiB).
+        assert sorted(r["rss_mb"]) == ["b0", "b1", "b2", "b3"], r
+        assert all(10 < v < 4096 for v in r["rss_mb"].values()), r
         # The brokers spent CPU on each subscription (decoding, indexing, forwarding): some
         # microseconds, not zero, and not the whole interval on the machine's two cores.
         assert 1 < r["cpu_us_per_insert"] < 2e6 * r["installed_everywhere_s"] / (4 * 300)
