@@ -441,7 +441,7 @@ class ClientSessions:
             len(gaps),
         )
 
-    def acknowledge_publishers(self) -> None:
+    def acknowledge_publishers(self) -> bool:
         """Tell each publisher how far its publications are safe: everything up to the seq
         acknowledged has reached the next hops (their link acknowledgements cover it), so it
         survives this broker's death; the client re-sends the rest after a failover.
@@ -449,9 +449,13 @@ class ClientSessions:
         A mark is taken per publisher (its last seq, and every link's last queued position) at
         most once per call, and only while nothing it published is held back inside the core;
         the mark's seq is acknowledged once every link has acknowledged its position (or is
-        gone, or started a new session: its custody then passed to a repair)."""
+        gone, or started a new session: its custody then passed to a repair).
+
+        Returns whether some publisher still has publications not acknowledged (in the same
+        pass: the broker rests only when none has)."""
         core = self.host.core
         links: list[Link] | None = None
+        owed = False
         for client in self.clients.values():
             if not client.publisher:
                 continue
@@ -475,12 +479,14 @@ class ClientSessions:
             if acked > client.acked_seq:
                 client.acked_seq = acked
                 self.send(client, dumps([B_PUBACK, acked]))
+            if client.last_seq > client.acked_seq or marks:
+                owed = True
+        return owed
 
-    def acks_owed(self) -> bool:
-        """Some publisher has publications not acknowledged yet."""
-        return any(
-            c.publisher and (c.last_seq > c.acked_seq or c.ack_marks) for c in self.clients.values()
-        )
+    @property
+    def withdrawing(self) -> bool:
+        """Departed clients' subscriptions are still being withdrawn, a turn at a time."""
+        return bool(self._leaving)
 
     # ------------------------------------------------------------------ draining
 

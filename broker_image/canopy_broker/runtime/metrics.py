@@ -280,8 +280,11 @@ class LoopWatch:
     ``resting_interval`` instead; whatever brings or starts work calls :meth:`wake` first,
     which brings the next tick back within ``interval``. A stall is work, so it is measured at
     the fine interval all the same, and an idle broker wakes a few times a second rather than a
-    hundred. (Work that starts without a wake, such as an in-process gateway's parsing before
-    its request reaches the broker, is measured at ``resting_interval``'s grain.)
+    hundred. Work that starts without a wake is measured at ``resting_interval``'s grain: an
+    in-process gateway's parsing before its request reaches the broker, outgoing TLS
+    handshakes (dials, RTT probes), an admin request's code after an ``await``, a repair a
+    probe begins. The CPU a stall is credited with assumes the rest of a resting period was
+    idle (at most one ``interval`` of it is deducted): such work there can be counted in.
 
     It also keeps bulk growth out of the collector's way. A collection scans every object in
     the generations it collects, and the routing state of 100k subscriptions is millions of

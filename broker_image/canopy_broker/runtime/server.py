@@ -194,7 +194,7 @@ class Broker:
         self.metrics = BrokerMetrics(self._gauges)
         self.idle = False  # nothing owed to anyone: see _acknowledge() and wake()
         self.loop_watch = LoopWatch(
-            self.metrics, size=self.core.routing_table_size, may_rest=lambda: self.idle
+            self.metrics, size=self.core.routing_table_size, may_rest=self._may_rest
         )
         self._woken = asyncio.Event()
         # Frame handling hands the loop back every 10 ms (heartbeats, timers, other peers).
@@ -269,13 +269,19 @@ class Broker:
         self, host: str, port: int, listener: str, tls: ssl.SSLContext | None
     ) -> asyncio.Server:
         return await self._loop.create_server(
-            lambda: Conn(self, listener=listener),
+            lambda: self._accepted(listener),
             host,
             port,
             reuse_address=True,
             ssl=tls,
             ssl_handshake_timeout=self.config.handshake_timeout if tls else None,
         )
+
+    def _accepted(self, listener: str) -> Conn:
+        """A connection accepted (its TLS handshake, CPU of this loop, is still to come)."""
+        if self.idle:
+            self.wake()
+        return Conn(self, listener=listener)
 
     async def start(self) -> None:
         cfg = self.config
@@ -380,8 +386,11 @@ class Broker:
         while True:
             await asyncio.sleep(cfg.heartbeat_interval)
             # Measured finely, as any work; nothing here is owed to a client, so the
-            # acknowledgement round sleeps on and the watch rests again at its next tick.
+            # acknowledgement round sleeps on and the watch rests again at its next tick,
+            # unless a repair begun here re-kept retained notifications: the round ages them.
             self.loop_watch.wake()
+            if self.idle and self._holds_custody():
+                self.wake()
             now = self._loop.time()
             if cfg.probe_interval > 0 and now >= next_probe and self._probing is None:
                 next_probe = now + cfg.probe_interval
@@ -427,17 +436,21 @@ class Broker:
         the broker is idle: this loop and the loop watch rest until data arrives."""
         while True:
             await asyncio.sleep(ACK_INTERVAL)
-            if self.clients:
-                self.client_sessions.acknowledge_publishers()
+            owed = self.client_sessions.acknowledge_publishers() if self.clients else False
             self._age_retention()
-            if not (
-                self.custody_full
-                or any(self.core.retention.by_peer.values())
-                or self.client_sessions.acks_owed()
-            ):
+            if not (owed or self._holds_custody()):
                 self.idle = True  # the loop watch rests from its next tick
                 self._woken.clear()
                 await self._woken.wait()
+
+    def _holds_custody(self) -> bool:
+        """Notifications retained for crash repair (aged by the round), or a full retention
+        (publishers held until it has room)."""
+        return self.custody_full or any(self.core.retention.by_peer.values())
+
+    def _may_rest(self) -> bool:
+        """For the loop watch: nothing owed, and no withdrawal still working turn by turn."""
+        return self.idle and not self.client_sessions.withdrawing
 
     def wake(self) -> None:
         """Work arrived while the broker was idle (see :meth:`_acknowledge`): called, only
