@@ -454,9 +454,9 @@ class Broker:
 
     def wake(self) -> None:
         """Work arrived while the broker was idle (see :meth:`_acknowledge`): called, only
-        while :attr:`idle`, first thing by whatever brings it: a connection's data and each
-        frame it handles (frames are also handled in later turns, or held and released), a
-        connection made or lost, a core timer, an admin request."""
+        while :attr:`idle`, first thing by whatever brings it: a connection accepted, its data
+        and each frame it handles (frames are also handled in later turns, or held and
+        released), a connection made or lost, a core timer, an admin request."""
         self.idle = False
         self.loop_watch.wake()
         self._woken.set()
