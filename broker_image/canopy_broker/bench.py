@@ -526,9 +526,8 @@ async def run(
     done("serialisers")
     machine = wakeup_probe()
     progress(
-        f"this machine: a wake-up round trip between two processes {machine['round_trip_us']:.0f}"
-        f" us (on one core: {_us(machine['same_core_round_trip_us'])}); waking from an idle "
-        f"sleep costs {machine['idle_wakeup_cpu_us']:.0f} us of CPU"
+        f"this machine: a process-to-process round trip {machine['round_trip_us']:.0f} us, "
+        + _machine_said(machine)
     )
     progress(
         "serialisers (encode ns/msg, decode ns/msg, bytes/msg): "
@@ -624,11 +623,7 @@ def report(r: dict[str, Any]) -> str:
             "this machine: process-to-process round trip, us",
             f"{d['machine']['round_trip_us']:.0f}",
             "",
-            (
-                f"two wake-ups over loopback TCP (on one core: "
-                f"{_us(d['machine']['same_core_round_trip_us'])}); waking from an idle sleep "
-                f"costs {d['machine']['idle_wakeup_cpu_us']:.0f} us of CPU"
-            ),
+            "two wake-ups over loopback TCP, " + _machine_said(d["machine"]),
         ),
         (
             "matching speed-up, 10k filters (indexed vs scan)",
@@ -657,8 +652,13 @@ def report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _us(x: float | None) -> str:
-    return "n/a, one CPU" if x is None else f"{x:.0f} us"
+def _machine_said(machine: dict[str, Any]) -> str:
+    """The probe's other figures (:func:`wakeup_probe`), for the progress line and the table."""
+    same = machine["same_core_round_trip_us"]
+    return (
+        f"on one core: {'n/a, one CPU' if same is None else f'{same:.0f} us'}; waking from an "
+        f"idle sleep costs {machine['idle_wakeup_cpu_us']:.0f} us of CPU"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -199,17 +199,15 @@ class IndexedMatcher(Generic[P]):
                 held.toggle(f, c, add)
                 if not held.size:
                     del self._eq[eq_key]
-            elif held is None:
-                # The first filter under a value is filed as itself: most values have one
-                # filter, and a bucket with its list was a tenth of a filter's memory.
-                if not add:
-                    raise ValueError(f"{f} is not filed under {eq_key!r}")
-                self._eq[eq_key] = f
-            elif add:  # a second one: a bucket for both (it stays one until empty)
+            elif add and held is not None:  # a second one: a bucket for both (until empty)
                 bucket = self._eq[eq_key] = _Bucket()
                 bucket.toggle(held, c, True)  # filed under the same value: the same access
                 bucket.toggle(f, c, True)
-            elif held == f:
+            elif add:
+                # The first filter under a value is filed as itself: most values have one
+                # filter, and a bucket with its list was a tenth of a filter's memory.
+                self._eq[eq_key] = f
+            elif held is not None and held == f:
                 del self._eq[eq_key]
             else:
                 raise ValueError(f"{f} is not filed under {eq_key!r}")

@@ -36,9 +36,7 @@ def _auth_middleware(token: str | None) -> Middleware:
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        broker = request.app[BROKER]
-        if broker.idle:  # a request is work: stalls it causes are measured finely
-            broker.wake()
+        request.app[BROKER].wake()  # a request is work: stalls it causes are measured finely
         if expected is not None and request.path not in PUBLIC:
             got = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(got, expected):

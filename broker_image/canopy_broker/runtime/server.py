@@ -279,8 +279,7 @@ class Broker:
 
     def _accepted(self, listener: str) -> Conn:
         """A connection accepted (its TLS handshake, CPU of this loop, is still to come)."""
-        if self.idle:
-            self.wake()
+        self.wake()
         return Conn(self, listener=listener)
 
     async def start(self) -> None:
@@ -386,11 +385,9 @@ class Broker:
         while True:
             await asyncio.sleep(cfg.heartbeat_interval)
             # Measured finely, as any work; nothing here is owed to a client, so the
-            # acknowledgement round sleeps on and the watch rests again at its next tick,
-            # unless a repair begun here re-kept retained notifications: the round ages them.
+            # acknowledgement round sleeps on and the watch rests again at its next tick
+            # (unless a repair begun below re-kept retained notifications: see the end).
             self.loop_watch.wake()
-            if self.idle and self._holds_custody():
-                self.wake()
             now = self._loop.time()
             if cfg.probe_interval > 0 and now >= next_probe and self._probing is None:
                 next_probe = now + cfg.probe_interval
@@ -427,6 +424,8 @@ class Broker:
                         },
                     )
             self._take_ordering_delays()
+            if self.idle and self._holds_custody():
+                self.wake()  # a repair begun here re-kept notifications: the round ages them
             await self.telemetry.flush()
 
     async def _acknowledge(self) -> None:
@@ -453,10 +452,13 @@ class Broker:
         return self.idle and not self.client_sessions.withdrawing
 
     def wake(self) -> None:
-        """Work arrived while the broker was idle (see :meth:`_acknowledge`): called, only
-        while :attr:`idle`, first thing by whatever brings it: a connection accepted, its data
-        and each frame it handles (frames are also handled in later turns, or held and
-        released), a connection made or lost, a core timer, an admin request."""
+        """Work arrived (see :meth:`_acknowledge`): called first thing by whatever brings it:
+        a connection accepted, its data and each frame it handles (frames are also handled in
+        later turns, or held and released), a connection made or lost, a core timer, an admin
+        request. Nothing to do unless :attr:`idle`; the per-read and per-frame callers test
+        that themselves, to spare the call."""
+        if not self.idle:
+            return
         self.idle = False
         self.loop_watch.wake()
         self._woken.set()
@@ -482,8 +484,7 @@ class Broker:
     # ------------------------------------------------------------------ connections
 
     def conn_made(self, conn: Conn) -> None:
-        if self.idle:
-            self.wake()
+        self.wake()
         self._conns.add(conn)
         if conn.dialing:
             assert conn.link is not None
@@ -539,8 +540,7 @@ class Broker:
         log.warning("%s: closing %s connection (%s): %s", self.name, role, who, exc)
 
     def conn_lost(self, conn: Conn) -> None:
-        if self.idle:
-            self.wake()
+        self.wake()
         self._conns.discard(conn)
         if conn.source:
             n = self._per_source.get(conn.source, 1) - 1
@@ -1112,8 +1112,7 @@ class Broker:
         self._timers[key] = self._loop.call_later(delay, self._timer_fired, key)
 
     def _timer_fired(self, key: str) -> None:
-        if self.idle:
-            self.wake()
+        self.wake()
         self._timers.pop(key, None)
         if self.stopping:
             return
