@@ -24,7 +24,9 @@ from tests.unit.test_runtime_broker import (
     eventually,
     link,
     make_broker,
+    record_wakes,
     settled,
+    wakes_from_rest,
 )
 
 __all__ = ["make_broker"]  # the fixture, re-exported for pytest
@@ -51,6 +53,15 @@ async def serve() -> AsyncIterator[Serve]:
         await c.close()
     for s in servers:
         await s.close()
+
+
+async def test_a_request_wakes_a_resting_broker(make_broker: MakeBroker, serve: Serve) -> None:
+    """A request is work on the broker's loop: its stalls are measured at the fine tick."""
+    b = await make_broker("b")
+    admin = await serve(b)
+    woken = record_wakes(b)
+    await wakes_from_rest(b, woken, admin.status)
+    await wakes_from_rest(b, woken, admin.healthz)  # before the token check too
 
 
 async def test_token_is_required_except_for_probes_and_metrics(

@@ -842,6 +842,88 @@ async def test_bursts_of_publications_are_all_acknowledged(make_broker: MakeBrok
             assert await pub.wait_acknowledged(3.0), (b.clients["pub"].last_seq, b.idle)
 
 
+Step = Callable[[], Awaitable[object]]
+
+
+def record_wakes(b: Broker) -> list[bool]:
+    """Every call of ``b.wake()`` from now on, as whether ``b`` was idle when it came."""
+    woken: list[bool] = []
+    wake = b.wake
+
+    def recorded() -> None:
+        woken.append(b.idle)
+        wake()
+
+    b.wake = recorded  # type: ignore[method-assign]
+    return woken
+
+
+async def wakes_from_rest(b: Broker, woken: list[bool], step: Step) -> None:
+    """Wait until ``b`` rests (nothing owed, the loop watch at its coarse tick), do ``step``
+    and require that it woke ``b``; ``woken`` is :func:`record_wakes`'s."""
+    await eventually(lambda: b.idle and b.loop_watch.resting, 5.0)
+    woken.clear()
+    await step()
+    await eventually(lambda: True in woken, 5.0)
+
+
+async def test_work_that_owes_nothing_still_wakes_a_resting_broker(
+    make_broker: MakeBroker,
+) -> None:
+    """A resting broker measures stalls at the watch's coarse tick, so work that leaves
+    nothing owed must wake it too: a connection accepted (its TLS handshake, on this loop's
+    CPU, still to come), the handshake done, a connection lost, a core timer. Each step starts
+    from rest, so each entry point is checked on its own."""
+    b = await make_broker("b")
+    assert b.config.tls is not None  # accepting and the handshake are two steps only with TLS
+    assert b.address is not None
+    host, port = b.address
+    woken = record_wakes(b)
+    opened: list[asyncio.StreamWriter] = []
+
+    async def accept() -> None:  # plain TCP to the TLS port: accepted, no handshake yet
+        _, writer = await asyncio.open_connection(host, port)
+        opened.append(writer)
+
+    async def handshake() -> None:
+        await opened[0].start_tls(Credentials.from_env().ssl_context(), server_hostname=host)
+
+    async def lose() -> None:
+        await hang_up(opened[0])
+
+    async def timer() -> None:
+        b._start_timer("lease:none", 0.01)  # no exchange holds it: fired, handled, no effect
+
+    await wakes_from_rest(b, woken, accept)
+    await wakes_from_rest(b, woken, handshake)
+    await eventually(lambda: len(b._conns) == 1)
+    await wakes_from_rest(b, woken, lose)
+    await eventually(lambda: not b._conns)
+    await wakes_from_rest(b, woken, timer)
+
+
+async def test_a_heartbeat_round_is_measured_finely_and_the_broker_rests_again(
+    make_broker: MakeBroker,
+) -> None:
+    """The heartbeat round (dead links, probes, reloads) wakes only the loop watch of a
+    resting broker: its work is measured at the fine tick, the acknowledgements sleep on
+    (nothing is owed) and the watch rests again at its next tick."""
+    b = await make_broker("b")
+    await eventually(lambda: b.idle and b.loop_watch.resting, 5.0)
+    watch = b.loop_watch
+    calls: list[bool] = []
+    wake = watch.wake
+
+    def recorded() -> None:
+        calls.append(watch.resting)
+        wake()
+
+    watch.wake = recorded  # type: ignore[method-assign]
+    rests = watch.rests
+    await eventually(lambda: True in calls and watch.rests > rests, 5.0)
+    assert b.idle
+
+
 # --------------------------------------------------------------------------- hostile input
 
 
