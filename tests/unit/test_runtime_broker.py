@@ -845,17 +845,22 @@ async def test_bursts_of_publications_are_all_acknowledged(make_broker: MakeBrok
 Step = Callable[[], Awaitable[object]]
 
 
-def record_wakes(b: Broker) -> list[bool]:
-    """Every call of ``b.wake()`` from now on, as whether ``b`` was idle when it came."""
-    woken: list[bool] = []
-    wake = b.wake
+def record_calls(obj: object, method: str, state: Callable[[], bool]) -> list[bool]:
+    """Every call of ``obj.method()`` from now on (it still runs), as ``state()`` then."""
+    calls: list[bool] = []
+    original = getattr(obj, method)
 
     def recorded() -> None:
-        woken.append(b.idle)
-        wake()
+        calls.append(state())
+        original()
 
-    b.wake = recorded  # type: ignore[method-assign]
-    return woken
+    setattr(obj, method, recorded)
+    return calls
+
+
+def record_wakes(b: Broker) -> list[bool]:
+    """Every call of ``b.wake()`` from now on, as whether ``b`` was idle when it came."""
+    return record_calls(b, "wake", lambda: b.idle)
 
 
 async def wakes_from_rest(b: Broker, woken: list[bool], step: Step) -> None:
@@ -911,14 +916,7 @@ async def test_a_heartbeat_round_is_measured_finely_and_the_broker_rests_again(
     b = await make_broker("b")
     await eventually(lambda: b.idle and b.loop_watch.resting, 5.0)
     watch = b.loop_watch
-    calls: list[bool] = []
-    wake = watch.wake
-
-    def recorded() -> None:
-        calls.append(watch.resting)
-        wake()
-
-    watch.wake = recorded  # type: ignore[method-assign]
+    calls = record_calls(watch, "wake", lambda: watch.resting)
     rests = watch.rests
     await eventually(lambda: True in calls and watch.rests > rests, 5.0)
     assert b.idle
