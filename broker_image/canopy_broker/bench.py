@@ -34,6 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from canopy_broker import bench_plots
 from canopy_broker import progress as shown
 from canopy_broker.cli import tune_gc
 from canopy_broker.client import Client, Notification, connect
@@ -680,6 +681,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated fractions of the measured maximum event rate to measure latency "
         "at, each for --duration s (default 0.5: the issue's half load)",
     )
+    bench_plots.add_option(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -693,10 +695,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         print(f"error: --loads must be fractions in (0, 1], got {args.loads!r}", file=sys.stderr)
         return 2
+    if bench_plots.refused(args.plot):
+        return 2
     tune_gc()  # the subscribers here are measured too: same GC settings as the brokers
     with shown.showing("bench dataplane", 4):  # matching, serialisers, 1 broker, chain of 3
         result = eventloop.run(run(args.duration, insecure=args.insecure, loads=loads))
     print(report(result))
+    if args.plot:
+        bench_plots.dataplane(result, args.plot)
+        bench_plots.drew(args.plot)
     if args.json:
         print(json.dumps(result))
     return 0

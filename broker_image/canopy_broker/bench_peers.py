@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
+from canopy_broker import bench_plots
 from canopy_broker.bench import Send, Sink, canopy_sender, done, progress, publish_paced
 from canopy_broker.cli import tune_gc
 from canopy_broker.client import connect
@@ -507,6 +508,7 @@ def report(w: Workload, r: dict[str, dict[str, Any]]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    bench_plots.add_option(parser)
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -586,6 +588,8 @@ def run_args(args: argparse.Namespace) -> int:
     if missing:
         print(f"error: missing {', '.join(missing)}: {INSTALL_HINT}", file=sys.stderr)
         return 2
+    if bench_plots.refused(args.plot):
+        return 2
     tune_gc()  # the clients must keep up at the full rate: same GC settings as the brokers
     with showing("bench peers", len(systems) * args.rounds):
         # The clients of all three systems share this process; on asyncio's loop, whatever
@@ -593,6 +597,13 @@ def run_args(args: argparse.Namespace) -> int:
         # cheaper per notification (3.8-4.1 vs 5.0-5.6 us), so the harness stays fixed.
         result = asyncio.run(run(w, systems, args.rounds))
     print(report(w, result))
+    if args.plot:
+        ratios = {
+            n: (paired_ratio(result, n, "nats"), paired_ratio(result, n, "mosquitto"))
+            for n in result
+        }
+        bench_plots.peers(result, ratios, w.describe(), args.plot)
+        bench_plots.drew(args.plot)
     if args.json:
         print(json.dumps(result))
     lost = [n for n, m in result.items() if not delivered_all(m)]

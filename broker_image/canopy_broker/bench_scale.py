@@ -38,6 +38,7 @@ import sys
 import time
 from typing import Any
 
+from canopy_broker import bench_plots
 from canopy_broker.bench import Sink, canopy_sender, done, progress, publish_paced
 from canopy_broker.bench_peers import Numbered, Workload, wait_delivered
 from canopy_broker.cli import tune_gc
@@ -170,6 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rate", type=float, help=f"events/s (default {FULL['rate']:g})")
     parser.add_argument("--duration", type=float, help=f"seconds (default {DURATION['full']:g})")
+    bench_plots.add_option(parser)
     parser.set_defaults(func=run_args)
 
 
@@ -191,6 +193,8 @@ def run_args(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if bench_plots.refused(args.plot):
+        return 2
     tune_gc()
 
     async def run() -> list[dict[str, Any]]:
@@ -203,6 +207,11 @@ def run_args(args: argparse.Namespace) -> int:
     with showing("bench broker", len(counts)):
         points = eventloop.run(run())
     print(report(w, points))
+    if args.plot:
+        bench_plots.broker_scale(
+            points, f"one broker (TLS and custody on); {w.describe()}", args.plot
+        )
+        bench_plots.drew(args.plot)
     if args.json:
         print(json.dumps({"workload": w.describe(), "points": points}))
     short = [p["filters"] for p in points if p["delivered"] != p["expected"]]

@@ -36,6 +36,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from canopy_broker import bench_plots
 from canopy_broker import progress as shown
 from canopy_broker.client import Client, connect
 from canopy_broker.procs import Overlay
@@ -313,6 +314,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=1000.0, help="events/s during churn")
     parser.add_argument("--churn-seconds", type=float, default=10.0)
     parser.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
+    bench_plots.add_option(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -324,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_args(args: argparse.Namespace) -> int:
     """Run with arguments parsed by :func:`add_arguments` (``canopy bench subscriptions``)."""
     counts = [int(c) for c in str(args.counts).split(",") if c.strip()]
+    if bench_plots.refused(args.plot):
+        return 2
     with shown.showing("bench subscriptions", len(counts) + 2):
         result = eventloop.run(
             run(
@@ -335,5 +339,8 @@ def run_args(args: argparse.Namespace) -> int:
                 n_clients=args.clients,
             )
         )
+    if args.plot:
+        bench_plots.subscriptions(result, args.plot)
+        bench_plots.drew(args.plot)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0

@@ -20,6 +20,8 @@ import yaml
 
 from canopy_broker.progress import Progress
 
+PNG = b"\x89PNG\r\n\x1a\n"  # a picture's first bytes
+
 
 def canopy(
     *args: str, timeout: float = 180, env: dict[str, str] | None = None
@@ -342,10 +344,10 @@ def test_plan_rejects_an_invalid_spec_by_name(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_bench_subscriptions_measures_and_loses_nothing_under_churn() -> None:
+def test_bench_subscriptions_measures_and_loses_nothing_under_churn(tmp_path: Path) -> None:
     """A small run of the real benchmark: the figures are there, every broker's table got the
     subscriptions, the steady subscriber received every event published during churn, and
-    when the subscribers leave every table empties."""
+    when the subscribers leave every table empties. ``--plot`` draws them."""
     result = canopy(
         "bench",
         "subscriptions",
@@ -361,6 +363,8 @@ def test_bench_subscriptions_measures_and_loses_nothing_under_churn() -> None:
         "200",
         "--churn-seconds",
         "1.5",
+        "--plot",
+        str(tmp_path / "subscriptions.png"),
         "--json",
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -392,6 +396,7 @@ def test_bench_subscriptions_measures_and_loses_nothing_under_churn() -> None:
     assert churn["received_by_steady_subscriber"] == churn["published"] > 0
     # 325 per client: past WITHDRAW_AT, so each broker withdraws over several loop turns.
     assert data["leave"]["subscriptions"] == 1300 and data["leave"]["withdrawn_everywhere_s"] > 0
+    assert (tmp_path / "subscriptions.png").read_bytes().startswith(PNG)
 
 
 def test_bench_faults_reports_repair_time_and_no_losses() -> None:
@@ -471,13 +476,15 @@ def test_bench_peers_without_the_peers_says_how_to_install_them(tmp_path: Path) 
 def test_bench_peers_measures_only_the_systems_asked_for(tmp_path: Path) -> None:
     """Canopy alone needs no peer installed (none on this PATH), and says so in its JSON; an
     unknown system is refused."""
+    picture = tmp_path / "peers.svg"
     alone = canopy(
-        "bench", "peers", "--quick", "--systems", "canopy", "--json",
+        "bench", "peers", "--quick", "--systems", "canopy", "--json", "--plot", str(picture),
         env={"CANOPY_PEERS_PATH": str(tmp_path)}, timeout=120,
     )  # fmt: skip
     assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-2000:]
     data = last_json(alone.stdout)
     assert set(data) == {"canopy"} and data["canopy"]["delivered"] == 2_000
+    assert "<svg" in picture.read_text() and f"drew {picture}" in alone.stderr
     nats_only = canopy(
         "bench", "peers", "--quick", "--systems", "nats", env={"CANOPY_PEERS_PATH": str(tmp_path)}
     )
@@ -507,6 +514,17 @@ def test_bench_peers_rounds_report_the_median_round_and_every_round(tmp_path: Pa
     assert bad.returncode == 2 and "--rounds 0 must be at least 1" in bad.stderr
 
 
+def test_a_bench_refuses_a_picture_it_cannot_draw_before_it_runs(tmp_path: Path) -> None:
+    """A wrong ``--plot`` target costs no measuring: refused by name at once, nothing run."""
+    for bench in ("peers", "broker", "subscriptions", "dataplane"):
+        result = canopy("bench", bench, "--plot", str(tmp_path / "figures.txt"))
+        assert result.returncode == 2, (bench, result.stderr)
+        assert "figures.txt: the file must end in .png, .svg, .pdf" in result.stderr, bench
+        assert result.stdout == "", bench
+    result = canopy("bench", "peers", "--plot", str(tmp_path / "missing" / "peers.png"))
+    assert result.returncode == 2 and "there is no directory" in result.stderr
+
+
 def test_bench_peers_refuses_a_fanout_that_does_not_divide_the_subscribers() -> None:
     result = canopy("bench", "peers", "--subscribers", "50", "--fanout", "7")
     assert result.returncode == 2
@@ -514,10 +532,12 @@ def test_bench_peers_refuses_a_fanout_that_does_not_divide_the_subscribers() -> 
 
 
 @pytest.mark.integration
-def test_bench_dataplane_reports_latency_percentiles_at_each_load() -> None:
+def test_bench_dataplane_reports_latency_percentiles_at_each_load(tmp_path: Path) -> None:
+    picture = tmp_path / "dataplane.png"
     result = canopy(
-        "bench", "dataplane", "--duration", "0.5", "--loads", "0.25,0.5", "--json", timeout=180
-    )
+        "bench", "dataplane", "--duration", "0.5", "--loads", "0.25,0.5", "--json",
+        "--plot", str(picture), timeout=180,
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     data = last_json(result.stdout)
     detail = data["detail"]
@@ -541,6 +561,7 @@ def test_bench_dataplane_reports_latency_percentiles_at_each_load() -> None:
     assert isinstance(machine, dict) and machine["round_trip_us"] > 0, machine
     row = next(x for x in result.stdout.splitlines() if x.startswith("this machine: "))
     assert row.split()[6] == f"{machine['round_trip_us']:.0f}", row
+    assert picture.read_bytes().startswith(PNG)
 
 
 def test_bench_dataplane_refuses_a_load_that_is_not_a_fraction() -> None:
@@ -550,11 +571,12 @@ def test_bench_dataplane_refuses_a_load_that_is_not_a_fraction() -> None:
 
 
 @pytest.mark.integration
-def test_bench_broker_quick_measures_each_filter_count() -> None:
+def test_bench_broker_quick_measures_each_filter_count(tmp_path: Path) -> None:
     """A small run of the one-broker scale benchmark: one point per filter count, each with
     the filters really held by the broker (its routing table), every notification delivered,
     CPU and memory measured."""
-    result = canopy("bench", "broker", "--quick", "--json", timeout=180)
+    picture = tmp_path / "broker.png"
+    result = canopy("bench", "broker", "--quick", "--json", "--plot", str(picture), timeout=180)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     data = last_json(result.stdout)
     points = data["points"]
@@ -565,6 +587,7 @@ def test_bench_broker_quick_measures_each_filter_count() -> None:
         assert p["us_per_notification"] > 0 and p["notif_per_s"] > 0, p
         assert p["rss_mb"]["filters"] >= p["rss_mb"]["before"] > 0, p
     assert "capacity/core" in result.stdout
+    assert picture.read_bytes().startswith(PNG)
 
 
 def test_bench_broker_refuses_fewer_filters_than_subscribers() -> None:
