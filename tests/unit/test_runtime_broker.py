@@ -762,6 +762,27 @@ async def test_an_idle_broker_rests_and_the_next_publication_wakes_it(
         await eventually(lambda: a.idle and a.loop_watch.rests > rests, 5.0)
 
 
+async def test_an_occasional_publication_is_acknowledged_within_a_link_round_trip(
+    make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publication that wakes a resting broker is acknowledged once its next hop has it,
+    not a whole acknowledgement interval later (an occasional publisher, such as a sensor
+    or a webhook, would wait the interval every time). The interval is 2 s here, so that the
+    difference cannot be the machine's."""
+    monkeypatch.setattr(server, "ACK_INTERVAL", 2.0)
+    a = await make_broker("a", retention_seconds=0.3)
+    z = await make_broker("z", retention_seconds=0.3)
+    await link(a, z)
+    async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
+        await far.subscribe("n >= 0")
+        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
+        for n in range(3):
+            await eventually(lambda: a.idle, 10.0)  # custody of the one before aged out
+            await pub.publish({"n": n})
+            assert await pub.wait_acknowledged(1.0), f"publication {n + 1} not acknowledged"
+        assert [x.seq for x in await collect(far, 3)] == [1, 2, 3]
+
+
 async def _pubacks(reader: asyncio.StreamReader, out: list[int]) -> None:
     """Collect the seqs a raw publisher is acknowledged (B_PUBACK in F_MSGS frames)."""
     while True:
