@@ -765,22 +765,48 @@ async def test_an_idle_broker_rests_and_the_next_publication_wakes_it(
 async def test_an_occasional_publication_is_acknowledged_within_a_link_round_trip(
     make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A publication that wakes a resting broker is acknowledged once its next hop has it,
-    not a whole acknowledgement interval later (an occasional publisher, such as a sensor
-    or a webhook, would wait the interval every time). The interval is 2 s here, so that the
-    difference cannot be the machine's."""
-    monkeypatch.setattr(server, "ACK_INTERVAL", 2.0)
+    """A publication that wakes a broker resting for a while is acknowledged once its next
+    hop has it, not a whole acknowledgement interval later (an occasional publisher, such as
+    a sensor or a webhook, would wait the interval every time). The interval is 1 s here, so
+    that the difference cannot be the machine's."""
+    monkeypatch.setattr(server, "ACK_INTERVAL", 1.0)
     a = await make_broker("a", retention_seconds=0.3)
     z = await make_broker("z", retention_seconds=0.3)
     await link(a, z)
     async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
         await far.subscribe("n >= 0")
         await eventually(lambda: bool(a.core.routing_table().links.get("z")))
-        for n in range(3):
+        for n in range(2):
             await eventually(lambda: a.idle, 10.0)  # custody of the one before aged out
+            await asyncio.sleep(1.0)  # resting for an interval: the publisher is occasional
             await pub.publish({"n": n})
-            assert await pub.wait_acknowledged(1.0), f"publication {n + 1} not acknowledged"
-        assert [x.seq for x in await collect(far, 3)] == [1, 2, 3]
+            assert await pub.wait_acknowledged(0.5), f"publication {n + 1} not acknowledged"
+        assert [x.seq for x in await collect(far, 2)] == [1, 2]
+
+
+async def test_steady_publications_keep_the_acknowledgement_interval(
+    make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broker rests between a steady publisher's events too (each is acknowledged before
+    the next comes); its rounds keep their interval rather than one per event: a publication
+    every 5 ms for a second, an interval of 0.2 s, gets about five acknowledgements."""
+    monkeypatch.setattr(server, "ACK_INTERVAL", 0.2)
+    b = await make_broker("b")
+    await eventually(lambda: b.idle)
+    reader, writer = await raw_connection(b)
+    acked: list[int] = []
+    task = asyncio.create_task(_pubacks(reader, acked))
+    try:
+        writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "p"}))
+        for seq in range(1, 201):
+            writer.write(control_frame(6, [[12, seq, {"k": seq}]]))
+            await asyncio.sleep(0.005)
+        await eventually(lambda: acked[-1:] == [200], 5.0)
+        assert 3 <= len(acked) <= 20, acked  # one per publication without the interval
+    finally:
+        task.cancel()
+        writer.transport.abort()
+        await asyncio.sleep(0)
 
 
 async def _pubacks(reader: asyncio.StreamReader, out: list[int]) -> None:

@@ -143,6 +143,9 @@ class ClientSessions:
         self._leaving: dict[str, list[str]] = {}
         self._withdrawer: asyncio.Task[None] | None = None
         self._waiting: dict[str, Conn] = {}
+        # Publish acknowledgements sent: the broker paces its acknowledgement rounds by the
+        # last one that sent any (Broker._acknowledge).
+        self.pubacks = 0
 
     # ------------------------------------------------------------------ attach and detach
 
@@ -479,6 +482,7 @@ class ClientSessions:
             if acked > client.acked_seq:
                 client.acked_seq = acked
                 self.send(client, dumps([B_PUBACK, acked]))
+                self.pubacks += 1
             if client.last_seq > client.acked_seq or marks:
                 owed = True
         return owed

@@ -123,11 +123,14 @@ The clock is read once per event (about 0.1 us, against 10-20 us of routing)."""
 ACK_INTERVAL = 0.05
 """Seconds between publish acknowledgements (see ClientSessions.acknowledge_publishers)."""
 ACK_AFTER_WAKE = 0.005
-"""Seconds from the wake of a resting broker to its first acknowledgement round; each round
-that still finds something owed doubles the wait, up to :data:`ACK_INTERVAL`. What wakes a
-resting broker is usually one publication, whose next hops acknowledge it within a link round
-trip: a whole interval first made every occasional publisher wait 50 ms for its
-acknowledgement (the broker that polled without rest answered in 0-50 ms, by phase)."""
+"""Seconds from the wake of a resting broker to its first acknowledgement round, when its last
+publish acknowledgement was an interval ago or more; each round that still finds something owed
+doubles the wait, up to :data:`ACK_INTERVAL`. What wakes a broker after a rest is usually one
+publication, whose next hops acknowledge it within a link round trip: a whole interval first
+made every occasional publisher wait 50 ms for its acknowledgement (the broker that polled
+without rest answered in 0-50 ms, by phase). Under steady publishing the broker rests between
+events too, and its rounds keep their interval: a round per event would cost more than the
+rounds it saves."""
 
 
 @dataclass(slots=True)
@@ -440,10 +443,15 @@ class Broker:
         nothing is owed (every publication acknowledged, nothing retained for crash repair),
         the broker is idle: this loop and the loop watch rest until work arrives, and the
         first round after it comes sooner (:data:`ACK_AFTER_WAKE`)."""
+        sessions = self.client_sessions
         delay = ACK_INTERVAL
+        last = 0.0  # the loop's clock at the last round that acknowledged something
         while True:
             await asyncio.sleep(delay)
-            owed = self.client_sessions.acknowledge_publishers() if self.clients else False
+            sent = sessions.pubacks
+            owed = sessions.acknowledge_publishers() if self.clients else False
+            if sessions.pubacks > sent:
+                last = self._loop.time()
             self._age_retention()
             if owed or self._holds_custody():
                 delay = min(ACK_INTERVAL, 2 * delay)
@@ -451,7 +459,10 @@ class Broker:
             self.idle = True  # the loop watch rests from its next tick
             self._woken.clear()
             await self._woken.wait()
-            delay = ACK_AFTER_WAKE
+            # Soon after a rest (heartbeats may have woken it meanwhile, for rounds with
+            # nothing to acknowledge); under steady publishing, which rests between its events
+            # too, no sooner than an interval after the last round that acknowledged any.
+            delay = max(ACK_AFTER_WAKE, last + ACK_INTERVAL - self._loop.time())
 
     def _holds_custody(self) -> bool:
         """Notifications retained for crash repair (aged by the round), or a full retention
