@@ -7,6 +7,7 @@ of the end-to-end checks live in tests/integration.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import struct
@@ -762,6 +763,29 @@ async def test_an_idle_broker_rests_and_the_next_publication_wakes_it(
         await eventually(lambda: a.idle and a.loop_watch.rests > rests, 5.0)
 
 
+async def _pubacks(reader: asyncio.StreamReader, out: list[int]) -> None:
+    """Collect the seqs a raw publisher is acknowledged (B_PUBACK in F_MSGS frames)."""
+    while True:
+        (n,) = struct.unpack(">I", await reader.readexactly(4))
+        f = orjson.loads(await reader.readexactly(n))
+        if f[0] == 6:
+            out.extend(m[1] for m in f[1] if m[0] == 26)
+
+
+@contextlib.asynccontextmanager
+async def raw_publisher(b: Broker) -> AsyncIterator[tuple[asyncio.StreamWriter, list[int]]]:
+    """A hand-made connection to ``b``, and the seqs it is acknowledged as they come."""
+    reader, writer = await raw_connection(b)
+    acked: list[int] = []
+    task = asyncio.create_task(_pubacks(reader, acked))
+    try:
+        yield writer, acked
+    finally:
+        task.cancel()
+        writer.transport.abort()
+        await asyncio.sleep(0)
+
+
 async def test_an_occasional_publication_is_acknowledged_within_a_link_round_trip(
     make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -793,29 +817,13 @@ async def test_steady_publications_keep_the_acknowledgement_interval(
     monkeypatch.setattr(server, "ACK_INTERVAL", 0.2)
     b = await make_broker("b")
     await eventually(lambda: b.idle)
-    reader, writer = await raw_connection(b)
-    acked: list[int] = []
-    task = asyncio.create_task(_pubacks(reader, acked))
-    try:
+    async with raw_publisher(b) as (writer, acked):
         writer.write(control_frame(0, {"v": 1, "role": "client", "client_id": "p"}))
         for seq in range(1, 201):
             writer.write(control_frame(6, [[12, seq, {"k": seq}]]))
             await asyncio.sleep(0.005)
         await eventually(lambda: acked[-1:] == [200], 5.0)
         assert 3 <= len(acked) <= 20, acked  # one per publication without the interval
-    finally:
-        task.cancel()
-        writer.transport.abort()
-        await asyncio.sleep(0)
-
-
-async def _pubacks(reader: asyncio.StreamReader, out: list[int]) -> None:
-    """Collect the seqs a raw publisher is acknowledged (B_PUBACK in F_MSGS frames)."""
-    while True:
-        (n,) = struct.unpack(">I", await reader.readexactly(4))
-        f = orjson.loads(await reader.readexactly(n))
-        if f[0] == 6:
-            out.extend(m[1] for m in f[1] if m[0] == 26)
 
 
 async def test_a_publication_handled_in_a_later_turn_wakes_the_acknowledgements(
@@ -828,10 +836,7 @@ async def test_a_publication_handled_in_a_later_turn_wakes_the_acknowledgements(
     other data to wake it)."""
     b = await make_broker("b")
     await eventually(lambda: b.idle)
-    reader, writer = await raw_connection(b)
-    acked: list[int] = []
-    task = asyncio.create_task(_pubacks(reader, acked))
-    try:
+    async with raw_publisher(b) as (writer, acked):
         subs = [[10, f"s{i}", f"k = {i} and v > {i}"] for i in range(9000)]
         writer.write(
             control_frame(0, {"v": 1, "role": "client", "client_id": "p"})
@@ -840,10 +845,6 @@ async def test_a_publication_handled_in_a_later_turn_wakes_the_acknowledgements(
         )
         await writer.drain()
         await eventually(lambda: acked == [1])
-    finally:
-        task.cancel()
-        writer.transport.abort()
-        await asyncio.sleep(0)
 
 
 async def test_a_publication_held_for_a_withdrawal_wakes_the_acknowledgements(
@@ -858,10 +859,7 @@ async def test_a_publication_held_for_a_withdrawal_wakes_the_acknowledgements(
     b.work_budget.seconds = 0.0  # the withdrawal outlasts a round of the acknowledgements
     big.abort()
     await eventually(lambda: "big" not in b.clients)
-    reader, writer = await raw_connection(b)
-    acked: list[int] = []
-    task = asyncio.create_task(_pubacks(reader, acked))
-    try:
+    async with raw_publisher(b) as (writer, acked):
         writer.write(
             control_frame(0, {"v": 1, "role": "client", "client_id": "big"})
             + control_frame(6, [[12, 1, {"k": 1}]])
@@ -869,10 +867,6 @@ async def test_a_publication_held_for_a_withdrawal_wakes_the_acknowledgements(
         await writer.drain()
         await eventually(lambda: any(c.held for c in b._conns), 5.0)
         await eventually(lambda: acked == [1], 20.0)
-    finally:
-        task.cancel()
-        writer.transport.abort()
-        await asyncio.sleep(0)
 
 
 async def test_bursts_of_publications_are_all_acknowledged(make_broker: MakeBroker) -> None:
