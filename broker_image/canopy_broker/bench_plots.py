@@ -5,8 +5,10 @@ than a table.
 
 Each picture is drawn from the very result the table and the JSON line print, after the run, so
 it never shows a figure the run did not measure; each drawing function returns the series it
-drew (label -> x values, y values), which the tests compare with the result. The issue's goals
-are drawn as dashed lines where a figure has one.
+drew (label -> x values, y values), which the tests compare with the result. The performance
+goals (docs/performance.md) are drawn as dashed lines beside the figures they are about, and
+only there: the 500,000 notifications/s goal is for bench dataplane's flat-out load, not for
+bench broker's paced one.
 
 matplotlib is the ``report`` extra (``make setup`` installs it). It is imported here only, and
 only to draw, so a broker never loads it. :func:`check_target` runs before a benchmark starts:
@@ -289,7 +291,7 @@ def subscriptions(result: Mapping[str, Any], path: str) -> Series:
 
 def broker_scale(points: Sequence[Mapping[str, Any]], workload: str, path: str) -> Series:
     """One broker against the number of filters it holds: notifications per broker CPU-second
-    (its capacity on one core) beside the goal of 500,000, and its resident memory."""
+    (its capacity on one core, under this paced load), and its resident memory."""
     plt = _pyplot()
     drawn: Series = {}
     filters = [p["filters"] for p in points]
@@ -301,8 +303,9 @@ def broker_scale(points: Sequence[Mapping[str, Any]], workload: str, path: str) 
         filters,
         [p["capacity_notif_per_s"] or 0 for p in points],
     )
-    cap.axhline(500_000, **GOAL_STYLE, label="goal: 500,000/s at 1k filters")
-    cap.set_ylabel("notifications/s on one core")
+    # No goal line: the 500,000/s goal is for bench dataplane's flat-out load, where a write
+    # carries many notifications; this paced load writes about one per subscriber per event.
+    cap.set_ylabel("notifications per broker CPU-second (this load)")
     _thousands(cap)
     mem.set_ylabel("broker RSS, MiB")
     rss: tuple[tuple[str, str, dict[str, Any]], ...] = (
