@@ -736,18 +736,28 @@ async def test_a_full_retention_slows_publishers_instead_of_dropping_custody(
         assert a.core.retention.depth() <= 50
 
 
+@contextlib.asynccontextmanager
+async def across_a_link(
+    make_broker: MakeBroker, retention: float
+) -> AsyncIterator[tuple[Broker, Broker, Client, Client]]:
+    """Brokers a - z (``retention``: their custody window), a publisher "p" on a and a
+    subscriber to every ``n`` on z, once a's table routes to z."""
+    a = await make_broker("a", retention_seconds=retention)
+    z = await make_broker("z", retention_seconds=retention)
+    await link(a, z)
+    async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
+        await far.subscribe("n >= 0")
+        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
+        yield a, z, pub, far
+
+
 async def test_an_idle_broker_rests_and_the_next_publication_wakes_it(
     make_broker: MakeBroker,
 ) -> None:
     """Once nothing is owed (publications acknowledged, custody aged out) a broker stops its
     acknowledgement round and its loop watch rests; a publication across the link wakes both:
     it is delivered, acknowledged and kept in custody as before."""
-    a = await make_broker("a", retention_seconds=1.0)
-    z = await make_broker("z", retention_seconds=1.0)
-    await link(a, z)
-    async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
-        await far.subscribe("n >= 0")
-        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
+    async with across_a_link(make_broker, 1.0) as (a, _z, pub, far):
         await pub.publish({"n": 0})
         assert await pub.wait_acknowledged(5.0)
         assert [x.seq for x in await collect(far, 1)] == [1]
@@ -786,26 +796,44 @@ async def raw_publisher(b: Broker) -> AsyncIterator[tuple[asyncio.StreamWriter, 
         await asyncio.sleep(0)
 
 
+@pytest.mark.parametrize("retention", [0.3, 15.0], ids=["resting", "holding-custody"])
 async def test_an_occasional_publication_is_acknowledged_within_a_link_round_trip(
-    make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
+    make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch, retention: float
 ) -> None:
-    """A publication that wakes a broker resting for a while is acknowledged once its next
-    hop has it, not a whole acknowledgement interval later (an occasional publisher, such as
-    a sensor or a webhook, would wait the interval every time). The interval is 1 s here, so
+    """A publication an interval or more after the broker's last acknowledgement brings the
+    round forward: it is acknowledged once its next hop has it, not at the round's phase (an
+    occasional publisher, such as a sensor or a webhook, would otherwise wait up to the
+    interval, every time). Both when the broker rests (woken by the publication) and when it
+    holds custody of what it forwarded (its rounds never stop). The interval is 1 s here, so
     that the difference cannot be the machine's."""
     monkeypatch.setattr(server, "ACK_INTERVAL", 1.0)
-    a = await make_broker("a", retention_seconds=0.3)
-    z = await make_broker("z", retention_seconds=0.3)
-    await link(a, z)
-    async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
-        await far.subscribe("n >= 0")
-        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
-        for n in range(2):
-            await eventually(lambda: a.idle, 10.0)  # custody of the one before aged out
-            await asyncio.sleep(1.0)  # resting for an interval: the publisher is occasional
+    async with across_a_link(make_broker, retention) as (a, _z, pub, far):
+        for n in range(3):
+            if retention < 1:
+                await eventually(lambda: a.idle, 10.0)  # custody of the one before aged out
+            else:
+                assert not a.idle
+            await asyncio.sleep(1.0)  # an interval since the last acknowledgement
             await pub.publish({"n": n})
-            assert await pub.wait_acknowledged(0.5), f"publication {n + 1} not acknowledged"
-        assert [x.seq for x in await collect(far, 2)] == [1, 2]
+            assert await pub.wait_acknowledged(0.3), f"publication {n + 1} not acknowledged"
+        assert [x.seq for x in await collect(far, 3)] == [1, 2, 3]
+
+
+async def test_link_traffic_alone_keeps_the_acknowledgement_interval(
+    make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broker whose clients only subscribe (an edge broker) is woken by every data frame
+    from its neighbour once it rests; with nothing to acknowledge, its round keeps the
+    interval instead of following each frame: a publication every 5 ms for a second at the
+    neighbour, an interval of 0.2 s, makes about five rounds at the edge."""
+    monkeypatch.setattr(server, "ACK_INTERVAL", 0.2)
+    async with across_a_link(make_broker, 0.0) as (_a, z, pub, far):
+        rounds = record_calls(z.client_sessions, "acknowledge_publishers", lambda: z.idle)
+        for n in range(200):
+            pub.publish_nowait({"n": n})
+            await asyncio.sleep(0.005)
+        assert len(await collect(far, 200)) == 200
+        assert 2 <= len(rounds) <= 20, len(rounds)  # about one per frame without the interval
 
 
 async def test_steady_publications_keep_the_acknowledgement_interval(
@@ -887,13 +915,14 @@ Step = Callable[[], Awaitable[object]]
 
 
 def record_calls(obj: object, method: str, state: Callable[[], bool]) -> list[bool]:
-    """Every call of ``obj.method()`` from now on (it still runs), as ``state()`` then."""
+    """Every call of ``obj.method()`` from now on (it still runs, and answers), as
+    ``state()`` then."""
     calls: list[bool] = []
     original = getattr(obj, method)
 
-    def recorded() -> None:
+    def recorded() -> Any:
         calls.append(state())
-        original()
+        return original()
 
     setattr(obj, method, recorded)
     return calls

@@ -100,6 +100,8 @@ class ClientHost(Protocol):
 
     def route_event(self, inp: Input, event: Event, source_kind: str, source: str) -> None: ...
 
+    def publications(self) -> None: ...
+
     def answer_hello(self, conn: Conn, **fields: object) -> None: ...
 
     def mark_dirty(self, dest: Client) -> None: ...
@@ -350,6 +352,7 @@ class ClientSessions:
         self._m_client_in.inc(handled)
         if published:
             self._m_published.inc(published)
+            host.publications()
             if not client.publisher:
                 client.publisher = True
                 if host.publishers_paused:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import ssl
 import time
 import uuid
@@ -122,15 +123,15 @@ routing if that is longer, and a read that fits in it is written whole, at its e
 The clock is read once per event (about 0.1 us, against 10-20 us of routing)."""
 ACK_INTERVAL = 0.05
 """Seconds between publish acknowledgements (see ClientSessions.acknowledge_publishers)."""
-ACK_AFTER_WAKE = 0.005
-"""Seconds from the wake of a resting broker to its first acknowledgement round, when its last
-publish acknowledgement was an interval ago or more; each round that still finds something owed
-doubles the wait, up to :data:`ACK_INTERVAL`. What wakes a broker after a rest is usually one
-publication, whose next hops acknowledge it within a link round trip: a whole interval first
-made every occasional publisher wait 50 ms for its acknowledgement (the broker that polled
-without rest answered in 0-50 ms, by phase). Under steady publishing the broker rests between
-events too, and its rounds keep their interval: a round per event would cost more than the
-rounds it saves."""
+ACK_SOON = 0.005
+"""Seconds from an occasional publication (the broker's last publish acknowledgement was an
+interval ago or more) to the acknowledgement round it brings forward; each round that still
+finds something owed doubles the wait, up to :data:`ACK_INTERVAL`. Its next hops acknowledge
+it within a link round trip, so its publisher is acknowledged in about that, where the round's
+phase alone made it wait 0-50 ms. Steady publishing keeps the interval (a round per event
+would cost more than it saves). Other work that wakes a resting broker (link data, heartbeats,
+a connection) has the round come this soon only if the last round was an interval ago or more:
+a steady stream of link data at an edge broker wakes it per frame."""
 
 
 @dataclass(slots=True)
@@ -205,7 +206,14 @@ class Broker:
         self.loop_watch = LoopWatch(
             self.metrics, size=self.core.routing_table_size, may_rest=self._may_rest
         )
-        self._woken = asyncio.Event()
+        # The acknowledgement round (_acknowledge): when it is due next (never while idle),
+        # the wait it doubles while something stays owed, when it last acknowledged anything,
+        # and the event that tells it of an earlier due time.
+        self._round_due = 0.0
+        self._round_wait = ACK_INTERVAL
+        self._last_round = -math.inf
+        self._last_puback = -math.inf
+        self._due_sooner = asyncio.Event()
         # Frame handling hands the loop back every 10 ms (heartbeats, timers, other peers).
         self.work_budget = TurnBudget(0.01)
         self.telemetry = Telemetry(
@@ -441,28 +449,45 @@ class Broker:
         """Publish acknowledgements, a few times per link round trip: often enough that a
         publisher holds little for a failover, rarely enough to cost nothing per event. Once
         nothing is owed (every publication acknowledged, nothing retained for crash repair),
-        the broker is idle: this loop and the loop watch rest until work arrives, and the
-        first round after it comes sooner (:data:`ACK_AFTER_WAKE`)."""
+        the broker is idle: this loop and the loop watch rest until work arrives (:meth:`wake`),
+        and an occasional publication brings the round forward (:meth:`publications`)."""
         sessions = self.client_sessions
-        delay = ACK_INTERVAL
-        last = 0.0  # the loop's clock at the last round that acknowledged something
+        loop = self._loop
         while True:
-            await asyncio.sleep(delay)
+            while True:  # until the due time (set sooner meanwhile: until that one)
+                self._due_sooner.clear()
+                due = self._round_due
+                try:
+                    async with asyncio.timeout_at(None if due == math.inf else due):
+                        await self._due_sooner.wait()
+                except TimeoutError:
+                    break
             sent = sessions.pubacks
             owed = sessions.acknowledge_publishers() if self.clients else False
+            now = self._last_round = loop.time()
             if sessions.pubacks > sent:
-                last = self._loop.time()
+                self._last_puback = now
             self._age_retention()
             if owed or self._holds_custody():
-                delay = min(ACK_INTERVAL, 2 * delay)
-                continue
-            self.idle = True  # the loop watch rests from its next tick
-            self._woken.clear()
-            await self._woken.wait()
-            # Soon after a rest (heartbeats may have woken it meanwhile, for rounds with
-            # nothing to acknowledge); under steady publishing, which rests between its events
-            # too, no sooner than an interval after the last round that acknowledged any.
-            delay = max(ACK_AFTER_WAKE, last + ACK_INTERVAL - self._loop.time())
+                self._round_wait = min(ACK_INTERVAL, 2 * self._round_wait)
+                self._round_due = now + self._round_wait
+            else:
+                self.idle = True  # the loop watch rests from its next tick
+                self._round_wait = ACK_INTERVAL
+                self._round_due = math.inf
+
+    def _round_sooner(self, due: float) -> None:
+        if due < self._round_due:
+            self._round_due = due
+            self._due_sooner.set()
+
+    def publications(self) -> None:
+        """A frame brought publications (after :meth:`wake`): if the last publish
+        acknowledgement was an interval ago or more, the round comes after :data:`ACK_SOON`."""
+        now = self._loop.time()
+        if now - self._last_puback >= ACK_INTERVAL and self._round_due > now + ACK_SOON:
+            self._round_wait = ACK_SOON
+            self._round_sooner(now + ACK_SOON)
 
     def _holds_custody(self) -> bool:
         """Notifications retained for crash repair (aged by the round), or a full retention
@@ -483,7 +508,9 @@ class Broker:
             return
         self.idle = False
         self.loop_watch.wake()
-        self._woken.set()
+        # Soon after a rest (the callback rests again sooner), but no sooner than an interval
+        # after the last round: a steady stream of link data wakes an edge broker per frame.
+        self._round_sooner(max(self._loop.time() + ACK_SOON, self._last_round + ACK_INTERVAL))
 
     def _age_retention(self) -> None:
         """Drop retained notifications past their window; publishers wait while a link's
