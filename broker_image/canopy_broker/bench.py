@@ -701,12 +701,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with shown.showing("bench dataplane", 4):  # matching, serialisers, 1 broker, chain of 3
         result = eventloop.run(run(args.duration, insecure=args.insecure, loads=loads))
     print(report(result))
-    if args.plot:
-        bench_plots.dataplane(result, args.plot)
-        bench_plots.drew(args.plot)
     if args.json:
         print(json.dumps(result))
-    return 0
+    return bench_plots.draw(args.plot, lambda path: bench_plots.dataplane(result, path))
 
 
 if __name__ == "__main__":

@@ -597,20 +597,19 @@ def run_args(args: argparse.Namespace) -> int:
         # cheaper per notification (3.8-4.1 vs 5.0-5.6 us), so the harness stays fixed.
         result = asyncio.run(run(w, systems, args.rounds))
     print(report(w, result))
-    if args.plot:
-        ratios = {
-            n: (paired_ratio(result, n, "nats"), paired_ratio(result, n, "mosquitto"))
-            for n in result
-        }
-        bench_plots.peers(result, ratios, w.describe(), args.plot)
-        bench_plots.drew(args.plot)
     if args.json:
         print(json.dumps(result))
+    ratios = {
+        n: (paired_ratio(result, n, "nats"), paired_ratio(result, n, "mosquitto")) for n in result
+    }
+    drawn = bench_plots.draw(
+        args.plot, lambda path: bench_plots.peers(result, ratios, w.describe(), path)
+    )
     lost = [n for n, m in result.items() if not delivered_all(m)]
     if lost:
         print(f"error: not every notification delivered by {', '.join(lost)}", file=sys.stderr)
         return 1
-    return 0
+    return drawn
 
 
 def delivered_all(m: dict[str, Any]) -> bool:

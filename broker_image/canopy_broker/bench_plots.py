@@ -3,31 +3,36 @@ notification side by side, what an insertion costs across an install, throughput
 against filters. These are curves and comparisons people read at a glance and would rather see
 than a table.
 
-Each picture is drawn from the very result the table and the JSON line print, after the run, so
-it never shows a figure the run did not measure; each drawing function returns the series it
-drew (label -> x values, y values), which the tests compare with the result. The performance
-goals (docs/performance.md) are drawn as dashed lines beside the figures they are about, and
-only there: the 500,000 notifications/s goal is for bench dataplane's flat-out load, not for
-bench broker's paced one.
+Each picture is drawn from the very result the table and the JSON line print, after they are
+printed, so it never shows a figure the run did not measure, and a picture that fails loses no
+figure. Each drawing function returns what the figure holds, read back from it (:func:`_read`:
+lines, bars with their bases, dots, goal marks, tick labels), which the tests compare with the
+result. A goal (docs/performance.md) is drawn as a dashed red mark over the figures it is about
+and only there: the chain's latency goal over the chain's curves' range, each throughput goal
+over its own bar, the 30 s install goal over the 100k install; the 500,000 notifications/s goal
+is bench dataplane's flat-out load's, not bench broker's paced one.
 
 matplotlib is the ``report`` extra (``make setup`` installs it). It is imported here only, and
 only to draw, so a broker never loads it. :func:`check_target` runs before a benchmark starts:
-a missing matplotlib, an unknown file type or a missing directory is refused at once, not after
-minutes of measuring.
+a missing matplotlib, an unknown file type, a directory, or a file that cannot be written is
+refused at once, not after minutes of measuring.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 SUFFIXES = (".png", ".svg", ".pdf")
-Series = dict[str, tuple[list[float], list[float]]]
-GOAL_STYLE: dict[str, Any] = {"color": "tab:red", "linestyle": "--", "linewidth": 1.0}
+Drawn = list[dict[str, Any]]
+"""Per panel, what it holds: ``lines`` and ``dots`` (label -> points), ``bars`` (label -> (x,
+height, base) per bar), ``goals`` (label -> (x from, x to, y) per mark), ``xticks`` (labels)."""
+GOAL_STYLE: dict[str, Any] = {"color": "tab:red", "linestyles": "--", "linewidth": 1.2}
 
 
 def add_option(parser: argparse.ArgumentParser) -> None:
@@ -46,22 +51,44 @@ def refused(path: str | None) -> bool:
     return why is not None
 
 
-def drew(path: str) -> None:
-    print(f"drew {path}", file=sys.stderr)
-
-
 def check_target(path: str) -> str | None:
-    """Why ``path`` cannot take a picture (a message naming the problem), or None."""
+    """Why ``path`` cannot take a picture (a message naming the problem), or None. Whether it
+    can be written is found by opening it for appending (a file this creates is removed)."""
     target = Path(path)
     if target.suffix.lower() not in SUFFIXES:
         return f"--plot {path}: the file must end in {', '.join(SUFFIXES)}"
     if not target.parent.is_dir():
         return f"--plot {path}: there is no directory {target.parent}"
+    if target.is_dir():
+        return f"--plot {path}: that is a directory"
+    existed = target.exists()
+    try:
+        with target.open("ab"):
+            pass
+    except OSError as exc:
+        return f"--plot {path}: cannot write it ({exc.strerror or exc})"
+    if not existed:
+        with contextlib.suppress(OSError):
+            target.unlink()
     try:
         import matplotlib  # noqa: F401, PLC0415 - optional dependency, only for pictures
     except ImportError:
         return "--plot needs matplotlib: pip install 'canopy[report]' (make setup installs it)"
     return None
+
+
+def draw(path: str | None, picture: Callable[[str], object]) -> int:
+    """After the figures are printed: ``picture(path)``, said on stderr; 1 if it failed (the
+    message says why), else 0 (also without ``--plot``)."""
+    if path is None:
+        return 0
+    try:
+        picture(path)
+    except Exception as exc:  # a picture failing loses no figure: they are printed already
+        print(f"error: --plot {path}: the picture could not be drawn: {exc}", file=sys.stderr)
+        return 1
+    print(f"drew {path}", file=sys.stderr)
+    return 0
 
 
 def _pyplot() -> Any:
@@ -73,10 +100,55 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: str) -> None:
+def _save(fig: Any, path: str) -> Drawn:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    drawn = _read(fig)
     _pyplot().close(fig)
+    return drawn
+
+
+def _read(fig: Any) -> Drawn:
+    """What each panel of ``fig`` holds, read from its artists (see :data:`Drawn`)."""
+    import numpy as np  # noqa: PLC0415 - comes with matplotlib
+    from matplotlib.collections import LineCollection, PathCollection  # noqa: PLC0415
+
+    panels = []
+    for ax in fig.axes:
+        bars = {
+            c.get_label(): [
+                (float(p.get_x() + p.get_width() / 2), float(p.get_height()), float(p.get_y()))
+                for p in c.patches
+            ]
+            for c in ax.containers
+        }
+        goals = {
+            c.get_label(): [
+                (float(seg[0][0]), float(seg[1][0]), float(seg[0][1])) for seg in c.get_segments()
+            ]
+            for c in ax.collections
+            if isinstance(c, LineCollection)
+        }
+        dots = {
+            c.get_label(): [(float(x), float(y)) for x, y in np.asarray(c.get_offsets())]
+            for c in ax.collections
+            if isinstance(c, PathCollection)
+        }
+        lines = {
+            ln.get_label(): [
+                (float(x), float(y))
+                for x, y in zip(np.asarray(ln.get_xdata()), np.asarray(ln.get_ydata()), strict=True)
+            ]
+            for ln in ax.get_lines()
+        }
+        ticks = [t.get_text() for t in ax.get_xticklabels()]
+        panels.append({"lines": lines, "bars": bars, "dots": dots, "goals": goals, "xticks": ticks})
+    return panels
+
+
+def _goal(ax: Any, y: float, x0: float, x1: float, label: str) -> None:
+    """A goal: a dashed red mark at ``y`` over ``x0`` .. ``x1`` (the figures it is about)."""
+    ax.hlines([y], x0, x1, label=label, **GOAL_STYLE)
 
 
 def _thousands(ax: Any) -> None:
@@ -86,32 +158,22 @@ def _thousands(ax: Any) -> None:
     ax.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
 
 
-def _line(
-    ax: Any, drawn: Series, label: str, xs: Sequence[float], ys: Sequence[float], **kw: Any
-) -> None:
-    ax.plot(xs, ys, marker="o", label=label, **kw)
-    drawn[label] = (list(xs), list(ys))
-
-
-def _bars(
-    ax: Any, drawn: Series, label: str, xs: Sequence[float], ys: Sequence[float], **kw: Any
-) -> Any:
-    bars = ax.bar(xs, ys, label=label, **kw)
-    drawn[label] = (list(xs), list(ys))
-    return bars
+def _headroom(ax: Any, top: float) -> None:
+    """From 0 to a fifth above ``top``: the highest point, its label and the legend fit."""
+    ax.set_ylim(0, 1.2 * top if top > 0 else 1)
 
 
 # --------------------------------------------------------------------------- bench dataplane
 
 
-def dataplane(result: Mapping[str, Any], path: str) -> Series:
+def dataplane(result: Mapping[str, Any], path: str) -> Drawn:
     """Latency percentiles against the event rate for one broker and the chain of 3 (the
     rates are the loads asked for, as fractions of each one's measured maximum), and the
-    throughput figures beside their goal."""
+    throughput figures, each beside the goal the table gives it."""
     plt = _pyplot()
     d = result["detail"]
-    drawn: Series = {}
-    fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=(3, 2))
+    fig, (lat, thr) = plt.subplots(1, 2, figsize=(11.5, 4.4), width_ratios=(3, 2))
+    top = 0.0
     for where, key, color in (
         ("1 broker", "single", "tab:blue"),
         ("chain of 3", "chain3", "tab:orange"),
@@ -119,41 +181,42 @@ def dataplane(result: Mapping[str, Any], path: str) -> Series:
         points = d[key]["latency"]
         rates = [p["events_per_s"] for p in points]
         for pct, style in (("p50", ":"), ("p99", "-"), ("p999", "--")):
+            values = [p[f"{pct}_ms"] for p in points]
+            top = max(top, *values)
             name = "p99.9" if pct == "p999" else pct
-            _line(
-                lat,
-                drawn,
-                f"{where} {name}",
-                rates,
-                [p[f"{pct}_ms"] for p in points],
-                color=color,
-                linestyle=style,
+            lat.plot(
+                rates, values, marker="o", color=color, linestyle=style, label=f"{where} {name}"
             )
-    lat.axhline(5.0, **GOAL_STYLE, label="goal: chain p99 <= 5 ms at half load")
+    chain = [p["events_per_s"] for p in d["chain3"]["latency"]]
+    _goal(lat, 5.0, min(chain), max(chain), "goal: chain of 3, p99 <= 5 ms at half load")
     lat.set_xlabel("events/s (fractions of each one's measured maximum)")
     lat.set_ylabel("latency, ms (publisher to subscriber)")
-    lat.set_ylim(bottom=0)
-    lat.legend(fontsize=7, ncols=2)
-    machine = d.get("machine", {})
-    trip = machine.get("round_trip_us")
+    _headroom(lat, top)
+    lat.legend(fontsize=7, ncols=2, loc="upper left")
+    trip = d.get("machine", {}).get("round_trip_us")
     lat.set_title(
         "latency against load"
         + (f" (this machine: a process-to-process round trip {trip:.0f} us)" if trip else ""),
         fontsize=9,
     )
     s, c = d["single"], d["chain3"]
-    labels = ["1 broker\nend to end", "1 broker\nper broker CPU-s", "chain of 3\nend to end"]
-    values = [s["notif_per_s"], s["notif_per_broker_cpu_s"], c["notif_per_s"]]
-    _bars(thr, drawn, "notifications/s", list(range(len(values))), values, color="tab:green")
-    thr.set_xticks(range(len(values)), labels, fontsize=8)
-    thr.axhline(500_000, **GOAL_STYLE, label="goal: one broker >= 500,000/s")
+    bars = (  # what, measured, the table's target
+        ("1 broker\nend to end", s["notif_per_s"], 100_000),
+        ("1 broker\nper broker CPU-s", s["notif_per_broker_cpu_s"], 500_000),
+        ("chain of 3\nend to end", c["notif_per_s"], 50_000),
+    )
+    xs = range(len(bars))
+    thr.bar(xs, [v for _, v, _ in bars], color="tab:green", label="notifications/s")
+    for x, (_, _, target) in zip(xs, bars, strict=True):
+        _goal(thr, target, x - 0.45, x + 0.45, "goal (the table's target)" if x == 0 else "")
+    thr.set_xticks(xs, [name for name, _, _ in bars], fontsize=8)
     thr.set_ylabel("notifications/s")
+    _headroom(thr, max(max(v, t) for _, v, t in bars))
     _thousands(thr)
-    thr.legend(fontsize=7)
+    thr.legend(fontsize=7, loc="upper right")
     tls = "on" if result["tls"] else "off"
     thr.set_title(f"throughput ({d['filters']:,} filters, TLS {tls})", fontsize=9)
-    _save(fig, path)
-    return drawn
+    return _save(fig, path)
 
 
 # --------------------------------------------------------------------------- bench peers
@@ -164,29 +227,27 @@ def peers(
     ratios: Mapping[str, tuple[float, float]],
     workload: str,
     path: str,
-) -> Series:
+) -> Drawn:
     """Each system's broker CPU per notification (the median round, split into its own code and
     the kernel's work for it), every round as a dot, and the goal: at most 1.5x NATS's.
     ``ratios``: each system's paired ratios to NATS and to Mosquitto (NaN where absent)."""
     plt = _pyplot()
-    drawn: Series = {}
     names = list(result)
     xs = list(range(len(names)))
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
     user = [result[n]["user_us"] for n in names]
     system = [result[n]["system_us"] for n in names]
-    _bars(ax, drawn, "user (the broker's code)", xs, user, color="tab:blue")
-    _bars(ax, drawn, "system (the kernel, for it)", xs, system, bottom=user, color="tab:gray")
+    ax.bar(xs, user, color="tab:blue", label="user (the broker's code)")
+    ax.bar(xs, system, bottom=user, color="tab:gray", label="system (the kernel, for it)")
+    top = 0.0
     for x, n in zip(xs, names, strict=True):
         rounds = [r["us_per_notification"] for r in result[n].get("rounds", [result[n]])]
-        ax.scatter([x] * len(rounds), rounds, color="black", s=12, zorder=3)
-        drawn[f"{n} rounds"] = ([float(x)] * len(rounds), rounds)
+        top = max(top, *rounds)
+        ax.scatter([x] * len(rounds), rounds, color="black", s=12, zorder=3, label=f"{n} rounds")
     if "nats" in result:
-        ax.axhline(
-            1.5 * result["nats"]["us_per_notification"],
-            **GOAL_STYLE,
-            label="goal: at most 1.5x NATS",
-        )
+        goal = 1.5 * result["nats"]["us_per_notification"]
+        top = max(top, goal)
+        _goal(ax, goal, -0.45, len(names) - 0.55, "goal: at most 1.5x NATS's median round")
     labels = []
     for n in names:
         to_nats, to_mosquitto = ratios[n]
@@ -198,137 +259,123 @@ def peers(
         labels.append("\n".join([n, *said]))
     ax.set_xticks(xs, labels, fontsize=8)
     ax.set_ylabel("broker CPU per delivered notification, us")
+    _headroom(ax, top)
     ax.set_title(workload, fontsize=8)
-    ax.legend(fontsize=7)
-    _save(fig, path)
-    return drawn
+    handles, texts = ax.get_legend_handles_labels()  # the rounds' dots need no entry each
+    keep = [i for i, t in enumerate(texts) if not t.endswith(" rounds")]
+    ax.legend([handles[i] for i in keep], [texts[i] for i in keep], fontsize=7, loc="upper right")
+    return _save(fig, path)
 
 
 # --------------------------------------------------------------------------- bench subscriptions
 
 
-def subscriptions(result: Mapping[str, Any], path: str) -> Series:
+def subscriptions(result: Mapping[str, Any], path: str) -> Drawn:
     """What an insertion costs across each install (flat is the goal), how long each install
-    took beside the goal of 100k in 30 s, and the longest event-loop stall of every phase
-    beside the goal of 50 ms."""
+    took (the goal: 100k in 30 s), and the longest event-loop stall of every phase (the goal:
+    none over 50 ms on CPU)."""
     plt = _pyplot()
-    drawn: Series = {}
     installs = result["install"]
-    fig, (cost, took, stalls) = plt.subplots(1, 3, figsize=(13, 4.0))
+    fig, (cost, took, stalls) = plt.subplots(1, 3, figsize=(13.5, 4.2))
+    top = 0.0
     for r in installs:
         tenths = r.get("cpu_us_per_insert_by_tenth")
         if tenths:
-            _line(
-                cost,
-                drawn,
-                f"N = {r['subscriptions']:,}",
-                [10 * (t + 1) for t in range(len(tenths))],
-                tenths,
-            )
+            top = max(top, *tenths)
+            done = [10 * (t + 1) for t in range(len(tenths))]
+            cost.plot(done, tenths, marker="o", label=f"N = {r['subscriptions']:,}")
     cost.set_xlabel("% of the install done")
     cost.set_ylabel("CPU per subscription per broker, us")
-    cost.set_ylim(bottom=0)
+    _headroom(cost, top)
     cost.set_title(
         f"insertion cost ({result['brokers']} brokers, {result['routing']} routing)", fontsize=9
     )
-    if drawn:
+    if top:
         cost.legend(fontsize=7)
-    xs = list(range(len(installs)))
-    names = [f"{r['subscriptions']:,}" for r in installs]
     width = 0.4
-    _bars(
-        took,
-        drawn,
-        "acknowledged",
+    xs = list(range(len(installs)))
+    took.bar(
         [x - width / 2 for x in xs],
         [r["acknowledged_s"] for r in installs],
         width=width,
+        label="acknowledged",
     )
-    _bars(
-        took,
-        drawn,
-        "in every table",
+    took.bar(
         [x + width / 2 for x in xs],
         [r["installed_everywhere_s"] for r in installs],
         width=width,
+        label="in every table",
     )
-    took.axhline(30.0, **GOAL_STYLE, label="goal: 100k in at most 30 s")
-    took.set_xticks(xs, names)
+    top = max(r["installed_everywhere_s"] for r in installs)
+    for x, r in zip(xs, installs, strict=True):
+        if r["subscriptions"] == 100_000:  # the goal's size: drawn over that install alone
+            _goal(took, 30.0, x - 0.45, x + 0.45, "goal: 100k in at most 30 s")
+            top = max(top, 30.0)
+    took.set_xticks(xs, [f"{r['subscriptions']:,}" for r in installs])
     took.set_xlabel("subscriptions installed (each adds to the tables)")
     took.set_ylabel("seconds")
-    took.legend(fontsize=7)
-    phases = [*(f"install\n{n}" for n in names), "churn", "leave"]
+    _headroom(took, top)
+    took.legend(fontsize=7, loc="upper left")
     measured = [*installs, result["churn"], result["leave"]]
-    xs = list(range(len(phases)))
-    _bars(
-        stalls,
-        drawn,
-        "longest stall",
-        [x - width / 2 for x in xs],
-        [1000 * m["longest_stall_s"] for m in measured],
-        width=width,
-        color="tab:gray",
+    xs = list(range(len(measured)))
+    walls = [1000 * m["longest_stall_s"] for m in measured]
+    cpus = [1000 * m["longest_stall_cpu_s"] for m in measured]
+    stalls.bar(
+        [x - width / 2 for x in xs], walls, width=width, color="tab:gray", label="longest stall"
     )
-    _bars(
-        stalls,
-        drawn,
-        "of it on CPU",
-        [x + width / 2 for x in xs],
-        [1000 * m["longest_stall_cpu_s"] for m in measured],
-        width=width,
-        color="tab:purple",
+    stalls.bar(
+        [x + width / 2 for x in xs], cpus, width=width, color="tab:purple", label="of it on CPU"
     )
-    stalls.axhline(50.0, **GOAL_STYLE, label="goal: no stall over 50 ms")
-    stalls.set_xticks(xs, phases, fontsize=8)
+    _goal(stalls, 50.0, -0.45, len(xs) - 0.55, "goal: no stall over 50 ms on CPU")
+    stalls.set_xticks(
+        xs, [*(f"install\n{r['subscriptions']:,}" for r in installs), "churn", "leave"], fontsize=8
+    )
     stalls.set_ylabel("event-loop stall, ms (any broker)")
-    stalls.legend(fontsize=7)
-    _save(fig, path)
-    return drawn
+    _headroom(stalls, max(50.0, *walls))
+    stalls.legend(fontsize=7, loc="upper left")
+    return _save(fig, path)
 
 
 # --------------------------------------------------------------------------- bench broker
 
 
-def broker_scale(points: Sequence[Mapping[str, Any]], workload: str, path: str) -> Series:
+def broker_scale(points: Sequence[Mapping[str, Any]], workload: str, path: str) -> Drawn:
     """One broker against the number of filters it holds: notifications per broker CPU-second
     (its capacity on one core, under this paced load), and its resident memory."""
     plt = _pyplot()
-    drawn: Series = {}
     filters = [p["filters"] for p in points]
-    fig, (cap, mem) = plt.subplots(1, 2, figsize=(10, 4.0))
-    _line(
-        cap,
-        drawn,
-        "notifications per broker CPU-second",
-        filters,
-        [p["capacity_notif_per_s"] or 0 for p in points],
-    )
-    # No goal line: the 500,000/s goal is for bench dataplane's flat-out load, where a write
+    fig, (cap, mem) = plt.subplots(1, 2, figsize=(10, 4.2))
+    capacity = [p["capacity_notif_per_s"] or 0 for p in points]
+    cap.plot(filters, capacity, marker="o", label="notifications per broker CPU-second")
+    # No goal mark: the 500,000/s goal is for bench dataplane's flat-out load, where a write
     # carries many notifications; this paced load writes about one per subscriber per event.
     cap.set_ylabel("notifications per broker CPU-second (this load)")
     _thousands(cap)
-    mem.set_ylabel("broker RSS, MiB")
+    _headroom(cap, max(capacity))
     rss: tuple[tuple[str, str, dict[str, Any]], ...] = (
         ("RSS holding the filters", "filters", {"color": "tab:orange"}),
         ("RSS before", "before", {"color": "0.6", "linestyle": ":"}),
     )
     for label, key, style in rss:
-        _line(mem, drawn, label, filters, [p["rss_mb"][key] for p in points], **style)
-    for p in points:
+        mem.plot(filters, [p["rss_mb"][key] for p in points], marker="o", label=label, **style)
+    last = len(points) - 1
+    for i, p in enumerate(points):  # the last one's label to its left, inside the panel
         mem.annotate(
             f"{p['bytes_per_filter']:,} B/filter",
             (p["filters"], p["rss_mb"]["filters"]),
             fontsize=7,
             textcoords="offset points",
-            xytext=(4, -10),
+            xytext=(-6, 6) if i == last else (6, -10),
+            ha="right" if i == last else "left",
         )
+    mem.set_ylabel("broker RSS, MiB")
+    _headroom(mem, max(p["rss_mb"]["filters"] for p in points))
     for ax in (cap, mem):
         ax.set_xscale("log")
         ax.set_xticks(filters, [f"{n:,}" for n in filters])
         ax.minorticks_off()
         ax.set_xlabel("filters held by the broker")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
+    cap.legend(fontsize=7, loc="lower left")
+    mem.legend(fontsize=7, loc="upper left")
     fig.suptitle(workload, fontsize=8)
-    _save(fig, path)
-    return drawn
+    return _save(fig, path)

@@ -207,15 +207,12 @@ def run_args(args: argparse.Namespace) -> int:
     with showing("bench broker", len(counts)):
         points = eventloop.run(run())
     print(report(w, points))
-    if args.plot:
-        bench_plots.broker_scale(
-            points, f"one broker (TLS and custody on); {w.describe()}", args.plot
-        )
-        bench_plots.drew(args.plot)
     if args.json:
         print(json.dumps({"workload": w.describe(), "points": points}))
+    title = f"one broker (TLS and custody on); {w.describe()}"
+    drawn = bench_plots.draw(args.plot, lambda path: bench_plots.broker_scale(points, title, path))
     short = [p["filters"] for p in points if p["delivered"] != p["expected"]]
     if short:
         print(f"error: notifications missing at {short} filters", file=sys.stderr)
         return 1
-    return 0
+    return drawn

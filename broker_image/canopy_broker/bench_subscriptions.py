@@ -339,8 +339,5 @@ def run_args(args: argparse.Namespace) -> int:
                 n_clients=args.clients,
             )
         )
-    if args.plot:
-        bench_plots.subscriptions(result, args.plot)
-        bench_plots.drew(args.plot)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
-    return 0
+    return bench_plots.draw(args.plot, lambda path: bench_plots.subscriptions(result, path))

@@ -183,7 +183,7 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
             [
                 *(["--json"] if a.json else []),
                 *(["--insecure"] if a.insecure else []),
-                *(["--plot", a.plot] if a.plot else []),
+                *(["--plot", a.plot] if a.plot is not None else []),
                 "--duration",
                 str(a.duration),
                 "--loads",

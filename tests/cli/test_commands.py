@@ -523,6 +523,11 @@ def test_a_bench_refuses_a_picture_it_cannot_draw_before_it_runs(tmp_path: Path)
         assert result.stdout == "", bench
     result = canopy("bench", "peers", "--plot", str(tmp_path / "missing" / "peers.png"))
     assert result.returncode == 2 and "there is no directory" in result.stderr
+    (tmp_path / "dir.png").mkdir()
+    result = canopy("bench", "subscriptions", "--plot", str(tmp_path / "dir.png"))
+    assert result.returncode == 2 and "that is a directory" in result.stderr
+    result = canopy("bench", "dataplane", "--plot", "")  # forwarded, and refused, as any
+    assert result.returncode == 2 and "--plot : the file must end in" in result.stderr
 
 
 def test_bench_peers_refuses_a_fanout_that_does_not_divide_the_subscribers() -> None:

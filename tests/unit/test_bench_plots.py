@@ -1,7 +1,9 @@
 """The benchmarks' pictures (``--plot``): each draws the figures of the result it is given, no
-other, into a file of the type asked; a target that cannot be drawn is refused by name before
-anything runs. The results here have the shape the benchmarks return (tests/cli runs the real
-ones with ``--plot``)."""
+other, into a file of the type asked, with each goal over the figures it is about; a target
+that cannot be drawn is refused by name before anything runs. What a picture holds is read back
+from the figure itself (its lines, bars and their bases, dots, goal marks and tick labels), so
+a wrong value, base, goal or label fails here. The results have the shape the benchmarks
+return (tests/cli runs the real ones with ``--plot``)."""
 
 from __future__ import annotations
 
@@ -43,13 +45,27 @@ def dataplane_result() -> dict[str, Any]:
 
 
 def test_dataplane_draws_each_percentile_at_each_measured_rate(tmp_path: Path) -> None:
+    """Every percentile at every rate; the latency goal over the chain's rates alone; each
+    throughput bar under its own name with the table's target over it alone."""
     out = tmp_path / "dataplane.png"
-    drawn = bench_plots.dataplane(dataplane_result(), str(out))
+    latency, throughput = bench_plots.dataplane(dataplane_result(), str(out))
     assert out.read_bytes().startswith(PNG)
-    assert drawn["chain of 3 p99"] == ([6000, 12000], [4.1, 10.6])
-    assert drawn["1 broker p99.9"] == ([8000, 16000], [3.1, 7.2])
-    assert drawn["chain of 3 p50"] == ([6000, 12000], [2.0, 3.4])
-    assert drawn["notifications/s"][1] == [610_000, 640_000, 250_000]
+    lines = latency["lines"]
+    assert lines["chain of 3 p99"] == [(6000, 4.1), (12000, 10.6)]
+    assert lines["1 broker p99.9"] == [(8000, 3.1), (16000, 7.2)]
+    assert lines["chain of 3 p50"] == [(6000, 2.0), (12000, 3.4)]
+    assert len(lines) == 6
+    [goal] = latency["goals"].values()
+    assert goal == [(6000, 12000, 5.0)]
+    [bars] = throughput["bars"].values()
+    assert [(x, h) for x, h, _ in bars] == [(0, 610_000), (1, 640_000), (2, 250_000)]
+    names = [t.split("\n")[0] for t in throughput["xticks"]]
+    assert names == ["1 broker", "1 broker", "chain of 3"]
+    assert "per broker CPU-s" in throughput["xticks"][1]
+    marks = [m for ms in throughput["goals"].values() for m in ms]
+    assert sorted((round(a + b) // 2, y) for a, b, y in marks) == [
+        (0, 100_000), (1, 500_000), (2, 50_000)
+    ]  # fmt: skip
 
 
 def peer_round(user: float, system: float) -> dict[str, Any]:
@@ -75,12 +91,20 @@ def test_peers_draws_the_median_round_split_and_every_round(tmp_path: Path) -> N
         n: (paired_ratio(result, n, "nats"), paired_ratio(result, n, "mosquitto")) for n in result
     }
     out = tmp_path / "peers.svg"
-    drawn = bench_plots.peers(result, ratios, "a workload", str(out))
+    [panel] = bench_plots.peers(result, ratios, "a workload", str(out))
     assert "<svg" in out.read_text()
-    assert drawn["user (the broker's code)"] == ([0, 1, 2], [3.0, 2.1, 1.0])
-    assert drawn["system (the kernel, for it)"] == ([0, 1, 2], [3.5, 4.8, 4.5])
-    assert drawn["canopy rounds"] == ([0.0] * 3, [6.5, 5.5, 7.5])
-    assert drawn["mosquitto rounds"][1] == [5.5, 5.1, 5.8]
+    bars = panel["bars"]
+    assert bars["user (the broker's code)"] == [(0, 3.0, 0), (1, 2.1, 0), (2, 1.0, 0)]
+    # The kernel's part stacked on each system's own: the bar's top is the median round.
+    assert bars["system (the kernel, for it)"] == [(0, 3.5, 3.0), (1, 4.8, 2.1), (2, 4.5, 1.0)]
+    assert panel["dots"]["canopy rounds"] == [(0, 6.5), (0, 5.5), (0, 7.5)]
+    assert [y for _, y in panel["dots"]["mosquitto rounds"]] == [5.5, 5.1, 5.8]
+    [goal] = panel["goals"].values()
+    assert [y for _, _, y in goal] == [pytest.approx(1.5 * 6.9)]  # NATS's median round
+    ticks = [t.split("\n") for t in panel["xticks"]]
+    assert [t[0] for t in ticks] == ["canopy", "nats", "mosquitto"]
+    to_nats, to_mosquitto = ratios["canopy"]
+    assert ticks[0][1:] == [f"{to_nats:.2f}x NATS", f"{to_mosquitto:.2f}x Mosquitto"]
 
 
 def install(n: int, tenths: list[float] | None, stall: float) -> dict[str, Any]:
@@ -108,14 +132,23 @@ def test_subscriptions_draws_insertion_cost_by_tenth_install_times_and_stalls(
         "leave": {"longest_stall_s": 0.030, "longest_stall_cpu_s": 0.009},
     }
     out = tmp_path / "subscriptions.png"
-    drawn = bench_plots.subscriptions(result, str(out))
+    cost, took, stalls = bench_plots.subscriptions(result, str(out))
     assert out.read_bytes().startswith(PNG)
     # Only an install of ten batches or more has tenths to draw.
-    assert [k for k in drawn if k.startswith("N = ")] == ["N = 100,000"]
-    assert drawn["N = 100,000"] == ([10, 20, 30, 40, 50, 60, 70, 80, 90, 100], tenths)
-    assert drawn["in every table"][1] == [1000 / 5500, 100_000 / 5500]
-    assert drawn["longest stall"][1] == pytest.approx([4.0, 21.0, 12.0, 30.0])
-    assert drawn["of it on CPU"][1] == pytest.approx([2.0, 10.5, 11.0, 9.0])
+    assert list(cost["lines"]) == ["N = 100,000"]
+    assert cost["lines"]["N = 100,000"] == list(zip(range(10, 101, 10), tenths, strict=True))
+    assert took["xticks"] == ["1,000", "100,000"]
+    assert [h for _, h, _ in took["bars"]["in every table"]] == [1000 / 5500, 100_000 / 5500]
+    assert [h for _, h, _ in took["bars"]["acknowledged"]] == [1000 / 6000, 100_000 / 6000]
+    # The 30 s goal is about 100k: over that install's bars alone.
+    [goal] = took["goals"].values()
+    assert [(round(a + b) // 2, y) for a, b, y in goal] == [(1, 30.0)]
+    assert [t.split("\n")[-1] for t in stalls["xticks"]] == ["1,000", "100,000", "churn", "leave"]
+    walls = [h for _, h, _ in stalls["bars"]["longest stall"]]
+    assert walls == pytest.approx([4.0, 21.0, 12.0, 30.0])
+    cpus = [h for _, h, _ in stalls["bars"]["of it on CPU"]]
+    assert cpus == pytest.approx([2.0, 10.5, 11.0, 9.0])
+    assert [y for _, _, y in next(iter(stalls["goals"].values()))] == [50.0]
 
 
 def test_broker_scale_draws_capacity_and_memory_against_filters(tmp_path: Path) -> None:
@@ -133,13 +166,15 @@ def test_broker_scale_draws_capacity_and_memory_against_filters(tmp_path: Path) 
         )
     ]
     out = tmp_path / "broker.pdf"
-    drawn = bench_plots.broker_scale(points, "a workload", str(out))
+    capacity, memory = bench_plots.broker_scale(points, "a workload", str(out))
     assert out.read_bytes().startswith(b"%PDF")
-    assert drawn["notifications per broker CPU-second"] == (
-        [1000, 10_000, 100_000],
-        [650_000, 600_000, 420_000],
-    )
-    assert drawn["RSS holding the filters"][1] == [43.0, 60.0, 241.0]
+    assert capacity["lines"]["notifications per broker CPU-second"] == [
+        (1000, 650_000), (10_000, 600_000), (100_000, 420_000)
+    ]  # fmt: skip
+    assert not capacity["goals"]  # the 500,000/s goal is bench dataplane's load, not this one
+    assert capacity["xticks"] == memory["xticks"] == ["1,000", "10,000", "100,000"]
+    assert [y for _, y in memory["lines"]["RSS holding the filters"]] == [43.0, 60.0, 241.0]
+    assert [y for _, y in memory["lines"]["RSS before"]] == [40.0, 40.0, 40.0]
 
 
 def test_a_target_that_cannot_be_drawn_is_refused_by_name(
@@ -151,8 +186,28 @@ def test_a_target_that_cannot_be_drawn_is_refused_by_name(
     assert why is not None and "must end in .png, .svg, .pdf" in why
     why = bench_plots.check_target(str(tmp_path / "nowhere" / "x.png"))
     assert why is not None and "there is no directory" in why and "nowhere" in why
+    (tmp_path / "a.png").mkdir()
+    why = bench_plots.check_target(str(tmp_path / "a.png"))
+    assert why is not None and "is a directory" in why
+    why = bench_plots.check_target("/proc/canopy.png")  # no file can be made there
+    assert why is not None and "cannot write it" in why
+    assert not list(tmp_path.glob("ok.png"))  # the check leaves no file behind
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     why = bench_plots.check_target(str(tmp_path / "ok.png"))
     assert why is not None and "needs matplotlib" in why and "canopy[report]" in why
     assert bench_plots.refused(str(tmp_path / "ok.png"))
     assert "error: --plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_a_picture_that_fails_after_the_run_says_so_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The figures are printed before the picture is drawn: if it still fails (the directory
+    went away meanwhile), the command says why and exits 1, with nothing else lost."""
+    assert bench_plots.draw(None, lambda _: 1 / 0) == 0  # no --plot: nothing drawn
+    gone = tmp_path / "gone" / "x.png"
+    assert bench_plots.draw(str(gone), lambda p: bench_plots.dataplane(dataplane_result(), p)) == 1
+    assert f"error: --plot {gone}: the picture could not be drawn" in capsys.readouterr().err
+    out = tmp_path / "x.png"
+    assert bench_plots.draw(str(out), lambda p: bench_plots.dataplane(dataplane_result(), p)) == 0
+    assert f"drew {out}" in capsys.readouterr().err
