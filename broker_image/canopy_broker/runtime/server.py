@@ -207,8 +207,8 @@ class Broker:
             self.metrics, size=self.core.routing_table_size, may_rest=self._may_rest
         )
         # The acknowledgement round (_acknowledge): when it is due next (never while idle),
-        # the wait it doubles while something stays owed, when it last acknowledged anything,
-        # and the event that tells it of an earlier due time.
+        # the wait it doubles while something stays owed, when it last ran and when it last
+        # sent a publish acknowledgement, and the event that tells it of an earlier due time.
         self._round_due = 0.0
         self._round_wait = ACK_INTERVAL
         self._last_round = -math.inf
