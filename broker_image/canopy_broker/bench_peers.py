@@ -63,7 +63,7 @@ import orjson
 
 from canopy_broker import bench_plots
 from canopy_broker.bench import Send, Sink, canopy_sender, done, progress, publish_paced
-from canopy_broker.cli import tune_gc
+from canopy_broker.cli import tune_gc, write_interval_ms
 from canopy_broker.client import connect
 from canopy_broker.procs import Overlay, process_cpu_split, stop_process
 from canopy_broker.progress import showing
@@ -93,6 +93,7 @@ class Workload:
     rate: float
     duration: float
     tick: float = 0.001
+    canopy_flags: tuple[str, ...] = ()  # extra `canopy-broker serve` flags (Canopy's settings)
 
     @property
     def groups(self) -> int:
@@ -103,6 +104,7 @@ class Workload:
             f"1 publisher -> {self.subscribers} subscribers, every event matches {self.fanout} "
             f"of them, {self.rate:,.0f} events/s for {self.duration:g} s, published every "
             f"{self.tick * 1000:g} ms"
+            + (f"; Canopy's broker with {' '.join(self.canopy_flags)}" if self.canopy_flags else "")
         )
 
 
@@ -204,7 +206,7 @@ Started = AsyncIterator[tuple[list[int], Send]]
 async def canopy(w: Workload, sink: Sink, _tmp: Path) -> Started:
     # Plaintext, as the peers run here: like for like (TLS's own cost: `canopy bench dataplane`
     # against `--insecure`, docs/performance.md).
-    async with Overlay(["canopy"], insecure=True) as ov:
+    async with Overlay(["canopy"], insecure=True, extra_args=w.canopy_flags) as ov:
         address = ov["canopy"].listen
         subs = [
             await connect(address, credentials=ov.credentials, on_notifications=sink.deliver)
@@ -491,7 +493,8 @@ def report(w: Workload, r: dict[str, dict[str, Any]]) -> str:
         split = f"({m['user_us']:.2f} + {m['system_us']:.2f})"
         lines.append(
             f"{name:<10}  {m['us_per_notification']:>19.2f}  {split:>15}  "
-            f"{paired_ratio(r, name, 'nats'):>5.2f}x  {paired_ratio(r, name, 'mosquitto'):>10.2f}x"
+            f"{_times(paired_ratio(r, name, 'nats')):>6}  "
+            f"{_times(paired_ratio(r, name, 'mosquitto')):>11}"
             f"  {m['delivered']:>10,} / {m['expected']:<8,}  {m['notif_per_s']:>15,}"
         )
     rounds = max(len(_rounds(m)) for m in r.values())
@@ -504,6 +507,11 @@ def report(w: Workload, r: dict[str, dict[str, Any]]) -> str:
             per = "  ".join(f"{x['us_per_notification']:.2f}" for x in _rounds(m))
             lines.append(f"  {name:<10}  {per}")
     return "\n".join(lines)
+
+
+def _times(ratio: float) -> str:
+    """A ratio for the table; "-" where there is none (that system was not run)."""
+    return "-" if math.isnan(ratio) else f"{ratio:.2f}x"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -541,6 +549,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "larger ticks let every broker batch its writes, which changes CPU per notification",
     )
     parser.add_argument(
+        "--client-write-interval-ms",
+        type=write_interval_ms,
+        default=0.0,
+        metavar="MS",
+        help="run Canopy's broker with this write pacing (`canopy-broker serve "
+        "--client-write-interval-ms`; default 0, the broker's default)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -560,6 +576,11 @@ def workload(args: argparse.Namespace) -> Workload:
         rate=float(values["rate"]),
         duration=float(values["duration"]),
         tick=args.tick / 1000,
+        canopy_flags=(
+            ("--client-write-interval-ms", f"{args.client_write_interval_ms:g}")
+            if args.client_write_interval_ms
+            else ()
+        ),
     )
     if w.fanout < 1 or w.subscribers < w.fanout or w.subscribers % w.fanout:
         raise ValueError(
@@ -596,6 +617,8 @@ def run_args(args: argparse.Namespace) -> int:
         # CANOPY_LOOP says for the brokers: a faster client loop made Mosquitto's broker
         # cheaper per notification (3.8-4.1 vs 5.0-5.6 us), so the harness stays fixed.
         result = asyncio.run(run(w, systems, args.rounds))
+    if "canopy" in result:  # which Canopy was measured
+        result["canopy"]["client_write_interval_ms"] = args.client_write_interval_ms
     print(report(w, result))
     if args.json:
         print(json.dumps(result))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from canopy_broker.bench_peers import delivered_all, paired_ratio, summary
+from canopy_broker.bench_peers import Workload, delivered_all, paired_ratio, report, summary
 
 
 def _round(us: float, user: float, delivered: int = 10) -> dict[str, Any]:
@@ -63,3 +63,12 @@ def test_a_loss_in_one_round_is_not_hidden_by_a_duplicate_in_another() -> None:
     assert not delivered_all(s)  # ...the rounds do not
     assert delivered_all(summary([_round(5.0, 2.0), _round(6.0, 2.0)]))
     assert not delivered_all(_round(5.0, 2.0, delivered=9))  # a single run
+
+
+def test_the_table_shows_no_ratio_to_a_system_not_run_and_names_canopy_s_settings() -> None:
+    w = Workload(50, 10, 5000.0, 8.0, canopy_flags=("--client-write-interval-ms", "2"))
+    table = report(w, {"canopy": _round(6.0, 3.0), "mosquitto": _round(5.0, 1.0)})
+    assert "with --client-write-interval-ms 2" in table.splitlines()[0]
+    canopy_row = next(line for line in table.splitlines() if line.startswith("canopy"))
+    assert "nan" not in table
+    assert canopy_row.split()[5:7] == ["-", "1.20x"]  # x NATS: not run; x Mosquitto: 6 / 5

@@ -405,6 +405,99 @@ async def test_a_long_read_is_written_out_in_parts_bounded_in_time(
         assert writes >= 640 // 2 - 2, writes  # every second event: the first sets the clock
 
 
+async def paced_subscriber(
+    b: Broker, stack: contextlib.AsyncExitStack
+) -> tuple[Client, Client, _CountingTransport]:
+    """A subscriber to every ``i`` (its writes counted) and a publisher, on ``b``."""
+    sub = await stack.enter_async_context(await connect(addr(b), "s"))
+    pub = await stack.enter_async_context(await connect(addr(b), "p"))
+    await sub.subscribe("i >= 0")
+    conn = b.clients["s"].conn
+    assert conn.transport is not None
+    counting = _CountingTransport(conn.transport)
+    conn.transport = counting  # type: ignore[assignment]
+    return sub, pub, counting
+
+
+async def test_paced_writes_carry_a_steady_stream_in_fewer_writes_within_the_interval(
+    make_broker: MakeBroker,
+) -> None:
+    """With write pacing, a subscriber fed every few milliseconds is written about once per
+    interval, each notification waiting at most about the interval; none lost or reordered."""
+    interval, events, gap = 0.1, 60, 0.005
+    b = await make_broker("b", client_write_interval=interval)
+    async with contextlib.AsyncExitStack() as stack:
+        sub, pub, counting = await paced_subscriber(b, stack)
+        arrived: dict[int, float] = {}
+        sent: dict[int, float] = {}
+
+        async def receive() -> None:
+            while len(arrived) < events:
+                for n in await sub.receive(events - len(arrived)):
+                    arrived[int(n.attrs["i"])] = time.monotonic()
+
+        receiver = asyncio.create_task(receive())
+        before = counting.writes
+        for i in range(events):
+            sent[i] = time.monotonic()
+            pub.publish_nowait({"i": i})
+            await pub.flush()
+            await asyncio.sleep(gap)
+        async with asyncio.timeout(10):
+            await receiver
+    assert list(arrived) == list(range(events))  # in order, each once
+    span = sent[events - 1] - sent[0]
+    writes = counting.writes - before
+    # Unpaced, this is a write per event (about 60); paced, one per interval (about 4-6 here),
+    # with room for the acknowledgements' own writes and a slow machine's turns.
+    assert writes <= span / interval + 6, (writes, span)
+    assert b.status()["client_write_interval_ms"] == interval * 1000
+    waited = max(arrived[i] - sent[i] for i in range(events))
+    assert waited < interval + 0.25, waited  # the interval and a loop turn, with slack
+
+
+async def test_paced_writes_send_the_first_after_a_quiet_spell_at_once(
+    make_broker: MakeBroker,
+) -> None:
+    """Pacing costs a quiet client nothing: the first notification in a while is written
+    at once. One right behind it is held, and a timer writes it at the latest an interval
+    after it was held, should no loop turn come sooner."""
+    interval = 0.6
+    b = await make_broker("b", client_write_interval=interval)
+    async with contextlib.AsyncExitStack() as stack:
+        sub, pub, _ = await paced_subscriber(b, stack)
+        await asyncio.sleep(interval)  # the subscription's acknowledgement was the last write
+        t0 = time.monotonic()
+        await pub.publish({"i": 0})
+        [first] = await collect(sub, 1)
+        assert time.monotonic() - t0 < interval / 2
+        held = time.monotonic()
+        await pub.publish({"i": 1})
+        await eventually(lambda: b._clients_timer is not None, within=interval / 2)
+        timer = b._clients_timer
+        assert timer is not None
+        # The timer is due an interval after the hold, by the loop's clock.
+        assert 0 < timer.when() - b._loop.time() <= interval
+        [second] = await collect(sub, 1)
+        assert time.monotonic() - held < interval + 0.3
+    assert (first.attrs["i"], second.attrs["i"]) == (0, 1)
+
+
+async def test_stopping_writes_what_pacing_holds(make_broker: MakeBroker) -> None:
+    """A broker stopping writes its clients what pacing still holds before it says goodbye."""
+    b = await make_broker("b", client_write_interval=0.1)  # the most the CLI allows is 0.1 s
+    b.config.client_write_interval = 30.0  # held for longer than the test runs
+    async with contextlib.AsyncExitStack() as stack:
+        sub, pub, _ = await paced_subscriber(b, stack)
+        await asyncio.sleep(0.2)
+        for i in range(3):
+            await pub.publish({"i": i})
+        await eventually(lambda: b._clients_timer is not None)
+        await b.stop(flush_timeout=0.5)
+        got = await collect(sub, 3, within=5)
+    assert [n.attrs["i"] for n in got] == [0, 1, 2]
+
+
 class _CountingTransport:
     """A transport that counts the writes it passes on (the broker's flush writes a client's
     transport directly, from compiled code: runtime/outbox.py)."""

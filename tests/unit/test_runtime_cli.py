@@ -46,6 +46,27 @@ def test_serve_defaults() -> None:
     )
 
 
+def test_write_pacing_takes_milliseconds_from_0_to_100(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = build_parser().parse_args
+    assert parse(["serve", "--name", "b"]).client_write_interval_ms == 0.0
+    assert (
+        parse(
+            ["serve", "--name", "b", "--client-write-interval-ms", "2.5"]
+        ).client_write_interval_ms
+        == 2.5
+    )
+    for bad, why in [
+        ("-1", "between 0 and 100"),
+        ("101", "between 0 and 100"),
+        ("nan", "between 0 and 100"),
+        ("2ms", "not a number of milliseconds"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse(["serve", "--name", "b", "--client-write-interval-ms", bad])
+        err = capsys.readouterr().err
+        assert "--client-write-interval-ms" in err and why in err, err
+
+
 _TLS_READS = """
 import ctypes, resource, sys
 # A fresh interpreter without site (nothing else allocated much yet), in a broker's state:

@@ -27,6 +27,11 @@ class BrokerConfig:
     high_water: int = 20_000
     low_water: int = 5_000
     client_hard_cap: int = 200_000
+    # Notifications to clients are written at most once per this many seconds (0: at the end of
+    # every loop turn). The first after a quiet spell is written at once; under steady traffic
+    # each client's notifications wait up to this long and leave together, one write (and one
+    # wake-up of the client) for several: CPU for latency (docs/broker.md, "Write pacing").
+    client_write_interval: float = 0.0
     slow_consumer_grace: float = 10.0
     slow_consumer_policy: str = "disconnect"  # or "backpressure" (see runtime/server.py)
     max_subscriptions: int = 10_000  # per client

@@ -235,6 +235,10 @@ class Broker:
         self._dirty: list[Link] = []  # links to flush; clients wait on their outlets:
         self._outlets: list[Outlet] = []  # runtime/outbox.py (compiled fan-out and flush)
         self._flush_scheduled = False
+        # Write pacing (config.client_write_interval): when the clients may be written next, and
+        # the timer that writes those held until then.
+        self._clients_due = 0.0
+        self._clients_timer: asyncio.TimerHandle | None = None
         self._unflushed = 0  # events routed since the last flush
         self._unflushed_since = 0.0  # when the first of them was (time.perf_counter)
         self._delivered = 0  # notifications queued to clients, not yet in the metrics
@@ -364,7 +368,10 @@ class Broker:
         self._timers.clear()
         await self.tasks.stop()
         self.loop_watch.stop()
-        self._flush()
+        if self._clients_timer is not None:
+            self._clients_timer.cancel()
+            self._clients_timer = None
+        self._flush(force=True)  # what write pacing holds too
         deadline = self._loop.time() + flush_timeout
         while self._loop.time() < deadline and self._undelivered():  # noqa: ASYNC110
             await asyncio.sleep(0.02)
@@ -629,19 +636,44 @@ class Broker:
             self._m_client_out.inc(self._delivered)
             self._delivered = 0
 
-    def _flush(self) -> None:
+    def _flush(self, force: bool = False) -> None:
         """Write what every woken link and client holds, then take the decisions their queues
         ask for: press or release publishers (a queue over high water, or back under low), and
         time or cut a slow consumer. The clients' writes are compiled (``flush_outlets``), which
         hands back only the few clients to decide about: those over ``high`` (or the hard cap,
-        while anything is pressed or lagging) and those pressed or lagging already."""
+        while anything is pressed or lagging) and those pressed or lagging already.
+
+        With write pacing (``config.client_write_interval``), the clients are written at most
+        once per interval: a flush sooner leaves them waiting on their outlets for a timer at
+        the due time (``force``: now, as when stopping). Why: on loopback and in a VM, most of
+        a notification's CPU is its ``write`` and the client's wake-up inside it
+        (docs/performance.md, session 9); one write per several notifications pays that once.
+        Links are never held: each hop would add the wait."""
         self._flush_scheduled = False
         self._unflushed = 0
         self._count_delivered()
         high = self.config.high_water
         low = self.config.low_water
         over, lagging = self._over, self._lagging
-        outlets, self._outlets = self._outlets, []
+        outlets = self._outlets
+        if outlets:
+            pace = self.config.client_write_interval
+            if pace > 0.0:
+                now = self._loop.time()
+                if now < self._clients_due and not (force or self.stopping):
+                    # Held for a later turn, which the next read brings anyway; the timer is
+                    # for when none comes. A timer at the due time instead would wake the
+                    # broker once more per write: that costs more CPU here than it saves.
+                    if self._clients_timer is None:
+                        self._clients_timer = self._loop.call_at(now + pace, self._paced_flush)
+                    outlets = []
+                else:
+                    self._clients_due = now + pace
+                    if self._clients_timer is not None:
+                        self._clients_timer.cancel()
+                        self._clients_timer = None
+            if outlets:
+                self._outlets = []
         links, self._dirty = self._dirty, []
         if outlets:
             cap = self.config.client_hard_cap
@@ -670,6 +702,11 @@ class Broker:
                     self.unpressure(link)
             elif depth > high and link.kind == "link" and link.conn is not None:
                 self._pressure(link)
+
+    def _paced_flush(self) -> None:
+        """The clients held by write pacing are due."""
+        self._clients_timer = None
+        self._flush()
 
     def _decide(self, client: Client, depth: int, high: int, low: int) -> None:
         """A client's queue after a flush, where it is ``depth`` long: pressed publishers are
@@ -1274,6 +1311,7 @@ class Broker:
                 "clients_max": max((c.depth for c in self.clients.values()), default=0),
             },
             "publishers_paused": self.publishers_paused,
+            "client_write_interval_ms": self.config.client_write_interval * 1000,
             "retention": self._retention_status(),
             "routing_table_size": self.core.routing_table_size(),
             "loop": self.loop_watch.status(),
