@@ -36,7 +36,7 @@ from typing import Any
 
 from canopy_broker import bench_plots
 from canopy_broker import progress as shown
-from canopy_broker.cli import tune_gc
+from canopy_broker.cli import tune_gc, write_interval_ms
 from canopy_broker.client import Client, Notification, connect
 from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Constraint, Filter, Op
@@ -509,9 +509,16 @@ async def handshake_ms(overlay: Overlay, broker: str, n: int = 50) -> float:
 
 
 async def run(
-    duration: float = 4.0, insecure: bool = False, loads: Sequence[float] = (0.5,)
+    duration: float = 4.0,
+    insecure: bool = False,
+    loads: Sequence[float] = (0.5,),
+    write_interval_ms: float = 0.0,
 ) -> dict[str, Any]:
-    """``insecure``: plaintext brokers and clients (to measure what TLS costs)."""
+    """``insecure``: plaintext brokers and clients (to measure what TLS costs);
+    ``write_interval_ms``: the brokers' write pacing (``--client-write-interval-ms``)."""
+    broker_args = ["--telemetry-sample", "0.01"]
+    if write_interval_ms:
+        broker_args += ["--client-write-interval-ms", f"{write_interval_ms:g}"]
     t_start = time.perf_counter()
     progress("matching: 10k filters, indexed vs scan")
     m = bench_matching()
@@ -540,9 +547,7 @@ async def run(
     )
 
     progress("starting 1 broker")
-    async with Overlay(
-        ["solo"], [], extra_args=["--telemetry-sample", "0.01"], insecure=insecure
-    ) as ov:
+    async with Overlay(["solo"], [], extra_args=broker_args, insecure=insecure) as ov:
         single = await run_dataplane(ov, "solo", "solo", duration, "single broker", loads=loads)
         rss = {"solo": ov["solo"].rss_mb()}
         connect_ms = await handshake_ms(ov, "solo")
@@ -552,7 +557,7 @@ async def run(
     async with Overlay(
         ["b1", "b2", "b3"],
         [("b1", "b2"), ("b2", "b3")],
-        extra_args=["--telemetry-sample", "0.01"],
+        extra_args=broker_args,
         insecure=insecure,
     ) as ov:
         chain = await run_dataplane(ov, "b1", "b3", duration, "chain of 3", loads=loads)
@@ -565,6 +570,7 @@ async def run(
         "matching_speedup_10k": round(m["speedup"], 1),
         "broker_rss_mb": round(max(rss.values()), 1),
         "tls": not insecure,
+        "client_write_interval_ms": write_interval_ms,
         "client_connect_ms": round(connect_ms, 3),
         "detail": {
             "single": single,
@@ -649,7 +655,11 @@ def report(r: dict[str, Any]) -> str:
     w = max(len(a) for a, *_ in rows)
     lines = [f"{'measure':<{w}}  {'measured':>14}  {'target':>10}  detail"]
     lines += [f"{a:<{w}}  {b:>14}  {t:>10}  {x}" for a, b, t, x in rows]
-    lines.append(f"(wall time {d['wall_s']} s)")
+    pacing = r.get("client_write_interval_ms", 0.0)
+    lines.append(
+        f"(wall time {d['wall_s']} s; brokers' writes to clients "
+        + (f"paced at {pacing:g} ms)" if pacing else "not paced: written every loop turn)")
+    )
     return "\n".join(lines)
 
 
@@ -676,6 +686,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plaintext brokers and clients (compare with the default, TLS, for its cost)",
     )
     parser.add_argument(
+        "--client-write-interval-ms",
+        type=write_interval_ms,
+        default=0.0,
+        metavar="MS",
+        help="the brokers' write pacing (`canopy-broker serve --client-write-interval-ms`; "
+        "default 0, the brokers' default): what it saves in CPU, what it costs in latency",
+    )
+    parser.add_argument(
         "--loads",
         default="0.5",
         help="comma-separated fractions of the measured maximum event rate to measure latency "
@@ -699,7 +717,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     tune_gc()  # the subscribers here are measured too: same GC settings as the brokers
     with shown.showing("bench dataplane", 4):  # matching, serialisers, 1 broker, chain of 3
-        result = eventloop.run(run(args.duration, insecure=args.insecure, loads=loads))
+        result = eventloop.run(
+            run(
+                args.duration,
+                insecure=args.insecure,
+                loads=loads,
+                write_interval_ms=args.client_write_interval_ms,
+            )
+        )
     print(report(result))
     if args.json:
         print(json.dumps(result))

@@ -21,6 +21,11 @@ invocation runs the same paced workload against each broker in turn, on this mac
   (one asyncio loop, a system at a time), never in a broker's, so their CPU is not counted.
 * **deliveries**: counted by the subscribers; ``expected`` = events published x fan-out;
   ``notif_per_s`` = delivered / (last arrival - first publish).
+* **latency**: every event carries the time it was published (``ts``, this process's
+  monotonic clock, in Canopy's attributes and in the peers' JSON payload); each subscriber
+  takes its notification's latency from it: ``p50_ms`` and ``p99_ms`` over all of them. It
+  is what a CPU figure costs in waiting (``--client-write-interval-ms`` trades one for the
+  other), and includes the wait for this process's loop, the same for every system.
 
 The brokers: one ``canopy-broker serve`` with its default settings, ``nats-server`` and
 ``mosquitto`` (from the system package manager, installed by ``make setup``), each started here
@@ -34,7 +39,8 @@ Canopy's client library, nats-py and paho-mqtt (the ``dev`` extra).
 
 Progress goes to stderr; with ``--json`` the last stdout line is one JSON object with keys
 ``canopy``, ``nats`` and ``mosquitto``, each ``{us_per_notification, user_us, system_us,
-delivered, expected, notif_per_s}``; with ``--rounds`` above 1 the first four are the median
+delivered, expected, notif_per_s, p50_ms, p99_ms}`` (Canopy's also the
+``client_write_interval_ms`` it ran with); with ``--rounds`` above 1 the first four are the median
 round's, ``delivered`` and ``expected`` are summed over the rounds, and ``rounds`` lists each
 round's figures in the order run.
 """
@@ -57,12 +63,20 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import orjson
 
 from canopy_broker import bench_plots
-from canopy_broker.bench import Send, Sink, canopy_sender, done, progress, publish_paced
+from canopy_broker.bench import (
+    Send,
+    Sink,
+    canopy_sender,
+    done,
+    percentiles,
+    progress,
+    publish_paced,
+)
 from canopy_broker.cli import tune_gc, write_interval_ms
 from canopy_broker.client import connect
 from canopy_broker.procs import Overlay, process_cpu_split, stop_process
@@ -120,8 +134,30 @@ class Numbered:
         return n % self.groups, n
 
     def attrs(self) -> dict[str, int]:
+        """The next event's attributes, stamped with the time it is published (``ts``, ns on
+        this process's monotonic clock, which the subscribers read too)."""
         g, n = self.next()
-        return {"g": g, "n": n}
+        return {"g": g, "n": n, "ts": time.monotonic_ns()}
+
+    def payload(self) -> tuple[int, bytes]:
+        """The next event's group, and its attributes as JSON (the peers' message body)."""
+        attrs = self.attrs()
+        return attrs["g"], orjson.dumps(attrs)
+
+
+LATENCY_SAMPLE: Final = 16
+"""A peer's subscribers read the stamp of one notification in this many: parsing every
+payload made the client process slower, which let Mosquitto's writes batch more, and so
+changed the CPU figure being measured (5.2 -> 4.6 us per notification)."""
+
+
+def received_payload(sink: Sink, payload: bytes | bytearray) -> None:
+    """A peer's subscriber got one notification: count it, and for one in
+    ``LATENCY_SAMPLE`` its latency from the stamp in the payload when the sink records
+    latencies (Canopy's subscribers: ``Sink.deliver``, from attributes decoded anyway)."""
+    sink.received(1)
+    if sink.record_latency and sink.count % LATENCY_SAMPLE == 0:
+        sink.latencies_ns.append(time.monotonic_ns() - int(orjson.loads(payload)["ts"]))
 
 
 # --------------------------------------------------------------------------- finding the peers
@@ -236,8 +272,8 @@ async def nats(w: Workload, sink: Sink, tmp: Path) -> Started:
         clients = []
         try:
 
-            async def on_message(_msg: Any) -> None:
-                sink.received(1)
+            async def on_message(msg: Any) -> None:
+                received_payload(sink, msg.data)
 
             for i in range(w.subscribers):
                 nc = await nats_py.connect(url, allow_reconnect=False)
@@ -252,8 +288,8 @@ async def nats(w: Workload, sink: Sink, tmp: Path) -> Started:
             async def send(count: int) -> None:
                 # nats-py buffers and its flusher task writes; no per-batch PING round trip.
                 for _ in range(count):
-                    g, n = numbered.next()
-                    await pub.publish(f"ev.{g}", orjson.dumps({"g": g, "n": n}))
+                    g, payload = numbered.payload()
+                    await pub.publish(f"ev.{g}", payload)
 
             yield [pid], send
         finally:
@@ -274,7 +310,10 @@ class PahoOnAsyncio:
         self._misc: asyncio.Task[None] | None = None
 
     async def connect(
-        self, port: int, client_id: str, on_message: Callable[[], None] | None = None
+        self,
+        port: int,
+        client_id: str,
+        on_message: Callable[[bytes | bytearray], None] | None = None,
     ) -> MqttClient:
         from paho.mqtt import client as mqtt  # noqa: PLC0415 - a dev dependency
         from paho.mqtt.enums import CallbackAPIVersion  # noqa: PLC0415
@@ -286,7 +325,7 @@ class PahoOnAsyncio:
         c.on_socket_register_write = lambda cl, _u, sock: loop.add_writer(sock, cl.loop_write)
         c.on_socket_unregister_write = lambda _c, _u, sock: _discard(loop.remove_writer(sock))
         if on_message is not None:
-            c.on_message = lambda _c, _u, _m: on_message()
+            c.on_message = lambda _c, _u, m: on_message(m.payload)
         answered: asyncio.Future[Any] = loop.create_future()
         c.on_connect = lambda _c, _u, _f, code, _p: _settle(answered, code)
         c.connect("127.0.0.1", port, keepalive=60)  # loopback: returns at once
@@ -360,7 +399,7 @@ async def mosquitto(w: Workload, sink: Sink, tmp: Path) -> Started:
     async with peer_broker([binary, "-c", str(conf)], port, tmp / "mosquitto.log") as pid:
         paho = PahoOnAsyncio()
         try:
-            count_one = lambda: sink.received(1)  # noqa: E731 - one closure for 50 clients
+            count_one = lambda payload: received_payload(sink, payload)  # noqa: E731 - one for all
             for i in range(w.subscribers):
                 c = await paho.connect(port, f"bench-sub-{i}", count_one)
                 await paho.subscribe(c, f"ev/{i % w.groups}")
@@ -370,8 +409,8 @@ async def mosquitto(w: Workload, sink: Sink, tmp: Path) -> Started:
             async def send(count: int) -> None:
                 # paho queues each packet; the loop's writer callback writes them out.
                 for _ in range(count):
-                    g, n = numbered.next()
-                    pub.publish(f"ev/{g}", orjson.dumps({"g": g, "n": n}), qos=0)
+                    g, payload = numbered.payload()
+                    pub.publish(f"ev/{g}", payload, qos=0)
 
             yield [pid], send
         finally:
@@ -402,6 +441,7 @@ async def measure(name: str, w: Workload, tmp: Path) -> dict[str, Any]:
     progress(f"{name}: starting the broker, {w.subscribers} subscribers and the publisher")
     async with PEERS[name](w, sink, tmp) as (pids, send):
         progress(f"{name}: publishing {w.rate:,.0f} events/s for {w.duration:g} s")
+        sink.record_latency = True
         (user0, sys0), t0 = process_cpu_split(pids), time.perf_counter()
         published = await publish_paced(w.rate, w.duration, send, w.tick)
         expected = published * w.fanout
@@ -409,6 +449,7 @@ async def measure(name: str, w: Workload, tmp: Path) -> dict[str, Any]:
         user1, sys1 = process_cpu_split(pids)
         delivered = sink.count
     per = 1e6 / max(1, delivered)
+    latency = percentiles(sink.latencies_ns)
     result = {
         "us_per_notification": round((user1 - user0 + sys1 - sys0) * per, 3),
         "user_us": round((user1 - user0) * per, 3),
@@ -416,6 +457,8 @@ async def measure(name: str, w: Workload, tmp: Path) -> dict[str, Any]:
         "delivered": delivered,
         "expected": expected,
         "notif_per_s": round(delivered / max(1e-9, sink.last_arrival - t0)),
+        "p50_ms": round(latency["p50_ms"], 3),
+        "p99_ms": round(latency["p99_ms"], 3),
     }
     progress(
         f"{name}: {result['us_per_notification']} CPU-us per notification, "
@@ -487,7 +530,8 @@ def report(w: Workload, r: dict[str, dict[str, Any]]) -> str:
     lines = [
         f"workload: {w.describe()}",
         f"{'system':<10}  {'CPU us/notification':>19}  {'(user + system)':>15}  {'x NATS':>6}  "
-        f"{'x Mosquitto':>11}  {'delivered / expected':>21}  {'notifications/s':>15}",
+        f"{'x Mosquitto':>11}  {'delivered / expected':>21}  {'notifications/s':>15}  "
+        f"{'p50 / p99 ms':>13}",
     ]
     for name, m in r.items():
         split = f"({m['user_us']:.2f} + {m['system_us']:.2f})"
@@ -495,7 +539,8 @@ def report(w: Workload, r: dict[str, dict[str, Any]]) -> str:
             f"{name:<10}  {m['us_per_notification']:>19.2f}  {split:>15}  "
             f"{_times(paired_ratio(r, name, 'nats')):>6}  "
             f"{_times(paired_ratio(r, name, 'mosquitto')):>11}"
-            f"  {m['delivered']:>10,} / {m['expected']:<8,}  {m['notif_per_s']:>15,}"
+            f"  {m['delivered']:>10,} / {m['expected']:<8,}  {m['notif_per_s']:>15,}  "
+            f"{_latency(m):>13}"
         )
     rounds = max(len(_rounds(m)) for m in r.values())
     if rounds > 1:
@@ -507,6 +552,13 @@ def report(w: Workload, r: dict[str, dict[str, Any]]) -> str:
             per = "  ".join(f"{x['us_per_notification']:.2f}" for x in _rounds(m))
             lines.append(f"  {name:<10}  {per}")
     return "\n".join(lines)
+
+
+def _latency(m: dict[str, Any]) -> str:
+    """p50 / p99 for the table ("-" from a result without them)."""
+    if "p50_ms" not in m:
+        return "-"
+    return f"{m['p50_ms']:.2f} / {m['p99_ms']:.2f}"
 
 
 def _times(ratio: float) -> str:

@@ -455,8 +455,11 @@ def test_bench_peers_quick_delivers_everything_on_all_three_brokers() -> None:
             "delivered",
             "expected",
             "notif_per_s",
-        }, name
+            "p50_ms",
+            "p99_ms",
+        } | ({"client_write_interval_ms"} if name == "canopy" else set()), name
         assert abs(m["user_us"] + m["system_us"] - m["us_per_notification"]) < 0.01, (name, m)
+        assert 0 < m["p50_ms"] <= m["p99_ms"], (name, m)  # every system's latency sampled
         # --quick: 1,000 events/s for 1 s, each to 2 of 10 subscribers
         assert m["expected"] == 2_000, (name, m)
         assert m["delivered"] == m["expected"], (name, m)
@@ -479,11 +482,15 @@ def test_bench_peers_measures_only_the_systems_asked_for(tmp_path: Path) -> None
     picture = tmp_path / "peers.svg"
     alone = canopy(
         "bench", "peers", "--quick", "--systems", "canopy", "--json", "--plot", str(picture),
+        "--client-write-interval-ms", "5",
         env={"CANOPY_PEERS_PATH": str(tmp_path)}, timeout=120,
     )  # fmt: skip
     assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-2000:]
     data = last_json(alone.stdout)
     assert set(data) == {"canopy"} and data["canopy"]["delivered"] == 2_000
+    assert data["canopy"]["client_write_interval_ms"] == 5.0  # the broker ran paced
+    assert 0 < data["canopy"]["p50_ms"] <= data["canopy"]["p99_ms"]
+    assert "Canopy's broker with --client-write-interval-ms 5" in alone.stdout
     assert "<svg" in picture.read_text() and f"drew {picture}" in alone.stderr
     nats_only = canopy(
         "bench", "peers", "--quick", "--systems", "nats", env={"CANOPY_PEERS_PATH": str(tmp_path)}
@@ -492,6 +499,8 @@ def test_bench_peers_measures_only_the_systems_asked_for(tmp_path: Path) -> None
     assert "mosquitto (program)" not in nats_only.stderr  # only what nats needs is missing
     bad = canopy("bench", "peers", "--systems", "canopy,kafka")
     assert bad.returncode == 2 and "--systems takes some of canopy, nats, mosquitto" in bad.stderr
+    bad = canopy("bench", "peers", "--client-write-interval-ms", "500")
+    assert bad.returncode == 2 and "must be between 0 and 100 milliseconds" in bad.stderr
 
 
 def test_bench_peers_rounds_report_the_median_round_and_every_round(tmp_path: Path) -> None:

@@ -51,10 +51,15 @@ async def publish_steadily(pub: Client, stop: asyncio.Event, published: list[int
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.parametrize(
+    "pacing",
+    [(), ("--client-write-interval-ms", "20")],
+    ids=["unpaced", "writes-paced-20ms"],  # held in b3's outbox when it dies: resumed elsewhere
+)
 async def test_the_subscriber_of_a_killed_broker_fails_over_and_misses_nothing(
-    tmp_path: Path,
+    tmp_path: Path, pacing: tuple[str, ...]
 ) -> None:
-    brokers = await start(tmp_path)
+    brokers = await start(tmp_path, *pacing)
     try:
         clients, received, drains = await subscribe_all(brokers)
         gaps: list[Gap] = []

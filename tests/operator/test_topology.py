@@ -70,6 +70,12 @@ def test_a_valid_tree_and_managed_links_pass() -> None:
         (
             ["a"],
             [],
+            {"clients": {"writeIntervalMs": 250}},
+            "clients.writeIntervalMs must be between 0 and 100 (0: every loop turn), got 250",
+        ),
+        (
+            ["a"],
+            [],
             {"clients": {"slowConsumer": "ignore"}},
             "clients.slowConsumer must be one of disconnect, backpressure",
         ),
@@ -155,6 +161,7 @@ def test_custody_and_client_limits_reach_the_broker_command_line() -> None:
                 "queueLimit": 1000,
                 "maxSubscriptions": 7,
                 "maxConnectionsPerSource": 3,
+                "writeIntervalMs": 2.5,
             },
             broker={"logFormat": "json"},
         )
@@ -165,6 +172,7 @@ def test_custody_and_client_limits_reach_the_broker_command_line() -> None:
     assert (default.cycle_bound, default.cycle_period) == (4, 2.0)
     assert (args.slow_consumer, args.client_queue_limit) == ("backpressure", 1000)
     assert (args.max_subscriptions, args.max_connections_per_source) == (7, 3)
+    assert (args.client_write_interval_ms, default.client_write_interval_ms) == (2.5, 0.0)
     assert (args.log_format, args.overlay) == ("json", spec.name)
 
 

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
-from canopy_broker.bench_peers import Workload, delivered_all, paired_ratio, report, summary
+import orjson
+
+from canopy_broker.bench import Sink
+from canopy_broker.bench_peers import (
+    LATENCY_SAMPLE,
+    Numbered,
+    Workload,
+    delivered_all,
+    paired_ratio,
+    received_payload,
+    report,
+    summary,
+)
 
 
 def _round(us: float, user: float, delivered: int = 10) -> dict[str, Any]:
@@ -67,8 +80,28 @@ def test_a_loss_in_one_round_is_not_hidden_by_a_duplicate_in_another() -> None:
 
 def test_the_table_shows_no_ratio_to_a_system_not_run_and_names_canopy_s_settings() -> None:
     w = Workload(50, 10, 5000.0, 8.0, canopy_flags=("--client-write-interval-ms", "2"))
-    table = report(w, {"canopy": _round(6.0, 3.0), "mosquitto": _round(5.0, 1.0)})
+    canopy = {**_round(6.0, 3.0), "p50_ms": 0.5, "p99_ms": 2.25}
+    table = report(w, {"canopy": canopy, "mosquitto": _round(5.0, 1.0)})
     assert "with --client-write-interval-ms 2" in table.splitlines()[0]
     canopy_row = next(line for line in table.splitlines() if line.startswith("canopy"))
     assert "nan" not in table
     assert canopy_row.split()[5:7] == ["-", "1.20x"]  # x NATS: not run; x Mosquitto: 6 / 5
+    assert canopy_row.endswith("0.50 / 2.25")
+    assert next(line for line in table.splitlines() if line.startswith("mosquitto")).endswith("-")
+
+
+def test_a_peer_s_notification_is_counted_and_its_latency_taken_from_its_stamp() -> None:
+    sink = Sink()
+    numbered = Numbered(groups=5)
+    group, payload = numbered.payload()
+    assert group == 0 and orjson.loads(payload)["n"] == 0
+    received_payload(sink, payload)  # not recording yet: counted only
+    assert (sink.count, sink.latencies_ns) == (1, [])
+    sink.record_latency = True
+    for _ in range(LATENCY_SAMPLE * 3 - 1):
+        _, payload = numbered.payload()
+        received_payload(sink, payload)
+    stamp = orjson.loads(payload)["ts"]  # the last one's, the third sampled
+    assert sink.count == LATENCY_SAMPLE * 3
+    assert len(sink.latencies_ns) == 3  # one in LATENCY_SAMPLE: the others are not parsed
+    assert 0 <= sink.latencies_ns[-1] <= time.monotonic_ns() - stamp

@@ -78,6 +78,7 @@ class OverlaySpec:
     client_queue_limit: int = 200_000  # spec.clients.queueLimit
     max_subscriptions: int = 10_000  # spec.clients.maxSubscriptions
     max_connections_per_source: int = 256  # spec.clients.maxConnectionsPerSource
+    write_interval_ms: float = 0.0  # spec.clients.writeIntervalMs: write pacing (0: off)
     log_format: str = "text"  # spec.broker.logFormat: text, or JSON lines (canopy_broker.logs)
 
     @property
@@ -120,6 +121,8 @@ class OverlaySpec:
             str(self.max_subscriptions),
             "--max-connections-per-source",
             str(self.max_connections_per_source),
+            "--client-write-interval-ms",
+            repr(self.write_interval_ms),
             "--log-format",
             self.log_format,
             "--overlay",
@@ -228,6 +231,7 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         max_connections_per_source=_get(
             clients, "maxConnectionsPerSource", int, 256, "spec.clients"
         ),
+        write_interval_ms=_number(clients, "writeIntervalMs", 0.0, "spec.clients"),
         log_format=_get(broker, "logFormat", str, "text", "spec.broker"),
     )
 
@@ -275,6 +279,7 @@ def validate(spec: OverlaySpec) -> list[str]:
         (spec.retention_seconds, 0, 3600, "failureDetection.retentionSeconds (0: custody off)"),
         (spec.cycle_bound, 0, 16, "failureDetection.cycleBound (below 3: off)"),
         (spec.cycle_period, 0, 3600, "failureDetection.cyclePeriodSeconds (0: no rounds)"),
+        (spec.write_interval_ms, 0, 100, "clients.writeIntervalMs (0: every loop turn)"),
     )
     for number, low, high, what in ranges:
         if not low <= number <= high:
