@@ -178,19 +178,7 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
         "dataplane", help="throughput, latency, matching speed-up and memory of real brokers"
     )
     bench.add_arguments(dataplane)
-    dataplane.set_defaults(
-        func=lambda a: bench.main(
-            [
-                *(["--json"] if a.json else []),
-                *(["--insecure"] if a.insecure else []),
-                *(["--plot", a.plot] if a.plot is not None else []),
-                "--duration",
-                str(a.duration),
-                "--loads",
-                a.loads,
-            ]
-        )
-    )
+    dataplane.set_defaults(func=bench.run_args)
     subscriptions = bench_sub.add_parser(
         "subscriptions",
         help="subscription install time, churn and event-loop stalls in a real overlay",

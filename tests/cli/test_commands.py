@@ -550,7 +550,7 @@ def test_bench_dataplane_reports_latency_percentiles_at_each_load(tmp_path: Path
     picture = tmp_path / "dataplane.png"
     result = canopy(
         "bench", "dataplane", "--duration", "0.5", "--loads", "0.25,0.5", "--json",
-        "--plot", str(picture), timeout=180,
+        "--plot", str(picture), "--client-write-interval-ms", "2", timeout=180,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     data = last_json(result.stdout)
@@ -569,6 +569,8 @@ def test_bench_dataplane_reports_latency_percentiles_at_each_load(tmp_path: Path
         assert abs(d["notif_per_broker_cpu_s"] - per_event) <= 0.02 * per_event, d
         assert 0 < d["client_cpu_pct"] <= 150, d
     assert "latency at 25% load, chain of 3, p50 / p99 / p99.9 ms" in result.stdout
+    assert data["client_write_interval_ms"] == 2.0  # forwarded to every broker
+    assert "writes to clients paced at 2 ms" in result.stdout
     assert "notifications per broker CPU-second, 1 broker" in result.stdout
     # What a hop costs on this machine, printed beside the latencies it bounds.
     machine = detail["machine"]
