@@ -185,6 +185,8 @@ def test_cycle_settings_out_of_range_are_named() -> None:
     assert "failureDetection.cyclePeriodSeconds must be between 0" in problems
     with pytest.raises(SpecError, match="cyclePeriodSeconds must be a number"):
         parse_overlay(manifest(["a"], [], failureDetection={"cyclePeriodSeconds": "often"}))
+    with pytest.raises(SpecError, match=r"clients\.writeIntervalMs is out of range"):
+        parse_overlay(manifest(["a"], [], clients={"writeIntervalMs": 10**400}))
 
 
 def test_the_exchange_lease_is_read_and_must_outlast_failure_detection() -> None:

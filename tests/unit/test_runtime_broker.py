@@ -483,6 +483,74 @@ async def test_paced_writes_send_the_first_after_a_quiet_spell_at_once(
     assert (first.attrs["i"], second.attrs["i"]) == (0, 1)
 
 
+async def test_a_quiet_client_is_not_held_back_by_a_busy_one(make_broker: MakeBroker) -> None:
+    """Each client is paced on its own: one fed every few milliseconds is held, while another
+    that hears of an event less often than the interval gets each at once, however busy the
+    first. (Paced together, each would wait for the busy one's next write: up to an
+    interval, half of one on average.)"""
+    interval, events = 0.3, 400
+    b = await make_broker("b", client_write_interval=interval)
+    async with contextlib.AsyncExitStack() as stack:
+        busy, pub, _ = await paced_subscriber(b, stack)
+        quiet = await stack.enter_async_context(await connect(addr(b), "q"))
+        await quiet.subscribe("rare = 1")
+        received: list[Notification] = []
+        drainer = asyncio.create_task(drain_into(busy, received, events))
+        waits = []
+        for i in range(events):
+            pub.publish_nowait({"i": i})
+            await pub.flush()
+            if i % 80 == 40:  # about every 0.4 s, more than the interval
+                t0 = time.monotonic()
+                pub.publish_nowait({"rare": 1})
+                await pub.flush()
+                await collect(quiet, 1)
+                waits.append(time.monotonic() - t0)
+            await asyncio.sleep(0.005)
+        async with asyncio.timeout(10):
+            await drainer
+    assert [n.attrs["i"] for n in received] == list(range(events))
+    assert max(waits) < interval / 2, waits
+
+
+async def drain_into(c: Client, into: list[Notification], n: int) -> None:
+    while len(into) < n:
+        into += await c.receive(n - len(into))
+
+
+async def test_replies_to_a_client_are_never_held_by_pacing(make_broker: MakeBroker) -> None:
+    """Acknowledgements are not notifications: a client subscribing one filter after another
+    waits a round trip for each, not an interval (it did: 99 ms each at 100 ms pacing)."""
+    interval = 0.5
+    b = await make_broker("b", client_write_interval=interval)
+    async with await connect(addr(b), "s") as c:
+        t0 = time.monotonic()
+        for i in range(10):
+            await c.subscribe(f"k = {i}")
+        took = time.monotonic() - t0
+    assert took < 2 * interval, took  # held, ten replies would take ten intervals (5 s)
+
+
+async def test_the_timer_writes_what_pacing_holds_even_before_it_is_due(
+    make_broker: MakeBroker,
+) -> None:
+    """The timer writes what is held whatever the clock says then: uvloop's timers count
+    whole milliseconds and may fire a little before a client is due, and holding it again
+    then made a notification wait two intervals."""
+    b = await make_broker("b", client_write_interval=0.05)
+    async with contextlib.AsyncExitStack() as stack:
+        sub, pub, _ = await paced_subscriber(b, stack)
+        b.clients["s"].outlet.due = b._loop.time() + 3600  # as if written a moment ago
+        await pub.publish({"i": 0})
+        await eventually(lambda: b._clients_timer is not None)
+        timer = b._clients_timer
+        assert timer is not None and b.clients["s"].outlet.pending  # held
+        timer.cancel()  # fired now, long before the client is due:
+        b._paced_flush()
+        [n] = await collect(sub, 1, within=1.0)
+    assert n.attrs["i"] == 0
+
+
 async def test_stopping_writes_what_pacing_holds(make_broker: MakeBroker) -> None:
     """A broker stopping writes its clients what pacing still holds before it says goodbye."""
     b = await make_broker("b", client_write_interval=0.1)  # the most the CLI allows is 0.1 s

@@ -457,3 +457,26 @@ def test_decoding_arbitrary_input_raises_only_frame_errors(item: object) -> None
         except FrameError:
             continue
         assert isinstance(msg, kind)
+
+
+def test_paced_flush_holds_each_client_written_within_the_interval_on_its_own() -> None:
+    """With ``pace``, an outlet due later than ``now`` is held (still dirty, queue untouched,
+    not decided about); the others are written and due again ``pace`` after ``now``. A reply
+    waiting (``due`` 0.0) is written whenever the client was last written."""
+    msg = b'[20,"p",1,0,{},["s"]]'
+    busy, quiet, replied = (Outlet(c, _Conn(transport=_Transport())) for c in "bqr")
+    busy.due, quiet.due, replied.due = 10.5, 3.0, 0.0  # written at 10.4, long ago, a reply
+    dirty = [busy, quiet, replied]
+    for o in dirty:
+        o.pending.append(msg)
+        o.dirty = True
+    held: list[Outlet] = []
+    attention = flush_outlets(dirty, 0, {busy}, now=10.45, pace=0.1, held=held)
+    assert held == [busy] and busy.dirty and busy.pending == [msg] and busy.due == 10.5
+    assert busy.conn.transport.written == [] and attention == []  # decided once written
+    for o in (quiet, replied):
+        assert not o.dirty and o.pending == [] and len(o.conn.transport.written) == 1
+        assert o.due == 10.45 + 0.1
+    held = []
+    assert flush_outlets([busy], 0, {busy}, now=10.5, pace=0.1, held=held) == [busy]
+    assert held == [] and not busy.dirty and len(busy.conn.transport.written) == 1

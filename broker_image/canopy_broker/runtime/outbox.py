@@ -59,6 +59,9 @@ class Outlet:
         self.conn = conn
         self.pending: list[bytes] = []
         self.dirty = False
+        # Write pacing (``flush_outlets``' ``pace``): the loop time before which this client is
+        # not written again; 0.0 when a reply to it is waiting (replies are never held).
+        self.due = 0.0
 
 
 def fan_out(
@@ -91,16 +94,34 @@ def fan_out(
     return delivered
 
 
-def flush_outlets(dirty: list[Outlet], limit: int, marked: set[Outlet] | None) -> list[Outlet]:
+def flush_outlets(
+    dirty: list[Outlet],
+    limit: int,
+    marked: set[Outlet] | None,
+    *,
+    now: float = 0.0,
+    pace: float = 0.0,
+    held: list[Outlet] | None = None,
+) -> list[Outlet]:
     """Write what each of ``dirty`` holds as F_MSGS frame(s), unless its connection is paused
     for writing (or closing: the queue is then dropped with the connection); unmark them all.
     Return those whose queue still holds more than ``limit`` messages, or that are in
     ``marked``: the broker decides about them (pressure, a lagging or slow consumer).
 
+    Write pacing, when ``pace`` > 0 and ``held`` is given: an outlet whose ``due`` is after
+    ``now`` (written less than ``pace`` ago, and no reply waiting) is not written but put on
+    ``held``, still marked dirty; one that is written is due again ``pace`` after ``now``.
+    Each client is paced on its own: a quiet one is never held back by a busy one.
+
     The transport is written directly (what ``FrameProtocol.write`` does, without its call):
     this runs once per client per loop turn, and most flushes are one notification."""
     attention: list[Outlet] = []
     for outlet in dirty:
+        if held is not None:
+            if now < outlet.due:
+                held.append(outlet)
+                continue
+            outlet.due = now + pace
         outlet.dirty = False
         msgs = outlet.pending
         if msgs:

@@ -235,9 +235,8 @@ class Broker:
         self._dirty: list[Link] = []  # links to flush; clients wait on their outlets:
         self._outlets: list[Outlet] = []  # runtime/outbox.py (compiled fan-out and flush)
         self._flush_scheduled = False
-        # Write pacing (config.client_write_interval): when the clients may be written next, and
-        # the timer that writes those held until then.
-        self._clients_due = 0.0
+        # Write pacing (config.client_write_interval): the timer that writes the clients held
+        # (each outlet knows when it is due: Outlet.due).
         self._clients_timer: asyncio.TimerHandle | None = None
         self._unflushed = 0  # events routed since the last flush
         self._unflushed_since = 0.0  # when the first of them was (time.perf_counter)
@@ -612,13 +611,16 @@ class Broker:
             self.sessions.lost(conn.link, conn)
 
     def mark_dirty(self, dest: Link | Client) -> None:
-        """``dest`` has something to write (or a decision to take): flush it this loop turn."""
+        """``dest`` has something to write (or a decision to take): flush it this loop turn.
+        For a client this is a reply or a decision, never held by write pacing: it makes the
+        client due now, and asks for a flush even when the client is already waiting for one
+        (held, it would otherwise wait for the next event or the timer)."""
         if isinstance(dest, Client):
             outlet = dest.outlet
-            if outlet.dirty:
-                return
-            outlet.dirty = True
-            self._outlets.append(outlet)
+            outlet.due = 0.0
+            if not outlet.dirty:
+                outlet.dirty = True
+                self._outlets.append(outlet)
         elif not dest.dirty:
             dest.dirty = True
             self._dirty.append(dest)
@@ -643,37 +645,20 @@ class Broker:
         hands back only the few clients to decide about: those over ``high`` (or the hard cap,
         while anything is pressed or lagging) and those pressed or lagging already.
 
-        With write pacing (``config.client_write_interval``), the clients are written at most
-        once per interval: a flush sooner leaves them waiting on their outlets for a timer at
-        the due time (``force``: now, as when stopping). Why: on loopback and in a VM, most of
-        a notification's CPU is its ``write`` and the client's wake-up inside it
-        (docs/performance.md, session 9); one write per several notifications pays that once.
-        Links are never held: each hop would add the wait."""
+        With write pacing (``config.client_write_interval``), each client is written at most
+        once per interval, replies to it excepted: one written less than an interval ago stays
+        on the dirty list, for a later flush or the timer, which writes whatever is held an
+        interval after the first hold (``force``: now, as when stopping). Why: on loopback and
+        in a VM, most of a notification's CPU is its ``write`` and the client's wake-up inside
+        it (docs/performance.md, session 9); one write per several notifications pays that
+        once. Links are never held: each hop would add the wait."""
         self._flush_scheduled = False
         self._unflushed = 0
         self._count_delivered()
         high = self.config.high_water
         low = self.config.low_water
         over, lagging = self._over, self._lagging
-        outlets = self._outlets
-        if outlets:
-            pace = self.config.client_write_interval
-            if pace > 0.0:
-                now = self._loop.time()
-                if now < self._clients_due and not (force or self.stopping):
-                    # Held for a later turn, which the next read brings anyway; the timer is
-                    # for when none comes. A timer at the due time instead would wake the
-                    # broker once more per write: that costs more CPU here than it saves.
-                    if self._clients_timer is None:
-                        self._clients_timer = self._loop.call_at(now + pace, self._paced_flush)
-                    outlets = []
-                else:
-                    self._clients_due = now + pace
-                    if self._clients_timer is not None:
-                        self._clients_timer.cancel()
-                        self._clients_timer = None
-            if outlets:
-                self._outlets = []
+        outlets, self._outlets = self._outlets, []
         links, self._dirty = self._dirty, []
         if outlets:
             cap = self.config.client_hard_cap
@@ -682,10 +667,29 @@ class Broker:
                 marked = {c.outlet for c in lagging}
                 marked.update(d.outlet for d in over if isinstance(d, Client))
             clients = self.clients
+            pace = self.config.client_write_interval
+            if pace > 0.0 and not (force or self.stopping):
+                now = self._loop.time()
+                held: list[Outlet] = []
+                attention = flush_outlets(
+                    outlets, min(high, cap), marked, now=now, pace=pace, held=held
+                )
+                if held:
+                    # Written by a later flush, which the next read brings anyway, or by the
+                    # timer when none comes. A timer at the due time instead would wake the
+                    # broker once more per write: that costs more CPU here than it saves.
+                    self._outlets += held  # still marked dirty
+                    if self._clients_timer is None:
+                        self._clients_timer = self._loop.call_at(now + pace, self._paced_flush)
+                elif self._clients_timer is not None:
+                    self._clients_timer.cancel()
+                    self._clients_timer = None
+            else:
+                attention = flush_outlets(outlets, min(high, cap), marked)
             # Every queue over high water or the hard cap comes back: the decisions and the
             # cap below need to look at no other.
             decide = []
-            for outlet in flush_outlets(outlets, min(high, cap), marked):
+            for outlet in attention:
                 client = clients.get(outlet.client_id)
                 if client is not None and client.outlet is outlet:
                     self._decide(client, len(outlet.pending), high, low)
@@ -704,9 +708,11 @@ class Broker:
                 self._pressure(link)
 
     def _paced_flush(self) -> None:
-        """The clients held by write pacing are due."""
+        """Whatever write pacing holds has waited an interval: written now, due or not (a
+        timer may fire a little early: uvloop's count whole milliseconds, and holding again
+        then made a notification wait two intervals)."""
         self._clients_timer = None
-        self._flush()
+        self._flush(force=True)
 
     def _decide(self, client: Client, depth: int, high: int, low: int) -> None:
         """A client's queue after a flush, where it is ``depth`` long: pressed publishers are

@@ -148,7 +148,10 @@ def _number(obj: Mapping[str, Any], key: str, default: float, where: str) -> flo
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SpecError(f"{where}.{key} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer past any float (YAML reads 1e400 as inf, 10**400 not)
+        raise SpecError(f"{where}.{key} is out of range, got {value!r}") from None
 
 
 def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
