@@ -148,6 +148,17 @@ async def repair_records(
             await asyncio.sleep(0.02)
 
 
+async def publish_steadily(pub: Client, stop: asyncio.Event, published: list[int]) -> None:
+    """About 1,000 events/s in bursts of 10, through failovers (publish waits as it must)."""
+    n = 0
+    while not stop.is_set():
+        for _ in range(10):
+            n += 1
+            await pub.publish({"n": n})
+            published.append(n)
+        await asyncio.sleep(0.01)
+
+
 async def kill(brokers: dict[str, BrokerProc], name: str, *, frozen_for: float = 0.0) -> None:
     """SIGKILL ``name`` (removed from ``brokers``); ``frozen_for``: SIGSTOP it that long first,
     so that what its clients send meanwhile is in its socket buffers, taken by the kernel and

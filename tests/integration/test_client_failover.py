@@ -31,6 +31,7 @@ from tests.integration.crash_overlay import (
     close_all,
     drain,
     kill,
+    publish_steadily,
     start,
     subscribe_all,
     verdict,
@@ -38,17 +39,6 @@ from tests.integration.crash_overlay import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-async def publish_steadily(pub: Client, stop: asyncio.Event, published: list[int]) -> None:
-    """About 1,000 events/s in bursts of 10, through failovers (publish waits as it must)."""
-    n = 0
-    while not stop.is_set():
-        for _ in range(10):
-            n += 1
-            await pub.publish({"n": n})
-            published.append(n)
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize(

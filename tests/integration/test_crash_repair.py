@@ -11,6 +11,7 @@ over the new links; the negative control turns repair off and must starve the fa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from canopy_broker.client import ConnectionLost, connect
+from canopy_broker.client import Client, ConnectionLost, Gap, Notification, connect
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import RoutingMode
 from canopy_broker.procs import spawn_broker, wait_settled
@@ -33,6 +34,7 @@ from tests.integration.crash_overlay import (
     close_all,
     kill_under_traffic,
     live_edges,
+    publish_steadily,
     start,
     subscribe_all,
     wait_repaired,
@@ -158,6 +160,82 @@ async def test_a_paused_broker_that_comes_back_is_fenced(tmp_path: Path) -> None
         fenced = (await brokers["a"].admin.status())["fenced"]
         assert set(fenced) == {"b1"}
     finally:
+        await asyncio.gather(*(b.stop() for b in brokers.values()))
+
+
+async def test_the_clients_of_a_fenced_broker_fail_over_and_miss_nothing(tmp_path: Path) -> None:
+    """b2, between b1 and b3, is paused (SIGSTOP) past failure detection: b1 and b3 declare it
+    dead and link up around it. When it resumes, b3 refuses its old session (fenced). b2 then
+    fails (its /healthz asks to be restarted, to rejoin as a new member) and lets its clients
+    go at once: its subscriber fails over to a live broker and misses nothing, and its
+    publisher sends again there what was not acknowledged. Everybody gets both publishers'
+    events once and in order. Before, both stayed on the isolated b2, which served them
+    nothing more and told them nothing."""
+    names = ["b1", "b2", "b3"]
+    procs = await asyncio.gather(
+        *(spawn_broker(n, log_dir=tmp_path, extra_args=HEARTBEAT) for n in names)
+    )
+    brokers = {p.name: p for p in procs}
+    clients: list[Client] = []
+    try:
+        for a, b in (("b1", "b2"), ("b2", "b3")):  # b2 dials b3: it hears of the fence there
+            result = await brokers[a].admin.add_link(b, brokers[b].link_address, wait=10)
+            assert result["up"], (a, b)
+        received: dict[str, list[Notification]] = {}
+        gaps: list[Gap] = []
+        for n in names:
+            sid = f"s{n[1]}"
+            received[sid] = []
+            c = await connect(
+                brokers[n].listen,
+                client_id=sid,
+                on_gap=gaps.append,
+                on_notifications=received[sid].extend,
+            )
+            await c.subscribe(FILTER)
+            clients.append(c)
+        pubs = {n: await connect(brokers[n].listen, client_id=f"p{n[1]}") for n in ("b1", "b2")}
+        clients += pubs.values()
+        await wait_settled(brokers.values())
+        stop = asyncio.Event()
+        published: dict[str, list[int]] = {"p1": [], "p2": []}
+        publishing = [
+            asyncio.create_task(publish_steadily(pubs[n], stop, published[f"p{n[1]}"]))
+            for n in ("b1", "b2")
+        ]
+        await asyncio.sleep(1.0)
+        os.kill(brokers["b2"].pid, signal.SIGSTOP)
+        await asyncio.sleep(2.0)  # detection is 0.6 s: b1 and b3 repair around it meanwhile
+        os.kill(brokers["b2"].pid, signal.SIGCONT)
+        await asyncio.sleep(3.0)
+        stop.set()
+        await asyncio.gather(*publishing)
+        for pub in pubs.values():
+            assert await pub.wait_acknowledged(10.0)
+        last = {p: seqs[-1] for p, seqs in published.items()}
+        async with asyncio.timeout(20):
+            while any(  # noqa: ASYNC110
+                [n.seq for n in got if n.publisher == p][-1:] != [last[p]]
+                for got in received.values()
+                for p in last
+            ):
+                await asyncio.sleep(0.05)
+        for sub, got in received.items():
+            for p, end in last.items():
+                seqs = [n.seq for n in got if n.publisher == p]
+                assert seqs == list(range(1, end + 1)), (
+                    f"{sub} from {p}: {len(seqs)} of {end}, "
+                    f"missed {sorted(set(range(1, end + 1)) - set(seqs))[:10]}"
+                )
+        assert gaps == [], [str(g) for g in gaps]
+        s2, p2 = clients[1], pubs["b2"]
+        assert s2.failovers == 1 and s2.broker in {"b1", "b3"}
+        assert p2.failovers == 1 and p2.broker in {"b1", "b3"}
+        assert not await brokers["b2"].admin.healthz()  # restart it to rejoin
+    finally:
+        for c in clients:
+            with contextlib.suppress(Exception):
+                await c.close()
         await asyncio.gather(*(b.stop() for b in brokers.values()))
 
 

@@ -181,6 +181,8 @@ class LinkHost(ConnOwner, Protocol):
 
     def unpressure(self, dest: Link) -> None: ...
 
+    def fenced_out(self, by: str) -> None: ...
+
     async def probe(self, address: str) -> float | None: ...
 
 
@@ -885,6 +887,7 @@ class LinkSessions:
                     # failed both ways is then fenced at both ends whichever detector fired
                     # first; the other end's refusal can come before our own timeout).
                     self.fenced.setdefault(link.peer, link.incarnation)
+                host.fenced_out(link.peer)  # before the drop: nothing acknowledged for it
             self.drop(link, bye=None)
         elif code == "unknown-session" and link.closing:
             # A closing link whose session the peer no longer has: it restarted, or it ended

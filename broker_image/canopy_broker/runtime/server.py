@@ -191,6 +191,7 @@ class Broker:
         # Why this broker can no longer be trusted (a background task died, or its core hit an
         # internal error); /healthz reports it so a supervisor restarts the process.
         self.failed: str | None = None
+        self.fenced_by: str | None = None  # a broker that declared this one dead (fenced_out)
         self.incarnation = uuid.uuid4().hex[:8]
         self.resume_slack = max(2.0, detection)
         self.max_subscriptions = config.max_subscriptions
@@ -350,6 +351,27 @@ class Broker:
         if self.failed is None:
             self.failed = why
             log.critical("%s: broker failed: %s", self.name, why)
+
+    def fenced_out(self, by: str) -> None:
+        """``by`` declared this broker dead (paused, or cut off, past failure detection) and
+        repaired the overlay without it: this process's routing state is stale and no
+        neighbour takes it back. It fails (unhealthy: its supervisor restarts it, to rejoin as
+        a new member) and lets its clients go at once, as if it had died, so that they fail
+        over to live brokers and resume there: subscribers from retention, told of any gap;
+        publishers sending again what was not acknowledged. Kept, they heard nothing more and
+        were told nothing (found by review, with a 2 s SIGSTOP). Clients that come back are
+        refused while it lasts."""
+        if self.fenced_by is not None:
+            return
+        self.fenced_by = by
+        self.fail(
+            f"{by} declared this broker dead and repaired the overlay without it: restart it "
+            "to rejoin as a new member"
+        )
+        clients = list(self.clients.values())
+        for client in clients:
+            client.conn.close()
+        log.error("%s: let %d client(s) go, to fail over to live brokers", self.name, len(clients))
 
     def _task_failed(self, task: str, why: str) -> None:
         self.fail(f"background task {task!r} {why}")
@@ -858,6 +880,12 @@ class Broker:
         except AccessError as exc:
             raise self.refusal(str(role), conn, exc) from None
         if role == "client":
+            if self.fenced_by is not None:
+                raise FrameError(
+                    f"{self.name} was declared dead by {self.fenced_by} and is out of the "
+                    "overlay until it restarts: connect to another broker",
+                    "fenced",
+                )
             if self.client_sessions.held_until_withdrawn(conn, hello.get("client_id")):
                 conn.hold("withdrawing", [F_HELLO, hello])  # handled again once it is gone
                 return
