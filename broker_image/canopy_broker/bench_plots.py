@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import math
 import sys
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -230,7 +231,8 @@ def peers(
 ) -> Drawn:
     """Each system's broker CPU per notification (the median round, split into its own code and
     the kernel's work for it), every round as a dot, and the goal: at most 1.5x NATS's.
-    ``ratios``: each system's paired ratios to NATS and to Mosquitto (NaN where absent)."""
+    ``ratios``: each system's paired ratios to NATS and to Mosquitto (NaN where absent). Under
+    each name, its latency (p50 / p99) when measured, and Canopy's write pacing when on."""
     plt = _pyplot()
     names = list(result)
     xs = list(range(len(names)))
@@ -250,17 +252,22 @@ def peers(
         _goal(ax, goal, -0.45, len(names) - 0.55, "goal: at most 1.5x NATS's median round")
     labels = []
     for n in names:
+        m = result[n]
         to_nats, to_mosquitto = ratios[n]
         said = [
             f"{r:.2f}x {peer}"
             for r, peer in ((to_nats, "NATS"), (to_mosquitto, "Mosquitto"))
             if n.lower() != peer.lower() and not math.isnan(r)
         ]
-        labels.append("\n".join([n, *said]))
+        if "p50_ms" in m:  # what the CPU figure costs in waiting
+            said.append(f"p50 {m['p50_ms']:.1f} / p99 {m['p99_ms']:.1f} ms")
+        paced = m.get("client_write_interval_ms")
+        name = f"{n}, paced {paced:g} ms" if paced else n
+        labels.append("\n".join([name, *said]))
     ax.set_xticks(xs, labels, fontsize=8)
     ax.set_ylabel("broker CPU per delivered notification, us")
     _headroom(ax, top)
-    ax.set_title(workload, fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(workload, 120)), fontsize=8)  # flags make it long
     handles, texts = ax.get_legend_handles_labels()  # the rounds' dots need no entry each
     keep = [i for i, t in enumerate(texts) if not t.endswith(" rounds")]
     ax.legend([handles[i] for i in keep], [texts[i] for i in keep], fontsize=7, loc="upper right")

@@ -7,6 +7,7 @@ return (tests/cli runs the real ones with ``--plot``)."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,10 @@ def test_peers_draws_the_median_round_split_and_every_round(tmp_path: Path) -> N
     assert [t[0] for t in ticks] == ["canopy", "nats", "mosquitto"]
     to_nats, to_mosquitto = ratios["canopy"]
     assert ticks[0][1:] == [f"{to_nats:.2f}x NATS", f"{to_mosquitto:.2f}x Mosquitto"]
+    # Latency and pacing, when the result has them, under the name.
+    paced = {**result["canopy"], "p50_ms": 1.41, "p99_ms": 3.12, "client_write_interval_ms": 2.0}
+    [panel] = bench_plots.peers({"canopy": paced}, {"canopy": (math.nan, 0.9)}, "w", str(out))
+    assert panel["xticks"] == ["canopy, paced 2 ms\n0.90x Mosquitto\np50 1.4 / p99 3.1 ms"]
 
 
 def install(n: int, tenths: list[float] | None, stall: float) -> dict[str, Any]:
