@@ -35,6 +35,7 @@ from canopy_broker.runtime.framing import (
     parse_address,
     to_wire,
 )
+from canopy_broker.runtime.framing import seconds as framing_seconds
 from canopy_broker.runtime.outbox import (
     BATCH_BYTES,
     SUB_IDS_KEPT,
@@ -480,3 +481,10 @@ def test_paced_flush_holds_each_client_written_within_the_interval_on_its_own() 
     held = []
     assert flush_outlets([busy], 0, {busy}, now=10.5, pace=0.1, held=held) == [busy]
     assert held == [] and not busy.dirty and len(busy.conn.transport.written) == 1
+
+
+def test_a_duration_from_the_wire_is_a_plain_sane_number_or_nothing() -> None:
+    """What a fenced broker is told (``silent_for``) and tells its clients (``B_CUT_OFF``)."""
+    assert (framing_seconds(2), framing_seconds(0.25), framing_seconds(0)) == (2.0, 0.25, 0.0)
+    for bad in (True, -1, float("nan"), float("inf"), 1e7, "3", None, [1]):
+        assert framing_seconds(bad) is None, bad

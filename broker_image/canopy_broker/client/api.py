@@ -26,6 +26,7 @@ from canopy_broker.client.notification import (
 from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Filter
 from canopy_broker.runtime.framing import (
+    B_CUT_OFF,
     B_MARKER,
     B_MIGRATING,
     B_NOTIFY,
@@ -219,6 +220,8 @@ class Client(FailingOver, Migrating, AsyncClosing):
                     self._resumed(conn, item[1], item[2])
                 elif code == B_REDIRECT:
                     self._redirected(conn, item[1], item[2])
+                elif code == B_CUT_OFF and len(item) == 2:
+                    conn.cut_off(item[1])
                 else:
                     raise FrameError(f"unknown message from the broker: {item!r}", "unknown-type")
             if inbox:
@@ -609,7 +612,11 @@ async def connect(
     for i, addr in enumerate(addresses):
         try:
             await client._open(addr, connect_timeout)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, ClientError) as exc:
+            # A refusal is the application's to fix (credentials, its id), unless it says
+            # that broker is out of the overlay: the next address may be a live one.
+            if isinstance(exc, ClientError) and exc.code != "fenced":
+                raise
             errors.append(f"{addr}: {exc or type(exc).__name__}")
             if i == len(addresses) - 1:
                 if len(addresses) == 1:

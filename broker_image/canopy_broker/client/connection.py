@@ -27,6 +27,7 @@ from canopy_broker.runtime.framing import (
     encode_filter,
     parse_address,
 )
+from canopy_broker.runtime.framing import seconds as framing_seconds
 from canopy_broker.runtime.outbox import msgs_frames
 
 
@@ -75,6 +76,9 @@ class BrokerConnection(FrameProtocol):
         self.answer: dict[str, Any] = {}  # the broker's hello
         self.acks = False  # the broker acknowledges publications (its hello says so)
         self.resuming_from = ""  # a failover's connection: the broker it replaces
+        # The broker left the overlay this many seconds before it closed this connection
+        # (B_CUT_OFF): a failover resumes from then, not from the close.
+        self.cut_off_for = 0.0
 
     @classmethod
     async def open(
@@ -165,6 +169,14 @@ class BrokerConnection(FrameProtocol):
     def set_error(self, err: ClientError) -> None:
         if self.error is None:
             self.error = err
+
+    def cut_off(self, seconds: object) -> None:
+        """The broker says it left the overlay ``seconds`` ago and will close this connection
+        (it was declared dead: fenced). Only a plain, sane number is taken."""
+        cut = framing_seconds(seconds)
+        if cut is None:
+            raise FrameError(f"a cut-off must be seconds, got {seconds!r}")
+        self.cut_off_for = cut
 
     def hello_received(self, hello: dict[str, Any]) -> None:
         self.answer = hello

@@ -131,8 +131,10 @@ class FailingOver:
 
     async def _fail_over(self, lost: BrokerConnection) -> None:
         loop = asyncio.get_running_loop()
-        lost_at = loop.time()
-        deadline = lost_at + self.failover_within
+        deadline = loop.time() + self.failover_within
+        # Lost from the close, or from when the broker says it left the overlay (fenced):
+        # what the overlay sent on since is asked for, and a repair since reported as a gap.
+        lost_at = loop.time() - lost.cut_off_for
         tried: list[str] = []
         log.warning("%s: %s; failing over", self.client_id, lost.error)
         while True:

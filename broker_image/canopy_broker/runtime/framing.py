@@ -109,6 +109,7 @@ B_MIGRATING: Final = 24  # [24, source]   the migration from `source` is registe
 B_REDIRECT: Final = 25  # [25, target, address]   please migrate to neighbour `target` (drain)
 B_PUBACK: Final = 26  # [26, seq]   everything you published up to seq is in the next hops' custody
 B_RESUMED: Final = 27  # [27, served, [[since_ago, until_ago, reason]]]   gaps in seconds ago
+B_CUT_OFF: Final = 28  # [28, seconds]   this broker left the overlay that long ago: fail over
 
 log = logging.getLogger("canopy.framing")
 
@@ -116,9 +117,12 @@ log = logging.getLogger("canopy.framing")
 class FrameError(Exception):
     """The peer sent something this side cannot accept; ``code`` goes into the error frame."""
 
-    def __init__(self, message: str, code: str = "malformed") -> None:
+    def __init__(
+        self, message: str, code: str = "malformed", detail: dict[str, object] | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
+        self.detail = detail  # sent as the error frame's 4th element, for the peer's program
 
 
 # --------------------------------------------------------------------------- frames
@@ -463,6 +467,15 @@ def data_frame(first_seq: int, msgs: list[bytes]) -> bytes:
     return frame(join_array(b"[1,%d," % first_seq, msgs))
 
 
+def seconds(value: object) -> float | None:
+    """A duration from the wire: a plain, finite number from 0 to a million, else None."""
+    if type(value) is int or type(value) is float:
+        number = float(value)
+        if 0.0 <= number < 1e6:
+            return number
+    return None
+
+
 def control_frame(*parts: object) -> bytes:
     return frame(orjson.dumps(parts))
 
@@ -715,7 +728,8 @@ class FrameProtocol(asyncio.Protocol):
 
     def fail(self, exc: FrameError) -> None:
         """Tell the peer why (best effort) and close this connection only."""
-        self.write(control_frame(F_ERROR, exc.code, str(exc)))
+        detail = () if exc.detail is None else (exc.detail,)
+        self.write(control_frame(F_ERROR, exc.code, str(exc), *detail))
         self.close()
 
     def close(self) -> None:

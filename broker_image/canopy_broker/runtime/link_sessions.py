@@ -115,6 +115,7 @@ from canopy_broker.runtime.framing import (
     decode_peer_message,
     encode_generic,
     parse_address,
+    seconds,
 )
 from canopy_broker.runtime.links import Link
 from canopy_broker.runtime.linkstate import LinkEvent
@@ -181,7 +182,7 @@ class LinkHost(ConnOwner, Protocol):
 
     def unpressure(self, dest: Link) -> None: ...
 
-    def fenced_out(self, by: str) -> None: ...
+    def fenced_out(self, by: str, silent_for: float | None) -> None: ...
 
     async def probe(self, address: str) -> float | None: ...
 
@@ -225,6 +226,9 @@ class LinkSessions:
         # Neighbours declared dead, by the incarnation (process) that died: that process is
         # refused if it comes back (paused, partitioned); a restarted one is a new member.
         self.fenced: dict[str, str] = {}
+        # When each fenced peer was last heard (host.now()): told to it if it ever comes back,
+        # so that its clients resume from then (Broker.fenced_out).
+        self._fenced_heard: dict[str, float] = {}
         self._learned: dict[str, str] = {}  # addresses told by neighbours (F_PEERS)
         self.repairs: list[dict[str, Any]] = []  # the last few, for the admin API
         self.standby: dict[str, Link] = {}  # standby links by peer, dialed or accepted
@@ -779,10 +783,12 @@ class LinkSessions:
             raise FrameError("a broker cannot link to itself", "bad-hello")
         fenced = self.fenced.get(peer)
         if fenced is not None and hello.get("incarnation") == fenced:
+            heard = self._fenced_heard.get(peer)
             raise FrameError(
                 f"{self.name} declared {peer} (incarnation {fenced}) dead and repaired the "
                 "overlay without it; restart it to rejoin as a new member",
                 "fenced",
+                None if heard is None else {"silent_for": round(host.now() - heard, 3)},
             )
         address = hello.get("address")
         if isinstance(address, str) and address:
@@ -887,7 +893,9 @@ class LinkSessions:
                     # failed both ways is then fenced at both ends whichever detector fired
                     # first; the other end's refusal can come before our own timeout).
                     self.fenced.setdefault(link.peer, link.incarnation)
-                host.fenced_out(link.peer)  # before the drop: nothing acknowledged for it
+                detail = frame[3] if len(frame) > 3 and type(frame[3]) is dict else {}
+                # Before the drop: nothing is acknowledged for it.
+                host.fenced_out(link.peer, seconds(detail.get("silent_for")))
             self.drop(link, bye=None)
         elif code == "unknown-session" and link.closing:
             # A closing link whose session the peer no longer has: it restarted, or it ended
@@ -981,6 +989,7 @@ class LinkSessions:
         link.established = False  # the core has dropped it already
         if link.incarnation:
             self.fenced[peer] = link.incarnation
+            self._fenced_heard[peer] = host.now() - silent
         self.drop(link, bye=None)
         self._drop_channels(peer, unless=None)
         host.metrics.peer_failures.inc()

@@ -68,6 +68,7 @@ from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.conn import Conn
 from canopy_broker.runtime.eventloop import loop_name
 from canopy_broker.runtime.framing import (
+    B_CUT_OFF,
     B_MARKER,
     F_BYE,
     F_DATA,
@@ -352,7 +353,7 @@ class Broker:
             self.failed = why
             log.critical("%s: broker failed: %s", self.name, why)
 
-    def fenced_out(self, by: str) -> None:
+    def fenced_out(self, by: str, silent_for: float | None) -> None:
         """``by`` declared this broker dead (paused, or cut off, past failure detection) and
         repaired the overlay without it: this process's routing state is stale and no
         neighbour takes it back. It fails (unhealthy: its supervisor restarts it, to rejoin as
@@ -360,7 +361,13 @@ class Broker:
         over to live brokers and resume there: subscribers from retention, told of any gap;
         publishers sending again what was not acknowledged. Kept, they heard nothing more and
         were told nothing (found by review, with a 2 s SIGSTOP). Clients that come back are
-        refused while it lasts."""
+        refused while it lasts.
+
+        Each client is told first how long ago this broker left the overlay (``B_CUT_OFF``):
+        ``silent_for``, since ``by`` last heard it, or without that the retention horizon. Its
+        failover resumes from then: what the new broker holds since is served, and a repair
+        since is reported as a gap. From the moment the connection closed instead, what the
+        overlay sent on while this broker was paused was missed silently (found by review)."""
         if self.fenced_by is not None:
             return
         self.fenced_by = by
@@ -368,7 +375,13 @@ class Broker:
             f"{by} declared this broker dead and repaired the overlay without it: restart it "
             "to rejoin as a new member"
         )
+        cut_off = dumps(
+            [B_CUT_OFF, silent_for if silent_for is not None else self.config.retention_seconds]
+        )
         clients = list(self.clients.values())
+        for client in clients:
+            self.client_sessions.send(client, cut_off)
+        self._flush(force=True)  # behind what is queued to them, before the connections close
         for client in clients:
             client.conn.close()
         log.error("%s: let %d client(s) go, to fail over to live brokers", self.name, len(clients))
