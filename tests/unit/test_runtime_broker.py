@@ -693,6 +693,52 @@ async def test_late_resume_of_an_ended_session_is_told_the_link_is_gone(
     assert "x" not in a.links and a.ready
 
 
+def fence(refuser: Broker, refused: Broker, silent_for: float) -> None:
+    """As if ``refuser`` had declared ``refused`` dead ``silent_for`` seconds after last
+    hearing it (what a pause past failure detection leaves behind)."""
+    refuser.sessions.fenced[refused.name] = refused.incarnation
+    refuser.sessions._fenced_heard[refused.name] = refuser.now() - silent_for
+
+
+async def test_a_broker_refused_as_fenced_and_cut_off_fails_and_lets_its_clients_go(
+    make_broker: MakeBroker,
+) -> None:
+    """Refused as fenced with no other live link, a broker is the stale side: it fails (so
+    that it is restarted), tells each client how long ago it left the overlay (what the
+    refuser says: since it last heard it), closes them, and refuses clients that come back."""
+    b = await make_broker("b")
+    stale = await make_broker("stale")
+    c = await connect(addr(stale), "c", failover_within=0)
+    fence(b, stale, silent_for=2.0)
+    stale.add_link("b", addr(b))
+    with pytest.raises(ConnectionLost):
+        await c.receive(1, timeout=5)
+    assert stale.failed is not None and "b declared this broker dead" in stale.failed
+    assert c._conn is not None and 2.0 <= c._conn.cut_off_for < 4.0
+    await c.close()
+    with pytest.raises(ClientError, match="declared dead by b") as refused:
+        await connect(addr(stale), "c2", failover_within=0)
+    assert refused.value.code == "fenced"
+
+
+async def test_a_broker_refused_as_fenced_by_a_stale_one_lives_on(make_broker: MakeBroker) -> None:
+    """Refused as fenced while connected elsewhere, a broker is not the one cut off: the
+    refuser is (paused past detection, it declared its own neighbours dead on resuming). It
+    drops that link and keeps serving its clients; it does not fail."""
+    live, stale, other = [await make_broker(n) for n in ("live", "stale", "other")]
+    await link(live, other)
+    async with await connect(addr(live), "c") as c, await connect(addr(other), "p") as p:
+        await c.subscribe("n >= 0")
+        await settled(live, other)
+        fence(stale, live, silent_for=2.0)
+        live.add_link("stale", addr(stale))
+        await eventually(lambda: "stale" not in live.links)  # refused, dropped
+        assert live.failed is None and live.fenced_by is None
+        await p.publish({"n": 1})
+        [n] = await collect(c, 1)
+    assert n.attrs == {"n": 1}
+
+
 async def test_resume_of_an_unknown_session_is_refused(make_broker: MakeBroker) -> None:
     a = await make_broker("a")
     reader, writer = await raw_connection(a, as_broker="x")

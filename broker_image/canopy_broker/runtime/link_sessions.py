@@ -893,9 +893,13 @@ class LinkSessions:
                     # failed both ways is then fenced at both ends whichever detector fired
                     # first; the other end's refusal can come before our own timeout).
                     self.fenced.setdefault(link.peer, link.incarnation)
-                detail = frame[3] if len(frame) > 3 and type(frame[3]) is dict else {}
-                # Before the drop: nothing is acknowledged for it.
-                host.fenced_out(link.peer, seconds(detail.get("silent_for")))
+                if not self._connected_elsewhere(link):
+                    # Cut off from the whole overlay: this is the stale side. Before the drop,
+                    # so that nothing is acknowledged for it.
+                    detail = frame[3] if len(frame) > 3 and type(frame[3]) is dict else {}
+                    host.fenced_out(link.peer, seconds(detail.get("silent_for")))
+                # Else the refusing broker is the stale one (paused, it declared its own
+                # neighbours dead): this broker lives on in the overlay, its clients with it.
             self.drop(link, bye=None)
         elif code == "unknown-session" and link.closing:
             # A closing link whose session the peer no longer has: it restarted, or it ended
@@ -1071,6 +1075,19 @@ class LinkSessions:
                 link.down_since = self.host.now()
 
         self.host.tasks.spawn(probe(), f"probe {link.peer}")
+
+    def _connected_elsewhere(self, but: Link) -> bool:
+        """Whether another overlay link of this broker is connected and was heard within the
+        detection timeout: then a neighbour that refuses it as fenced is the one cut off (a
+        broker paused past detection declares its own neighbours dead when it resumes), and
+        this broker is no reason to fail."""
+        cfg = self.host.config
+        timeout = cfg.heartbeat_interval * cfg.dead_after
+        now = self.host.now()
+        return any(
+            lk is not but and lk.conn is not None and now - lk.last_heard <= timeout
+            for lk in self.links.values()
+        )
 
     def _answer(self, conn: Conn, nonce: str, peer: str) -> None:
         """A neighbour or standby peer asks whether this broker hears ``peer``: its link or
