@@ -23,7 +23,8 @@ invocation runs the same paced workload against each broker in turn, on this mac
   ``notif_per_s`` = delivered / (last arrival - first publish).
 * **latency**: every event carries the time it was published (``ts``, this process's
   monotonic clock, in Canopy's attributes and in the peers' JSON payload); each subscriber
-  takes its notification's latency from it: ``p50_ms`` and ``p99_ms`` over all of them. It
+  takes its notification's latency from it: ``p50_ms`` and ``p99_ms`` over all of them
+  (Canopy's) or one in ``LATENCY_SAMPLE`` (the peers'; with rounds, the median round's). It
   is what a CPU figure costs in waiting (``--client-write-interval-ms`` trades one for the
   other), and includes the wait for this process's loop, the same for every system.
 

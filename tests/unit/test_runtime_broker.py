@@ -531,24 +531,43 @@ async def test_replies_to_a_client_are_never_held_by_pacing(make_broker: MakeBro
     assert took < 2 * interval, took  # held, ten replies would take ten intervals (5 s)
 
 
-async def test_the_timer_writes_what_pacing_holds_even_before_it_is_due(
+async def test_the_timer_writes_a_client_due_a_moment_later_and_holds_one_due_later(
     make_broker: MakeBroker,
 ) -> None:
-    """The timer writes what is held whatever the clock says then: uvloop's timers count
-    whole milliseconds and may fire a little before a client is due, and holding it again
-    then made a notification wait two intervals."""
-    b = await make_broker("b", client_write_interval=0.05)
+    """The timer writes the held clients that are due, even a little early (uvloop's timers
+    count whole milliseconds: holding such a client again made a notification wait two
+    intervals), and holds one written less than an interval ago, setting itself for when
+    that one is due: no client is written twice within an interval, none waits more."""
+    interval = 0.3
+    b = await make_broker("b", client_write_interval=interval)
     async with contextlib.AsyncExitStack() as stack:
         sub, pub, _ = await paced_subscriber(b, stack)
-        b.clients["s"].outlet.due = b._loop.time() + 3600  # as if written a moment ago
-        await pub.publish({"i": 0})
-        await eventually(lambda: b._clients_timer is not None)
-        timer = b._clients_timer
-        assert timer is not None and b.clients["s"].outlet.pending  # held
-        timer.cancel()  # fired now, long before the client is due:
-        b._paced_flush()
+        outlet = b.clients["s"].outlet
+
+        async def held_until(due_in: float) -> None:
+            outlet.due = b._loop.time() + interval  # as if written a moment ago
+            await pub.publish({"i": 0})
+            await eventually(lambda: b._clients_timer is not None)
+            timer = b._clients_timer
+            assert timer is not None and outlet.pending  # held
+            timer.cancel()
+            b._clients_timer = None
+            outlet.due = b._loop.time() + due_in
+
+        await held_until(0.0005)
+        b._paced_flush()  # fired a moment before the client is due: it is written
         [n] = await collect(sub, 1, within=1.0)
-    assert n.attrs["i"] == 0
+        assert b._clients_timer is None
+        await asyncio.sleep(interval)
+        await held_until(0.2)
+        due = outlet.due
+        b._paced_flush()  # fired for another client's hold: this one is not due yet
+        assert outlet.pending, "written within an interval of its last write"
+        timer = b._clients_timer
+        assert timer is not None and abs(timer.when() - due) < 0.01  # set for its due time
+        [m] = await collect(sub, 1, within=1.0)
+        assert b._loop.time() >= due - 0.01
+    assert (n.attrs["i"], m.attrs["i"]) == (0, 0)
 
 
 async def test_stopping_writes_what_pacing_holds(make_broker: MakeBroker) -> None:
