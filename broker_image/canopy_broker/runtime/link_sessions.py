@@ -1081,27 +1081,23 @@ class LinkSessions:
         detection timeout: then a neighbour that refuses it as fenced is the one cut off (a
         broker paused past detection declares its own neighbours dead when it resumes), and
         this broker is no reason to fail."""
+        return any(lk is not but and self._heard_lately(lk) for lk in self.links.values())
+
+    def _heard_lately(self, link: Link) -> bool:
+        """``link`` has a connection and a frame came over it within the detection timeout."""
         cfg = self.host.config
         timeout = cfg.heartbeat_interval * cfg.dead_after
-        now = self.host.now()
-        return any(
-            lk is not but and lk.conn is not None and now - lk.last_heard <= timeout
-            for lk in self.links.values()
-        )
+        return link.conn is not None and self.host.now() - link.last_heard <= timeout
 
     def _answer(self, conn: Conn, nonce: str, peer: str) -> None:
         """A neighbour or standby peer asks whether this broker hears ``peer``: its link or
         standby link to ``peer`` has a connection and a frame came over it within the detection
         timeout (None: it has neither, so it cannot tell)."""
-        cfg = self.host.config
-        timeout = cfg.heartbeat_interval * cfg.dead_after
-        now = self.host.now()
         hears: bool | None = None
         for lk in (self.links.get(peer), self.standby.get(peer)):
             if lk is None:
                 continue
-            recent = lk.conn is not None and now - lk.last_heard <= timeout
-            hears = bool(hears) or recent
+            hears = bool(hears) or self._heard_lately(lk)
         conn.write(control_frame(F_HEARD, nonce, peer, hears))
 
     def _heard(self, witness: str, nonce: str, peer: str, hears: bool | None) -> None:

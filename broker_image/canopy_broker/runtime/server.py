@@ -686,11 +686,11 @@ class Broker:
 
         With write pacing (``config.client_write_interval``), each client is written at most
         once per interval, replies to it excepted: one written less than an interval ago stays
-        on the dirty list, for a later flush or the timer, which writes whatever is held an
-        interval after the first hold (``force``: now, as when stopping). Why: on loopback and
-        in a VM, most of a notification's CPU is its ``write`` and the client's wake-up inside
-        it (docs/performance.md, session 9); one write per several notifications pays that
-        once. Links are never held: each hop would add the wait."""
+        on the dirty list, for a later flush or the timer (``timer``: this is it, see
+        :meth:`_paced_flush`); ``force`` writes every client now, as when stopping. Why: on
+        loopback and in a VM, most of a notification's CPU is its ``write`` and the client's
+        wake-up inside it (docs/performance.md, session 9); one write per several
+        notifications pays that once. Links are never held: each hop would add the wait."""
         self._flush_scheduled = False
         self._unflushed = 0
         self._count_delivered()
@@ -706,36 +706,32 @@ class Broker:
                 marked = {c.outlet for c in lagging}
                 marked.update(d.outlet for d in over if isinstance(d, Client))
             clients = self.clients
-            pace = self.config.client_write_interval
-            if pace > 0.0 and not (force or self.stopping):
-                now = self._loop.time()
-                held: list[Outlet] = []
-                # A timer may fire a little early (uvloop's count whole milliseconds): what is
-                # due within TIMER_SLACK of it is due then (held again, it waited an interval
-                # more).
-                attention = flush_outlets(
-                    outlets,
-                    min(high, cap),
-                    marked,
-                    now=now + TIMER_SLACK if timer else now,
-                    pace=pace,
-                    held=held,
-                )
-                if held:
-                    # Written by a later flush, which the next read brings anyway, or by the
-                    # timer when none comes: an interval after this first hold (every held
-                    # client is due by then), or after the timer, at the first one due. A timer
-                    # at each due time instead would wake the broker once more per write: that
-                    # costs more CPU here than it saves.
-                    self._outlets += held  # still marked dirty
-                    if self._clients_timer is None:
-                        when = min(o.due for o in held) if timer else now + pace
-                        self._clients_timer = self._loop.call_at(when, self._paced_flush)
-                elif self._clients_timer is not None:
-                    self._clients_timer.cancel()
-                    self._clients_timer = None
-            else:
-                attention = flush_outlets(outlets, min(high, cap), marked)
+            pace = 0.0 if force or self.stopping else self.config.client_write_interval
+            held: list[Outlet] | None = [] if pace > 0.0 else None
+            now = self._loop.time() if held is not None else 0.0
+            # A timer may fire a little early (uvloop's count whole milliseconds): what is due
+            # within TIMER_SLACK of it is due then (held again, it waited an interval more).
+            attention = flush_outlets(
+                outlets,
+                min(high, cap),
+                marked,
+                now=now + TIMER_SLACK if timer else now,
+                pace=pace,
+                held=held,
+            )
+            if held:
+                # Written by a later flush, which the next read brings anyway, or by the timer
+                # when none comes: an interval after this first hold (every held client is due
+                # by then), or after the timer, at the first one due. A timer at each due time
+                # instead would wake the broker once more per write: that costs more CPU here
+                # than it saves.
+                self._outlets += held  # still marked dirty
+                if self._clients_timer is None:
+                    when = min(o.due for o in held) if timer else now + pace
+                    self._clients_timer = self._loop.call_at(when, self._paced_flush)
+            elif held is not None and self._clients_timer is not None:
+                self._clients_timer.cancel()
+                self._clients_timer = None
             # Every queue over high water or the hard cap comes back: the decisions and the
             # cap below need to look at no other.
             decide = []
