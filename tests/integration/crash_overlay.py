@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from canopy_broker.client import Client, Notification, connect
+from canopy_broker.client import Client, Gap, Notification, connect
 from canopy_broker.procs import BrokerProc, spawn_broker
 
 # The issue's overlay: b3 is the inner broker whose death cut b4, b5 and b6 off for good.
@@ -195,3 +195,56 @@ async def assert_all_delivered(received: dict[str, list[Notification]], last: in
         missed, exact = verdict(got, last)
         assert not missed, f"{sub} missed {len(missed)}: {missed[:10]}..."
         assert exact, f"{sub}: duplicated or reordered"
+
+
+async def assert_streams(
+    received: dict[str, list[Notification]],
+    published: dict[str, list[int]],
+    gaps: dict[str, list[Gap]],
+    *,
+    failed_over: str,
+    first: dict[str, int] | None = None,
+) -> None:
+    """Wait until every subscriber has each publisher's last event, then check every stream:
+    in order and without duplicates; nothing missed from ``first[publisher]`` (1 by default)
+    on, except by the subscriber that ``failed_over``, which is told of anything it missed."""
+    last = {p: seqs[-1] for p, seqs in published.items()}
+    async with asyncio.timeout(20):
+        while any(  # noqa: ASYNC110
+            [n.seq for n in got if n.publisher == p][-1:] != [last[p]]
+            for got in received.values()
+            for p in last
+        ):
+            await asyncio.sleep(0.05)
+    for sub, got in received.items():
+        for p, end in last.items():
+            seqs = [n.seq for n in got if n.publisher == p]
+            assert seqs == sorted(set(seqs)), f"{sub} from {p}: duplicated or reordered"
+            missed = sorted(set(range((first or {}).get(p, 1), end + 1)) - set(seqs))
+            if sub != failed_over:
+                assert not missed, f"{sub} from {p}: missed {len(missed)}: {missed[:10]}"
+            elif missed:  # anything it missed, it is told of
+                assert gaps[sub], f"{sub} missed {len(missed)} from {p} untold: {missed[:10]}"
+
+
+async def attach_clients(
+    brokers: dict[str, BrokerProc],
+) -> tuple[list[Client], dict[str, list[Notification]], dict[str, list[Gap]], dict[str, Client]]:
+    """On each broker ``bN``: subscriber ``sN`` to everything, gaps recorded, and publisher
+    ``pN``. Returns every client, what each subscriber receives, its gaps, the publishers."""
+    clients: list[Client] = []
+    received: dict[str, list[Notification]] = {}
+    gaps: dict[str, list[Gap]] = {}
+    for n, broker in brokers.items():
+        sid = f"s{n[1:]}"
+        received[sid], gaps[sid] = [], []
+        c = await connect(
+            broker.listen,
+            client_id=sid,
+            on_gap=gaps[sid].append,
+            on_notifications=received[sid].extend,
+        )
+        await c.subscribe(FILTER)
+        clients.append(c)
+    pubs = {f"p{n[1:]}": await connect(b.listen, client_id=f"p{n[1:]}") for n, b in brokers.items()}
+    return [*clients, *pubs.values()], received, gaps, pubs

@@ -758,6 +758,81 @@ async def test_a_broker_refused_as_fenced_by_a_stale_one_lives_on(make_broker: M
     assert n.attrs == {"n": 1}
 
 
+async def test_a_broker_whose_own_loop_stalled_asks_whether_it_was_fenced(
+    make_broker: MakeBroker,
+) -> None:
+    """A broker that dials none of its neighbours is never refused. After a stall of its own
+    loop past failure detection (paused, a frozen VM), it asks each neighbour whether it
+    declared it dead, and fails if one did, letting its clients go. Found by review: a leaf
+    paused 2 s stayed up alone, acknowledging its publisher's events that nobody else got."""
+    b, stale = await make_broker("b"), await make_broker("stale")
+    await link(b, stale)  # b dials: stale dials nobody
+    c = await connect(addr(stale), "c", failover_within=0)
+    fence(b, stale, silent_for=2.0)
+    stale.sessions._last_beat = stale.now() - 10.0  # as if its loop had not run for 10 s
+    with pytest.raises(ConnectionLost):
+        await c.receive(1, timeout=5)
+    assert stale.failed is not None and "b declared this broker dead" in stale.failed
+    assert c._conn is not None and 2.0 <= c._conn.cut_off_for < 4.0
+    await c.close()
+
+
+async def test_after_a_stall_of_its_own_a_broker_measures_silence_afresh(
+    make_broker: MakeBroker,
+) -> None:
+    """What a broker did not hear while its loop did not run says nothing of its neighbours:
+    it does not drop their connections for it, and, asked, a neighbour that did not fence it
+    leaves it as it was."""
+    b, a = await make_broker("b"), await make_broker("a")
+    await link(b, a)
+    lk = a.links["b"]
+    conn, now = lk.conn, a.now()
+    a.sessions._last_beat = lk.last_heard = now - 10.0  # nothing read for 10 s: a stalled
+    a.sessions.heartbeat(now)
+    await eventually(lambda: not a.sessions._asking_fence)  # b was asked, and said no
+    await asyncio.sleep(0.5)  # a few heartbeats
+    # Not dropped for a silence of a's own making: the same connection, never lost.
+    assert a.failed is None and a.links["b"] is lk and lk.conn is conn and conn is not None
+    assert not conn.transport.is_closing()
+
+
+async def test_a_broker_cut_off_from_every_neighbour_asks_whether_it_was_fenced(
+    make_broker: MakeBroker,
+) -> None:
+    """A broker that declared its only neighbour dead (a partition: both sides did) asks it,
+    every detection timeout, whether it did the same: a neighbour that fenced it and has a
+    live link of its own is with the overlay, and this broker is the part cut off: it fails,
+    and its clients fail over. Before, it stayed up alone for good."""
+    # "alone" sorts before "b": it fails because b is linked, not by the tie-break of two
+    # brokers parted (next test).
+    b, other, lone = [await make_broker(n) for n in ("b", "other", "alone")]
+    await link(b, other)
+    c = await connect(addr(lone), "c", failover_within=0)
+    fence(b, lone, silent_for=2.0)
+    fence(lone, b, silent_for=2.0)
+    lone.peers["b"] = addr(b)  # told by b before the partition
+    with pytest.raises(ConnectionLost):
+        await c.receive(1, timeout=5)
+    assert lone.failed is not None and "b declared this broker dead" in lone.failed
+    assert b.failed is None
+    await c.close()
+
+
+async def test_two_brokers_parted_and_fenced_both_ways_one_restarts(
+    make_broker: MakeBroker,
+) -> None:
+    """Two brokers cut off from each other (their only link) each declare the other dead;
+    asked, each finds the other fenced it and is cut off too. Only the one whose name sorts
+    last fails, or both would restart and take every client away."""
+    a, z = await make_broker("a"), await make_broker("z")
+    fence(a, z, silent_for=2.0)
+    fence(z, a, silent_for=2.0)
+    a.peers["z"], z.peers["a"] = addr(z), addr(a)
+    await eventually(lambda: z.failed is not None)
+    await asyncio.sleep(1.0)  # a few more detection timeouts: a asks again, and stays
+    assert a.failed is None and "a declared this broker dead" in z.failed
+
+
 async def test_resume_of_an_unknown_session_is_refused(make_broker: MakeBroker) -> None:
     a = await make_broker("a")
     reader, writer = await raw_connection(a, as_broker="x")

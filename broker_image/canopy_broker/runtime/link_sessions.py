@@ -163,6 +163,7 @@ class LinkHost(ConnOwner, Protocol):
     telemetry: Telemetry
     tasks: TaskSet
     stopping: bool
+    fenced_by: str | None
     secure: bool
     tls_client: ssl.SSLContext | None
 
@@ -185,6 +186,8 @@ class LinkHost(ConnOwner, Protocol):
     def fenced_out(self, by: str, silent_for: float | None) -> None: ...
 
     async def probe(self, address: str) -> float | None: ...
+
+    async def fenced_at(self, address: str) -> dict[str, Any] | None: ...
 
 
 def valid_addresses(book: dict[str, object], me: str) -> list[tuple[str, str]]:
@@ -240,6 +243,12 @@ class LinkSessions:
         self.cut: set[str] = set()  # peers whose link connections are refused (cut_link)
         self._checks: dict[str, _Check] = {}  # silent neighbours being asked about
         self._link_failed: set[str] = set()  # neighbours whose link the core was told failed
+        # Fence checks (see heartbeat): the last heartbeat, when this broker last woke from a
+        # stall of its own, peers being asked, when the next check of an isolated broker is due.
+        self._last_beat: float | None = None
+        self._woke_at = -math.inf
+        self._asking_fence: set[str] = set()
+        self._next_fence_check = -math.inf
         self.link_repairs: list[dict[str, Any]] = []  # the last few, for the admin API
         # Cycle detection: what the core was told, the newest round started here.
         self._standby_told: tuple[str, ...] | None = None
@@ -781,15 +790,7 @@ class LinkSessions:
         session = str_field(hello, "session")
         if peer == self.name:
             raise FrameError("a broker cannot link to itself", "bad-hello")
-        fenced = self.fenced.get(peer)
-        if fenced is not None and hello.get("incarnation") == fenced:
-            heard = self._fenced_heard.get(peer)
-            raise FrameError(
-                f"{self.name} declared {peer} (incarnation {fenced}) dead and repaired the "
-                "overlay without it; restart it to rejoin as a new member",
-                "fenced",
-                None if heard is None else {"silent_for": round(host.now() - heard, 3)},
-            )
+        self.refuse_fenced(peer, hello)
         address = hello.get("address")
         if isinstance(address, str) and address:
             host.peers.setdefault(peer, address)
@@ -842,6 +843,26 @@ class LinkSessions:
                 link.established = host.core.is_neighbour(peer)
         host.answer_hello(conn, last_rx=0)
         self._up(link, conn, hello)
+
+    def refuse_fenced(self, peer: str, hello: dict[str, Any]) -> None:
+        """Refuse a hello (a link's, a channel's or a probe's) from the process of ``peer``
+        that this broker declared dead, telling it how long it had not been heard
+        (``silent_for``) and whether this broker still has a live link (``linked``: a
+        broker cut off from all its neighbours asks, see heartbeat)."""
+        fenced = self.fenced.get(peer)
+        if fenced is not None and hello.get("incarnation") == fenced:
+            heard = self._fenced_heard.get(peer)
+            detail: dict[str, object] = {
+                "linked": any(self._heard_lately(lk) for lk in self.links.values())
+            }
+            if heard is not None:
+                detail["silent_for"] = round(self.host.now() - heard, 3)
+            raise FrameError(
+                f"{self.name} declared {peer} (incarnation {fenced}) dead and repaired the "
+                "overlay without it; restart it to rejoin as a new member",
+                "fenced",
+                detail,
+            )
 
     def _accept_standby(self, conn: Conn, hello: dict[str, Any], peer: str, session: str) -> None:
         """A standby link dialed by ``peer``: always a new session (nothing to resume)."""
@@ -1080,8 +1101,15 @@ class LinkSessions:
         """Whether another overlay link of this broker is connected and was heard within the
         detection timeout: then a neighbour that refuses it as fenced is the one cut off (a
         broker paused past detection declares its own neighbours dead when it resumes), and
-        this broker is no reason to fail."""
+        this broker is no reason to fail. Not so within a detection timeout of a stall of this
+        broker's own: then it is the stale one (see heartbeat)."""
+        if self._just_woke():
+            return False
         return any(lk is not but and self._heard_lately(lk) for lk in self.links.values())
+
+    def _just_woke(self) -> bool:
+        cfg = self.host.config
+        return self.host.now() - self._woke_at <= cfg.heartbeat_interval * cfg.dead_after
 
     def _heard_lately(self, link: Link) -> bool:
         """``link`` has a connection and a frame came over it within the detection timeout."""
@@ -1386,13 +1414,51 @@ class LinkSessions:
     def heartbeat(self, now: float) -> None:
         """Ping every connected link and channel; drop a connection that has been silent for
         ``dead_after`` heartbeats (the session stays, and the dialer reconnects); declare a
-        neighbour dead whose link has had no connection for as long again."""
+        neighbour dead whose link has had no connection for as long again.
+
+        Two cases where only the neighbours know whether this broker is still a member, so
+        they are asked (a probe naming this incarnation, refused ``fenced`` by one that
+        declared it dead: ``Broker.fenced_out``):
+
+        * **This broker's own loop stalled** past the detection timeout (the heartbeats came
+          that late: paused, a frozen VM, a blocked loop). Its neighbours heard nothing from
+          it for as long and may have repaired the overlay without it; what it did not hear
+          from them says nothing about them. So the silence it measured is discarded
+          (detection starts again from the wake-up) and every neighbour is asked at once.
+          Before, a broker that dials none of its neighbours was never refused: it went on
+          declaring them dead, acknowledging its publishers' events that nobody else would
+          get (found by review: a leaf paused 2 s; 11,040 events of its publisher missed at
+          the other broker, untold).
+        * **It has no neighbour left** and declared some dead: a partition, or a stall shorter
+          than this broker's own detection, may have made it the side that was cut off. The
+          neighbours it declared dead are asked every detection timeout until it has a link
+          again. One that fenced it and still has a live link is with the overlay: this broker
+          is the part cut off. One that fenced it and is cut off too (two brokers, parted):
+          they fenced each other, and only one must go, the one whose name sorts last, or
+          both would restart."""
         cfg = self.host.config
         timeout = cfg.heartbeat_interval * cfg.dead_after
+        last, self._last_beat = self._last_beat, now
+        if last is not None and now - last > timeout:
+            self._woke_at = now
+            log.warning(
+                "%s: this broker's loop did not run for %.1fs (paused?); asking its "
+                "neighbours whether they declared it dead meanwhile",
+                self.name,
+                now - last,
+            )
+            self._ask_fence([*self.links], stale=True)
+        elif self.fenced and not self.links and now >= self._next_fence_check:
+            self._next_fence_check = now + timeout
+            self._ask_fence([*self.fenced], stale=False)
         self.update_standby()
         for link in list(self.links.values()) if cfg.repair else ():
             since = link.down_since
-            if since is not None and link.conn is None and now - since > timeout:
+            if (
+                since is not None
+                and link.conn is None
+                and now - max(since, self._woke_at) > timeout
+            ):
                 if link.connects == 0:
                     self._probe_unconnected(link, now)
                 else:
@@ -1408,12 +1474,50 @@ class LinkSessions:
                 continue
             # A connection held back on purpose (data on a promoted standby link, waiting for
             # this end's repair) is silent because we do not read it: give it longer.
-            if now - link.last_heard > timeout * (3 if conn.held else 1):
+            if now - max(link.last_heard, self._woke_at) > timeout * (3 if conn.held else 1):
                 log.warning("%s: link to %s missed heartbeats; dropping it", self.name, link.peer)
                 conn.abort()
                 continue
             conn.write(control_frame(F_PING, now, link.rx_seq))
             link.acked_rx = link.rx_seq
+
+    def _ask_fence(self, peers: list[str], *, stale: bool) -> None:
+        """Ask each of ``peers`` (at an address it or a neighbour told) whether it declared
+        this process dead (see heartbeat); the first that did makes this broker fail, unless
+        this broker is not ``stale`` (its loop did not stall) and the two are each other's
+        only hope."""
+        for peer in peers:
+            link = self.links.get(peer)
+            address = self.host.peers.get(peer) or (link.address if link is not None else None)
+            if not address or peer in self._asking_fence or self.host.fenced_by is not None:
+                continue
+            self._asking_fence.add(peer)
+            self.host.tasks.spawn(
+                self._fence_answer(peer, address, stale=stale), f"fence check {peer}"
+            )
+
+    async def _fence_answer(self, peer: str, address: str, *, stale: bool) -> None:
+        try:
+            detail = await self.host.fenced_at(address)
+        finally:
+            self._asking_fence.discard(peer)
+        if detail is None or self.host.stopping:
+            return
+        if not stale and detail.get("linked") is False and self.name < peer:
+            log.info(
+                "%s: %s declared this broker dead, and is cut off too: it restarts, this one "
+                "stays (the name sorting first)",
+                self.name,
+                peer,
+            )
+        else:
+            log.error(
+                "%s: %s declared this broker dead and repaired the overlay without it "
+                "(restart this broker to rejoin as a new member)",
+                self.name,
+                peer,
+            )
+            self.host.fenced_out(peer, seconds(detail.get("silent_for")))
 
 
 def _strs(*values: object) -> bool:

@@ -85,6 +85,7 @@ from canopy_broker.runtime.framing import (
     dumps,
     encode_event_body,
     encode_link_message,
+    loads_frame,
     parse_address,
 )
 from canopy_broker.runtime.link_sessions import LinkSessions
@@ -915,7 +916,8 @@ class Broker:
             self.client_sessions.attach(conn, hello, principal)
         elif role in {"link", "peer", "standby"}:
             self.sessions.accept(conn, hello, role)
-        elif role == "probe":  # an RTT probe: answer and hang up
+        elif role == "probe":  # an RTT probe, or a fence check: answer and hang up
+            self.sessions.refuse_fenced(str(hello.get("name")), hello)
             self.answer_hello(conn)
             conn.close()
         else:
@@ -1157,24 +1159,41 @@ class Broker:
     async def probe(self, address: str) -> float | None:
         """Round trip of a hello on a fresh connection (so it never queues behind data); None
         when nothing answers within the handshake timeout."""
+        answer = await self._probe(address, {})
+        return None if answer is None else answer[0]
+
+    async def fenced_at(self, address: str) -> dict[str, Any] | None:
+        """Whether the broker at ``address`` declared this process dead: it refuses a probe
+        that names this incarnation with ``fenced``. The refusal's detail (``silent_for``: how
+        long it had not heard this broker; ``linked``: whether it has a live link), or None
+        when it did not fence it or did not answer. Only the other end knows whether it
+        repaired the overlay without this one: asked after this broker's own loop stalled
+        past failure detection, and while it is cut off from every neighbour
+        (LinkSessions.heartbeat)."""
+        answer = await self._probe(address, {"incarnation": self.incarnation})
+        reply = answer[1] if answer is not None else []
+        if len(reply) > 1 and reply[0] == F_ERROR and reply[1] == "fenced":
+            return reply[3] if len(reply) > 3 and type(reply[3]) is dict else {}
+        return None
+
+    async def _probe(self, address: str, extra: dict[str, str]) -> tuple[float, list[Any]] | None:
+        """A probe hello (plus ``extra``) on a fresh connection: the round trip in ms and the
+        decoded answer, or None when nothing valid answers within the handshake timeout."""
         writer: asyncio.StreamWriter | None = None
+        hello = {"v": PROTOCOL_VERSION, "role": "probe", "name": self.name, **extra}
         try:
             async with asyncio.timeout(self.config.handshake_timeout):
                 reader, writer = await asyncio.open_connection(
                     *parse_address(address), ssl=self.tls_client
                 )
                 t0 = self._loop.time()
-                writer.write(
-                    control_frame(
-                        F_HELLO, {"v": PROTOCOL_VERSION, "role": "probe", "name": self.name}
-                    )
-                )
+                writer.write(control_frame(F_HELLO, hello))
                 length = int.from_bytes(await reader.readexactly(4), "big")
                 if length > 4096:
                     return None
-                await reader.readexactly(length)
-                return (self._loop.time() - t0) * 1000.0
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
+                reply = loads_frame(await reader.readexactly(length))
+                return (self._loop.time() - t0) * 1000.0, reply
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError, FrameError):
             return None
         finally:
             if writer is not None:
