@@ -730,7 +730,8 @@ async def test_a_broker_refused_as_fenced_and_cut_off_fails_and_lets_its_clients
     c = await connect(addr(stale), "c", failover_within=0)
     fence(b, stale, silent_for=2.0)
     stale.add_link("b", addr(b))
-    with pytest.raises(ConnectionLost):
+    # A client that does not fail over is told why the connection ended.
+    with pytest.raises(ConnectionLost, match=r"stale at .* was declared dead .* \(fenced\)"):
         await c.receive(1, timeout=5)
     assert stale.failed is not None and "b declared this broker dead" in stale.failed
     assert c._conn is not None and 2.0 <= c._conn.cut_off_for < 4.0

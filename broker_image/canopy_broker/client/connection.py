@@ -177,6 +177,14 @@ class BrokerConnection(FrameProtocol):
         if cut is None:
             raise FrameError(f"a cut-off must be seconds, got {seconds!r}")
         self.cut_off_for = cut
+        # What the close that follows means, for a client that does not fail over (it would
+        # read "closed the connection (it stopped or died)" and not know why).
+        self.set_error(
+            ConnectionLostError(
+                f"{self.who} was declared dead by its neighbours and left the overlay "
+                f"{cut:.1f}s ago (fenced); it let its clients go: connect to another broker"
+            )
+        )
 
     def hello_received(self, hello: dict[str, Any]) -> None:
         self.answer = hello
