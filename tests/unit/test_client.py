@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from canopy_broker.client import ClientError, ConnectionLost, Notification, connect
+from canopy_broker.client import Client, ClientError, ConnectionLost, Notification, connect
 from canopy_broker.client.connection import BrokerConnection
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.core.filters import Filter
@@ -148,6 +148,36 @@ async def test_publications_are_kept_until_the_next_hop_has_them(make_broker: Ma
         a.links["z"].address = addr(z)
         assert await pub.wait_acknowledged(10.0)
         assert [x.seq for x in await collect(far, 110)] == list(range(1, 111))
+
+
+async def test_what_a_fenced_broker_acknowledged_after_it_left_is_sent_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Acknowledged publications are kept ``keep_acked_for`` seconds. Those that a fenced
+    broker acknowledged after it left the overlay (it had declared its neighbours dead: its
+    custody went nowhere) go back ahead of the unacknowledged, in order, to be sent again at
+    the next broker; what is no longer kept is said to be possibly lost."""
+    c = Client("p")
+    loop = asyncio.get_running_loop()
+    c._unacked.extend((seq, b'{"n":%d}' % seq) for seq in range(1, 9))
+    c._acknowledged(2)
+    await asyncio.sleep(10)
+    left = loop.time()
+    await asyncio.sleep(1)
+    c._acknowledged(4)  # acknowledged after the broker left
+    c._revoke_acks(left, "b")
+    assert [seq for seq, _ in c._unacked] == [3, 4, 5, 6, 7, 8]
+    assert [seq for _, seq, _ in c._acked] == [1, 2]
+    assert "b acknowledged 2 publication(s) after it left" in caplog.text
+    assert "no longer kept" not in caplog.text
+    await asyncio.sleep(25)  # 1 and 2 were acknowledged 36 s ago: forgotten at the next ack
+    c._acknowledged(6)
+    assert [seq for _, seq, _ in c._acked] == [3, 4, 5, 6]
+    c._revoke_acks(left, "b")  # 1 and 2 were acknowledged before it left: nothing lost
+    assert "no longer kept" not in caplog.text
+    c._revoke_acks(left - 20, "b")  # it left before 1 and 2 were acknowledged
+    assert "no longer kept" in caplog.text
+    assert [seq for seq, _ in c._unacked] == [3, 4, 5, 6, 7, 8]
 
 
 @pytest.mark.parametrize(

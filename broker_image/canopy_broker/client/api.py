@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -69,6 +70,12 @@ class Client(FailingOver, Migrating, AsyncClosing):
     """Publications kept until a broker acknowledges them (they are sent again after a
     failover); :meth:`publish` waits while this many are outstanding."""
 
+    keep_acked_for = 30.0
+    """Seconds an acknowledged publication is still kept (at most ``max_unacked`` of them):
+    a broker that turns out to have been cut off from the overlay (fenced) acknowledged what
+    it could not pass on, and what it acknowledged since it left is sent again after the
+    failover (see :mod:`.failover`). 0: not kept."""
+
     def __init__(
         self,
         client_id: str | None,
@@ -92,6 +99,8 @@ class Client(FailingOver, Migrating, AsyncClosing):
         self._failover: asyncio.Task[None] | None = None
         self._failover_error: ClientError | None = None
         self._unacked: deque[tuple[int, bytes]] = deque()  # (seq, attributes as JSON)
+        self._acked: deque[tuple[float, int, bytes]] = deque()  # (when, seq, attributes)
+        self._acked_forgotten = -math.inf  # when the newest publication no longer kept was acked
         self._acks_waiter: asyncio.Future[None] | None = None
         self.subscriptions: dict[str, Filter] = {}
         self.migrations = 0  # completed moves
@@ -395,8 +404,18 @@ class Client(FailingOver, Migrating, AsyncClosing):
         if type(seq) is not int:
             raise FrameError(f"publish ack must be a sequence number, got {seq!r}", "malformed")
         unacked = self._unacked
-        while unacked and unacked[0][0] <= seq:
-            unacked.popleft()
+        if self.keep_acked_for <= 0:
+            while unacked and unacked[0][0] <= seq:
+                unacked.popleft()
+        else:
+            now = asyncio.get_running_loop().time()
+            acked = self._acked
+            while unacked and unacked[0][0] <= seq:
+                seq_body = unacked.popleft()
+                acked.append((now, seq_body[0], seq_body[1]))
+            horizon = now - self.keep_acked_for
+            while acked and (acked[0][0] < horizon or len(acked) > self.max_unacked):
+                self._acked_forgotten = acked.popleft()[0]
         self._wake_publishers()
 
     def _wake_publishers(self) -> None:

@@ -132,7 +132,17 @@ class BrokerConnection(FrameProtocol):
 
     def connection_ended(self, exc: Exception | None) -> None:
         super().connection_ended(exc)
-        if isinstance(exc, (ConnectionResetError, BrokenPipeError)) and not self.ending:
+        if self.cut_off_for and not self.ending:
+            # What the close means, for a client that does not fail over: it would read
+            # "closed the connection (it stopped or died)" and not know why.
+            self.set_error(
+                ConnectionLostError(
+                    f"{self.who} was declared dead by its neighbours and left the overlay "
+                    f"{self.cut_off_for:.1f}s ago (fenced); it let its clients go: connect "
+                    "to another broker"
+                )
+            )
+        elif isinstance(exc, (ConnectionResetError, BrokenPipeError)) and not self.ending:
             # A broker that is killed with bytes of ours unread resets the connection instead
             # of closing it (TLS makes that the usual case): to the user it is the same event.
             self.set_error(
@@ -177,14 +187,6 @@ class BrokerConnection(FrameProtocol):
         if cut is None:
             raise FrameError(f"a cut-off must be seconds, got {seconds!r}")
         self.cut_off_for = cut
-        # What the close that follows means, for a client that does not fail over (it would
-        # read "closed the connection (it stopped or died)" and not know why).
-        self.set_error(
-            ConnectionLostError(
-                f"{self.who} was declared dead by its neighbours and left the overlay "
-                f"{cut:.1f}s ago (fenced); it let its clients go: connect to another broker"
-            )
-        )
 
     def hello_received(self, hello: dict[str, Any]) -> None:
         self.answer = hello

@@ -15,7 +15,11 @@ be a Kubernetes Service in front of several). At the first broker that answers i
    ``on_gap`` callback), never left silent;
 2. sends again everything it published that no broker acknowledged (same publisher and
    sequence numbers, marked as a replay: brokers that already had them do not deliver them
-   again), then carries on.
+   again), then carries on. When the lost broker was *fenced* (it tells its clients how long
+   ago it left the overlay before it lets them go), that includes what it acknowledged since
+   it left: cut off from the overlay, it had declared its neighbours dead, so its custody
+   passed to a repair with no link, and the overlay never got those publications. The client
+   keeps acknowledged publications :attr:`~Client.keep_acked_for` seconds for this.
 
 From the resume on, a notification passes only if it is newer than the last one delivered from
 its publisher: the retention and the repair's replay may bring what the client already had.
@@ -43,6 +47,12 @@ from canopy_broker.client.notification import ClientError, ConnectionLostError
 from canopy_broker.core.filters import Filter
 from canopy_broker.runtime.framing import B_RESUMED, C_REPUBLISH, C_RESUME, encode_filter
 from canopy_broker.runtime.tasks import TaskSet
+
+CUT_OFF_MARGIN = 1.0
+"""Seconds before the time a fenced broker says it left the overlay from which its
+acknowledgements are revoked: that time is measured by another broker and reaches the client
+late by a hop or two. Sending a publication again that the overlay had costs nothing more
+than a duplicate that brokers drop."""
 
 log = logging.getLogger("canopy.client")
 
@@ -85,6 +95,8 @@ class FailingOver:
     _migrated: bool
     _last_seq: dict[str, int]
     _unacked: deque[tuple[int, bytes]]
+    _acked: deque[tuple[float, int, bytes]]
+    _acked_forgotten: float
     _tasks: TaskSet
     _closing: bool
     _failover: asyncio.Task[None] | None
@@ -137,6 +149,8 @@ class FailingOver:
         lost_at = loop.time() - lost.cut_off_for
         tried: list[str] = []
         log.warning("%s: %s; failing over", self.client_id, lost.error)
+        if lost.cut_off_for:
+            self._revoke_acks(lost_at - CUT_OFF_MARGIN, lost.broker)
         while True:
             for address in self._candidates(lost):
                 remaining = deadline - loop.time()
@@ -198,6 +212,32 @@ class FailingOver:
             self._conn = lost
             new.abort()
             raise
+
+    def _revoke_acks(self, since: float, broker: str) -> None:
+        """What ``broker`` acknowledged from ``since`` on (it had left the overlay then) goes
+        back among the unacknowledged, in order, to be sent again at the next broker; one
+        that had it already passes it on without delivering it again."""
+        acked, unacked = self._acked, self._unacked
+        revoked = 0
+        while acked and acked[-1][0] >= since:
+            _, seq, body = acked.pop()
+            unacked.appendleft((seq, body))
+            revoked += 1
+        if revoked:
+            log.warning(
+                "%s: %s acknowledged %d publication(s) after it left the overlay: sending "
+                "them again",
+                self.client_id,
+                broker,
+                revoked,
+            )
+        if self._acked_forgotten >= since:
+            log.error(
+                "%s: %s acknowledged publications after it left the overlay that are no longer "
+                "kept (keep_acked_for): they may not have reached the other brokers",
+                self.client_id,
+                broker,
+            )
 
     def _send_again(self, conn: BrokerConnection, after: int) -> int:
         """Send what no broker acknowledged, from sequence number ``after`` on, marked as sent
