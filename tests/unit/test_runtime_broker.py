@@ -812,6 +812,9 @@ async def test_a_broker_cut_off_from_every_neighbour_asks_whether_it_was_fenced(
     fence(b, lone, silent_for=2.0)
     fence(lone, b, silent_for=2.0)
     lone.peers["b"] = addr(b)  # told by b before the partition
+    # A link that never comes up does not count: a repair link the far end refuses is
+    # dialed again and again (review, standby links off).
+    lone.add_link("ghost", "127.0.0.1:9")
     with pytest.raises(ConnectionLost):
         await c.receive(1, timeout=5)
     assert lone.failed is not None and "b declared this broker dead" in lone.failed
@@ -832,6 +835,51 @@ async def test_two_brokers_parted_and_fenced_both_ways_one_restarts(
     await eventually(lambda: z.failed is not None)
     await asyncio.sleep(1.0)  # a few more detection timeouts: a asks again, and stays
     assert a.failed is None and "a declared this broker dead" in z.failed
+
+
+async def test_a_fenced_out_broker_leaves_and_takes_nobody_down_with_it(
+    make_broker: MakeBroker,
+) -> None:
+    """Fenced out, a broker drops every link and dials nobody again; asked by a broker (a
+    link, a probe) it answers ``left``, never ``fenced``. Before, of two brokers, pausing the
+    one whose name sorts first failed both: it fenced the other back when refused, and the
+    other, alone, asked it and lost the tie-break (review)."""
+    a, z = await make_broker("a"), await make_broker("z")
+    await link(a, z)  # a dials z
+    fence(z, a, silent_for=2.0)
+    a.sessions._last_beat = a.now() - 10.0  # a's loop stalled: it asks z, and fails
+    await eventually(lambda: a.fenced_by == "z")
+    assert not a.sessions.all_links()
+    await eventually(lambda: "a" not in z.links)  # z declared it dead in turn
+    await asyncio.sleep(1.0)  # z, alone, asked a a few times whether it fenced it
+    assert z.failed is None and await z.fenced_at(addr(a)) is None
+    assert not a.sessions.all_links()  # and a dialed nobody again
+    reader, writer = await raw_connection(a, as_broker="z")
+    writer.write(control_frame(0, {"v": 1, "role": "link", "name": "z", "session": "s9"}))
+    assert b'"left"' in await closed_by_peer(reader, writer)
+
+
+async def test_the_neighbours_of_a_fenced_out_broker_repair_around_it(
+    make_broker: MakeBroker,
+) -> None:
+    """A fenced-out broker's neighbour that had not fenced it yet loses its link and repairs
+    around it like around any dead broker. Before, the failed broker kept that link: the
+    neighbour never repaired, and events between it and the rest were lost unreported
+    (review: an inner broker paused 1.35 s, between one neighbour that had declared it dead
+    and one that had not yet)."""
+    b, stale, c = [await make_broker(n) for n in ("b", "stale", "c")]
+    await link(b, stale)
+    await link(c, stale)  # stale dials nobody
+    async with await connect(addr(b), "s") as s, await connect(addr(c), "p") as p:
+        await s.subscribe("n >= 0")
+        await settled(b, stale, c)
+        fence(b, stale, silent_for=2.0)  # b declared it dead; c has not (yet)
+        stale.sessions._last_beat = stale.now() - 10.0
+        await eventually(lambda: stale.fenced_by == "b")
+        await eventually(lambda: "stale" not in c.links and "b" in c.links)  # c repaired
+        await p.publish({"n": 1})
+        [n] = await collect(s, 1)
+    assert n.attrs == {"n": 1} and c.failed is None and b.failed is None
 
 
 async def test_resume_of_an_unknown_session_is_refused(make_broker: MakeBroker) -> None:

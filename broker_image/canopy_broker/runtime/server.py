@@ -390,6 +390,7 @@ class Broker:
         for client in clients:
             client.conn.close()
         log.error("%s: let %d client(s) go, to fail over to live brokers", self.name, len(clients))
+        self.sessions.leave()
 
     def _task_failed(self, task: str, why: str) -> None:
         self.fail(f"background task {task!r} {why}")
@@ -903,13 +904,17 @@ class Broker:
                 check_link_peer(conn.identity, str(hello.get("name")), secure=self.secure)
         except AccessError as exc:
             raise self.refusal(str(role), conn, exc) from None
+        if self.fenced_by is not None:
+            # Out of the overlay until restarted (fenced_out): a client is sent elsewhere; a
+            # broker is refused with "left", which it takes for no verdict on itself (not
+            # "fenced": that could fail the asker for the sake of this one).
+            raise FrameError(
+                f"{self.name} was declared dead by {self.fenced_by} and is out of the "
+                "overlay until it restarts"
+                + (": connect to another broker" if role == "client" else ""),
+                "fenced" if role == "client" else "left",
+            )
         if role == "client":
-            if self.fenced_by is not None:
-                raise FrameError(
-                    f"{self.name} was declared dead by {self.fenced_by} and is out of the "
-                    "overlay until it restarts: connect to another broker",
-                    "fenced",
-                )
             if self.client_sessions.held_until_withdrawn(conn, hello.get("client_id")):
                 conn.hold("withdrawing", [F_HELLO, hello])  # handled again once it is gone
                 return
@@ -1069,7 +1074,10 @@ class Broker:
             self._flush()
 
     def apply(self, effects: list[Effect]) -> None:
-        """Carry out effects, encoding each distinct message or event once."""
+        """Carry out effects, encoding each distinct message or event once. None once this
+        broker was fenced out: its core's decisions are about an overlay it left."""
+        if self.fenced_by is not None:
+            return
         last_msg: object = None
         last_bytes = b""
         delivered = 0
