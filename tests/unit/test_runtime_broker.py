@@ -852,11 +852,29 @@ async def test_a_fenced_out_broker_leaves_and_takes_nobody_down_with_it(
     assert not a.sessions.all_links()
     await eventually(lambda: "a" not in z.links)  # z declared it dead in turn
     await asyncio.sleep(1.0)  # z, alone, asked a a few times whether it fenced it
-    assert z.failed is None and await z.fenced_at(addr(a)) is None
+    assert z.failed is None and await z.fenced_at("a", addr(a)) is None
+    assert await z.probe(addr(a)) is None  # no live peer: a repair link to it is not kept
     assert not a.sessions.all_links()  # and a dialed nobody again
     reader, writer = await raw_connection(a, as_broker="z")
     writer.write(control_frame(0, {"v": 1, "role": "link", "name": "z", "session": "s9"}))
     assert b'"left"' in await closed_by_peer(reader, writer)
+    # Nor does an admin bring it back: before, a link to a broker that had not fenced it
+    # came up and stayed (review).
+    other = await make_broker("other")
+    with pytest.raises(ValueError, match="a was declared dead by z"):
+        a.add_link("other", addr(other))
+    assert a.status()["fenced_by"] == "z" and not a.sessions.all_links()
+
+
+async def test_a_fence_check_counts_only_the_asked_brokers_answer(make_broker: MakeBroker) -> None:
+    """An answer that would fail this broker counts only from the certificate of the broker
+    asked, as on a link: before, an imposter at a dead neighbour's address, holding another
+    broker's certificate, answered ``fenced`` and a lone broker failed (review)."""
+    a, z = await make_broker("a"), await make_broker("z")
+    fence(a, z, silent_for=2.0)
+    assert await z.fenced_at("a", addr(a)) is not None  # a did fence z
+    assert await z.fenced_at("b", addr(a)) is None  # but a's certificate is not b's
+    assert z.failed is None
 
 
 async def test_the_neighbours_of_a_fenced_out_broker_repair_around_it(

@@ -559,7 +559,10 @@ class Client(FailingOver, Migrating, AsyncClosing):
         except FrameError as exc:
             raise ValueError(str(exc)) from None
         self._seq += 1
-        body = orjson.dumps(checked)
+        # A copy of the exact size, since it may be kept (unacknowledged, then acknowledged):
+        # orjson's result keeps the room it was built in, about 4 KB, so 100,000 kept cost
+        # 400 MB rather than 12 (review).
+        body = bytes(memoryview(orjson.dumps(checked)))
         if failing_over or self._conn is None or self._conn.acks:
             self._unacked.append((self._seq, body))
         if conn is not None:

@@ -187,7 +187,7 @@ class LinkHost(ConnOwner, Protocol):
 
     async def probe(self, address: str) -> float | None: ...
 
-    async def fenced_at(self, address: str) -> dict[str, Any] | None: ...
+    async def fenced_at(self, peer: str, address: str) -> dict[str, Any] | None: ...
 
 
 def valid_addresses(book: dict[str, object], me: str) -> list[tuple[str, str]]:
@@ -308,6 +308,13 @@ class LinkSessions:
         """Declare a link this broker dials (idempotent: an existing link is returned as is)."""
         if peer == self.name:
             raise ValueError("a broker cannot link to itself")
+        if self.host.fenced_by is not None:
+            # It left the overlay (leave): a link would bring its stale state back to a
+            # broker that never fenced it (review: add_link did, and the link stayed up).
+            raise ValueError(
+                f"{self.name} was declared dead by {self.host.fenced_by} and is out of the "
+                "overlay: restart it to rejoin as a new member"
+            )
         parse_address(address)
         self.host.peers[peer] = address
         link = self.links.get(peer)
@@ -964,7 +971,7 @@ class LinkSessions:
         cfg = host.config
         loop = asyncio.get_running_loop()
         delay = cfg.reconnect_min
-        while not (link.removed or link.peer_closed or host.stopping):
+        while not (link.removed or link.peer_closed or host.stopping or host.fenced_by):
             if link.kind == "standby" and link.connected_once:
                 link.reset_session(uuid.uuid4().hex)  # nothing to resume: a new session
             address = link.address or host.peers.get(link.peer)
@@ -1524,7 +1531,7 @@ class LinkSessions:
 
     async def _fence_answer(self, peer: str, address: str, *, stale: bool) -> None:
         try:
-            detail = await self.host.fenced_at(address)
+            detail = await self.host.fenced_at(peer, address)
         finally:
             self._asking_fence.discard(peer)
         if detail is None or self.host.stopping:

@@ -101,6 +101,7 @@ from canopy_broker.runtime.security import (
     authenticate_client,
     check_link_peer,
     file_stamp,
+    transport_identity,
 )
 from canopy_broker.runtime.tasks import TaskSet
 from canopy_broker.runtime.telemetry import Telemetry
@@ -1166,11 +1167,13 @@ class Broker:
 
     async def probe(self, address: str) -> float | None:
         """Round trip of a hello on a fresh connection (so it never queues behind data); None
-        when nothing answers within the handshake timeout."""
+        when nothing answers within the handshake timeout, or it refuses: a broker that left
+        the overlay (``left``) is no live peer, and a repair link to it must not wait for it
+        (review: a fenced-out broker's refusals kept a repair link redialing it for 70 s)."""
         answer = await self._probe(address, {})
-        return None if answer is None else answer[0]
+        return None if answer is None or answer[1][0] == F_ERROR else answer[0]
 
-    async def fenced_at(self, address: str) -> dict[str, Any] | None:
+    async def fenced_at(self, peer: str, address: str) -> dict[str, Any] | None:
         """Whether the broker at ``address`` declared this process dead: it refuses a probe
         that names this incarnation with ``fenced``. The refusal's detail (``silent_for``: how
         long it had not heard this broker; ``linked``: whether it has a live link), or None
@@ -1178,15 +1181,21 @@ class Broker:
         repaired the overlay without this one: asked after this broker's own loop stalled
         past failure detection, and while it is cut off from every neighbour
         (LinkSessions.heartbeat)."""
-        answer = await self._probe(address, {"incarnation": self.incarnation})
+        answer = await self._probe(address, {"incarnation": self.incarnation}, peer=peer)
         reply = answer[1] if answer is not None else []
         if len(reply) > 1 and reply[0] == F_ERROR and reply[1] == "fenced":
             return reply[3] if len(reply) > 3 and type(reply[3]) is dict else {}
         return None
 
-    async def _probe(self, address: str, extra: dict[str, str]) -> tuple[float, list[Any]] | None:
+    async def _probe(
+        self, address: str, extra: dict[str, str], *, peer: str | None = None
+    ) -> tuple[float, list[Any]] | None:
         """A probe hello (plus ``extra``) on a fresh connection: the round trip in ms and the
-        decoded answer, or None when nothing valid answers within the handshake timeout."""
+        decoded answer, or None when nothing valid answers within the handshake timeout.
+        ``peer``: the answer counts only from that broker's certificate (with TLS), as on a
+        link: an answer that fails this broker must not come from any other certificate
+        (review: an imposter with another broker's certificate at a dead neighbour's address
+        answered ``fenced``)."""
         writer: asyncio.StreamWriter | None = None
         hello = {"v": PROTOCOL_VERSION, "role": "probe", "name": self.name, **extra}
         try:
@@ -1194,6 +1203,8 @@ class Broker:
                 reader, writer = await asyncio.open_connection(
                     *parse_address(address), ssl=self.tls_client
                 )
+                if peer is not None:
+                    check_link_peer(transport_identity(writer.transport), peer, secure=self.secure)
                 t0 = self._loop.time()
                 writer.write(control_frame(F_HELLO, hello))
                 length = int.from_bytes(await reader.readexactly(4), "big")
@@ -1201,7 +1212,16 @@ class Broker:
                     return None
                 reply = loads_frame(await reader.readexactly(length))
                 return (self._loop.time() - t0) * 1000.0, reply
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError, FrameError):
+        except (
+            OSError,
+            TimeoutError,
+            asyncio.IncompleteReadError,
+            ValueError,
+            FrameError,
+            AccessError,
+        ) as exc:
+            if isinstance(exc, AccessError):
+                log.warning("%s: probe of %s at %s refused: %s", self.name, peer, address, exc)
             return None
         finally:
             if writer is not None:
@@ -1419,6 +1439,7 @@ class Broker:
                 for p, lk in sorted(self.sessions.standby.items())
             ],
             "fenced": dict(self.sessions.fenced),
+            "fenced_by": self.fenced_by,
             "cycles": self.sessions.cycles_status(),
             "link_repairs": list(self.sessions.link_repairs),
             "cut": sorted(self.sessions.cut),
