@@ -178,6 +178,11 @@ async def test_what_a_fenced_broker_acknowledged_after_it_left_is_sent_again(
     c._revoke_acks(left - 20, "b")  # it left before 1 and 2 were acknowledged
     assert "no longer kept" in caplog.text
     assert [seq for seq, _ in c._unacked] == [3, 4, 5, 6, 7, 8]
+    # Without failover nothing would be sent again: nothing is kept.
+    alone = Client("q", failover_within=0)
+    alone._unacked.extend((seq, b"{}") for seq in (1, 2, 3))
+    alone._acknowledged(2)
+    assert not alone._acked and [seq for seq, _ in alone._unacked] == [3]
 
 
 @pytest.mark.parametrize(

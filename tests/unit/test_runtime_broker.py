@@ -778,6 +778,17 @@ async def test_a_broker_whose_own_loop_stalled_asks_whether_it_was_fenced(
     await c.close()
 
 
+async def test_without_repair_a_stall_asks_nobody(make_broker: MakeBroker) -> None:
+    """``--no-repair``: nobody declares anybody dead, so a stall of its own is no reason to
+    ask (a fence left over is not acted on either)."""
+    b, stale = await make_broker("b"), await make_broker("stale", repair=False)
+    await link(b, stale)
+    fence(b, stale, silent_for=2.0)
+    stale.sessions._last_beat = stale.now() - 10.0
+    await asyncio.sleep(0.5)  # a few heartbeats
+    assert stale.failed is None and not stale.sessions._asking_fence
+
+
 async def test_after_a_stall_of_its_own_a_broker_measures_silence_afresh(
     make_broker: MakeBroker,
 ) -> None:

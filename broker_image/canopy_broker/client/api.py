@@ -73,8 +73,9 @@ class Client(FailingOver, Migrating, AsyncClosing):
     keep_acked_for = 30.0
     """Seconds an acknowledged publication is still kept (at most ``max_unacked`` of them):
     a broker that turns out to have been cut off from the overlay (fenced) acknowledged what
-    it could not pass on, and what it acknowledged since it left is sent again after the
-    failover (see :mod:`.failover`). 0: not kept."""
+    it could not pass on, and what it acknowledged since it left (from ``CUT_OFF_MARGIN``,
+    a second, before the time it told) is sent again after the failover (see
+    :mod:`.failover`). 0, or failover off (``failover_within`` 0): not kept."""
 
     def __init__(
         self,
@@ -404,7 +405,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
         if type(seq) is not int:
             raise FrameError(f"publish ack must be a sequence number, got {seq!r}", "malformed")
         unacked = self._unacked
-        if self.keep_acked_for <= 0:
+        if self.keep_acked_for <= 0 or self.failover_within <= 0:
             while unacked and unacked[0][0] <= seq:
                 unacked.popleft()
         else:

@@ -80,8 +80,9 @@ class FailingOver:
     """The failover half of a client (see the module's docstring)."""
 
     resend = True
-    """Send again, after a failover, what no broker acknowledged. Only a negative control turns
-    this off: without it what the lost broker held when it died is lost for everybody."""
+    """Send again, after a failover, what no broker acknowledged, and what a fenced broker
+    acknowledged after it left the overlay. Only a negative control turns this off: without
+    it what the lost broker held when it died is lost for everybody."""
 
     client_id: str
     credentials: Credentials
@@ -240,8 +241,9 @@ class FailingOver:
             )
 
     def _send_again(self, conn: BrokerConnection, after: int) -> int:
-        """Send what no broker acknowledged, from sequence number ``after`` on, marked as sent
-        again; returns the last sequence number sent (held during a failover count too)."""
+        """Send what no broker acknowledged (or a fenced one's acknowledgement was taken back
+        for: _revoke_acks), from sequence number ``after`` on, marked as sent again; returns
+        the last sequence number sent (held during a failover count too)."""
         last = after
         for seq, body in self._unacked:
             if seq > after:

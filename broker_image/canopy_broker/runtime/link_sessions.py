@@ -305,7 +305,8 @@ class LinkSessions:
     # ------------------------------------------------------------------ declared links
 
     def add(self, peer: str, address: str) -> Link:
-        """Declare a link this broker dials (idempotent: an existing link is returned as is)."""
+        """Declare a link this broker dials (idempotent: an existing link is returned as is).
+        Refused (ValueError) once this broker was fenced out."""
         if peer == self.name:
             raise ValueError("a broker cannot link to itself")
         if self.host.fenced_by is not None:
@@ -1098,7 +1099,9 @@ class LinkSessions:
         (a node or zone failure), or be alive and not have dialed yet (its own detection comes
         later, its heartbeat may be slower). A hello on a fresh connection to its address
         tells them apart: no answer within the handshake timeout is a death (refused: the
-        process is gone; silent: its node, or a paused process, which is fenced as usual)."""
+        process is gone; silent: its node, or a paused process, which is fenced as usual),
+        and so is a refusal of the probe (``left``: a broker fenced out, waiting to be
+        restarted; see Broker.probe)."""
         if link.peer in self._probing:
             return
         address = self.host.peers.get(link.peer) or link.address
@@ -1480,7 +1483,8 @@ class LinkSessions:
                 self.name,
                 now - last,
             )
-            self._ask_fence([*self.links], stale=True)
+            if cfg.repair:  # without detection nobody fences anybody: nothing to ask
+                self._ask_fence([*self.links], stale=True)
         elif self.fenced and not self._linked() and now >= self._next_fence_check:
             self._next_fence_check = now + timeout
             self._ask_fence([*self.fenced], stale=False)
@@ -1517,8 +1521,8 @@ class LinkSessions:
     def _ask_fence(self, peers: list[str], *, stale: bool) -> None:
         """Ask each of ``peers`` (at an address it or a neighbour told) whether it declared
         this process dead (see heartbeat); the first that did makes this broker fail, unless
-        this broker is not ``stale`` (its loop did not stall) and the two are each other's
-        only hope."""
+        this broker is not ``stale`` (its loop did not stall), the one that fenced it has no
+        live link either (two brokers parted), and this broker's name sorts first."""
         for peer in peers:
             link = self.links.get(peer)
             address = self.host.peers.get(peer) or (link.address if link is not None else None)

@@ -1343,7 +1343,8 @@ class Broker:
         return self._loop.time()
 
     def add_link(self, peer: str, address: str) -> Link:
-        """Declare a link this broker dials (idempotent: an existing link is returned as is)."""
+        """Declare a link this broker dials (idempotent: an existing link is returned as is).
+        Refused (ValueError) once this broker was fenced out."""
         return self.sessions.add(peer, address)
 
     def remove_link(self, peer: str) -> bool:
