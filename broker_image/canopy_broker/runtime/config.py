@@ -67,3 +67,9 @@ class BrokerConfig:
     zone: str = ""
     node: str = ""
     placement_dir: str | None = None
+
+    @property
+    def detection_timeout(self) -> float:
+        """Seconds of silence after which a link's connection is dropped, and as many again
+        of no connection after which its peer is taken for dead: ``dead_after`` heartbeats."""
+        return self.heartbeat_interval * self.dead_after

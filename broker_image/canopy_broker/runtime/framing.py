@@ -476,6 +476,12 @@ def seconds(value: object) -> float | None:
     return None
 
 
+def error_detail(frame: list[Any]) -> dict[str, Any]:
+    """The detail of an error frame ``[7, code, text, {detail}]`` ({} without one, or when
+    it is not an object)."""
+    return frame[3] if len(frame) > 3 and type(frame[3]) is dict else {}
+
+
 def control_frame(*parts: object) -> bytes:
     return frame(orjson.dumps(parts))
 

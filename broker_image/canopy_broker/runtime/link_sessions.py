@@ -114,6 +114,7 @@ from canopy_broker.runtime.framing import (
     decode_link_message,
     decode_peer_message,
     encode_generic,
+    error_detail,
     parse_address,
     seconds,
 )
@@ -942,7 +943,7 @@ class LinkSessions:
                 if not self._connected_elsewhere(link):
                     # Cut off from the whole overlay: this is the stale side. Before the drop,
                     # so that nothing is acknowledged for it.
-                    detail = frame[3] if len(frame) > 3 and type(frame[3]) is dict else {}
+                    detail = error_detail(frame)
                     host.fenced_out(link.peer, seconds(detail.get("silent_for")))
                 # Else the refusing broker is the stale one (paused, it declared its own
                 # neighbours dead): this broker lives on in the overlay, its clients with it.
@@ -1135,8 +1136,7 @@ class LinkSessions:
         return any(lk is not but and self._heard_lately(lk) for lk in self.links.values())
 
     def _just_woke(self) -> bool:
-        cfg = self.host.config
-        return self.host.now() - self._woke_at <= cfg.heartbeat_interval * cfg.dead_after
+        return self.host.now() - self._woke_at <= self.host.config.detection_timeout
 
     def _linked(self) -> bool:
         """Some overlay link of this broker is connected and was heard lately. Not merely
@@ -1147,8 +1147,7 @@ class LinkSessions:
 
     def _heard_lately(self, link: Link) -> bool:
         """``link`` has a connection and a frame came over it within the detection timeout."""
-        cfg = self.host.config
-        timeout = cfg.heartbeat_interval * cfg.dead_after
+        timeout = self.host.config.detection_timeout
         return link.conn is not None and self.host.now() - link.last_heard <= timeout
 
     def _answer(self, conn: Conn, nonce: str, peer: str) -> None:
@@ -1473,7 +1472,7 @@ class LinkSessions:
         cfg = self.host.config
         if self.host.fenced_by is not None:
             return  # out of the overlay (leave): nothing to detect, nobody to ping
-        timeout = cfg.heartbeat_interval * cfg.dead_after
+        timeout = cfg.detection_timeout
         last, self._last_beat = self._last_beat, now
         if last is not None and now - last > timeout:
             self._woke_at = now
@@ -1526,7 +1525,7 @@ class LinkSessions:
         for peer in peers:
             link = self.links.get(peer)
             address = self.host.peers.get(peer) or (link.address if link is not None else None)
-            if not address or peer in self._asking_fence or self.host.fenced_by is not None:
+            if not address or peer in self._asking_fence:
                 continue
             self._asking_fence.add(peer)
             self.host.tasks.spawn(

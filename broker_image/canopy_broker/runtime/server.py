@@ -85,6 +85,7 @@ from canopy_broker.runtime.framing import (
     dumps,
     encode_event_body,
     encode_link_message,
+    error_detail,
     loads_frame,
     parse_address,
 )
@@ -183,7 +184,7 @@ class Broker:
     def __init__(self, config: BrokerConfig) -> None:
         self.config = config
         self.name = config.name
-        detection = config.heartbeat_interval * config.dead_after
+        detection = config.detection_timeout
         self.core = BrokerCore(
             config.name,
             RoutingMode(config.routing),
@@ -1184,7 +1185,7 @@ class Broker:
         answer = await self._probe(address, {"incarnation": self.incarnation}, peer=peer)
         reply = answer[1] if answer is not None else []
         if len(reply) > 1 and reply[0] == F_ERROR and reply[1] == "fenced":
-            return reply[3] if len(reply) > 3 and type(reply[3]) is dict else {}
+            return error_detail(reply)
         return None
 
     async def _probe(
@@ -1212,16 +1213,10 @@ class Broker:
                     return None
                 reply = loads_frame(await reader.readexactly(length))
                 return (self._loop.time() - t0) * 1000.0, reply
-        except (
-            OSError,
-            TimeoutError,
-            asyncio.IncompleteReadError,
-            ValueError,
-            FrameError,
-            AccessError,
-        ) as exc:
-            if isinstance(exc, AccessError):
-                log.warning("%s: probe of %s at %s refused: %s", self.name, peer, address, exc)
+        except AccessError as exc:
+            log.warning("%s: probe of %s at %s refused: %s", self.name, peer, address, exc)
+            return None
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError, FrameError):
             return None
         finally:
             if writer is not None:
