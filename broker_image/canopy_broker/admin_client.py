@@ -168,6 +168,20 @@ class AdminClient(AsyncClosing):
         result = await self._request("POST", "/peers", json={"peers": peers})
         return dict(result["peers"])
 
+    async def lift_fences(self, incarnations: dict[str, str]) -> list[str]:
+        """Stop refusing these processes (``name -> incarnation``) if this broker declared
+        exactly them dead: both sides of a healed partition are alive (the restore's join).
+        Returns the names whose fence was lifted."""
+        result = await self._request("POST", "/fences/lift", json={"incarnations": incarnations})
+        return [str(p) for p in result["lifted"]]
+
+    async def tell_gap(self, since: float, until: float, reason: str) -> int:
+        """Tell the broker's subscribers that notifications published between ``since`` and
+        ``until`` (epoch seconds) may be missing, for ``reason``; how many were told."""
+        body = {"since": since, "until": until, "reason": reason}
+        result = await self._request("POST", "/gaps", json=body)
+        return int(result["told"])
+
     async def start_exchange(
         self,
         path: list[str],

@@ -193,11 +193,15 @@ async def spawn_broker(
     extra_args: Sequence[str] = (),
     ready_within: float = 30.0,
     tls_dir: Path | None = None,
+    host: str = "127.0.0.1",
+    wrap: Sequence[str] = (),
 ) -> BrokerProc:
     """Start ``canopy-broker serve`` for ``name`` on free loopback ports; wait until it is ready.
     ``pki``: the overlay's credentials (None: plaintext, ``--insecure``; by default the PKI
     ``$CANOPY_PKI`` names, plaintext if it is not set). ``tls_dir``: ``ca.crt``, ``tls.crt``,
-    ``tls.key`` instead (``--tls-dir``, as a Kubernetes pod mounts its TLS Secret)."""
+    ``tls.key`` instead (``--tls-dir``, as a Kubernetes pod mounts its TLS Secret). ``host``:
+    the address it listens on; ``wrap``: a command prefix to run it with (a network namespace
+    of its own, in the partition tests)."""
     if tls_dir is not None:
         pki = None
     elif isinstance(pki, _FromEnv):
@@ -206,7 +210,10 @@ async def spawn_broker(
     log_path = (log_dir / f"{name}.log") if log_dir is not None else None
     log = log_path.open("wb") if log_path is not None else None
     process = await asyncio.create_subprocess_exec(
-        *serve_command(name, pki=pki, routing=routing, extra_args=extra_args, tls_dir=tls_dir),
+        *wrap,
+        *serve_command(
+            name, pki=pki, host=host, routing=routing, extra_args=extra_args, tls_dir=tls_dir
+        ),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=log if log is not None else asyncio.subprocess.DEVNULL,

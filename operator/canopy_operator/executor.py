@@ -32,7 +32,7 @@ from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_broker.logs import log_context
 from canopy_operator.model.planner import LiveOverlay, Plan, Step, plan
 from canopy_operator.model.rollout import without
-from canopy_operator.model.topology import OverlaySpec
+from canopy_operator.model.topology import Edge, OverlaySpec
 
 
 class Backend(Protocol):
@@ -88,6 +88,8 @@ class Executor:
     retry_for: float = 60.0
     label: str = ""  # e.g. "r3" for the third restore: its own id space within a generation
     results: list[StepResult] = field(default_factory=list)
+    # When the parts a join step ends began to be apart (see _join), by the link it adds.
+    _apart: dict[Edge, float | None] = field(default_factory=dict)
 
     def step_id(self, generation: int, index: int) -> str:
         """The broker-side id of a step: the same on every run of the same plan (so a resumed
@@ -215,11 +217,45 @@ class Executor:
         is a no-op, so a step run again after a restart is harmless."""
         assert step.add is not None
         a, b = step.add
+        members = step.members or (a, b)
+        statuses = dict(
+            zip(
+                members,
+                await asyncio.gather(*(self.backend.admin(m).status() for m in members)),
+                strict=True,
+            )
+        )
+        alive = {m: str(st.get("incarnation") or "") for m, st in statuses.items()}
+        # A healed partition: each side declared the other dead and fenced its processes,
+        # which are alive. The restore planned this join from every broker answering, no
+        # repair under way and no link known at one end only, so no stale process is among
+        # them (one paused and repaired around still reports its old links).
+        # Read before the fences go (they say since when), and kept: a retry of this step
+        # after a failed link finds them lifted and must still tell the subscribers.
+        apart = self._apart.setdefault(step.add, apart_since(statuses, alive))
+        lifted = await asyncio.gather(*(self.backend.admin(m).lift_fences(alive) for m in members))
         await self.backend.admin(a).set_peers({b: self.backend.link_address(b)})
         result = await self.backend.admin(a).add_link(b, self.backend.link_address(b))
         if not result.get("up"):
             raise aiohttp.ClientError(f"link {a}-{b} did not come up")
-        return {"joined": [a, b]}
+        detail: dict[str, Any] = {"joined": [a, b]}
+        if any(lifted):
+            detail["fences_lifted"] = {m: ps for m, ps in zip(members, lifted, strict=True) if ps}
+        if apart is not None:
+            # Nothing crossed between the parts while they were apart: say so to every
+            # subscriber, which would otherwise never know (it did not fail over).
+            until = time.time()
+            reason = (
+                f"the overlay was split from {time.strftime('%H:%M:%S', time.gmtime(apart))} "
+                f"UTC until the restore joined it ({a}-{b}): events published in another part "
+                "meanwhile were not delivered"
+            )
+            told = await asyncio.gather(
+                *(self.backend.admin(m).tell_gap(apart, until, reason) for m in members)
+            )
+            detail["apart_s"] = round(until - apart, 3)
+            detail["subscribers_told"] = sum(told)
+        return detail
 
     async def _exchange(self, xid: str, step: Step, i: int) -> dict[str, Any]:
         assert step.remove is not None
@@ -284,3 +320,17 @@ async def replace_broker(
         "exchanges": len(out.exchanges) + len(back.exchanges),
         "seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def apart_since(statuses: dict[str, dict[str, Any]], alive: dict[str, str]) -> float | None:
+    """When the parts a join ends began to be apart, if a partition split them: the earliest
+    time a broker last heard a neighbour it then declared dead, which is alive with the same
+    process (None: no live broker was declared dead; a split left by brokers that died is
+    what their subscribers' failover reports)."""
+    since = [
+        float(at)
+        for st in statuses.values()
+        for peer, at in (st.get("fenced_since") or {}).items()
+        if (st.get("fenced") or {}).get(peer) == alive.get(peer) and alive.get(peer)
+    ]
+    return min(since) if since else None

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from canopy_operator.executor import Executor, StepError
+from canopy_operator.executor import Executor, StepError, apart_since
 from canopy_operator.model.planner import Plan, Step
 
 
@@ -68,3 +68,19 @@ async def test_a_failed_step_cancels_its_siblings_and_a_rerun_resumes() -> None:
     ex.log.clear()
     await ex.run(plan(), generation=3, progress=store.saved)
     assert ex.log == []  # a finished plan runs nothing again
+
+
+def test_a_join_tells_the_stretch_from_when_a_live_process_was_last_heard() -> None:
+    """Where a healed partition's stretch starts: the earliest time a broker last heard a
+    neighbour it then declared dead and which is alive with the same process. A fence on a
+    process since restarted (another incarnation) is a death, not a partition: its clients'
+    failover reports what they missed."""
+    alive = {"b1": "i1", "b2": "i2", "b3": "i3"}
+    statuses = {
+        "b1": {"fenced": {"b3": "i3", "b9": "old"}, "fenced_since": {"b3": 110.0, "b9": 50.0}},
+        "b2": {"fenced": {"b3": "restarted"}, "fenced_since": {"b3": 90.0}},
+        "b3": {"fenced": {"b1": "i1"}, "fenced_since": {"b1": 105.5}},
+    }
+    assert apart_since(statuses, alive) == 105.5
+    assert apart_since({"b2": statuses["b2"]}, alive) is None
+    assert apart_since({"b1": {}}, alive) is None

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canopy_broker.sim.topology import random_tree
-from canopy_operator.model.planner import LiveOverlay
-from canopy_operator.model.restore import describe, restore
+from canopy_operator.model.planner import LiveOverlay, steps_from_json
+from canopy_operator.model.restore import describe, restore, split
 from canopy_operator.model.topology import adjacency, norm
 from tests.operator.test_planner import replay, spec
 
@@ -155,3 +155,33 @@ def test_managed_links_restore_brokers_not_links() -> None:
     r = restore(managed, ALIVE, REPAIRED, ())
     assert r.absent == ("b3",) and r.plan is not None
     assert [s.kind for s in r.plan.steps] == ["add-leaf"]
+
+
+# A partition healed: {b0, b1, b2} and {b3, b4, b5, b6} each repaired without the other, all alive.
+PARTED = [("b0", "b1"), ("b1", "b2"), ("b3", "b4"), ("b3", "b5"), ("b5", "b6")]
+
+
+def test_a_healed_partition_is_seen_as_a_split_and_joined_by_the_declared_link() -> None:
+    """Every broker alive, two trees: the supervisor's tick restores although nobody died, and
+    the join names every live broker (their fences of each other are lifted, their subscribers
+    told). Not while a link is known at one end only (being set up or closed)."""
+    neighbours = {n: {b for e in PARTED for b in e if n in e and b != n} for n in NAMES}
+    assert split(neighbours)
+    assert not split({n: {b for e in EDGES for b in e if n in e and b != n} for n in NAMES})
+    assert not split({**neighbours, "b2": {"b1", "b3"}})  # b2-b3 at one end only
+    r = restore(spec(NAMES, EDGES), NAMES, PARTED, ())
+    assert r.plan is not None and not r.absent
+    (join,) = r.plan.steps
+    assert join.kind == "join" and join.add == ("b1", "b3") and join.members == tuple(NAMES)
+    assert steps_from_json([join.to_json()]) == (join,)
+    _, edges, _ = replay(LiveOverlay(tuple(NAMES), tuple(PARTED)), r.plan, 4)
+    assert edges == {norm(e) for e in EDGES}
+
+
+def test_managed_links_are_joined_after_a_partition_too() -> None:
+    """Managed links leave the shape to the repair and the proposals, but one overlay it is:
+    before, a healed partition stayed split for good."""
+    r = restore(spec(NAMES, None, f=3), NAMES, PARTED, ())
+    assert r.plan is not None and [s.kind for s in r.plan.steps] == ["join"]
+    nodes, edges, _ = replay(LiveOverlay(tuple(NAMES), tuple(PARTED)), r.plan, 3)
+    assert nodes == set(NAMES) and len(edges) == len(NAMES) - 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canopy_broker.admin_client import AdminClient, AdminError
-from canopy_broker.client import connect
+from canopy_broker.client import Gap, connect
 from canopy_broker.runtime.admin import ROUTES, make_admin_app
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.server import Broker
@@ -265,6 +266,65 @@ async def test_drain_sends_clients_to_the_neighbour(make_broker: MakeBroker, ser
         assert mover.broker == "hub" and "mover" in hub.core.clients
         assert (await admin.status())["drain"]["drained"]
         assert (await admin.cancel_drain())["draining"] is False
+
+
+async def test_fences_are_lifted_only_for_the_process_named(
+    make_broker: MakeBroker, serve: Serve
+) -> None:
+    """A healed partition's join lifts fences on live processes: the fence of another
+    incarnation of the same broker (a restarted one, or a stale one) stays."""
+    b = await make_broker("b")
+    admin = await serve(b)
+    b.sessions.fenced.update({"x": "inc-x", "y": "inc-y"})
+    b.sessions.fenced_since.update({"x": 100.0, "y": 200.0})
+    assert (await admin.status())["fenced_since"] == {"x": 100.0, "y": 200.0}
+    assert await admin.lift_fences({"x": "inc-x", "y": "another", "z": "inc-z"}) == ["x"]
+    assert b.sessions.fenced == {"y": "inc-y"} and b.sessions.fenced_since == {"y": 200.0}
+    assert await admin.lift_fences({"x": "inc-x"}) == []  # idempotent
+    for bad in ({}, {"incarnations": ["x"]}, {"incarnations": {"x": 1}}):
+        with pytest.raises(AdminError) as info:
+            await admin._request("POST", "/fences/lift", json=bad)
+        assert info.value.status == 400, bad
+    b.fenced_by = "a"  # it left the overlay: nothing of it is to be taken back
+    with pytest.raises(AdminError) as info:
+        await admin.lift_fences({"y": "inc-y"})
+    assert info.value.status == 400 and "restart it" in str(info.value)
+    assert b.sessions.fenced == {"y": "inc-y"}
+
+
+async def test_a_gap_is_told_to_the_subscribers_staying_on_the_broker(
+    make_broker: MakeBroker, serve: Serve
+) -> None:
+    b = await make_broker("b")
+    admin = await serve(b)
+    told: list[Gap] = []
+    async with (
+        await connect(addr(b), "sub", on_gap=told.append) as sub,
+        await connect(addr(b), "pub") as pub,
+    ):
+        await sub.subscribe("n > 1")
+        await pub.publish({"n": 0})  # attached, publishing, no subscription: not told
+        now = time.time()
+        assert await admin.tell_gap(now - 12.0, now - 2.0, "the overlay was split") == 1
+        await eventually(lambda: bool(told))
+        (gap,) = told
+        assert gap.broker == gap.previous == "b" and gap.reason == "the overlay was split"
+        assert gap.until - gap.since == pytest.approx(10.0, abs=0.05)
+        assert asyncio.get_running_loop().time() - gap.until == pytest.approx(2.0, abs=0.5)
+        assert "b says notifications of 10.0 s may be missing" in str(gap)
+        assert sub.gaps == [gap] and pub.gaps == []
+        for bad in (
+            {"since": now, "until": now - 1, "reason": "x"},  # backwards
+            {"since": now, "until": now + 3600, "reason": "x"},  # in the future
+            {"since": "then", "until": now, "reason": "x"},
+            {"since": True, "until": now, "reason": "x"},
+            {"since": now - 1, "until": now, "reason": ""},
+            {"since": now - 1, "until": now},
+        ):
+            with pytest.raises(AdminError) as info:
+                await admin._request("POST", "/gaps", json=bad)
+            assert info.value.status == 400, bad
+        assert len(told) == 1
 
 
 _POSTS = [path for method, path, _ in ROUTES if method == "POST"]

@@ -28,6 +28,7 @@ from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Filter
 from canopy_broker.runtime.framing import (
     B_CUT_OFF,
+    B_GAP,
     B_MARKER,
     B_MIGRATING,
     B_NOTIFY,
@@ -232,6 +233,8 @@ class Client(FailingOver, Migrating, AsyncClosing):
                     self._redirected(conn, item[1], item[2])
                 elif code == B_CUT_OFF and len(item) == 2:
                     conn.cut_off(item[1])
+                elif code == B_GAP and len(item) == 4:
+                    self._told_gap(conn, item[1], item[2], item[3])
                 else:
                     raise FrameError(f"unknown message from the broker: {item!r}", "unknown-type")
             if inbox:

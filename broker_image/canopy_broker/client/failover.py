@@ -45,7 +45,13 @@ from canopy_broker.client.connection import BrokerConnection
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.client.notification import ClientError, ConnectionLostError
 from canopy_broker.core.filters import Filter
-from canopy_broker.runtime.framing import B_RESUMED, C_REPUBLISH, C_RESUME, encode_filter
+from canopy_broker.runtime.framing import (
+    B_RESUMED,
+    C_REPUBLISH,
+    C_RESUME,
+    FrameError,
+    encode_filter,
+)
 from canopy_broker.runtime.tasks import TaskSet
 
 CUT_OFF_MARGIN = 1.0
@@ -70,6 +76,11 @@ class Gap:
     reason: str
 
     def __str__(self) -> str:
+        if self.previous == self.broker:  # told while staying on it (B_GAP)
+            return (
+                f"{self.broker} says notifications of {max(0.0, self.until - self.since):.1f} s "
+                f"may be missing: {self.reason}"
+            )
         return (
             f"after failing over from {self.previous} to {self.broker}, notifications of "
             f"{max(0.0, self.until - self.since):.1f} s may be missing: {self.reason}"
@@ -252,15 +263,30 @@ class FailingOver:
                 last = seq
         return last
 
+    def _told_gap(
+        self, conn: BrokerConnection, since: object, until: object, reason: object
+    ) -> None:
+        """The broker this client stays on says what it may have missed (an overlay split
+        and joined again)."""
+        self._gap(conn.broker, conn.broker, since, until, reason)
+
+    def _gap(
+        self, broker: str, previous: str, since: object, until: object, reason: object
+    ) -> None:
+        """Record a gap the broker gave in seconds ago, and tell the application."""
+        if not (isinstance(since, (int, float)) and isinstance(until, (int, float))):
+            raise FrameError(f"a gap needs seconds: {[since, until, reason]!r}")
+        now = asyncio.get_running_loop().time()
+        gap = Gap(broker, previous, now - since, now - until, str(reason))
+        self.gaps.append(gap)
+        log.warning("%s: %s", self.client_id, gap)
+        if self.on_gap is not None:
+            self.on_gap(gap)
+
     def _resumed(self, conn: BrokerConnection, served: object, gaps: object) -> None:
         """The broker's answer to the resume request: record the gaps it names."""
-        now = asyncio.get_running_loop().time()
         for g in gaps if isinstance(gaps, list) else []:
             if isinstance(g, list) and len(g) == 3:
-                gap = Gap(conn.broker, conn.resuming_from, now - g[0], now - g[1], str(g[2]))
-                self.gaps.append(gap)
-                log.warning("%s: %s", self.client_id, gap)
-                if self.on_gap is not None:
-                    self.on_gap(gap)
+                self._gap(conn.broker, conn.resuming_from, g[0], g[1], g[2])
         log.info("%s: resumed on %s (%s from retention)", self.client_id, conn.broker, served)
         conn.answered(B_RESUMED, "")

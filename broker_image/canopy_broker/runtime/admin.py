@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -158,6 +159,38 @@ async def set_peers(request: web.Request) -> web.Response:
     except ValueError as exc:
         return _error(400, str(exc))
     return web.json_response({"peers": broker.peers})
+
+
+async def lift_fences(request: web.Request) -> web.Response:
+    incarnations = (await _json_object(request)).get("incarnations")
+    if not isinstance(incarnations, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in incarnations.items()
+    ):
+        return _error(400, "need 'incarnations': {name: incarnation}")
+    try:
+        lifted = request.app[BROKER].lift_fences(incarnations)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    return web.json_response({"lifted": lifted})
+
+
+async def tell_gap(request: web.Request) -> web.Response:
+    body = await _json_object(request)
+    since, until, reason = _epoch(body.get("since")), _epoch(body.get("until")), body.get("reason")
+    if since is None or until is None or not isinstance(reason, str) or not reason:
+        return _error(400, "need 'since' and 'until' (epoch seconds) and a 'reason'")
+    try:
+        told = request.app[BROKER].tell_gap(since, until, reason[:500])
+    except ValueError as exc:
+        return _error(400, str(exc))
+    return web.json_response({"told": told})
+
+
+def _epoch(value: object) -> float | None:
+    """A finite number of seconds, or None (a bool is not one)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 async def start_exchange(request: web.Request) -> web.Response:
@@ -340,6 +373,8 @@ ROUTES: list[tuple[str, str, Callable[[web.Request], Awaitable[web.Response]]]] 
     ("GET", "/telemetry", telemetry),
     ("GET", "/peers", get_peers),
     ("POST", "/peers", set_peers),
+    ("POST", "/fences/lift", lift_fences),
+    ("POST", "/gaps", tell_gap),
     ("POST", "/exchanges", start_exchange),
     ("POST", "/reconfigurations", start_reconfiguration),
     ("GET", "/reconfigurations/{id}", get_reconfiguration),

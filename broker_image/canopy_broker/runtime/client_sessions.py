@@ -37,6 +37,7 @@ from canopy_broker.core.messages import (
 )
 from canopy_broker.runtime.conn import Conn
 from canopy_broker.runtime.framing import (
+    B_GAP,
     B_MIGRATING,
     B_PUBACK,
     B_REDIRECT,
@@ -275,6 +276,21 @@ class ClientSessions:
     def send(self, client: Client, msg: bytes) -> None:
         client.pending.append(msg)
         self.host.mark_dirty(client)
+
+    def tell_gap(self, since: float, until: float, reason: str) -> int:
+        """Tell every client with a subscription here that notifications published between
+        ``since`` and ``until`` (wall clock) may be missing, for ``reason``; how many were told.
+        A client that stays put hears of what it missed this way (an overlay split and joined
+        again: docs/operations.md), as a client that fails over does in its resume answer."""
+        now = time.time()
+        frame = dumps([B_GAP, round(now - since, 3), round(now - until, 3), reason])
+        routing = self.host.core.routing
+        told = 0
+        for client in self.clients.values():
+            if routing.subscriptions(client.id):
+                self.send(client, frame)
+                told += 1
+        return told
 
     # ------------------------------------------------------------------ messages
 

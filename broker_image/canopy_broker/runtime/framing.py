@@ -110,6 +110,7 @@ B_REDIRECT: Final = 25  # [25, target, address]   please migrate to neighbour `t
 B_PUBACK: Final = 26  # [26, seq]   everything you published up to seq is in the next hops' custody
 B_RESUMED: Final = 27  # [27, served, [[since_ago, until_ago, reason]]]   gaps in seconds ago
 B_CUT_OFF: Final = 28  # [28, seconds]   this broker left the overlay that long ago: fail over
+B_GAP: Final = 29  # [29, since_ago, until_ago, reason]   what you may have missed, staying here
 
 log = logging.getLogger("canopy.framing")
 

@@ -233,6 +233,9 @@ class LinkSessions:
         # When each fenced peer was last heard (host.now()): told to it if it ever comes back,
         # so that its clients resume from then (Broker.fenced_out).
         self._fenced_heard: dict[str, float] = {}
+        # When each fenced peer was last heard, wall clock (/status: where a partition's
+        # stretch begins, for the subscribers the restore's join tells).
+        self.fenced_since: dict[str, float] = {}
         self._learned: dict[str, str] = {}  # addresses told by neighbours (F_PEERS)
         self.repairs: list[dict[str, Any]] = []  # the last few, for the admin API
         self.standby: dict[str, Link] = {}  # standby links by peer, dialed or accepted
@@ -630,6 +633,8 @@ class LinkSessions:
             self._promotion_refused(link, conn)
         elif ftype == F_ERROR:
             log.warning("%s: %s reported an error: %s", self.name, link.peer, frame[1:])
+            if frame[1:2] == ["not-open"]:
+                link.refused_open = True
             conn.close()
         else:
             raise FrameError(f"unexpected link frame {frame[:2]!r}", "unknown-type")
@@ -700,6 +705,8 @@ class LinkSessions:
                             self.update_standby()  # a repair's peers may have changed
                     n += 1
         finally:
+            if n:
+                link.refused_open = False
             link.rx_seq += n
             link.msgs_in += n
             if link.m_msgs_in is not None:
@@ -871,6 +878,38 @@ class LinkSessions:
                 detail,
             )
 
+    def lift_fences(self, incarnations: dict[str, str]) -> list[str]:
+        """Stop refusing the processes named (``peer -> incarnation``), if this broker fenced
+        exactly those; the peers whose fence was lifted.
+
+        A fence keeps a process declared dead from resuming its old sessions. After a network
+        partition, each side fenced the other, and both sides are alive, each a tree: the
+        restore joins them with a new link (docs/operations.md), and every fence between
+        them must go, or the join, and any later exchange over a channel between the two
+        sides, would be refused. Only the restore asks, having seen every broker alive,
+        answering, with no repair under way and no link known at one end only: a process
+        that was paused and repaired around still reports its old links, so it is never
+        taken for a member."""
+        if self.host.fenced_by is not None:
+            raise ValueError(
+                f"{self.name} was declared dead by {self.host.fenced_by} and is out of the "
+                "overlay: restart it to rejoin as a new member"
+            )
+        lifted = []
+        for peer, incarnation in incarnations.items():
+            if incarnation and self.fenced.get(peer) == incarnation:
+                del self.fenced[peer]
+                self._fenced_heard.pop(peer, None)
+                self.fenced_since.pop(peer, None)
+                lifted.append(peer)
+        if lifted:
+            log.warning(
+                "%s: fences lifted for %s: alive and in the overlay (a partition healed)",
+                self.name,
+                sorted(lifted),
+            )
+        return lifted
+
     def leave(self) -> None:
         """This broker was fenced out (Broker.fenced_out): drop every link and channel
         without a goodbye, and dial none again. Its neighbours take it for dead and repair
@@ -1041,6 +1080,7 @@ class LinkSessions:
         if link.incarnation:
             self.fenced[peer] = link.incarnation
             self._fenced_heard[peer] = host.now() - silent
+            self.fenced_since[peer] = round(time.time() - silent, 3)
         self.drop(link, bye=None)
         self._drop_channels(peer, unless=None)
         host.metrics.peer_failures.inc()
@@ -1411,7 +1451,35 @@ class LinkSessions:
         for rec in reversed(self.repairs):
             if rec["dead"] == eff.dead and "replayed" not in rec:
                 rec.update(replayed=eff.replayed, complete_at=time.time())
+                if eff.timed_out:
+                    self._withdraw_unjoined(rec)
                 break
+
+    def _withdraw_unjoined(self, rec: dict[str, Any]) -> None:
+        """A repair that ended by timeout: withdraw its new links that the far end never
+        took up (never connected, or refused as ``not-open``: its core has no such link).
+
+        A network partition does this. Both sides declare each other dead, and each links to
+        the far side of the other's neighbours, which it cannot reach, or which never saw a
+        death (its neighbour is alive on its side) and so never opens its end. Kept, such a
+        link held this side's traffic for a broker that would never take it, was dialed for
+        ever, and, once the network healed, could close a cycle between the two sides' trees
+        (found on real processes, tests/integration/test_partition.py). Withdrawn, each side
+        is a tree of its own, which the restore joins (docs/operations.md)."""
+        for peer in rec["linked"]:
+            link = self.links.get(peer)
+            if link is None or link.closing or not (link.connects == 0 or link.refused_open):
+                continue
+            log.warning(
+                "%s: the repair link to %s was never taken up by %s (%s); withdrawing it: "
+                "the overlay is split until it is joined",
+                self.name,
+                peer,
+                peer,
+                "never connected" if link.connects == 0 else "refused as not open",
+            )
+            rec.setdefault("withdrawn", []).append(peer)
+            self.drop(link, bye="removed")
 
     def _tell_peers(self) -> None:
         """Tell every neighbour the addresses of all the others: a repair links brokers that
@@ -1490,6 +1558,18 @@ class LinkSessions:
         self.update_standby()
         for link in list(self.links.values()) if cfg.repair else ():
             since = link.down_since
+            if (
+                not link.dialer
+                and not link.established
+                and link.conn is None
+                and since is not None
+                and now - since > self.host.core.repair_timeout
+            ):
+                # A repair link dialed to us that our core never opened (we saw no death:
+                # a partition, see _withdraw_unjoined), and its dialer is gone: forget it,
+                # or it would be reported as a neighbour for ever.
+                self.drop(link, bye=None)
+                continue
             if (
                 since is not None
                 and link.conn is None

@@ -90,6 +90,9 @@ class Link:
         self.incarnation = ""  # the peer's process, from its hello (what a fence names)
         self.rtt_ms: float | None = None
         self.connects = 0
+        # The peer refused data as ``not-open`` and has sent nothing since: its core has no
+        # such link (a repair link to a broker that never saw the death, see repair_finished).
+        self.refused_open = False
         self.dirty = False
         self.over = False  # above high water, counted in the broker's pressure set
         self.remote_pressure = False  # the peer says it (or a broker behind it) is congested

@@ -1346,6 +1346,24 @@ class Broker:
         """Uncoordinated removal: RemoveLink here, BYE to the peer (which does the same)."""
         return self.sessions.remove(peer)
 
+    def lift_fences(self, incarnations: dict[str, str]) -> list[str]:
+        """See :meth:`LinkSessions.lift_fences` (a partition healed; the restore asks)."""
+        return self.sessions.lift_fences(incarnations)
+
+    def tell_gap(self, since: float, until: float, reason: str) -> int:
+        """See :meth:`ClientSessions.tell_gap` (the restore joined a split overlay)."""
+        if not since <= until <= time.time() + 60:
+            raise ValueError("need since <= until, and until not in the future")
+        told = self.client_sessions.tell_gap(since, until, reason)
+        log.warning(
+            "%s: told %d subscriber(s) that %.1fs may be missing: %s",
+            self.name,
+            told,
+            until - since,
+            reason,
+        )
+        return told
+
     def _unacknowledged(self) -> int:
         return sum(len(lk.out) for lk in self.links.values())
 
@@ -1435,6 +1453,7 @@ class Broker:
                 for p, lk in sorted(self.sessions.standby.items())
             ],
             "fenced": dict(self.sessions.fenced),
+            "fenced_since": dict(self.sessions.fenced_since),
             "fenced_by": self.fenced_by,
             "cycles": self.sessions.cycles_status(),
             "link_repairs": list(self.sessions.link_repairs),

@@ -16,6 +16,10 @@ its log in ``supervisor.log``); ``canopy down`` stops it before the brokers. Eve
   exchanges undo the repair's detour. Every step is one of the loss-free elementary steps;
   nothing is dropped and re-added under traffic.
 
+* every broker alive but in several trees (a network partition healed: each side repaired
+  without the other) is restored too: the plan joins the trees, lifting the fences the sides
+  put on each other and telling every subscriber the stretch it missed.
+
 A restore that fails half-way (a broker died again) is retried on the next tick from whatever
 is live: the overlay is a tree after every step, and ``restoring`` in ``state.json`` keeps the
 supervisor at it until the declared shape is back.
@@ -38,7 +42,7 @@ from canopy_broker import logs
 from canopy_operator.backends.local import BrokerDownError, LocalBackend
 from canopy_operator.commands.local import overlay_dir, run_own_plan
 from canopy_operator.executor import StepError
-from canopy_operator.model.restore import describe, mutual, repairs_under_way, restore
+from canopy_operator.model.restore import describe, mutual, repairs_under_way, restore, split
 from canopy_operator.model.topology import parse_overlay
 
 log = logging.getLogger("canopy.supervisor")
@@ -117,7 +121,10 @@ async def tick(backend: LocalBackend, say: Callable[[str], None]) -> bool:
     # out and bringing it back (its lock is gone with it, so nobody else will).
     declared = parse_overlay(backend.state["spec"]).broker_names
     missing = [b for b in declared if b not in backend.brokers]
-    if not dead and not missing and not backend.state.get("restoring"):
+    # All alive but in several trees: a partition healed (each side repaired without the
+    # other); the restore joins them.
+    parted = not dead and split(backend.reported_neighbours(health))
+    if not dead and not missing and not parted and not backend.state.get("restoring"):
         return True
     async with backend.locked():
         backend.reload()

@@ -47,6 +47,9 @@ class Step:
     remove: Edge | None = None
     add: Edge | None = None
     cycle: tuple[str, ...] = ()
+    # A join's: every live broker of the parts it joins (their fences of each other are
+    # lifted, their subscribers told what they missed while apart).
+    members: tuple[str, ...] = ()
 
     def brokers(self) -> set[str]:
         """Brokers the step touches (for batching)."""
@@ -87,6 +90,8 @@ class Step:
             d["add"] = list(self.add)
         if self.cycle:
             d["cycle"] = list(self.cycle)
+        if self.members:
+            d["members"] = list(self.members)
         d["batch"] = self.batch
         return d
 
@@ -415,6 +420,7 @@ def steps_from_json(steps: Sequence[Mapping[str, Any]]) -> tuple[Step, ...]:
                 remove=(remove[0], remove[1]) if remove else None,
                 add=(add[0], add[1]) if add else None,
                 cycle=tuple(s.get("cycle") or ()),
+                members=tuple(s.get("members") or ()),
             )
         )
     return tuple(out)

@@ -82,7 +82,11 @@ def restore(
     if spec.links is None and not absent:
         # Managed links: the declared shape is the broker set within maxFanOut, which the
         # repair keeps; the rest is the miner's and the proposals' business, not a restore's.
-        return Restore(plan=None)
+        # But one overlay it is: a split (a partition healed) is joined.
+        if not joins:
+            return Restore(plan=None)
+        note = f"the live brokers were split in {len(parts)} trees: joined"
+        return Restore(plan=Plan(joins, tuple(sorted(edges)), (note,)))
     the_plan = plan(LiveOverlay(tuple(sorted(members)), tuple(sorted(edges))), spec)
     if joins:
         later = tuple(replace(st, batch=st.batch + len(joins)) for st in the_plan.steps)
@@ -104,6 +108,7 @@ def _joins(parts: list[set[str]], edges: set[Edge], spec: OverlaySpec) -> tuple[
     declared = {norm(e) for e in spec.links or ()}
     f = spec.max_fan_out
     out: list[Step] = []
+    everyone = tuple(sorted(set().union(*parts)))
     for part in ordered[1:]:
         crossing = sorted(
             e
@@ -119,7 +124,7 @@ def _joins(parts: list[set[str]], edges: set[Edge], spec: OverlaySpec) -> tuple[
         pairs = crossing or [(a, b) for a in sorted(part) for b in sorted(joined)]
         a, b = min(pairs, key=load)
         link = norm((a, b))
-        out.append(Step("join", len(out), add=link))
+        out.append(Step("join", len(out), add=link, members=everyone))
         degree[a], degree[b] = degree.get(a, 0) + 1, degree.get(b, 0) + 1
         joined |= part
     return tuple(out)
@@ -161,6 +166,15 @@ def mutual(neighbours: Mapping[str, Iterable[str]]) -> tuple[set[Edge], set[Edge
         e for e in said if e[1] in neighbours.get(e[0], ()) and e[0] in neighbours.get(e[1], ())
     }
     return both, said - both
+
+
+def split(neighbours: Mapping[str, Iterable[str]]) -> bool:
+    """Whether the brokers that answered (``neighbours``: what each reports) form several
+    trees, every link known at both ends: a split no repair will close (a partition that
+    healed, each side repaired without the other), which the restore joins. Not while a link
+    is known at one end only (being set up or closed)."""
+    links, one_sided = mutual(neighbours)
+    return not one_sided and len(components(set(neighbours), links)) > 1
 
 
 def describe(r: Restore, declared: Sequence[str]) -> str:
