@@ -323,14 +323,16 @@ async def replace_broker(
 
 
 def apart_since(statuses: dict[str, dict[str, Any]], alive: dict[str, str]) -> float | None:
-    """When the parts a join ends began to be apart, if a partition split them: the earliest
-    time a broker last heard a neighbour it then declared dead, which is alive with the same
-    process (None: no live broker was declared dead; a split left by brokers that died is
-    what their subscribers' failover reports)."""
+    """When the parts a join ends began to be apart: the earliest time a broker last heard a
+    neighbour it then declared dead and which is either alive with that same process (a
+    partition) or not among the live brokers (dead: brokers dying together can leave a split
+    no repair closes). A fence on a process that has been replaced since (another
+    incarnation alive) belongs to an earlier failure, over once that broker was restored.
+    None: nobody was declared dead, nothing to tell."""
     since = [
         float(at)
         for st in statuses.values()
         for peer, at in (st.get("fenced_since") or {}).items()
-        if (st.get("fenced") or {}).get(peer) == alive.get(peer) and alive.get(peer)
+        if alive.get(peer) in (None, (st.get("fenced") or {}).get(peer))
     ]
     return min(since) if since else None

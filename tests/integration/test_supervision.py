@@ -107,6 +107,7 @@ class Traffic:
         self.creds = Credentials.from_pki(where / "pki")
         self.subscribers = subscribers
         self.clients: list[Client] = []
+        self.by_name: dict[str, Client] = {}
         self.received: dict[str, list[Notification]] = {s: [] for s in subscribers}
         self.drains: list[asyncio.Task[None]] = []
         self.publisher: Publisher | None = None
@@ -116,6 +117,7 @@ class Traffic:
         for sub, broker in self.subscribers.items():
             c = await connect(brokers[broker]["listen"], f"canopy/{sub}", credentials=self.creds)
             self.clients.append(c)
+            self.by_name[sub] = c
             await c.subscribe("n >= 0", sub_id="all")
             self.drains.append(asyncio.create_task(drain(c, self.received[sub])))
         pub = await connect(brokers["east"]["listen"], "canopy/pub", credentials=self.creds)
@@ -207,7 +209,8 @@ async def test_a_split_left_by_a_correlated_failure_is_joined_and_restored(
     supervisor sees no repair under way, joins the two parts by a link, brings hub and north
     back and restores the declared links. s-south (with the publisher's part) gets everything;
     s-edge misses what was published while it was cut off (the split), but nothing twice, nothing
-    out of order, and everything again once the parts are joined."""
+    out of order, and everything again once the parts are joined; and it is told the stretch
+    (before, it missed it silently)."""
     state = tmp_path / "state"
     where = await up(tmp_path, state)
     traffic = Traffic(where, {"s-south": "south", "s-edge": "edge-1"})
@@ -235,6 +238,13 @@ async def test_a_split_left_by_a_correlated_failure_is_joined_and_restored(
         # What s-edge missed is one run, during the split: everything after the join arrived.
         assert missed_edge == list(range(missed_edge[0], missed_edge[-1] + 1)), missed_edge[:20]
         assert missed_edge[-1] < last - 500
+        # ... and s-edge is told: it did not fail over, so only the join can tell it.
+        when = dict(traffic.publisher.published)
+        told = [g for g in traffic.by_name["s-edge"].gaps if "split" in g.reason]
+        assert any(
+            g.since - 1.0 <= when[missed_edge[0]] and when[missed_edge[-1]] <= g.until + 1.0
+            for g in told
+        ), (told, when[missed_edge[0]], when[missed_edge[-1]])
         print(
             f"split by hub+north: joined and restored in {restored_s:.2f}s; s-edge missed "
             f"{len(missed_edge)} of {last} (the split), s-south none"

@@ -70,17 +70,19 @@ async def test_a_failed_step_cancels_its_siblings_and_a_rerun_resumes() -> None:
     assert ex.log == []  # a finished plan runs nothing again
 
 
-def test_a_join_tells_the_stretch_from_when_a_live_process_was_last_heard() -> None:
-    """Where a healed partition's stretch starts: the earliest time a broker last heard a
-    neighbour it then declared dead and which is alive with the same process. A fence on a
-    process since restarted (another incarnation) is a death, not a partition: its clients'
-    failover reports what they missed."""
+def test_a_join_tells_the_stretch_from_when_the_first_broker_fell_silent() -> None:
+    """Where a split's stretch starts: the earliest time a broker last heard a neighbour it then
+    declared dead, which is alive with the same process (a partition) or dead still (brokers
+    that died together). A fence on a process since replaced (another incarnation is alive) is
+    an earlier failure, over: it does not stretch the gap back to then."""
     alive = {"b1": "i1", "b2": "i2", "b3": "i3"}
     statuses = {
-        "b1": {"fenced": {"b3": "i3", "b9": "old"}, "fenced_since": {"b3": 110.0, "b9": 50.0}},
-        "b2": {"fenced": {"b3": "restarted"}, "fenced_since": {"b3": 90.0}},
+        "b1": {"fenced": {"b3": "i3"}, "fenced_since": {"b3": 110.0}},
+        "b2": {"fenced": {"b3": "replaced"}, "fenced_since": {"b3": 20.0}},
         "b3": {"fenced": {"b1": "i1"}, "fenced_since": {"b1": 105.5}},
     }
     assert apart_since(statuses, alive) == 105.5
     assert apart_since({"b2": statuses["b2"]}, alive) is None
+    dead = {"b1": {"fenced": {"b9": "i9"}, "fenced_since": {"b9": 90.0}}}
+    assert apart_since({**statuses, **dead}, alive) == 90.0
     assert apart_since({"b1": {}}, alive) is None
