@@ -1,0 +1,84 @@
+"""The local supervisor's tick: when it takes the overlay's lock and restores. Driven with a
+stand-in for the local backend (the brokers' answers given), and the restore itself recorded
+instead of run (tests/integration/test_supervision.py runs it on real processes)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from canopy_operator.backends.local import LocalBackend
+from canopy_operator.commands import supervise
+
+MANIFEST = {
+    "apiVersion": "canopy.dev/v1alpha1",
+    "kind": "BrokerOverlay",
+    "metadata": {"name": "t"},
+    "spec": {
+        "brokers": [{"name": n} for n in ("a", "b", "c", "d")],
+        "links": [["a", "b"], ["b", "c"], ["c", "d"]],
+    },
+}
+
+
+class Brokers:
+    """What a LocalBackend answers, for brokers that all run and answer."""
+
+    def __init__(self, neighbours: dict[str, list[str]]) -> None:
+        self.brokers = {n: {"pid": 1} for n in neighbours}
+        self.state: dict[str, Any] = {"spec": MANIFEST}
+        self.neighbours = neighbours
+        self.locks = 0
+
+    async def health(self) -> dict[str, dict[str, Any]]:
+        return {
+            n: {"state": "up", "status": {"neighbours": [{"peer": p} for p in ps]}}
+            for n, ps in self.neighbours.items()
+        }
+
+    reported_neighbours = staticmethod(LocalBackend.reported_neighbours)
+
+    @contextlib.asynccontextmanager
+    async def locked(self) -> AsyncIterator[None]:
+        self.locks += 1
+        yield
+
+    def reload(self) -> None:
+        return None
+
+
+@pytest.fixture
+def restores(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    calls: list[list[str]] = []
+
+    async def restore_once(backend: object, dead: list[str], log: object = None) -> None:
+        calls.append(dead)
+
+    monkeypatch.setattr(supervise, "restore_once", restore_once)
+    return calls
+
+
+async def test_a_whole_tree_is_left_alone(restores: list[list[str]]) -> None:
+    backend = Brokers({"a": ["b"], "b": ["a", "c"], "c": ["b", "d"], "d": ["c"]})
+    assert await supervise.tick(backend, print)  # type: ignore[arg-type]
+    assert restores == [] and backend.locks == 0
+
+
+async def test_live_brokers_in_two_trees_are_restored_although_none_died(
+    restores: list[list[str]],
+) -> None:
+    """A partition healed: each side repaired without the other, nobody is dead. Before, the
+    tick looked only for dead or missing brokers, and the overlay stayed split for good."""
+    backend = Brokers({"a": ["b"], "b": ["a"], "c": ["d"], "d": ["c"]})
+    assert await supervise.tick(backend, print)  # type: ignore[arg-type]
+    assert restores == [[]] and backend.locks == 1
+
+
+async def test_a_link_known_at_one_end_only_is_waited_out(restores: list[list[str]]) -> None:
+    """Being set up or closed (b-c at b only): not a split to act on yet."""
+    backend = Brokers({"a": ["b"], "b": ["a", "c"], "c": ["d"], "d": ["c"]})
+    assert await supervise.tick(backend, print)  # type: ignore[arg-type]
+    assert restores == []
