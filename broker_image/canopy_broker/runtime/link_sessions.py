@@ -1568,10 +1568,13 @@ class LinkSessions:
                 and link.conn is None
                 and since is not None
                 and now - since > self.host.core.repair_timeout
+                and self.host.core.exchange is None
+                and not self.host.core.pending_exchanges
             ):
                 # A repair link dialed to us that our core never opened (we saw no death:
                 # a partition, see _withdraw_unjoined), and its dialer is gone: forget it,
-                # or it would be reported as a neighbour for ever.
+                # or it would be reported as a neighbour for ever. Not while an exchange
+                # runs here: its new link waits for this core's own time to open it.
                 self.drop(link, bye=None)
                 continue
             if (
