@@ -227,7 +227,7 @@ async def test_the_clients_of_a_fenced_broker_fail_over_and_nothing_is_lost_unto
         await asyncio.gather(*(b.stop() for b in brokers.values()))
 
 
-@pytest.mark.parametrize("fault", ["paused", "parted"])
+@pytest.mark.parametrize("fault", ["paused", "parted", "parted-short-memory"])
 async def test_two_brokers_one_fenced_restarts_and_its_clients_join_the_other(
     tmp_path: Path, fault: str
 ) -> None:
@@ -245,7 +245,12 @@ async def test_two_brokers_one_fenced_restarts_and_its_clients_join_the_other(
     for good. What b2's publisher sent while the two were parted was acknowledged by b2 (its
     only next hop was declared dead) and never reached b1: b2 tells its clients when it left
     the overlay, and the publisher sends again what b2 acknowledged since (before, b1's
-    subscriber missed 790 of them, unreported). Nothing of p2's is lost at b1."""
+    subscriber missed 790 of them, unreported). Nothing of p2's is lost at b1.
+
+    ``parted-short-memory``: the same, with p2 keeping only 300 acknowledged publications
+    (``max_unacked``; a publisher flat out on a broker cut off outruns any bound). What it
+    no longer kept is lost at b1, and s1 must be told: p2 says so at b1 (C_PUB_GAP), which
+    tells every subscriber of the overlay. Before, only p2's log said so."""
     procs = await asyncio.gather(
         *(spawn_broker(n, log_dir=tmp_path, extra_args=HEARTBEAT) for n in ("b1", "b2"))
     )
@@ -255,6 +260,8 @@ async def test_two_brokers_one_fenced_restarts_and_its_clients_join_the_other(
         assert (await brokers["b1"].admin.add_link("b2", brokers["b2"].link_address, wait=10))["up"]
         clients, received, gaps, pubs = await attach_clients(brokers)
         p1, p2 = pubs["p1"], pubs["p2"]
+        if fault == "parted-short-memory":
+            p2.max_unacked = 300
         await wait_settled(brokers.values())
         stop = asyncio.Event()
         published: dict[str, list[int]] = {"p1": [], "p2": []}
@@ -272,7 +279,7 @@ async def test_two_brokers_one_fenced_restarts_and_its_clients_join_the_other(
         async with asyncio.timeout(15):
             while p2.failovers == 0:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
-        if fault == "parted":
+        if fault.startswith("parted"):
             assert await brokers["b1"].admin.heal_link("b2")
         await asyncio.sleep(1.5)
         stop.set()
@@ -282,7 +289,10 @@ async def test_two_brokers_one_fenced_restarts_and_its_clients_join_the_other(
         assert await brokers["b1"].admin.healthz()
         assert not await brokers["b2"].admin.healthz()
         assert [c.broker for c in clients] == ["b1", "b1", "b1", "b1"]
-        await assert_streams(received, published, gaps, failed_over="s2")
+        told = ("s1",) if fault == "parted-short-memory" else ()
+        await assert_streams(received, published, gaps, failed_over="s2", also_told=told)
+        if told:
+            assert any("publisher p2" in g.reason for g in gaps["s1"]), gaps["s1"]
     finally:
         for c in clients:
             with contextlib.suppress(Exception):

@@ -12,12 +12,12 @@ from typing import Any
 import orjson
 import pytest
 
-from canopy_broker.client import Client, ClientError, ConnectionLost, Notification, connect
+from canopy_broker.client import Client, ClientError, ConnectionLost, Gap, Notification, connect
 from canopy_broker.client.connection import BrokerConnection
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import ClientSubscribe, ClientUnsubscribe
-from canopy_broker.runtime.framing import B_NOTIFY, B_PUBACK
+from canopy_broker.runtime.framing import B_NOTIFY, B_PUBACK, C_PUB_GAP
 from canopy_broker.runtime.inbox import NOTIFY, take_notifications
 from canopy_broker.runtime.outbox import msgs_frame
 from tests.tools import LoopTurns
@@ -175,14 +175,64 @@ async def test_what_a_fenced_broker_acknowledged_after_it_left_is_sent_again(
     assert [seq for _, seq, _ in c._acked] == [3, 4, 5, 6]
     c._revoke_acks(left, "b")  # 1 and 2 were acknowledged before it left: nothing lost
     assert "no longer kept" not in caplog.text
+    assert c._pub_gap is None
     c._revoke_acks(left - 20, "b")  # it left before 1 and 2 were acknowledged
     assert "no longer kept" in caplog.text
+    # ... which the next broker is told, to tell every subscriber (C_PUB_GAP).
+    assert c._pub_gap is not None and c._pub_gap[0] == left - 20
+    assert c._pub_gap[1] == pytest.approx(left - 10, abs=0.01)  # when 2 was acknowledged
     assert [seq for seq, _ in c._unacked] == [3, 4, 5, 6, 7, 8]
     # Without failover nothing would be sent again: nothing is kept.
     alone = Client("q", failover_within=0)
     alone._unacked.extend((seq, b"{}") for seq in (1, 2, 3))
     alone._acknowledged(2)
     assert not alone._acked and [seq for seq, _ in alone._unacked] == [3]
+
+
+async def test_a_publisher_gap_is_told_to_every_subscriber_of_the_overlay(
+    make_broker: MakeBroker,
+) -> None:
+    """A publisher that failed over from a fenced broker and no longer kept all it had
+    acknowledged says so once at its new broker (C_PUB_GAP); the gap is flooded over the
+    tree and every subscriber hears it, on every broker. Again on the same attachment, or
+    out of range, is a protocol error that closes that connection only."""
+    a, b, c = await make_broker("a"), await make_broker("b"), await make_broker("c")
+    await link(a, b)
+    await link(b, c)
+    told: dict[str, list[Gap]] = {"sa": [], "sc": []}
+    async with (
+        await connect(addr(a), "sa", on_gap=told["sa"].append) as sa,
+        await connect(addr(c), "sc", on_gap=told["sc"].append) as sc,
+        await connect(addr(b), "p", failover_within=0) as p,
+    ):
+        await sa.subscribe("n >= 0")
+        await sc.subscribe("n >= 0")
+        conn = p._conn
+        assert conn is not None
+        conn.send(orjson.dumps([C_PUB_GAP, 12.0, 2.0]))
+        await eventually(lambda: bool(told["sa"] and told["sc"]))
+        for gap in (*told["sa"], *told["sc"]):
+            assert "publisher p" in gap.reason
+            assert gap.until - gap.since == pytest.approx(10.0, abs=0.1)
+        conn.send(orjson.dumps([C_PUB_GAP, 12.0, 2.0]))  # once per attachment
+        await _closed_by_broker(p, "once per attachment")
+        await asyncio.sleep(0.2)
+        assert len(told["sa"]) == len(told["sc"]) == 1
+        for bad in ([C_PUB_GAP, 2.0, 12.0], [C_PUB_GAP, 1e9, 0], [C_PUB_GAP, "x", 0]):
+            async with await connect(addr(b), "q", failover_within=0) as q:
+                assert q._conn is not None
+                q._conn.send(orjson.dumps(bad))
+                await _closed_by_broker(q, "publisher gap needs")
+        assert len(told["sa"]) == 1 and not b.failed
+
+
+async def _closed_by_broker(client: Client, why: str) -> None:
+    """Until ``client`` finds its connection closed by the broker for ``why``."""
+    with pytest.raises(ClientError, match=why):
+        async with asyncio.timeout(5):
+            while True:
+                await client.publish({"n": 1})
+                await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize(

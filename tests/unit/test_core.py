@@ -12,16 +12,19 @@ from canopy_broker.core.messages import (
     ClientAttach,
     ClientDetach,
     ClientPublish,
+    ClientPublisherGap,
     ClientSubscribe,
     ClientUnsubscribe,
     Deliver,
     FromLink,
     Publish,
+    PublisherGap,
     RemoveLink,
     RouteKey,
     RoutingMode,
     SendToLink,
     Subscribe,
+    TellGap,
     Unsubscribe,
 )
 
@@ -135,3 +138,31 @@ def test_detach_and_remove_link_withdraw_everything() -> None:
     # A new link immediately learns what the broker holds.
     core.handle(FromLink("n2", Subscribe(RouteKey(F("z = 1")))))
     assert sent(core.handle(AddLink("n3"))) == [("n3", "Subscribe", "z = 1")]
+
+
+def test_a_publisher_gap_reaches_every_broker_of_the_tree_once() -> None:
+    """Flooded over the tree: from the publisher's broker to every neighbour, from each on to
+    every neighbour but the one it came from; each broker tells its subscribers once. Nothing
+    goes back, so a tree carries it exactly once per link."""
+    cores = {n: BrokerCore(n, RoutingMode.COVERING) for n in ("a", "b", "c", "d")}
+    for x, y in (("a", "b"), ("b", "c"), ("b", "d")):
+        cores[x].handle(AddLink(y))
+        cores[y].handle(AddLink(x))
+    cores["a"].handle(ClientAttach("p"))
+    pending = [("a", cores["a"].handle(ClientPublisherGap("p", 100.0, 110.0)))]
+    told: list[str] = []
+    links: list[tuple[str, str]] = []
+    while pending:
+        at, effects = pending.pop()
+        for e in effects:
+            if isinstance(e, TellGap):
+                assert (e.publisher, e.since, e.until) == ("p", 100.0, 110.0)
+                told.append(at)
+            else:
+                assert isinstance(e, SendToLink) and isinstance(e.message, PublisherGap)
+                links.append((at, e.peer))
+                pending.append((e.peer, cores[e.peer].handle(FromLink(at, e.message))))
+    assert sorted(told) == ["a", "b", "c", "d"]
+    assert sorted(links) == [("a", "b"), ("b", "c"), ("b", "d")]
+    with pytest.raises(ProtocolError):  # only an attached client tells of its own gap
+        cores["b"].handle(ClientPublisherGap("stranger", 1.0, 2.0))

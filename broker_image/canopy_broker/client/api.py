@@ -103,6 +103,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
         self._unacked: deque[tuple[int, bytes]] = deque()  # (seq, attributes as JSON)
         self._acked: deque[tuple[float, int, bytes]] = deque()  # (when, seq, attributes)
         self._acked_forgotten = -math.inf  # when the newest publication no longer kept was acked
+        self._pub_gap: tuple[float, float] | None = None
         self._acks_waiter: asyncio.Future[None] | None = None
         self.subscriptions: dict[str, Filter] = {}
         self.migrations = 0  # completed moves

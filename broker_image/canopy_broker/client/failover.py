@@ -47,10 +47,12 @@ from canopy_broker.client.notification import ClientError, ConnectionLostError
 from canopy_broker.core.filters import Filter
 from canopy_broker.runtime.framing import (
     B_RESUMED,
+    C_PUB_GAP,
     C_REPUBLISH,
     C_RESUME,
     FrameError,
     encode_filter,
+    finite_number,
 )
 from canopy_broker.runtime.tasks import TaskSet
 
@@ -109,6 +111,9 @@ class FailingOver:
     _unacked: deque[tuple[int, bytes]]
     _acked: deque[tuple[float, int, bytes]]
     _acked_forgotten: float
+    # What a fenced broker acknowledged that is no longer kept to send again (loop times,
+    # since and until): told at the next broker, which tells every subscriber (C_PUB_GAP).
+    _pub_gap: tuple[float, float] | None
     _tasks: TaskSet
     _closing: bool
     _failover: asyncio.Task[None] | None
@@ -217,6 +222,11 @@ class FailingOver:
             sent = self._send_again(new, 0)  # behind the resume: after the subscriptions
             async with asyncio.timeout(within):
                 await answer
+            if self._pub_gap is not None:  # once, at the broker that took us
+                now = asyncio.get_running_loop().time()
+                since, until = self._pub_gap
+                new.send(orjson.dumps([C_PUB_GAP, round(now - since, 3), round(now - until, 3)]))
+                self._pub_gap = None
             # What was published while we waited; from the return on, publish sends itself
             # (nothing runs between the last line and the end of the failover).
             self._send_again(new, sent)
@@ -246,10 +256,12 @@ class FailingOver:
         if self._acked_forgotten >= since:
             log.error(
                 "%s: %s acknowledged publications after it left the overlay that are no longer "
-                "kept (keep_acked_for): they may not have reached the other brokers",
+                "kept (keep_acked_for): they may not have reached the other brokers; the "
+                "subscribers are told",
                 self.client_id,
                 broker,
             )
+            self._pub_gap = (since, self._acked_forgotten)
 
     def _send_again(self, conn: BrokerConnection, after: int) -> int:
         """Send what no broker acknowledged (or a fenced one's acknowledgement was taken back
@@ -274,10 +286,11 @@ class FailingOver:
         self, broker: str, previous: str, since: object, until: object, reason: object
     ) -> None:
         """Record a gap the broker gave in seconds ago, and tell the application."""
-        if not (isinstance(since, (int, float)) and isinstance(until, (int, float))):
+        since_s, until_s = finite_number(since), finite_number(until)
+        if since_s is None or until_s is None:
             raise FrameError(f"a gap needs seconds: {[since, until, reason]!r}")
         now = asyncio.get_running_loop().time()
-        gap = Gap(broker, previous, now - since, now - until, str(reason))
+        gap = Gap(broker, previous, now - since_s, now - until_s, str(reason))
         self.gaps.append(gap)
         log.warning("%s: %s", self.client_id, gap)
         if self.on_gap is not None:

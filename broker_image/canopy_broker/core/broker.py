@@ -37,6 +37,7 @@ from canopy_broker.core.messages import (
     ClientMigrating,
     ClientMove,
     ClientPublish,
+    ClientPublisherGap,
     ClientResume,
     ClientSubscribe,
     ClientUnsubscribe,
@@ -72,6 +73,7 @@ from canopy_broker.core.messages import (
     PeerMessage,
     Placed,
     Publish,
+    PublisherGap,
     RecMsg,
     Relay,
     RemoveLink,
@@ -89,6 +91,7 @@ from canopy_broker.core.messages import (
     StartTimer,
     Subscribe,
     Tag,
+    TellGap,
     TimerFired,
     Unsubscribe,
 )
@@ -294,6 +297,10 @@ class BrokerCore:
                 self._release_held(inp.client, out)
         elif isinstance(inp, ClientMigrating):
             self._migrating(inp, out)
+        elif isinstance(inp, ClientPublisherGap):
+            routing.check_client(inp.client)
+            gap = PublisherGap(inp.client, inp.since, inp.until)
+            self._spread_gap(gap, None, out)
         elif isinstance(inp, ClientMove):
             routing.check_client(inp.client)
             if not self.is_neighbour(inp.target):
@@ -597,6 +604,12 @@ class BrokerCore:
         else:
             out.append(StartTimer(f"repair:{peer}", self.repair_timeout))
 
+    def _spread_gap(self, gap: PublisherGap, source: str | None, out: list[Effect]) -> None:
+        """A publisher's gap goes to every broker once (flooded over the settled tree links,
+        never back where it came from), and each tells its own subscribers."""
+        out.extend(SendToLink(n, gap) for n in self._tree_links() if n != source)
+        out.append(TellGap(gap.publisher, gap.since, gap.until))
+
     def _tree_links(self) -> list[str]:
         """The settled tree links cycle probes travel (not a dead one, nor one an exchange is
         adding or removing)."""
@@ -695,6 +708,8 @@ class BrokerCore:
             self.neighbour_lists.heard(peer, msg)
         elif isinstance(msg, RepairSweep):
             self._repair_msg(peer, msg, out)
+        elif isinstance(msg, PublisherGap):
+            self._spread_gap(msg, peer, out)
         elif isinstance(msg, Marker):
             if self.routing.has_client(msg.client):  # else it has left: nothing to say
                 out.append(DeliverMarker(msg.client))

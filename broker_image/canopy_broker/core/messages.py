@@ -263,6 +263,19 @@ class Marker:
 
 
 @message
+class PublisherGap:
+    """Flooded over the tree from the broker ``publisher`` failed over to: what it published
+    between ``since`` and ``until`` (epoch seconds) may not have reached this part of the
+    overlay. A broker cut off from the overlay acknowledged it, and the publisher no longer
+    kept it to send again (docs/architecture.md, "Acknowledgements revoked"). Each broker
+    tells its subscribers, so that the loss is not silent."""
+
+    publisher: str
+    since: float
+    until: float
+
+
+@message
 class Moved:
     """Old broker → new broker: ``client`` published nothing more here."""
 
@@ -334,6 +347,7 @@ class RepairLink:
 
 LinkMessage = (
     Marker
+    | PublisherGap
     | Moved
     | Neighbours
     | RepairSweep
@@ -572,6 +586,16 @@ class ClientMove:
     target: str
 
 
+@message
+class ClientPublisherGap:
+    """From the client: what it published between ``since`` and ``until`` (epoch seconds) may
+    be lost (see :class:`PublisherGap`)."""
+
+    client: str
+    since: float
+    until: float
+
+
 Input = (
     AddLink
     | RemoveLink
@@ -593,6 +617,7 @@ Input = (
     | ClientResume
     | ClientMigrating
     | ClientMove
+    | ClientPublisherGap
 )
 
 
@@ -727,6 +752,16 @@ class LinkRepair:
     reason: str = ""
 
 
+@message
+class TellGap:
+    """Tell the local subscribers that ``publisher``'s notifications published between
+    ``since`` and ``until`` (epoch seconds) may be missing (a :class:`PublisherGap`)."""
+
+    publisher: str
+    since: float
+    until: float
+
+
 Effect = (
     SendToLink
     | Deliver
@@ -741,4 +776,5 @@ Effect = (
     | Resumed
     | DetourLink
     | LinkRepair
+    | TellGap
 )

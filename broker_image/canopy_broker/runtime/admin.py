@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from canopy_broker.runtime.framing import finite_number
 from canopy_broker.runtime.metrics import CONTENT_TYPE
 from canopy_broker.runtime.server import Broker
 
@@ -176,7 +176,8 @@ async def lift_fences(request: web.Request) -> web.Response:
 
 async def tell_gap(request: web.Request) -> web.Response:
     body = await _json_object(request)
-    since, until, reason = _epoch(body.get("since")), _epoch(body.get("until")), body.get("reason")
+    since, until = finite_number(body.get("since")), finite_number(body.get("until"))
+    reason = body.get("reason")
     if since is None or until is None or not isinstance(reason, str) or not reason:
         return _error(400, "need 'since' and 'until' (epoch seconds) and a 'reason'")
     try:
@@ -184,13 +185,6 @@ async def tell_gap(request: web.Request) -> web.Response:
     except ValueError as exc:
         return _error(400, str(exc))
     return web.json_response({"told": told})
-
-
-def _epoch(value: object) -> float | None:
-    """A finite number of seconds, or None (a bool is not one)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
 
 
 async def start_exchange(request: web.Request) -> web.Response:

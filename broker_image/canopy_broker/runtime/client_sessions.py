@@ -28,6 +28,7 @@ from canopy_broker.core.messages import (
     ClientMigrating,
     ClientMove,
     ClientPublish,
+    ClientPublisherGap,
     ClientResume,
     ClientSubscribe,
     ClientUnsubscribe,
@@ -47,6 +48,7 @@ from canopy_broker.runtime.framing import (
     C_LEAVE,
     C_MIGRATING,
     C_MOVE,
+    C_PUB_GAP,
     C_PUBLISH,
     C_REPUBLISH,
     C_RESUME,
@@ -60,6 +62,7 @@ from canopy_broker.runtime.framing import (
     control_frame,
     decode_filter,
     dumps,
+    finite_number,
     parse_address,
 )
 from canopy_broker.runtime.links import Client, Link
@@ -70,6 +73,9 @@ from canopy_broker.runtime.tasks import TaskSet
 
 log = logging.getLogger("canopy.broker")
 _PUBLISH = frozenset((C_PUBLISH, C_REPUBLISH))
+# The oldest a publisher gap may reach back: a client keeps acknowledged publications 30 s by
+# default (Client.keep_acked_for); an hour is room for any setting, not for a prank.
+MAX_GAP_AGO = 3600.0
 WITHDRAW_AT = 256
 """A leaving client with more subscriptions than this has them withdrawn over several loop
 turns (see :meth:`ClientSessions.detach`); fewer are withdrawn at once (~10 ms at most)."""
@@ -359,6 +365,8 @@ class ClientSessions:
                 target = _name(item[1], "target")
                 host.apply(core.handle(ClientMove(cid, target), now()))
                 client.moved = True
+            elif code == C_PUB_GAP and len(item) == 3:
+                self._publisher_gap(client, item[1], item[2])
             elif code == C_LEAVE and len(item) == 1:
                 self.detach(client)
                 client.conn.close()
@@ -374,6 +382,26 @@ class ClientSessions:
                 if host.publishers_paused:
                     client.conn.pause("pressure")
         return rest
+
+    def _publisher_gap(self, client: Client, since_ago: object, until_ago: object) -> None:
+        """The client failed over from a broker that was fenced, and what that broker
+        acknowledged after it left the overlay is partly no longer kept: every broker's
+        subscribers are told (PublisherGap). Once per attachment, and only from a client that
+        may publish, or any client could make every subscriber hear of gaps."""
+        since, until = finite_number(since_ago), finite_number(until_ago)
+        if since is None or until is None or not 0 <= until <= since <= MAX_GAP_AGO:
+            raise FrameError(
+                f"a publisher gap needs 0 <= until_ago <= since_ago <= {MAX_GAP_AGO:g}: "
+                f"{[since_ago, until_ago]!r}"
+            )
+        if client.gap_told:
+            raise FrameError("a publisher gap is told once per attachment", "protocol")
+        if client.principal.permissions.publish == ():
+            raise self._refuse(client, f"{client.principal.name} may not publish")
+        client.gap_told = True
+        now = time.time()
+        gap = ClientPublisherGap(client.id, now - since, now - until)
+        self.host.apply(self.host.core.handle(gap, self.host.now()))
 
     def _refuse(self, client: Client, why: str) -> FrameError:
         return self.host.refusal("client", client.conn, AccessError(why, "forbidden"))

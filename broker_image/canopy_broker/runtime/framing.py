@@ -100,6 +100,7 @@ C_LEAVE: Final = 15  # [15]           detach me now; the broker closes the conne
 C_REPUBLISH: Final = 16  # [16, seq, attrs]   sent again after a failover (answered by acks)
 C_RESUME: Final = 17  # [17, {"subs": [[sub_id, filter]], "last": {publisher: seq},
 #                            "lost_for": seconds, "previous": broker}]   (answered by 27)
+C_PUB_GAP: Final = 18  # [18, since_ago, until_ago]   what I published then may be lost
 # Broker -> client messages (inside F_MSGS).
 B_NOTIFY: Final = 20  # [20, publisher, seq, hops, attrs, [sub_ids]]
 B_SUBSCRIBED: Final = 21  # [21, sub_id]
@@ -113,6 +114,14 @@ B_CUT_OFF: Final = 28  # [28, seconds]   this broker left the overlay that long 
 B_GAP: Final = 29  # [29, since_ago, until_ago, reason]   what you may have missed, staying here
 
 log = logging.getLogger("canopy.framing")
+
+
+def finite_number(value: object) -> float | None:
+    """A finite number (a bool is not one) as a float, or None: what a peer sent for a time
+    or a duration, checked before any arithmetic."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 class FrameError(Exception):

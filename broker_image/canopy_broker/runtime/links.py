@@ -289,6 +289,7 @@ class Client:
         self.last_seq = 0
         self.publisher = False
         self.moved = False  # it said it moved to another broker: it may not publish here
+        self.gap_told = False  # it told of a publisher gap (once per attachment)
         self.over = False
         self.over_since: float | None = None
         self.delivered = 0

@@ -61,6 +61,7 @@ from canopy_broker.core.messages import (
     SendToPeer,
     StartExchange,
     StartTimer,
+    TellGap,
     TimerFired,
 )
 from canopy_broker.runtime.client_sessions import ClientSessions
@@ -1138,9 +1139,27 @@ class Broker:
                 self.sessions.detour(eff.peer)
             elif isinstance(eff, LinkRepair):
                 self.sessions.link_repair(eff)
+            elif isinstance(eff, TellGap):
+                self._publisher_gap(eff)
             else:
                 self._unsupported(eff)
         self._delivered += delivered  # counted into the metrics once per flush
+
+    def _publisher_gap(self, eff: TellGap) -> None:
+        """A publisher says part of what it published may be lost (PublisherGap): tell every
+        subscriber here. Logged: it is the only trace of that loss in the overlay."""
+        reason = (
+            f"publisher {eff.publisher}: a broker cut off from the overlay acknowledged what it "
+            "published then, and it no longer kept all of it to send again"
+        )
+        told = self.client_sessions.tell_gap(eff.since, eff.until, reason)
+        log.warning(
+            "%s: %s may have lost %.1fs of its publications; told %d subscriber(s)",
+            self.name,
+            eff.publisher,
+            eff.until - eff.since,
+            told,
+        )
 
     def _unsupported(self, eff: object) -> None:
         """An effect this runtime does not carry out yet (the core grows faster than the
