@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from canopy_broker.sim.topology import random_tree
 from canopy_operator.model.planner import LiveOverlay, steps_from_json
-from canopy_operator.model.restore import describe, restore, split
+from canopy_operator.model.restore import describe, mutual, restore, split, status_neighbours
 from canopy_operator.model.topology import adjacency, norm
 from tests.operator.test_planner import replay, spec
 
@@ -185,3 +185,18 @@ def test_managed_links_are_joined_after_a_partition_too() -> None:
     assert r.plan is not None and [s.kind for s in r.plan.steps] == ["join"]
     nodes, edges, _ = replay(LiveOverlay(tuple(NAMES), tuple(PARTED)), r.plan, 3)
     assert nodes == set(NAMES) and len(edges) == len(NAMES) - 1
+
+
+def test_a_link_the_far_core_never_opened_is_one_sided() -> None:
+    """After a partition b2's repair link to b4 is refused as not open by b4, which keeps a
+    connection for it that its core does not have (``established`` false): b2-b4 is known at
+    one end only, so the restore waits. Counted at both ends, it was taken for a live link,
+    and the restore planned exchanges over a tree that was two (review)."""
+    statuses = {
+        "b2": {"neighbours": [{"peer": "b1", "established": True}, {"peer": "b4"}]},
+        "b4": {"neighbours": [{"peer": "b3"}, {"peer": "b2", "established": False}]},
+        "b1": {"neighbours": [{"peer": "b2"}, {"peer": "b3", "closing": True}]},
+    }
+    assert status_neighbours(statuses) == {"b2": {"b1", "b4"}, "b4": {"b3"}, "b1": {"b2"}}
+    links, one_sided = mutual(status_neighbours(statuses))
+    assert links == {("b1", "b2")} and one_sided == {("b2", "b4"), ("b3", "b4")}

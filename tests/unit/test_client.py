@@ -17,7 +17,7 @@ from canopy_broker.client.connection import BrokerConnection
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import ClientSubscribe, ClientUnsubscribe
-from canopy_broker.runtime.framing import B_NOTIFY, B_PUBACK, C_PUB_GAP
+from canopy_broker.runtime.framing import B_NOTIFY, B_PUBACK, C_PUB_GAP, FrameError
 from canopy_broker.runtime.inbox import NOTIFY, take_notifications
 from canopy_broker.runtime.outbox import msgs_frame
 from tests.tools import LoopTurns
@@ -575,3 +575,19 @@ async def test_dedup_set_to_any_truthy_value_still_reads_after_a_move(
             assert not conn.is_closing(), dedup
         got = await sub.receive(10, timeout=1)
         assert [n.seq for n in got] == [11, 10, 20]
+
+
+async def test_a_gap_from_the_broker_is_checked_and_made_printable() -> None:
+    """What a broker says about a gap reaches the application and the log: seconds ago in
+    order (until not before since), within reason, and printable text of bounded length."""
+    c = Client("s")
+    conn = BrokerConnection(c, "here")
+    conn.broker = "b"
+    c._told_gap(conn, 12.5, 2.5, "split\x1b[31m\nred" + "x" * 1000)
+    (gap,) = c.gaps
+    assert gap.until - gap.since == pytest.approx(10.0)
+    assert gap.reason.startswith("split?[31m?red") and len(gap.reason) == 500
+    for since, until in ((2.0, 12.0), (True, 0), (1e26, 0), (float("nan"), 0), ("1", 0)):
+        with pytest.raises(FrameError):
+            c._told_gap(conn, since, until, "x")
+    assert len(c.gaps) == 1

@@ -318,6 +318,8 @@ async def test_a_gap_is_told_to_the_subscribers_staying_on_the_broker(
             {"since": now, "until": now + 3600, "reason": "x"},  # in the future
             {"since": "then", "until": now, "reason": "x"},
             {"since": True, "until": now, "reason": "x"},
+            {"since": 10**400, "until": now, "reason": "x"},  # too large for a float: was a 500
+            {"since": -1.7e308, "until": now, "reason": "x"},  # before the last day
             {"since": now - 1, "until": now, "reason": ""},
             {"since": now - 1, "until": now},
         ):

@@ -57,6 +57,9 @@ from canopy_broker.runtime.framing import (
 from canopy_broker.runtime.tasks import TaskSet
 
 CUT_OFF_MARGIN = 1.0
+# The furthest back a broker's gap may reach: only absurd values are refused (a client may
+# resume after days away, and its gap then reaches back as far).
+MAX_GAP_AGO = 1e9
 """Seconds before the time a fenced broker says it left the overlay from which its
 acknowledgements are revoked: that time is measured by another broker and reaches the client
 late by a hop or two. Sending a publication again that the overlay had costs nothing more
@@ -287,10 +290,12 @@ class FailingOver:
     ) -> None:
         """Record a gap the broker gave in seconds ago, and tell the application."""
         since_s, until_s = finite_number(since), finite_number(until)
-        if since_s is None or until_s is None:
-            raise FrameError(f"a gap needs seconds: {[since, until, reason]!r}")
+        if since_s is None or until_s is None or not -60 <= until_s <= since_s <= MAX_GAP_AGO:
+            raise FrameError(f"a gap needs seconds ago, since before until: {[since, until]!r}")
+        # Shown to people and logged: printable, and not a novel.
+        text = "".join(c if c.isprintable() else "?" for c in str(reason)[:500])
         now = asyncio.get_running_loop().time()
-        gap = Gap(broker, previous, now - since_s, now - until_s, str(reason))
+        gap = Gap(broker, previous, now - since_s, now - until_s, text)
         self.gaps.append(gap)
         log.warning("%s: %s", self.client_id, gap)
         if self.on_gap is not None:

@@ -119,9 +119,13 @@ log = logging.getLogger("canopy.framing")
 def finite_number(value: object) -> float | None:
     """A finite number (a bool is not one) as a float, or None: what a peer sent for a time
     or a duration, checked before any arithmetic."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)  # an integer too large for a float raises (review: a 500)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 class FrameError(Exception):

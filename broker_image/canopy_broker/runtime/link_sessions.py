@@ -1080,7 +1080,11 @@ class LinkSessions:
         if link.incarnation:
             self.fenced[peer] = link.incarnation
             self._fenced_heard[peer] = host.now() - silent
-            self.fenced_since[peer] = round(time.time() - silent, 3)
+            # From when it was last heard, not from ``silent``: that was measured when the
+            # check of the witnesses began, half a second before this verdict (review: every
+            # partition's gap started that late).
+            heard = host.now() - link.last_heard if link.last_heard else silent
+            self.fenced_since[peer] = round(time.time() - max(heard, silent), 3)
         self.drop(link, bye=None)
         self._drop_channels(peer, unless=None)
         host.metrics.peer_failures.inc()

@@ -179,6 +179,10 @@ class ExchangeRecord:
 _MARKER = dumps([B_MARKER])
 
 
+# The longest stretch a gap may name (POST /gaps): a partition's, at most a day back.
+MAX_GAP_S = 86_400.0
+
+
 class Broker:
     """One broker: core + links + clients + metrics + telemetry; no HTTP (see admin.py)."""
 
@@ -1371,8 +1375,12 @@ class Broker:
 
     def tell_gap(self, since: float, until: float, reason: str) -> int:
         """See :meth:`ClientSessions.tell_gap` (the restore joined a split overlay)."""
-        if not since <= until <= time.time() + 60:
-            raise ValueError("need since <= until, and until not in the future")
+        now = time.time()
+        if not now - MAX_GAP_S <= since <= until <= now + 60:
+            raise ValueError(
+                f"need since <= until, since within the last {MAX_GAP_S:g} s and until not in "
+                "the future"
+            )
         told = self.client_sessions.tell_gap(since, until, reason)
         log.warning(
             "%s: told %d subscriber(s) that %.1fs may be missing: %s",

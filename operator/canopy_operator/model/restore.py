@@ -131,10 +131,18 @@ def _joins(parts: list[set[str]], edges: set[Edge], spec: OverlaySpec) -> tuple[
 
 
 def status_neighbours(statuses: Mapping[str, Mapping[str, Any]]) -> dict[str, set[str]]:
-    """What each broker reports as its neighbours in its ``/status``, closing links left out
-    (a closing link is on its way out; counting it would show a cycle or a link that is gone)."""
+    """What each broker reports as its neighbours in its ``/status``: links its core has
+    (``established``), closing ones left out. A closing link is on its way out: counting it
+    would show a cycle or a link that is gone. A link its core does not have is a connection
+    waiting for the core to open it, such as a repair link dialed by a broker that saw a death
+    this one did not (a partition): counted at both ends, it made the restore plan from one
+    tree that was two, and run exchanges that never ended (review)."""
     return {
-        name: {str(x["peer"]) for x in status.get("neighbours") or () if not x.get("closing")}
+        name: {
+            str(x["peer"])
+            for x in status.get("neighbours") or ()
+            if not x.get("closing") and x.get("established", True)
+        }
         for name, status in statuses.items()
     }
 
