@@ -7,6 +7,7 @@ shares across many brokers (the operator does: one connection pool for the whole
 from __future__ import annotations
 
 import ssl
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -175,10 +176,14 @@ class AdminClient(AsyncClosing):
         result = await self._request("POST", "/fences/lift", json={"incarnations": incarnations})
         return [str(p) for p in result["lifted"]]
 
-    async def tell_gap(self, since: float, until: float, reason: str) -> int:
+    async def tell_gap(
+        self, since: float, until: float, reason: str, covers: Sequence[str] = ()
+    ) -> int:
         """Tell the broker's subscribers that notifications published between ``since`` and
-        ``until`` (epoch seconds) may be missing, for ``reason``; how many were told."""
-        body = {"since": since, "until": until, "reason": reason}
+        ``until`` (epoch seconds) may be missing, for ``reason``; how many were told.
+        ``covers``: brokers whose lifted fences (``lifted_since`` in ``/status``) this gap
+        tells of: the broker forgets them."""
+        body = {"since": since, "until": until, "reason": reason, "covers": list(covers)}
         result = await self._request("POST", "/gaps", json=body)
         return int(result["told"])
 

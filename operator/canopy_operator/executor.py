@@ -229,20 +229,23 @@ class Executor:
         # A healed partition: each side declared the other dead and fenced its processes,
         # which are alive. The restore planned this join from every broker answering, no
         # repair under way and no link known at one end only, so no stale process is among
-        # them (one paused and repaired around still reports its old links).
-        # Read before the fences go (they say since when), and kept: a retry of this step
-        # after a failed link finds them lifted and must still tell the subscribers.
+        # them (one paused and repaired around still reports its old links). The brokers keep
+        # a lifted fence's time until a gap told covers it, so a retry (by this executor or
+        # the next one) still knows since when the sides were apart.
         apart = self._apart.setdefault(step.add, apart_since(statuses, alive))
         lifted = await asyncio.gather(*(self.backend.admin(m).lift_fences(alive) for m in members))
         await self.backend.admin(a).set_peers({b: self.backend.link_address(b)})
         result = await self.backend.admin(a).add_link(b, self.backend.link_address(b))
         if not result.get("up"):
+            # Not left half-added: it would connect by itself when the network lets it,
+            # joining the sides without a step, so nobody would be told (review).
+            await self.backend.admin(a).remove_link(b)
             raise aiohttp.ClientError(f"link {a}-{b} did not come up")
         detail: dict[str, Any] = {"joined": [a, b]}
         if any(lifted):
             detail["fences_lifted"] = {m: ps for m, ps in zip(members, lifted, strict=True) if ps}
         if apart is not None:
-            # Nothing crossed between the parts while they were apart: say so to every
+            # Nothing crossed between the sides while they were apart: say so to every
             # subscriber, which would otherwise never know (it did not fail over).
             until = time.time()
             reason = (
@@ -251,7 +254,10 @@ class Executor:
                 "meanwhile were not delivered"
             )
             told = await asyncio.gather(
-                *(self.backend.admin(m).tell_gap(apart, until, reason) for m in members)
+                *(
+                    self.backend.admin(m).tell_gap(apart, until, reason, covers=members)
+                    for m in members
+                )
             )
             detail["apart_s"] = round(until - apart, 3)
             detail["subscribers_told"] = sum(told)
@@ -323,16 +329,23 @@ async def replace_broker(
 
 
 def apart_since(statuses: dict[str, dict[str, Any]], alive: dict[str, str]) -> float | None:
-    """When the parts a join ends began to be apart: the earliest time a broker last heard a
-    neighbour it then declared dead and which is either alive with that same process (a
-    partition) or not among the live brokers (dead: brokers dying together can leave a split
-    no repair closes). A fence on a process that has been replaced since (another
-    incarnation alive) belongs to an earlier failure, over once that broker was restored.
-    None: nobody was declared dead, nothing to tell."""
+    """When the sides a join ends began to be apart (``statuses``: theirs; ``alive``: their
+    incarnations): the earliest time a broker last heard a neighbour it then declared dead
+    and which is either alive with that same process (a partition) or not among them (dead,
+    or in a part not joined yet: brokers dying together can leave a split no repair closes);
+    or that of a fence between them already lifted by an earlier try, and not told yet. A
+    fence on a process that has been replaced since (another incarnation alive) belongs to an
+    earlier failure, over once that broker was restored. None: nothing to tell."""
     since = [
         float(at)
         for st in statuses.values()
         for peer, at in (st.get("fenced_since") or {}).items()
         if alive.get(peer) in (None, (st.get("fenced") or {}).get(peer))
+    ]
+    since += [
+        float(at)
+        for st in statuses.values()
+        for peer, at in (st.get("lifted_since") or {}).items()
+        if peer in alive
     ]
     return min(since) if since else None

@@ -86,3 +86,6 @@ def test_a_join_tells_the_stretch_from_when_the_first_broker_fell_silent() -> No
     dead = {"b1": {"fenced": {"b9": "i9"}, "fenced_since": {"b9": 90.0}}}
     assert apart_since({**statuses, **dead}, alive) == 90.0
     assert apart_since({"b1": {}}, alive) is None
+    # A fence lifted by an earlier try of the join, whose gap was not told yet, still counts.
+    lifted = {"b1": {"lifted_since": {"b3": 100.5, "b8": 10.0}}}  # b8: not one of the sides
+    assert apart_since({**statuses, **lifted}, alive) == 100.5

@@ -200,3 +200,15 @@ def test_a_link_the_far_core_never_opened_is_one_sided() -> None:
     assert status_neighbours(statuses) == {"b2": {"b1", "b4"}, "b4": {"b3"}, "b1": {"b2"}}
     links, one_sided = mutual(status_neighbours(statuses))
     assert links == {("b1", "b2")} and one_sided == {("b2", "b4"), ("b3", "b4")}
+
+
+def test_each_join_names_the_two_sides_it_joins() -> None:
+    """Three parts: the first join's members are the two it joins, the second's all three
+    (the third side was apart from both until then: their subscribers are told again)."""
+    parted = [("b0", "b1"), ("b3", "b4"), ("b5", "b6")]
+    alive = ["b0", "b1", "b3", "b4", "b5", "b6"]
+    r = restore(spec(alive, [*parted, ("b1", "b3"), ("b4", "b5")]), alive, parted, ())
+    assert r.plan is not None
+    first, second = r.plan.steps
+    assert first.kind == second.kind == "join"
+    assert first.members == ("b0", "b1", "b3", "b4") and second.members == tuple(alive)

@@ -280,6 +280,18 @@ async def test_fences_are_lifted_only_for_the_process_named(
     assert (await admin.status())["fenced_since"] == {"x": 100.0, "y": 200.0}
     assert await admin.lift_fences({"x": "inc-x", "y": "another", "z": "inc-z"}) == ["x"]
     assert b.sessions.fenced == {"y": "inc-y"} and b.sessions.fenced_since == {"y": 200.0}
+    # Since when stays known until a gap told covers it (a retried join must still tell).
+    assert (await admin.status())["lifted_since"] == {"x": 100.0}
+    now = time.time()
+    await admin.tell_gap(now - 5, now, "the overlay was split", covers=["y"])
+    assert b.sessions.lifted_since == {"x": 100.0}
+    await admin.tell_gap(now - 5, now, "the overlay was split", covers=["x", "y"])
+    assert b.sessions.lifted_since == {}
+    with pytest.raises(AdminError) as info:
+        await admin._request(
+            "POST", "/gaps", json={"since": 1, "until": 2, "reason": "x", "covers": "x"}
+        )
+    assert info.value.status == 400
     assert await admin.lift_fences({"x": "inc-x"}) == []  # idempotent
     for bad in ({}, {"incarnations": ["x"]}, {"incarnations": {"x": 1}}):
         with pytest.raises(AdminError) as info:

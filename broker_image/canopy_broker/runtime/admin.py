@@ -177,11 +177,13 @@ async def lift_fences(request: web.Request) -> web.Response:
 async def tell_gap(request: web.Request) -> web.Response:
     body = await _json_object(request)
     since, until = finite_number(body.get("since")), finite_number(body.get("until"))
-    reason = body.get("reason")
+    reason, covers = body.get("reason"), body.get("covers", [])
     if since is None or until is None or not isinstance(reason, str) or not reason:
         return _error(400, "need 'since' and 'until' (epoch seconds) and a 'reason'")
+    if not isinstance(covers, list) or not all(isinstance(c, str) for c in covers):
+        return _error(400, "'covers' must be a list of broker names")
     try:
-        told = request.app[BROKER].tell_gap(since, until, reason[:500])
+        told = request.app[BROKER].tell_gap(since, until, reason[:500], covers)
     except ValueError as exc:
         return _error(400, str(exc))
     return web.json_response({"told": told})

@@ -236,6 +236,9 @@ class LinkSessions:
         # When each fenced peer was last heard, wall clock (/status: where a partition's
         # stretch begins, for the subscribers the restore's join tells).
         self.fenced_since: dict[str, float] = {}
+        # The same, for fences lifted (a partition's join) until a gap told covers them: a
+        # join retried after a failure must still know since when the sides were apart.
+        self.lifted_since: dict[str, float] = {}
         self._learned: dict[str, str] = {}  # addresses told by neighbours (F_PEERS)
         self.repairs: list[dict[str, Any]] = []  # the last few, for the admin API
         self.standby: dict[str, Link] = {}  # standby links by peer, dialed or accepted
@@ -900,7 +903,9 @@ class LinkSessions:
             if incarnation and self.fenced.get(peer) == incarnation:
                 del self.fenced[peer]
                 self._fenced_heard.pop(peer, None)
-                self.fenced_since.pop(peer, None)
+                since = self.fenced_since.pop(peer, None)
+                if since is not None:
+                    self.lifted_since[peer] = since
                 lifted.append(peer)
         if lifted:
             log.warning(

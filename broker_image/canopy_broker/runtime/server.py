@@ -34,6 +34,7 @@ import math
 import ssl
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1373,8 +1374,9 @@ class Broker:
         """See :meth:`LinkSessions.lift_fences` (a partition healed; the restore asks)."""
         return self.sessions.lift_fences(incarnations)
 
-    def tell_gap(self, since: float, until: float, reason: str) -> int:
-        """See :meth:`ClientSessions.tell_gap` (the restore joined a split overlay)."""
+    def tell_gap(self, since: float, until: float, reason: str, covers: Sequence[str] = ()) -> int:
+        """See :meth:`ClientSessions.tell_gap` (the restore joined a split overlay);
+        ``covers``: the brokers whose lifted fences this gap tells of, forgotten now."""
         now = time.time()
         if not now - MAX_GAP_S <= since <= until <= now + 60:
             raise ValueError(
@@ -1382,6 +1384,8 @@ class Broker:
                 "the future"
             )
         told = self.client_sessions.tell_gap(since, until, reason)
+        for peer in covers:
+            self.sessions.lifted_since.pop(peer, None)
         log.warning(
             "%s: told %d subscriber(s) that %.1fs may be missing: %s",
             self.name,
@@ -1481,6 +1485,7 @@ class Broker:
             ],
             "fenced": dict(self.sessions.fenced),
             "fenced_since": dict(self.sessions.fenced_since),
+            "lifted_since": dict(self.sessions.lifted_since),
             "fenced_by": self.fenced_by,
             "cycles": self.sessions.cycles_status(),
             "link_repairs": list(self.sessions.link_repairs),

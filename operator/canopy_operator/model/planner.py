@@ -47,7 +47,7 @@ class Step:
     remove: Edge | None = None
     add: Edge | None = None
     cycle: tuple[str, ...] = ()
-    # A join's: every live broker of the parts it joins (their fences of each other are
+    # A join's: the live brokers of the two sides it joins (their fences of each other are
     # lifted, their subscribers told what they missed while apart).
     members: tuple[str, ...] = ()
 

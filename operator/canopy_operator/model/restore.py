@@ -108,7 +108,6 @@ def _joins(parts: list[set[str]], edges: set[Edge], spec: OverlaySpec) -> tuple[
     declared = {norm(e) for e in spec.links or ()}
     f = spec.max_fan_out
     out: list[Step] = []
-    everyone = tuple(sorted(set().union(*parts)))
     for part in ordered[1:]:
         crossing = sorted(
             e
@@ -124,7 +123,8 @@ def _joins(parts: list[set[str]], edges: set[Edge], spec: OverlaySpec) -> tuple[
         pairs = crossing or [(a, b) for a in sorted(part) for b in sorted(joined)]
         a, b = min(pairs, key=load)
         link = norm((a, b))
-        out.append(Step("join", len(out), add=link, members=everyone))
+        # Its members: the two sides it joins (what is joined so far, and this part).
+        out.append(Step("join", len(out), add=link, members=tuple(sorted(joined | part))))
         degree[a], degree[b] = degree.get(a, 0) + 1, degree.get(b, 0) + 1
         joined |= part
     return tuple(out)
