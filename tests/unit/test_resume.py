@@ -161,8 +161,12 @@ def test_a_resume_after_the_repair_replayed_is_a_gap() -> None:
     core.handle(PeerFailed("x"), 1.0)
     core.handle(TimerFired("repair:x"), 2.0)  # the repair finished (by timeout: no sweeps)
     core.now = 3.0
-    [why] = gaps_of(core, "c", previous="x", since=0.5)
-    assert "replayed its notifications before the client was back" in why
+    attach(core, "c", "n >= 0", core.now)
+    (gap,) = resumed(core.handle(ClientResume("c", previous="x", since=0.5), core.now)).gaps
+    assert "replayed its notifications before the client was back" in gap.reason
+    # Up to the resume, not the repair's end: since then, what came here for the dead
+    # broker's clients alone went nowhere, and was not kept.
+    assert (gap.since, gap.until) == (0.5, 3.0)
 
 
 def test_a_resume_while_the_repair_is_under_way_here_is_a_gap() -> None:
