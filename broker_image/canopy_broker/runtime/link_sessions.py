@@ -1084,12 +1084,13 @@ class LinkSessions:
         link.established = False  # the core has dropped it already
         if link.incarnation:
             self.fenced[peer] = link.incarnation
-            self._fenced_heard[peer] = host.now() - silent
             # From when it was last heard, not from ``silent``: that was measured when the
             # check of the witnesses began, half a second before this verdict (review: every
-            # partition's gap started that late).
-            heard = host.now() - link.last_heard if link.last_heard else silent
-            self.fenced_since[peer] = round(time.time() - max(heard, silent), 3)
+            # partition's gap started that late, and a fenced broker's clients resumed from
+            # 1.4 s too late).
+            heard = max(silent, host.now() - link.last_heard if link.last_heard else 0.0)
+            self._fenced_heard[peer] = host.now() - heard
+            self.fenced_since[peer] = round(time.time() - heard, 3)
         self.drop(link, bye=None)
         self._drop_channels(peer, unless=None)
         host.metrics.peer_failures.inc()
