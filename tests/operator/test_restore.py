@@ -97,12 +97,17 @@ def test_the_declared_shape_needs_nothing() -> None:
     assert describe(r, NAMES) == "as declared (7 brokers)"
 
 
-def test_a_broker_that_restarted_unlinked_is_linked_again_as_a_leaf() -> None:
-    """A Kubernetes pod re-created under the same name answers but has no link: it counts as
-    absent and the plan's leaf add links it (creating a broker that exists is a no-op)."""
+def test_a_live_broker_without_a_link_is_joined_as_a_part_of_its_own() -> None:
+    """A Kubernetes pod re-created under the same name, or a survivor left alone by the
+    failures around it, answers but has no link: a tree of one, joined (a join tells its
+    subscribers what they missed, if anything: a leaf add told nobody), then exchanges."""
     r = restore(spec(NAMES, EDGES), NAMES, REPAIRED, ())
-    assert r.absent == ("b3",) and r.plan is not None
-    assert r.plan.steps[0].kind == "add-leaf" and r.plan.steps[0].broker == "b3"
+    assert r.absent == ("b3",) and r.plan is not None  # brought back, by a join
+    join = r.plan.steps[0]
+    assert join.kind == "join" and "b3" in join.add  # type: ignore[operator]
+    assert set(join.members) == set(NAMES)
+    _, edges, _ = replay(LiveOverlay(tuple(NAMES), tuple(REPAIRED)), r.plan, 4)
+    assert edges == {norm(e) for e in EDGES}
 
 
 def test_a_lone_survivor_is_a_tree_of_one() -> None:
@@ -139,10 +144,11 @@ def test_any_crash_and_repair_is_restored_to_the_declared_tree(
     del repaired[: min(cuts, len(repaired) - 1)]
     declared = spec(names, declared_links, f=n)
     r = restore(declared, alive, repaired, ())
-    # A survivor a cut left without any link counts as absent too: a leaf add links it.
-    linked = {b for e in repaired for b in e} or set(sorted(alive)[:1])
-    assert not r.wait and r.plan is not None and set(r.absent) == set(names) - linked
-    nodes, edges, _ = replay(LiveOverlay(tuple(sorted(linked)), tuple(repaired)), r.plan, n)
+    # A survivor a cut left without any link is a part of its own: joined, not re-added.
+    linked = {b for e in repaired for b in e}
+    members = (linked | set(alive)) if linked else set(sorted(alive)[:1])
+    assert not r.wait and r.plan is not None and set(r.absent) == set(names) - (linked or members)
+    nodes, edges, _ = replay(LiveOverlay(tuple(sorted(members)), tuple(repaired)), r.plan, n)
     assert nodes == set(names) and edges == set(declared_links)
     assert all(len(adjacency(edges)[b]) > 0 for b in names)
 

@@ -194,8 +194,9 @@ async def test_a_publisher_gap_is_told_to_every_subscriber_of_the_overlay(
 ) -> None:
     """A publisher that failed over from a fenced broker and no longer kept all it had
     acknowledged says so once at its new broker (C_PUB_GAP); the gap is flooded over the
-    tree and every subscriber hears it, on every broker. Again on the same attachment, or
-    out of range, is a protocol error that closes that connection only."""
+    tree and every subscriber hears it, on every broker. Again on the same attachment, out
+    of range, or from a client that did not fail over, is a protocol error that closes that
+    connection only."""
     a, b, c = await make_broker("a"), await make_broker("b"), await make_broker("c")
     await link(a, b)
     await link(b, c)
@@ -209,20 +210,30 @@ async def test_a_publisher_gap_is_told_to_every_subscriber_of_the_overlay(
         await sc.subscribe("n >= 0")
         conn = p._conn
         assert conn is not None
+        b.client_sessions.clients["p"].resumed = True  # as after its failover's resume
         conn.send(orjson.dumps([C_PUB_GAP, 12.0, 2.0]))
         await eventually(lambda: bool(told["sa"] and told["sc"]))
         for gap in (*told["sa"], *told["sc"]):
             assert "publisher p" in gap.reason
             assert gap.until - gap.since == pytest.approx(10.0, abs=0.1)
         conn.send(orjson.dumps([C_PUB_GAP, 12.0, 2.0]))  # once per attachment
-        await _closed_by_broker(p, "once per attachment")
+        await _closed_by_broker(p, "told once, after a failover")
         await asyncio.sleep(0.2)
         assert len(told["sa"]) == len(told["sc"]) == 1
-        for bad in ([C_PUB_GAP, 2.0, 12.0], [C_PUB_GAP, 1e9, 0], [C_PUB_GAP, "x", 0]):
+        for bad in (
+            [C_PUB_GAP, 2.0, 12.0],
+            [C_PUB_GAP, 1e9, 0],
+            [C_PUB_GAP, "x", 0],
+            [C_PUB_GAP, 0, 0],
+        ):
             async with await connect(addr(b), "q", failover_within=0) as q:
                 assert q._conn is not None
                 q._conn.send(orjson.dumps(bad))
                 await _closed_by_broker(q, "publisher gap needs")
+        async with await connect(addr(b), "r", failover_within=0) as r:  # never failed over
+            assert r._conn is not None
+            r._conn.send(orjson.dumps([C_PUB_GAP, 12.0, 2.0]))
+            await _closed_by_broker(r, "after a failover")
         assert len(told["sa"]) == 1 and not b.failed
 
 

@@ -53,6 +53,7 @@ from canopy_broker.runtime.framing import (
     FrameError,
     encode_filter,
     finite_number,
+    printable,
 )
 from canopy_broker.runtime.tasks import TaskSet
 
@@ -292,10 +293,8 @@ class FailingOver:
         since_s, until_s = finite_number(since), finite_number(until)
         if since_s is None or until_s is None or not -60 <= until_s <= since_s <= MAX_GAP_AGO:
             raise FrameError(f"a gap needs seconds ago, since before until: {[since, until]!r}")
-        # Shown to people and logged: printable, and not a novel.
-        text = "".join(c if c.isprintable() else "?" for c in str(reason)[:500])
         now = asyncio.get_running_loop().time()
-        gap = Gap(broker, previous, now - since_s, now - until_s, text)
+        gap = Gap(broker, previous, now - since_s, now - until_s, printable(str(reason)))
         self.gaps.append(gap)
         log.warning("%s: %s", self.client_id, gap)
         if self.on_gap is not None:

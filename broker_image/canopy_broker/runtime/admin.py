@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from canopy_broker.runtime.framing import finite_number
+from canopy_broker.runtime.framing import finite_number, printable
 from canopy_broker.runtime.metrics import CONTENT_TYPE
 from canopy_broker.runtime.server import Broker
 
@@ -183,7 +183,7 @@ async def tell_gap(request: web.Request) -> web.Response:
     if not isinstance(covers, list) or not all(isinstance(c, str) for c in covers):
         return _error(400, "'covers' must be a list of broker names")
     try:
-        told = request.app[BROKER].tell_gap(since, until, reason[:500], covers)
+        told = request.app[BROKER].tell_gap(since, until, printable(reason), covers)
     except ValueError as exc:
         return _error(400, str(exc))
     return web.json_response({"told": told})

@@ -386,16 +386,19 @@ class ClientSessions:
     def _publisher_gap(self, client: Client, since_ago: object, until_ago: object) -> None:
         """The client failed over from a broker that was fenced, and what that broker
         acknowledged after it left the overlay is partly no longer kept: every broker's
-        subscribers are told (PublisherGap). Once per attachment, and only from a client that
-        may publish, or any client could make every subscriber hear of gaps."""
+        subscribers are told (PublisherGap). Once per attachment, after its resume, and only
+        from a client that may publish, or any client could make every subscriber hear of
+        gaps."""
         since, until = finite_number(since_ago), finite_number(until_ago)
-        if since is None or until is None or not 0 <= until <= since <= MAX_GAP_AGO:
+        if since is None or until is None or not 0 <= until < since <= MAX_GAP_AGO:
             raise FrameError(
-                f"a publisher gap needs 0 <= until_ago <= since_ago <= {MAX_GAP_AGO:g}: "
+                f"a publisher gap needs 0 <= until_ago < since_ago <= {MAX_GAP_AGO:g}: "
                 f"{[since_ago, until_ago]!r}"
             )
-        if client.gap_told:
-            raise FrameError("a publisher gap is told once per attachment", "protocol")
+        if client.gap_told or not client.resumed:
+            # Only after a failover (its resume), once: a client that may publish could
+            # otherwise make every subscriber of the overlay hear gaps at will (review).
+            raise FrameError("a publisher gap is told once, after a failover (resume)", "protocol")
         if client.principal.permissions.publish == ():
             raise self._refuse(client, f"{client.principal.name} may not publish")
         client.gap_told = True
@@ -453,6 +456,7 @@ class ClientSessions:
             raise FrameError(f"a resume request must be an object, got {req!r}")
         subs, last, lost_for = req.get("subs", []), req.get("last", {}), req.get("lost_for", 0)
         previous = _name(req.get("previous"), "previous")
+        client.resumed = True  # it failed over: it may tell of a publisher gap (once)
         if type(subs) is not list or type(last) is not dict:
             raise FrameError("resume: subs must be an array and last an object")
         if type(lost_for) not in (int, float) or not 0 <= lost_for < 1e9:

@@ -128,6 +128,12 @@ def finite_number(value: object) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def printable(text: str, limit: int = 500) -> str:
+    """``text`` cut to ``limit`` characters, anything unprintable (escapes, newlines)
+    replaced: a peer's words that go into a log or before people must not forge lines."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
 class FrameError(Exception):
     """The peer sent something this side cannot accept; ``code`` goes into the error frame."""
 

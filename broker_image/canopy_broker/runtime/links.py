@@ -290,6 +290,7 @@ class Client:
         self.publisher = False
         self.moved = False  # it said it moved to another broker: it may not publish here
         self.gap_told = False  # it told of a publisher gap (once per attachment)
+        self.resumed = False  # it attached after a failover (C_RESUME)
         self.over = False
         self.over_since: float | None = None
         self.delivered = 0

@@ -11,14 +11,15 @@ and carry it out with the shared executor. The answer is one of three:
   partner too, so the chain could not close. Waiting would wait for ever; the plan first *joins*
   the parts, one link from each smaller part to what is joined so far (a declared link where one
   crosses, else between the least loaded brokers), which keeps the overlay a forest and then a
-  tree. Across parts nothing was delivered while they were apart (their subscribers were told
-  of the gap by their brokers); inside each part nothing changes.
+  tree. Across parts nothing was delivered while they were apart (each join tells the
+  subscribers of the two sides the stretch); inside each part nothing changes. A live broker
+  without a link is a part of its own (all alone after the failures around it, or restarted).
 * **plan** — the survivors form one tree: the plan that takes that tree to the declared shape,
   made by the ordinary planner. A dead broker is simply absent from the live overlay, so it
   comes back as a *new* member through the loss-free elementary steps: a leaf add (a new
   process, a fresh incarnation the neighbours' fences do not refuse), then link exchanges that
   undo the repair's detour. A broker that restarted on its own (a Kubernetes pod re-created
-  under the same name) and has no link yet counts as absent too: its leaf add links it.
+  under the same name) and has no link yet is brought back too (``absent``), by a join.
 * **nothing** — the live tree is already the declared one (with managed links: every declared
   broker is in it; which links they have is the proposals' business).
 
@@ -64,8 +65,12 @@ def restore(
         gone = b if a in up else a
         return Restore(wait=f"link {a}-{b} still names {gone}, which is down: repair in progress")
     linked = {b for e in edges for b in e}
-    # A lone survivor is a tree of one; otherwise unlinked brokers are (re)joined as leaves.
-    members = linked or set(sorted(up)[:1])
+    # A live broker without a link is a tree of one, joined like any part: one left alone by
+    # a failure around it (its neighbours and their repair partners died) has subscribers
+    # that missed everything meanwhile, and only a join tells them (review: added back as a
+    # leaf, it told nobody). A freshly restarted process joins the same way; there is
+    # nothing to tell for it. With no link anywhere, the first live broker is the tree.
+    members = (linked | up) if linked else set(sorted(up)[:1])
     busy = sorted(set(repairing) & up)
     parts = components(members, edges)
     if len(parts) > 1 and busy:
@@ -78,7 +83,8 @@ def restore(
         return Restore(wait="the live links close a cycle: an exchange is under way")
     joins = _joins(parts, edges, spec)
     edges |= {j.add for j in joins if j.add is not None}
-    absent = tuple(b for b in spec.broker_names if b not in members)
+    # Brought back into the overlay: the dead, and the live ones without a link (joined).
+    absent = tuple(b for b in spec.broker_names if b not in (linked or members))
     if spec.links is None and not absent:
         # Managed links: the declared shape is the broker set within maxFanOut, which the
         # repair keeps; the rest is the miner's and the proposals' business, not a restore's.
