@@ -330,17 +330,15 @@ async def replace_broker(
 
 def apart_since(statuses: dict[str, dict[str, Any]], alive: dict[str, str]) -> float | None:
     """When the sides a join ends began to be apart (``statuses``: theirs; ``alive``: their
-    incarnations): the earliest time a broker last heard a neighbour it then declared dead
-    and which is either alive with that same process (a partition) or not among them (dead,
-    or in a part not joined yet: brokers dying together can leave a split no repair closes);
-    or that of a fence between them already lifted by an earlier try, and not told yet. A
-    fence on a process that has been replaced since (another incarnation alive) belongs to an
-    earlier failure, over once that broker was restored. None: nothing to tell."""
+    incarnations): the earliest time one of them last heard a neighbour it then declared
+    dead and has not told a gap for since (``fenced_since``): a live process of the other
+    side (a partition), a broker still dead or restarted (brokers dying together can leave a
+    split no repair closes), or one in a part not joined yet; or a fence between them lifted
+    by an earlier try of the join (``lifted_since``). A broker forgets such a time once a gap
+    covering that neighbour was told, or once it linked with that neighbour's new process
+    (the failure is over for it). None: nothing to tell."""
     since = [
-        float(at)
-        for st in statuses.values()
-        for peer, at in (st.get("fenced_since") or {}).items()
-        if alive.get(peer) in (None, (st.get("fenced") or {}).get(peer))
+        float(at) for st in statuses.values() for at in (st.get("fenced_since") or {}).values()
     ]
     since += [
         float(at)

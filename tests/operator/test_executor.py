@@ -71,21 +71,20 @@ async def test_a_failed_step_cancels_its_siblings_and_a_rerun_resumes() -> None:
 
 
 def test_a_join_tells_the_stretch_from_when_the_first_broker_fell_silent() -> None:
-    """Where a split's stretch starts: the earliest time a broker last heard a neighbour it then
-    declared dead, which is alive with the same process (a partition) or dead still (brokers
-    that died together). A fence on a process since replaced (another incarnation is alive) is
-    an earlier failure, over: it does not stretch the gap back to then."""
+    """Where a split's stretch starts: the earliest time one of the sides last heard a
+    neighbour it then declared dead and has not told a gap for since, whoever it was (a live
+    process of the other side, a broker dead or restarted since, one in a part not joined);
+    and a fence lifted by an earlier try of the join, for a broker of the sides."""
     alive = {"b1": "i1", "b2": "i2", "b3": "i3"}
     statuses = {
         "b1": {"fenced": {"b3": "i3"}, "fenced_since": {"b3": 110.0}},
-        "b2": {"fenced": {"b3": "replaced"}, "fenced_since": {"b3": 20.0}},
+        "b2": {"fenced": {"b3": "restarted"}, "fenced_since": {"b3": 107.0}},
         "b3": {"fenced": {"b1": "i1"}, "fenced_since": {"b1": 105.5}},
     }
     assert apart_since(statuses, alive) == 105.5
-    assert apart_since({"b2": statuses["b2"]}, alive) is None
+    assert apart_since({"b2": statuses["b2"]}, alive) == 107.0
     dead = {"b1": {"fenced": {"b9": "i9"}, "fenced_since": {"b9": 90.0}}}
     assert apart_since({**statuses, **dead}, alive) == 90.0
     assert apart_since({"b1": {}}, alive) is None
-    # A fence lifted by an earlier try of the join, whose gap was not told yet, still counts.
     lifted = {"b1": {"lifted_since": {"b3": 100.5, "b8": 10.0}}}  # b8: not one of the sides
     assert apart_since({**statuses, **lifted}, alive) == 100.5

@@ -749,6 +749,10 @@ class LinkSessions:
         if isinstance(incarnation, str):
             link.incarnation = incarnation
             self._drop_channels(link.peer, unless=incarnation, keep=link)
+            if link.kind == "link" and self.fenced.get(link.peer) not in (None, incarnation):
+                # Linked with its new process: the failure of the old one is over here, and a
+                # later join must not tell a gap reaching back to it (the fence stays).
+                self.fenced_since.pop(link.peer, None)
         link.rewind(peer_last_rx)
         old = link.conn
         if old is not None and old is not conn:

@@ -1386,6 +1386,7 @@ class Broker:
         told = self.client_sessions.tell_gap(since, until, reason)
         for peer in covers:
             self.sessions.lifted_since.pop(peer, None)
+            self.sessions.fenced_since.pop(peer, None)  # told: that failure is over here
         log.warning(
             "%s: told %d subscriber(s) that %.1fs may be missing: %s",
             self.name,
