@@ -428,15 +428,28 @@ class Reconciler:
         try:
             access = await self.ensure_objects(spec)
         except CertificatesPendingError as exc:  # cert-manager: not issued yet, or unusable
-            self.condition(ConditionType.READY, False, "CertificatesPending", str(exc))
-            await self.status(observedGeneration=generation)
-            self.event("CertificatesPending", str(exc), warning=True)
-            raise kopf.TemporaryError(str(exc), delay=self.config.retry_delay) from exc
+            raise await self._certificates_pending(exc, observed=generation) from exc
         backend = self.backend(spec, access)
         try:
             await self._converge(spec, backend, generation, decision)
+        except CertificatesPendingError as exc:  # a broker's own, wanted while converging
+            # Raised as is, kopf took it for a failure and retried a minute later (CI: the
+            # overlay was not Ready within 60 s, cm-c-tls issued a moment late). The plan's
+            # progress is saved: the retry resumes it.
+            raise await self._certificates_pending(exc) from exc
         finally:
             await closed(backend)
+
+    async def _certificates_pending(
+        self, exc: CertificatesPendingError, observed: int | None = None
+    ) -> kopf.TemporaryError:
+        """Say so (condition, Event) and retry soon: cert-manager has not issued a
+        certificate yet, or issued an unusable one. ``observed``: the generation to record
+        as observed (before any plan ran for it)."""
+        self.condition(ConditionType.READY, False, "CertificatesPending", str(exc))
+        await self.status(**({} if observed is None else {"observedGeneration": observed}))
+        self.event("CertificatesPending", str(exc), warning=True)
+        return kopf.TemporaryError(str(exc), delay=self.config.retry_delay)
 
     async def _converge(
         self,
