@@ -75,7 +75,7 @@ log = logging.getLogger("canopy.broker")
 _PUBLISH = frozenset((C_PUBLISH, C_REPUBLISH))
 # The oldest a publisher gap may reach back: a client keeps acknowledged publications 30 s by
 # default (Client.keep_acked_for); an hour is room for any setting, not for a prank.
-MAX_GAP_AGO = 3600.0
+MAX_PUBLISHER_GAP_AGO = 3600.0
 WITHDRAW_AT = 256
 """A leaving client with more subscriptions than this has them withdrawn over several loop
 turns (see :meth:`ClientSessions.detach`); fewer are withdrawn at once (~10 ms at most)."""
@@ -390,9 +390,9 @@ class ClientSessions:
         from a client that may publish, or any client could make every subscriber hear of
         gaps."""
         since, until = finite_number(since_ago), finite_number(until_ago)
-        if since is None or until is None or not 0 <= until < since <= MAX_GAP_AGO:
+        if since is None or until is None or not 0 <= until < since <= MAX_PUBLISHER_GAP_AGO:
             raise FrameError(
-                f"a publisher gap needs 0 <= until_ago < since_ago <= {MAX_GAP_AGO:g}: "
+                f"a publisher gap needs 0 <= until_ago < since_ago <= {MAX_PUBLISHER_GAP_AGO:g}: "
                 f"{[since_ago, until_ago]!r}"
             )
         if client.gap_told or not client.resumed:

@@ -316,13 +316,9 @@ class LinkSessions:
         Refused (ValueError) once this broker was fenced out."""
         if peer == self.name:
             raise ValueError("a broker cannot link to itself")
-        if self.host.fenced_by is not None:
-            # It left the overlay (leave): a link would bring its stale state back to a
-            # broker that never fenced it (review: add_link did, and the link stayed up).
-            raise ValueError(
-                f"{self.name} was declared dead by {self.host.fenced_by} and is out of the "
-                "overlay: restart it to rejoin as a new member"
-            )
+        # It left the overlay (leave): a link would bring its stale state back to a broker
+        # that never fenced it (review: add_link did, and the link stayed up).
+        self._check_in_overlay()
         parse_address(address)
         self.host.peers[peer] = address
         link = self.links.get(peer)
@@ -897,11 +893,7 @@ class LinkSessions:
         answering, with no repair under way and no link known at one end only: a process
         that was paused and repaired around still reports its old links, so it is never
         taken for a member."""
-        if self.host.fenced_by is not None:
-            raise ValueError(
-                f"{self.name} was declared dead by {self.host.fenced_by} and is out of the "
-                "overlay: restart it to rejoin as a new member"
-            )
+        self._check_in_overlay()
         lifted = []
         for peer, incarnation in incarnations.items():
             if incarnation and self.fenced.get(peer) == incarnation:
@@ -918,6 +910,15 @@ class LinkSessions:
                 sorted(lifted),
             )
         return lifted
+
+    def _check_in_overlay(self) -> None:
+        """Refuse (ValueError) what only a member of the overlay may do, once this broker
+        was fenced out (Broker.fenced_out): it must be restarted to rejoin."""
+        if self.host.fenced_by is not None:
+            raise ValueError(
+                f"{self.name} was declared dead by {self.host.fenced_by} and is out of the "
+                "overlay: restart it to rejoin as a new member"
+            )
 
     def leave(self) -> None:
         """This broker was fenced out (Broker.fenced_out): drop every link and channel
