@@ -117,6 +117,21 @@ def test_a_lone_survivor_is_a_tree_of_one() -> None:
     assert nodes == {"a", "b", "c"} and edges == {("a", "b"), ("b", "c")}
 
 
+def test_with_no_link_anywhere_every_live_broker_is_joined() -> None:
+    """Every broker unlinked (some restarted, some left alone by the failures around them):
+    not the first one kept and the others added as leaves, which tell nobody, but each joined,
+    so that a lone survivor's subscribers hear what they missed."""
+    names = ["b1", "b2", "b3", "b4"]
+    declared = spec(names, [("b1", "b3"), ("b2", "b3"), ("b3", "b4")])
+    r = restore(declared, names, [], ())
+    assert r.plan is not None and r.absent == ("b2", "b3", "b4")
+    joins = [st for st in r.plan.steps if st.kind == "join"]
+    assert len(joins) == 3 and not [st for st in r.plan.steps if st.kind == "add-leaf"]
+    assert set(joins[-1].members) == set(names)
+    nodes, edges, _ = replay(LiveOverlay(tuple(names), ()), r.plan, 4)
+    assert nodes == set(names) and edges == {norm(e) for e in declared.links or ()}
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(4, 14),

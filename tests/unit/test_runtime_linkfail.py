@@ -163,3 +163,30 @@ async def test_without_a_known_cycle_a_cut_link_waits_unfenced(make_broker: Make
     assert set(h.links) == {"a", "c", "d"} and not h.links["a"].detoured
     await pub.close()
     await sub.close()
+
+
+async def test_a_link_waited_for_is_a_death_once_its_peer_fenced_this_end(
+    make_broker: MakeBroker,
+) -> None:
+    """Both ends of the cut take it for a link failure (c hears both) and wait. Then ``a``
+    fences ``h``'s process, as its detector does when it comes out the other way (in a
+    partition, the witnesses it reached can be cut off too). ``h``, the end that does not
+    dial, asks ``a`` itself each time it asks the witnesses, hears ``fenced``, and takes ``a``
+    for dead too. Before, it waited for the link for ever: a link known at one end only, which
+    no restore gets past (review: a partition during an exchange). ``a``, dialing again once
+    the cut heals, is refused as fenced in turn and, with no other live link, fails."""
+    brokers = await star(make_broker, cycle_period=0)
+    a, c, d, h = (brokers[n] for n in "acdh")
+    await eventually(lambda: standby_up(a, "c") and standby_up(c, "d"))
+    assert h.cut_link("a")
+    await eventually(lambda: bool(a.sessions.link_repairs and h.sessions.link_repairs))
+    assert not h.sessions.fenced and "a" in h.links
+    a.sessions.fenced["h"] = h.incarnation
+    await eventually(lambda: "a" in h.sessions.fenced and "a" not in h.links)
+    assert h.sessions.fenced["a"] == a.incarnation and "a" in h.sessions.fenced_since
+    assert h.fenced_by is None and set(h.links) == {"c", "d"}
+    assert h.sessions.repairs and h.sessions.repairs[-1]["dead"] == "a"
+    assert a.fenced_by is None  # its dials meet the cut, not the fence
+    assert h.heal_link("a")
+    await eventually(lambda: a.fenced_by == "h")
+    assert c.fenced_by is None and d.fenced_by is None

@@ -255,6 +255,9 @@ class LinkSessions:
         self._last_beat: float | None = None
         self._woke_at = -math.inf
         self._asking_fence: set[str] = set()
+        # Why a verdict on a peer was deferred, last said: checked again every heartbeat while
+        # an exchange's lease runs, and said once, not five times a second for 30 s.
+        self._deferred: dict[str, str] = {}
         self._next_fence_check = -math.inf
         self.link_repairs: list[dict[str, Any]] = []  # the last few, for the admin API
         # Cycle detection: what the core was told, the newest round started here.
@@ -351,6 +354,7 @@ class LinkSessions:
         if link.kind == "link" and self.links.get(link.peer) is None:
             self._link_failed.discard(link.peer)
             self._checks.pop(link.peer, None)
+            self._deferred.pop(link.peer, None)
         if link.detoured:
             self._detour_ended(link)
         conn = link.remove()
@@ -978,25 +982,9 @@ class LinkSessions:
         log.warning("%s: %s refused the %s: %s", self.name, link.peer, link.kind, frame[1:])
         if code in ("link-removed", "fenced"):
             if code == "fenced":
-                log.error(
-                    "%s: %s declared this broker dead and repaired the overlay without it; "
-                    "the link is dropped (restart this broker to rejoin as a new member)",
-                    self.name,
-                    link.peer,
-                )
-                if link.kind == "link" and link.incarnation:
-                    # Symmetric: that process will not take us back, nor we it (a link that
-                    # failed both ways is then fenced at both ends whichever detector fired
-                    # first; the other end's refusal can come before our own timeout).
-                    self.fenced.setdefault(link.peer, link.incarnation)
-                if not self._connected_elsewhere(link):
-                    # Cut off from the whole overlay: this is the stale side. Before the drop,
-                    # so that nothing is acknowledged for it.
-                    detail = error_detail(frame)
-                    host.fenced_out(link.peer, seconds(detail.get("silent_for")))
-                # Else the refusing broker is the stale one (paused, it declared its own
-                # neighbours dead): this broker lives on in the overlay, its clients with it.
-            self.drop(link, bye=None)
+                self._fenced_by_peer(link, error_detail(frame))
+            if not link.removed:
+                self.drop(link, bye=None)
         elif code == "unknown-session" and link.closing:
             # A closing link whose session the peer no longer has: it restarted, or it ended
             # the session before our goodbye came. Nothing is left to flush to it, and a fresh
@@ -1071,6 +1059,36 @@ class LinkSessions:
 
     # ------------------------------------------------------------------ failures
 
+    def _fenced_by_peer(self, link: Link, detail: dict[str, Any]) -> None:
+        """``link.peer`` declared this process dead (it refused a dial, or answered a probe,
+        with ``fenced``) and repaired the overlay without it: that process will never take
+        this one back over the link. Cut off from the rest of the overlay as well, this
+        broker is the stale side and fails (before the link goes, so that nothing more is
+        acknowledged for it). Else it lives on in the overlay, its clients with it, and the
+        peer is a death here too, whatever this end's own detector made of its silence: a
+        partition can show it alive through a witness (a link failure, waited for), and
+        the link was then known at this end only for good, which no restore would ever get
+        past (review, a partition during an exchange). Declared dead, its fence time is
+        kept (the join tells the gap from it) and this side repairs around it, as the other
+        side did around this broker."""
+        log.error(
+            "%s: %s declared this broker dead and repaired the overlay without it; "
+            "the link is dropped (restart this broker to rejoin as a new member)",
+            self.name,
+            link.peer,
+        )
+        if link.kind != "link":
+            return
+        if link.incarnation:
+            # Symmetric: that process will not take us back, nor we it (a link that failed
+            # both ways is then fenced at both ends whichever detector fired first; the
+            # other end's refusal can come before our own timeout).
+            self.fenced.setdefault(link.peer, link.incarnation)
+        if not self._connected_elsewhere(link):
+            self.host.fenced_out(link.peer, seconds(detail.get("silent_for")))
+        elif link.established and not link.closing:
+            self._declare_dead(link, self.host.now() - (link.down_since or self.host.now()))
+
     def _declare_dead(
         self, link: Link, silent: float, answers: dict[str, bool | None] | None = None
     ) -> None:
@@ -1084,8 +1102,9 @@ class LinkSessions:
         try:
             effects = host.core.handle(PeerFailed(peer), host.now())
         except ProtocolError as exc:  # on the cycle of an exchange past its grant: lease first
-            log.info("%s: %s looks dead, repair deferred: %s", self.name, peer, exc)
+            self._defer(peer, "looks dead", exc)
             return
+        self._deferred.pop(peer, None)
         link.established = False  # the core has dropped it already
         if link.incarnation:
             self.fenced[peer] = link.incarnation
@@ -1107,6 +1126,12 @@ class LinkSessions:
             f", heard by none of {sorted(answers)}" if answers else "",
         )
         host.apply(effects)
+
+    def _defer(self, peer: str, what: str, exc: ProtocolError) -> None:
+        why = f"{what}: {exc}"
+        if self._deferred.get(peer) != why:
+            self._deferred[peer] = why
+            log.info("%s: %s %s, repair deferred until the exchange ends", self.name, peer, why)
 
     # ------------------------------------------------------------------ link failures
 
@@ -1241,13 +1266,15 @@ class LinkSessions:
             return
         now = host.now()
         link.down_since = now  # the next question after another detection timeout
+        self._ask_link_fence(link)
         if peer in self._link_failed:
             return
         try:
             effects = host.core.handle(LinkFailed(peer), now)
         except ProtocolError as exc:
-            log.info("%s: link to %s failed, repair deferred: %s", self.name, peer, exc)
+            self._defer(peer, "failed (its link)", exc)
             return
+        self._deferred.pop(peer, None)
         self._link_failed.add(peer)
         host.metrics.link_failures.inc()
         log.warning(
@@ -1633,6 +1660,29 @@ class LinkSessions:
             self.host.tasks.spawn(
                 self._fence_answer(peer, address, stale=stale), f"fence check {peer}"
             )
+
+    def _ask_link_fence(self, link: Link) -> None:
+        """Ask the peer of a link waited for (a witness hears it) whether it declared this
+        process dead: once it has, it never dials or takes the link again, and only its
+        answer says so (see _fenced_by_peer). Asked after each detection timeout of the
+        wait, like the witnesses."""
+        peer = link.peer
+        address = self.host.peers.get(peer) or link.address
+        if not address or peer in self._asking_fence:
+            return
+        self._asking_fence.add(peer)
+
+        async def ask() -> None:
+            try:
+                detail = await self.host.fenced_at(peer, address)
+            finally:
+                self._asking_fence.discard(peer)
+            if detail is None or self.host.stopping or self.host.fenced_by is not None:
+                return
+            if self.links.get(peer) is link and link.conn is None:  # still waited for
+                self._fenced_by_peer(link, detail)
+
+        self.host.tasks.spawn(ask(), f"fence check {peer}")
 
     async def _fence_answer(self, peer: str, address: str, *, stale: bool) -> None:
         try:
