@@ -339,6 +339,15 @@ async def test_a_gap_is_told_to_the_subscribers_staying_on_the_broker(
                 await admin._request("POST", "/gaps", json=bad)
             assert info.value.status == 400, bad
         assert len(told) == 1
+        # Told once: a later gap from the same start (a retried join, a third part's join)
+        # is told from where the first ended; one wholly told already, to nobody.
+        assert await admin.tell_gap(now - 14.0, now - 1.0, "again") == 1
+        await eventually(lambda: len(told) == 2)
+        assert told[1].until - told[1].since == pytest.approx(1.0, abs=0.05)
+        assert told[0].until == pytest.approx(told[1].since, abs=0.05)
+        assert await admin.tell_gap(now - 8.0, now - 3.0, "inside") == 0
+        await asyncio.sleep(0.2)
+        assert len(told) == 2 and len(sub.gaps) == 2
 
 
 _POSTS = [path for method, path, _ in ROUTES if method == "POST"]

@@ -206,6 +206,7 @@ class Broker:
         # internal error); /healthz reports it so a supervisor restarts the process.
         self.failed: str | None = None
         self.fenced_by: str | None = None  # a broker that declared this one dead (fenced_out)
+        self.gaps_told_until = 0.0  # wall clock: how far tell_gap has told (stretches once)
         self.incarnation = uuid.uuid4().hex[:8]
         self.resume_slack = max(2.0, detection)
         self.max_subscriptions = config.max_subscriptions
@@ -1376,14 +1377,23 @@ class Broker:
 
     def tell_gap(self, since: float, until: float, reason: str, covers: Sequence[str] = ()) -> int:
         """See :meth:`ClientSessions.tell_gap` (the restore joined a split overlay);
-        ``covers``: the brokers whose lifted fences this gap tells of, forgotten now."""
+        ``covers``: the brokers whose lifted fences this gap tells of, forgotten now.
+
+        A stretch already told here is not told again: the gap starts where the last one told
+        ended, if later, and one wholly told already is told to nobody. A join retried after
+        a failure, or a later join of a third part, tells the sides of an earlier join from
+        the same start (the earliest time still unforgotten at one of its members), and the
+        subscribers heard the same stretch twice (review). Whatever an event published in it,
+        the first gap said already that it may be missing."""
         now = time.time()
         if not now - MAX_GAP_S <= since <= until <= now + 60:
             raise ValueError(
                 f"need since <= until, since within the last {MAX_GAP_S:g} s and until not in "
                 "the future"
             )
-        told = self.client_sessions.tell_gap(since, until, reason)
+        since = max(since, self.gaps_told_until)
+        told = self.client_sessions.tell_gap(since, until, reason) if since < until else 0
+        self.gaps_told_until = max(self.gaps_told_until, until)
         for peer in covers:
             self.sessions.lifted_since.pop(peer, None)
             self.sessions.fenced_since.pop(peer, None)  # told: that failure is over here
@@ -1391,7 +1401,7 @@ class Broker:
             "%s: told %d subscriber(s) that %.1fs may be missing: %s",
             self.name,
             told,
-            until - since,
+            max(0.0, until - since),
             reason,
         )
         return told
