@@ -130,6 +130,10 @@ def test_with_no_link_anywhere_every_live_broker_is_joined() -> None:
     assert set(joins[-1].members) == set(names)
     nodes, edges, _ = replay(LiveOverlay(tuple(names), ()), r.plan, 4)
     assert nodes == set(names) and edges == {norm(e) for e in declared.links or ()}
+    # The joins follow the declared links (b2 is joined after b3, its declared neighbour):
+    # nothing is left to exchange.
+    assert [st.add for st in joins] == [("b1", "b3"), ("b2", "b3"), ("b3", "b4")]
+    assert not r.plan.exchanges
 
 
 @settings(max_examples=60, deadline=None)

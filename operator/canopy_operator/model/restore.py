@@ -113,18 +113,26 @@ def _joins(parts: list[set[str]], edges: set[Edge], spec: OverlaySpec) -> tuple[
     join changes the loads the next one is chosen by."""
     if len(parts) < 2:
         return ()
-    ordered = sorted(parts, key=lambda p: (-len(p), min(p)))
-    joined = set(ordered[0])
+    remaining = sorted(parts, key=lambda p: (-len(p), min(p)))
+    joined = set(remaining.pop(0))
     degree = {b: len(ns) for b, ns in adjacency(edges).items()}
     declared = {norm(e) for e in spec.links or ()}
     f = spec.max_fan_out
     out: list[Step] = []
-    for part in ordered[1:]:
-        crossing = sorted(
+
+    def crossings(part: set[str]) -> list[Edge]:
+        return sorted(
             e
             for e in declared
             if (e[0] in part and e[1] in joined) or (e[1] in part and e[0] in joined)
         )
+
+    while remaining:
+        # The next part: the first (largest, then by name) a declared link joins to what is
+        # joined so far, else the first. Every broker unlinked (all restarted, or all left
+        # alone) so follows the declared tree, leaving no exchange to do after the joins.
+        part = remaining.pop(next((i for i, p in enumerate(remaining) if crossings(p)), 0))
+        crossing = crossings(part)
 
         def load(pair: tuple[str, str]) -> tuple[bool, int, str, str]:
             a, b = pair
