@@ -18,8 +18,10 @@ from canopy_broker.core.messages import (
     Neighbours,
     OpenLink,
     PeerFailed,
+    RemoveLink,
     Repaired,
     RepairFinished,
+    RepairSweep,
     RouteKey,
     RoutingMode,
     SendToLink,
@@ -181,6 +183,24 @@ def test_peer_failed_opens_the_link_before_advertising_over_it() -> None:
     done = core.handle(TimerFired("repair:x"))  # no sweep came: finish without it
     assert core.neighbours == ["a", "c"]
     assert RepairFinished("x", 0, 0, timed_out=True) in done
+
+
+def test_a_chain_link_withdrawn_ends_the_repair_as_if_that_end_died() -> None:
+    """b repairs around x by linking to a and c, its neighbours in the chain a-b-c. The
+    runtime withdraws the link to c (its far end still hears x: a partition) with RemoveLink:
+    b is that end of the chain now, sends the sweep c would have sent back to a, and finishes
+    once a's comes, without waiting for its timer."""
+    core = BrokerCore("b", announce_neighbours=True)
+    core.handle(AddLink("x"))
+    core.handle(FromLink("x", Neighbours(("a", "b", "c"))))
+    core.handle(PeerFailed("x"))
+    out = core.handle(RemoveLink("c"))
+    assert SendToLink("a", RepairSweep("x", forward=False)) in out
+    assert not any(isinstance(e, RepairFinished) for e in out)  # a's sweep is still to come
+    done = core.handle(FromLink("a", RepairSweep("x", forward=True)))
+    assert RepairFinished("x", 0, 0, timed_out=False) in done
+    assert core.neighbours == ["a"]
+    assert not core.handle(TimerFired("repair:x"))  # the timer finds it finished
 
 
 def test_illegal_repair_inputs_change_nothing() -> None:

@@ -22,7 +22,15 @@ from canopy_broker.runtime.framing import decode_peer_message, encode_generic
 from canopy_broker.runtime.links import Link
 from canopy_broker.runtime.linkstate import LinkEvent, LinkStateError
 from canopy_broker.runtime.server import Broker
-from tests.unit.test_runtime_broker import MakeBroker, addr, collect, eventually, make_broker
+from tests.unit.test_runtime_broker import (
+    MakeBroker,
+    addr,
+    collect,
+    eventually,
+    link,
+    make_broker,
+    settled,
+)
 from tests.unit.test_runtime_standby import standby_up, star
 
 pytestmark = pytest.mark.looptime  # timeouts and heartbeats on the loop's clock, faked
@@ -190,3 +198,37 @@ async def test_a_link_waited_for_is_a_death_once_its_peer_fenced_this_end(
     assert h.heal_link("a")
     await eventually(lambda: a.fenced_by == "h")
     assert c.fenced_by is None and d.fenced_by is None
+
+
+async def test_a_repair_link_whose_far_end_hears_the_dead_broker_is_withdrawn_at_once(
+    make_broker: MakeBroker,
+) -> None:
+    """A partition in small: the star plus ``e`` on ``a``, and the cut h-a is a death at both
+    ends (no standby links, no cycles), {a, e} | {h, c, d}. ``a`` repairs around ``h`` by
+    linking to ``c`` (next in the chain a-c-d), which still hears ``h`` (alive on its side)
+    and refuses the link's data (``not-open``), saying so; ``h`` repairs around ``a`` by
+    linking to ``e``, likewise. Each withdraws its link at once and its repair ends, long
+    before its timer (made 1,000 s here): the restore can join the sides as soon as the
+    network lets it. Before, the links stayed until the timers ran out."""
+    config: dict[str, Any] = {"cycle_bound": 0, "standby": False}
+    brokers = await star(make_broker, **config)
+    a, c, d, h = (brokers[n] for n in "acdh")
+    e = await make_broker("e", heartbeat_interval=0.1, **config)
+    await link(e, a)
+    await settled(a, e)
+    await eventually(lambda: set(h.core.neighbour_lists.lists.get("a", ())) == {"h", "e"})
+    for x in (a, h):
+        x.core.repair_timeout = 1000.0
+    assert h.cut_link("a")
+    await eventually(lambda: "h" in a.sessions.fenced and "a" in h.sessions.fenced)
+    for x, dead, far in ((a, "h", "c"), (h, "a", "e")):
+        rec = x.sessions.repairs[-1]
+        assert rec["dead"] == dead and rec["linked"] == [far]
+        await eventually(lambda rec=rec: "complete_at" in rec, within=30.0)
+        assert rec["withdrawn"] == [far] and far not in x.links
+    assert set(a.links) == {"e"} and set(h.links) == {"c", "d"}
+    # The far ends dropped their shells on the goodbye; nobody else was declared dead, and
+    # each side goes on as a tree.
+    await eventually(lambda: "a" not in c.links and "h" not in e.links)
+    assert not any(x.sessions.fenced for x in (c, d, e))
+    assert all(x.fenced_by is None for x in (a, c, d, e, h))

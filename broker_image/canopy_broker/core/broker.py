@@ -315,6 +315,7 @@ class BrokerCore:
         elif isinstance(inp, RemoveLink):
             self._remove_link(inp.peer, out)
             self.neighbour_lists.forget(inp.peer)
+            self._chain_end_gone(inp.peer, out)
         elif isinstance(inp, PeerFailed):
             self._peer_failed(inp.peer, out)
         elif isinstance(inp, LinkFailed):
@@ -557,6 +558,18 @@ class BrokerCore:
         for client in [c for c, (source, _) in self._held.items() if source == peer]:
             self._release_held(client, out)
 
+    def _chain_end_gone(self, peer: str, out: list[Effect]) -> None:
+        """``peer``, this broker's neighbour in the chain of a repair under way, will send no
+        sweep: its link was removed (the runtime withdraws a repair link whose far end will
+        never open it, a partition: LinkSessions._alive_there). As when it dies, this broker is
+        that end of the chain now, and the repair completes on the others instead of waiting
+        for its timer."""
+        run = self._holding.pop(peer, None)
+        if run is not None:
+            out.extend(run.end_died(peer))
+            if run.complete:
+                self._finish_repair(run, out)
+
     def _peer_failed(self, peer: str, out: list[Effect]) -> None:
         """Paper 001's repair: drop the dead link (its routes are withdrawn), then link to this
         broker's neighbours in the chain through the dead broker's former neighbours; each new
@@ -577,11 +590,7 @@ class BrokerCore:
         # collects it for the replay.
         self.routing.freeze(peer)
         self._ghosts.add(peer)
-        earlier = self._holding.pop(peer, None)
-        if earlier is not None:  # it was in the chain of a repair still under way
-            out.extend(earlier.end_died(peer))
-            if earlier.complete:
-                self._finish_repair(earlier, out)
+        self._chain_end_gone(peer, out)  # it was in the chain of a repair still under way
         chain, targets = self.neighbour_lists.chain_for(peer)
         opened: list[str] = []
         for t in targets:

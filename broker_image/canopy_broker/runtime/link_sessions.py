@@ -133,6 +133,12 @@ started by reshapings within it; the next period's round is newer than all of th
 
 MAX_LINK_REPAIR_RECORDS = 10
 
+HEARD_AFTER_MARGIN = 1.0
+"""Seconds by which a repair link's far end must have heard the dead broker after this end
+last did, to count as hearing it alive (LinkSessions._alive_there): a far end whose detector
+is merely slower heard it last at about the same time, a frame in flight or a heartbeat's
+phase apart."""
+
 ENDED_SESSIONS_KEPT = 256
 """Ended link sessions remembered to answer late resumes (an exchange loop ends one per swap;
 a resume comes within a reconnect backoff, so a few hundred cover any realistic pace)."""
@@ -186,7 +192,7 @@ class LinkHost(ConnOwner, Protocol):
 
     def fenced_out(self, by: str, silent_for: float | None) -> None: ...
 
-    async def probe(self, address: str) -> float | None: ...
+    async def probe_hello(self, address: str, peer: str) -> dict[str, Any] | None: ...
 
     async def fenced_at(self, peer: str, address: str) -> dict[str, Any] | None: ...
 
@@ -638,6 +644,7 @@ class LinkSessions:
             log.warning("%s: %s reported an error: %s", self.name, link.peer, frame[1:])
             if frame[1:2] == ["not-open"]:
                 link.refused_open = True
+                self._alive_there(link, error_detail(frame).get("heard"))
             conn.close()
         else:
             raise FrameError(f"unexpected link frame {frame[:2]!r}", "unknown-type")
@@ -672,7 +679,11 @@ class LinkSessions:
             # An added link the peer's core opened before ours did. The protocol sends nothing
             # over it before this core has it; if something comes anyway, refuse without
             # acknowledging, so the peer resends it after reconnecting.
-            raise FrameError(f"data on the link to {link.peer} before it was opened", "not-open")
+            raise FrameError(
+                f"data on the link to {link.peer} before it was opened",
+                "not-open",
+                {"heard": self.heard_ago()},
+            )
         host = self.host
         peer = link.peer
         handle = host.core.handle
@@ -1193,15 +1204,16 @@ class LinkSessions:
 
         async def probe() -> None:
             try:
-                rtt = await self.host.probe(address)
+                answer = await self.host.probe_hello(address, link.peer)
             finally:
                 self._probing.discard(link.peer)
             if self.links.get(link.peer) is not link or link.conn is not None:
                 return  # connected (or gone) meanwhile
-            if rtt is None:
+            if answer is None:
                 self._declare_dead(link, self.host.now() - (link.down_since or now))
-            else:  # alive: give its dial another detection timeout
+            else:  # alive: give its dial another detection timeout, unless it never will
                 link.down_since = self.host.now()
+                self._alive_there(link, answer.get("heard"))
 
         self.host.tasks.spawn(probe(), f"probe {link.peer}")
 
@@ -1229,6 +1241,56 @@ class LinkSessions:
         """``link`` has a connection and a frame came over it within the detection timeout."""
         timeout = self.host.config.detection_timeout
         return link.conn is not None and self.host.now() - link.last_heard <= timeout
+
+    def heard_ago(self) -> dict[str, float]:
+        """How long ago each overlay neighbour heard lately was last heard (seconds): sent
+        with a ``not-open`` refusal and in a probe's answer, so that a broker repairing around
+        one of them learns it is alive here (see _alive_there)."""
+        now = self.host.now()
+        return {
+            p: round(now - lk.last_heard, 3)
+            for p, lk in self.links.items()
+            if lk.established and self._heard_lately(lk)
+        }
+
+    def _alive_there(self, link: Link, heard: object) -> None:
+        """The far end of a repair link (refusing its data as ``not-open``: its core has no
+        such link; or answering a probe because it never connected) still hears the broker
+        this end repaired around (``heard``: its heard_ago), later than this end last did: to
+        it that broker is alive, so it will never open the link. A partition healed: each
+        side repaired around the other, and its repair links reach the other side. The link
+        is withdrawn now, which ends the repair at once (this end is that end of the chain
+        now), rather than when its timer runs out (_withdraw_unjoined): the restore joins the
+        sides that much sooner. A far end whose own detector is merely slower last heard the
+        dead broker no later than this end did: it is waited for, as before."""
+        if type(heard) is not dict or not self.host.config.repair:
+            return
+        now = self.host.now()
+        for rec in self.repairs:
+            dead = rec["dead"]
+            lost = self._fenced_heard.get(dead)
+            if "complete_at" in rec or link.peer not in rec["linked"] or lost is None:
+                continue
+            ago = heard.get(dead)
+            if isinstance(ago, bool) or not isinstance(ago, (int, float)):
+                continue  # not heard there (or not a number: nothing to go by)
+            if not 0 <= ago < now - lost - HEARD_AFTER_MARGIN:
+                continue
+            log.warning(
+                "%s: %s still hears %s (%.1fs ago, after this broker lost it): it will never "
+                "open the repair link; withdrawing it: the overlay is split until it is joined",
+                self.name,
+                link.peer,
+                dead,
+                ago,
+            )
+            try:
+                self.drop(link, bye="removed")
+            except ProtocolError as exc:  # an exchange holds it: its lease settles it first
+                log.info("%s: the link to %s stays for now: %s", self.name, link.peer, exc)
+                return
+            rec.setdefault("withdrawn", []).append(link.peer)
+            return
 
     def _answer(self, conn: Conn, nonce: str, peer: str) -> None:
         """A neighbour or standby peer asks whether this broker hears ``peer``: its link or

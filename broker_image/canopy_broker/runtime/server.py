@@ -932,7 +932,7 @@ class Broker:
             self.sessions.accept(conn, hello, role)
         elif role == "probe":  # an RTT probe, or a fence check: answer and hang up
             self.sessions.refuse_fenced(str(hello.get("name")), hello)
-            self.answer_hello(conn)
+            self.answer_hello(conn, heard=self.sessions.heard_ago())
             conn.close()
         else:
             raise FrameError(
@@ -1198,6 +1198,16 @@ class Broker:
         (review: a fenced-out broker's refusals kept a repair link redialing it for 70 s)."""
         answer = await self._probe(address, {})
         return None if answer is None or answer[1][0] == F_ERROR else answer[0]
+
+    async def probe_hello(self, address: str, peer: str) -> dict[str, Any] | None:
+        """As :meth:`probe`, for the answer itself: the hello of ``peer`` (with TLS, its
+        certificate's: what it says is acted on), whose ``heard`` lists the neighbours it
+        hears lately (LinkSessions.heard_ago); None if nothing, or something else, answers."""
+        answer = await self._probe(address, {}, peer=peer)
+        if answer is None or len(answer[1]) < 2 or answer[1][0] != F_HELLO:
+            return None
+        hello = answer[1][1]
+        return hello if type(hello) is dict else None
 
     async def fenced_at(self, peer: str, address: str) -> dict[str, Any] | None:
         """Whether the broker at ``address`` declared this process dead: it refuses a probe
