@@ -232,3 +232,38 @@ async def test_a_repair_link_whose_far_end_hears_the_dead_broker_is_withdrawn_at
     await eventually(lambda: "a" not in c.links and "h" not in e.links)
     assert not any(x.sessions.fenced for x in (c, d, e))
     assert all(x.fenced_by is None for x in (a, c, d, e, h))
+
+
+@pytest.mark.parametrize(
+    "heard",
+    [
+        None,
+        [],
+        "h",
+        {"h": float("nan")},
+        {"h": -1.0},
+        {"h": True},
+        {"h": "0.1"},
+        {"h": [0.1]},
+        {"h": {"ago": 0.1}},
+        {"h": 1e308},
+        {"x": 0.1},
+    ],
+)
+async def test_what_a_far_end_says_it_heard_withdraws_nothing_unless_it_makes_sense(
+    make_broker: MakeBroker, heard: object
+) -> None:
+    """The ``heard`` of a ``not-open`` refusal or a probe's answer comes from another
+    process: anything but a number of seconds for the broker repaired around, recent enough,
+    is no reason to withdraw a repair link (and no reason to fail)."""
+    b = await make_broker("b")
+    repair = Link("c", "s", dialer=True, address=None)
+    b.sessions.links["c"] = repair
+    b.sessions._fenced_heard["h"] = b.now() - 5.0
+    rec: dict[str, Any] = {"dead": "h", "chain": ["b", "c"], "linked": ["c"]}
+    b.sessions.repairs.append(rec)
+    b.sessions._alive_there(repair, heard)
+    assert "withdrawn" not in rec and b.sessions.links["c"] is repair
+    assert b.failed is None and b.fenced_by is None
+    b.sessions._alive_there(repair, {"h": 0.2})  # the control: heard 4.8 s after b lost it
+    assert rec["withdrawn"] == ["c"] and "c" not in b.sessions.links
