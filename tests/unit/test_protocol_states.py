@@ -25,6 +25,7 @@ from canopy_broker.core.messages import (
     Echo,
     End,
     ExchangeFinished,
+    FencedBy,
     FlushMsg,
     FromLink,
     FromPeer,
@@ -206,6 +207,24 @@ def test_a1_drops_the_late_answer_to_a_try_its_lease_gave_up_on() -> None:
     retry = core.handle(TimerFired("lock:x1"))
     locks = [getattr(e, "message", None) for e in retry]
     assert any(isinstance(m, Lock) and m.attempt == 1 for m in locks), retry
+
+
+def test_a_broker_of_the_cycle_that_fenced_this_one_settles_the_exchange_as_its_lease_would() -> (
+    None
+):
+    """``z`` (on the path) declared ``m`` dead: nothing more of the exchange will come through
+    it, so ``m`` settles at once as at its lease's end (here: locked, so it rolls back), and
+    its later lease timer finds nothing. A broker off the path changes nothing."""
+    core = locked_middle()
+    before = state_of(core)
+    assert core.handle(FencedBy("elsewhere")) == [] and state_of(core) == before
+    assert core.handle(FencedBy("m")) == [] and state_of(core) == before  # itself: no meaning
+    by_fence = locked_middle()
+    by_fence.handle(FencedBy("z"))
+    by_lease = locked_middle()
+    by_lease.handle(TimerFired("lease:x1"))
+    assert by_fence.exchange is None and state_of(by_fence) == state_of(by_lease)
+    assert by_fence.handle(TimerFired("lease:x1")) == []
 
 
 def test_a1_gives_up_at_once_on_a_final_refusal() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,7 +18,7 @@ from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_broker.client import Gap, connect
 from canopy_broker.runtime.admin import ROUTES, make_admin_app
 from canopy_broker.runtime.config import BrokerConfig
-from canopy_broker.runtime.server import Broker
+from canopy_broker.runtime.server import Broker, merged, untold
 from tests.strategies import json_values
 from tests.unit.test_runtime_broker import (
     MakeBroker,
@@ -339,15 +340,19 @@ async def test_a_gap_is_told_to_the_subscribers_staying_on_the_broker(
                 await admin._request("POST", "/gaps", json=bad)
             assert info.value.status == 400, bad
         assert len(told) == 1
-        # Told once: a later gap from the same start (a retried join, a third part's join)
-        # is told from where the first ended; one wholly told already, to nobody.
+        # Told once: a later gap over the same stretch (a retried join, a third part's join)
+        # tells only what the first did not cover, before it and after it; one wholly told
+        # already, nothing.
         assert await admin.tell_gap(now - 14.0, now - 1.0, "again") == 1
-        await eventually(lambda: len(told) == 2)
-        assert told[1].until - told[1].since == pytest.approx(1.0, abs=0.05)
-        assert told[0].until == pytest.approx(told[1].since, abs=0.05)
+        await eventually(lambda: len(told) == 3)
+        before, after = sorted(told[1:], key=lambda g: g.since)
+        assert before.until - before.since == pytest.approx(2.0, abs=0.05)
+        assert after.until - after.since == pytest.approx(1.0, abs=0.05)
+        assert before.until == pytest.approx(told[0].since, abs=0.05)
+        assert after.since == pytest.approx(told[0].until, abs=0.05)
         assert await admin.tell_gap(now - 8.0, now - 3.0, "inside") == 0
         await asyncio.sleep(0.2)
-        assert len(told) == 2 and len(sub.gaps) == 2
+        assert len(told) == 3 and len(sub.gaps) == 3
 
 
 _POSTS = [path for method, path, _ in ROUTES if method == "POST"]
@@ -386,3 +391,28 @@ def test_any_admin_request_body_is_answered_without_a_server_error(
             await broker.stop(flush_timeout=0.1)
 
     asyncio.run(post())
+
+
+@given(
+    told=st.lists(st.tuples(st.integers(0, 100), st.integers(1, 20)), max_size=6),
+    since=st.integers(0, 120),
+    length=st.integers(0, 40),
+)
+def test_a_gap_tells_exactly_what_was_not_told_before(
+    told: list[tuple[int, int]], since: int, length: int
+) -> None:
+    """The stretches a broker tells: together with what it told before they cover the new
+    gap, and none of them overlaps what it told before, nor another."""
+    stretches: list[tuple[float, float]] = []
+    for a, n in told:
+        stretches = merged(stretches, float(a), float(a + n))
+    until = since + length
+    parts = untold(stretches, float(since), float(until))
+    covered = set()
+    for a, b in [*stretches, *parts]:
+        covered |= {x + 0.5 for x in range(int(a), int(b))}
+    assert {x + 0.5 for x in range(since, until)} <= covered
+    for a, b in parts:
+        assert since <= a < b <= until
+        assert all(b <= c or a >= d for c, d in stretches)
+    assert all(b <= c for (_, b), (c, _) in itertools.pairwise(parts))

@@ -51,6 +51,7 @@ from canopy_broker.core.messages import (
     Echo,
     Effect,
     End,
+    FencedBy,
     FindCycles,
     FlushMsg,
     FromLink,
@@ -318,6 +319,10 @@ class BrokerCore:
             self._chain_end_gone(inp.peer, out)
         elif isinstance(inp, PeerFailed):
             self._peer_failed(inp.peer, out)
+        elif isinstance(inp, FencedBy):
+            ex = self.ex
+            if ex is not None and inp.peer in ex.path and inp.peer != self.name:
+                coordinated.lease_expired(self, ex, out)
         elif isinstance(inp, LinkFailed):
             self._link_failed(inp.peer, out)
         elif isinstance(inp, StandbyLinks):

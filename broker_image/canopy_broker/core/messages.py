@@ -435,6 +435,17 @@ class LinkFailed:
 
 
 @message
+class FencedBy:
+    """``peer`` declared this broker's process dead (it refused it, or answered it, with
+    ``fenced``): it will take nothing more from this process. If it is on the cycle of the
+    exchange this broker is locked in, nothing more will come of that exchange either, and
+    it settles now as it would when its lease ran out (a partition during an exchange: the
+    lease held the overlay split for up to 30 s after the network healed, review)."""
+
+    peer: str
+
+
+@message
 class StandbyLinks:
     """The standby links this broker keeps open (heartbeats only, no routing traffic): their
     other ends. Replaces the previous set; cycle detection runs over them and the tree."""
@@ -601,6 +612,7 @@ Input = (
     | RemoveLink
     | PeerFailed
     | LinkFailed
+    | FencedBy
     | StandbyLinks
     | PeerFeatures
     | Placed

@@ -77,6 +77,7 @@ from canopy_broker.core.messages import (
     AddLink,
     CycleProbe,
     Effect,
+    FencedBy,
     FindCycles,
     FromLink,
     FromPeer,
@@ -261,6 +262,7 @@ class LinkSessions:
         self._last_beat: float | None = None
         self._woke_at = -math.inf
         self._asking_fence: set[str] = set()
+        self._fence_asked: dict[str, float] = {}  # when each link peer was last asked
         # Why a verdict on a peer was deferred, last said: checked again every heartbeat while
         # an exchange's lease runs, and said once, not five times a second for 30 s.
         self._deferred: dict[str, str] = {}
@@ -361,6 +363,7 @@ class LinkSessions:
             self._link_failed.discard(link.peer)
             self._checks.pop(link.peer, None)
             self._deferred.pop(link.peer, None)
+            self._fence_asked.pop(link.peer, None)
         if link.detoured:
             self._detour_ended(link)
         conn = link.remove()
@@ -1088,6 +1091,9 @@ class LinkSessions:
             self.name,
             link.peer,
         )
+        # Whatever the connection (a link, a channel, a probe): an exchange whose cycle it is
+        # on will hear nothing more from it, and settles now rather than at its lease's end.
+        self.host.apply(self.host.core.handle(FencedBy(link.peer), self.host.now()))
         if link.kind != "link":
             return
         if link.incarnation:
@@ -1114,6 +1120,9 @@ class LinkSessions:
             effects = host.core.handle(PeerFailed(peer), host.now())
         except ProtocolError as exc:  # on the cycle of an exchange past its grant: lease first
             self._defer(peer, "looks dead", exc)
+            # Unless the peer fenced this broker meanwhile (a partition: it repaired around
+            # this one), which settles the exchange at once (_fenced_by_peer).
+            self._ask_link_fence(link)
             return
         self._deferred.pop(peer, None)
         link.established = False  # the core has dropped it already
@@ -1730,8 +1739,12 @@ class LinkSessions:
         wait, like the witnesses."""
         peer = link.peer
         address = self.host.peers.get(peer) or link.address
+        now = self.host.now()
         if not address or peer in self._asking_fence:
             return
+        if now - self._fence_asked.get(peer, -math.inf) < self.host.config.detection_timeout:
+            return  # asked lately (a deferred verdict comes back every heartbeat)
+        self._fence_asked[peer] = now
         self._asking_fence.add(peer)
 
         async def ask() -> None:
