@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_broker.client import Gap, connect
 from canopy_broker.runtime.admin import ROUTES, make_admin_app
+from canopy_broker.runtime.client_sessions import merged, untold
 from canopy_broker.runtime.config import BrokerConfig
-from canopy_broker.runtime.server import Broker, merged, untold
+from canopy_broker.runtime.server import Broker
 from tests.strategies import json_values
 from tests.unit.test_runtime_broker import (
     MakeBroker,
@@ -353,6 +354,16 @@ async def test_a_gap_is_told_to_the_subscribers_staying_on_the_broker(
         assert await admin.tell_gap(now - 8.0, now - 3.0, "inside") == 0
         await asyncio.sleep(0.2)
         assert len(told) == 3 and len(sub.gaps) == 3
+        # Per subscriber: one that attached since (failing over, reconnecting) was told
+        # nothing yet, and hears the whole stretch.
+        late_told: list[Gap] = []
+        async with await connect(addr(b), "late", on_gap=late_told.append) as late:
+            await late.subscribe("n > 1")
+            assert await admin.tell_gap(now - 14.0, now - 1.0, "again") == 1
+            await eventually(lambda: bool(late_told))
+            assert late_told[0].until - late_told[0].since == pytest.approx(13.0, abs=0.05)
+            await asyncio.sleep(0.2)
+            assert len(told) == 3 and len(late_told) == 1
 
 
 _POSTS = [path for method, path, _ in ROUTES if method == "POST"]

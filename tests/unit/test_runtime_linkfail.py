@@ -240,22 +240,29 @@ async def test_a_repair_link_whose_far_end_hears_the_dead_broker_is_withdrawn_at
         None,
         [],
         "h",
-        {"h": float("nan")},
-        {"h": -1.0},
-        {"h": True},
-        {"h": "0.1"},
-        {"h": [0.1]},
-        {"h": {"ago": 0.1}},
-        {"h": 1e308},
-        {"x": 0.1},
+        {"h": 0.2},
+        {"h": [float("nan"), 10.0]},
+        {"h": [-1.0, 10.0]},
+        {"h": [True, 10.0]},
+        {"h": ["0.2", 10.0]},
+        {"h": [0.2]},
+        {"h": [0.2, 10.0, 1.0]},
+        {"h": [0.2, float("inf")]},
+        {"h": {"ago": 0.2}},
+        {"h": [1e308, 10.0]},
+        {"x": [0.2, 10.0]},
+        # Heard, but over a connection up for 1 s only: since after b lost h. A paused h,
+        # awake again, about to be fenced out; the far end's repair will need the link.
+        {"h": [0.2, 1.0]},
     ],
 )
 async def test_what_a_far_end_says_it_heard_withdraws_nothing_unless_it_makes_sense(
     make_broker: MakeBroker, heard: object
 ) -> None:
     """The ``heard`` of a ``not-open`` refusal or a probe's answer comes from another
-    process: anything but a number of seconds for the broker repaired around, recent enough,
-    is no reason to withdraw a repair link (and no reason to fail)."""
+    process: anything but two numbers of seconds for the broker repaired around, heard
+    recently over a connection up since before this broker lost it, is no reason to withdraw
+    a repair link (and no reason to fail)."""
     b = await make_broker("b")
     repair = Link("c", "s", dialer=True, address=None)
     b.sessions.links["c"] = repair
@@ -265,5 +272,6 @@ async def test_what_a_far_end_says_it_heard_withdraws_nothing_unless_it_makes_se
     b.sessions._alive_there(repair, heard)
     assert "withdrawn" not in rec and b.sessions.links["c"] is repair
     assert b.failed is None and b.fenced_by is None
-    b.sessions._alive_there(repair, {"h": 0.2})  # the control: heard 4.8 s after b lost it
+    # The control: heard 4.8 s after b lost it, over a connection up since before then.
+    b.sessions._alive_there(repair, {"h": [0.2, 10.0]})
     assert rec["withdrawn"] == ["c"] and "c" not in b.sessions.links

@@ -130,6 +130,35 @@ def _name(value: object, what: str) -> str:
     return value
 
 
+def untold(
+    told: list[tuple[float, float]], since: float, until: float
+) -> list[tuple[float, float]]:
+    """The parts of ``[since, until]`` outside the stretches ``told`` (sorted, disjoint)."""
+    parts, start = [], since
+    for a, b in told:
+        if b <= start or a >= until:
+            continue
+        if a > start:
+            parts.append((start, a))
+        start = max(start, b)
+    if start < until:
+        parts.append((start, until))
+    return parts
+
+
+def merged(
+    told: list[tuple[float, float]], since: float, until: float
+) -> list[tuple[float, float]]:
+    """``told`` with ``[since, until]`` added, kept sorted and disjoint."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted([*told, (since, until)]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 class ClientSessions:
     """Every client attached to one broker, and the handling of their messages."""
 
@@ -289,13 +318,23 @@ class ClientSessions:
         A client that stays put hears of what it missed this way (an overlay split and joined
         again: docs/operations.md), as a client that fails over does in its resume answer."""
         now = time.time()
-        frame = dumps([B_GAP, round(now - since, 3), round(now - until, 3), reason])
         routing = self.host.core.routing
         told = 0
         for client in self.clients.values():
-            if routing.subscriptions(client.id):
-                self.send(client, frame)
-                told += 1
+            if not routing.subscriptions(client.id):
+                continue
+            # Only what it was not told already, as its own gap each: a join retried, or a
+            # later join of a third part, tells the sides of an earlier join from the same
+            # start (review: the same stretch twice). Per client, not per broker: one that
+            # attached since (failing over, reconnecting) was not told the first (review).
+            parts = untold(client.gaps_told, since, until)
+            for a, b in parts:
+                self.send(client, dumps([B_GAP, round(now - a, 3), round(now - b, 3), reason]))
+            told += bool(parts)
+            # Remembered up to now at most: an ``until`` ahead (a clock ahead of this one)
+            # silences nothing later.
+            if since < now:
+                client.gaps_told = merged(client.gaps_told, since, min(until, now))
         return told
 
     # ------------------------------------------------------------------ messages

@@ -776,7 +776,7 @@ class LinkSessions:
         link.connected(conn)
         conn.link = link
         conn.role = link.kind
-        link.last_heard = host.now()
+        link.last_heard = link.up_since = host.now()
         link.down_since = None
         link.connects += 1
         if "v" in hello:  # a peer's own hello (not a standby link's, taken over)
@@ -1251,13 +1251,14 @@ class LinkSessions:
         timeout = self.host.config.detection_timeout
         return link.conn is not None and self.host.now() - link.last_heard <= timeout
 
-    def heard_ago(self) -> dict[str, float]:
-        """How long ago each overlay neighbour heard lately was last heard (seconds): sent
-        with a ``not-open`` refusal and in a probe's answer, so that a broker repairing around
-        one of them learns it is alive here (see _alive_there)."""
+    def heard_ago(self) -> dict[str, list[float]]:
+        """For each overlay neighbour heard lately: how long ago it was last heard, and for how
+        long its connection has been up (seconds). Sent with a ``not-open`` refusal and in a
+        probe's answer, so that a broker repairing around one of them learns it is alive here
+        (see _alive_there)."""
         now = self.host.now()
         return {
-            p: round(now - lk.last_heard, 3)
+            p: [round(now - lk.last_heard, 3), round(now - lk.up_since, 3)]
             for p, lk in self.links.items()
             if lk.established and self._heard_lately(lk)
         }
@@ -1265,13 +1266,17 @@ class LinkSessions:
     def _alive_there(self, link: Link, heard: object) -> None:
         """The far end of a repair link (refusing its data as ``not-open``: its core has no
         such link; or answering a probe because it never connected) still hears the broker
-        this end repaired around (``heard``: its heard_ago), later than this end last did: to
-        it that broker is alive, so it will never open the link. A partition healed: each
-        side repaired around the other, and its repair links reach the other side. The link
-        is withdrawn now, which ends the repair at once (this end is that end of the chain
-        now), rather than when its timer runs out (_withdraw_unjoined): the restore joins the
-        sides that much sooner. A far end whose own detector is merely slower last heard the
-        dead broker no later than this end did: it is waited for, as before."""
+        this end repaired around (``heard``: its heard_ago), later than this end last did,
+        over a connection up since before this end last heard it: to it that broker has been
+        alive all along, so it will never open the link. A partition healed: each side
+        repaired around the other, and its repair links reach the other side. The link is
+        withdrawn now, which ends the repair at once (this end is that end of the chain now),
+        rather than when its timer runs out (_withdraw_unjoined): the restore joins the sides
+        that much sooner. A far end whose own detector is merely slower last heard the dead
+        broker no later than this end did; one that hears it again over a new connection
+        heard a process that was paused (it lost that connection to heartbeats meanwhile),
+        which is about to find itself fenced and fail, and whose repair by the far end then
+        needs this very link (review). Both are waited for, as before."""
         if type(heard) is not dict or not self.host.config.repair:
             return
         now = self.host.now()
@@ -1280,10 +1285,11 @@ class LinkSessions:
             lost = self._fenced_heard.get(dead)
             if "complete_at" in rec or link.peer not in rec["linked"] or lost is None:
                 continue
-            ago = heard.get(dead)
-            if isinstance(ago, bool) or not isinstance(ago, (int, float)):
-                continue  # not heard there (or not a number: nothing to go by)
-            if not 0 <= ago < now - lost - HEARD_AFTER_MARGIN:
+            ages = heard.get(dead)
+            if type(ages) is not list or len(ages) != 2 or not all(_seconds(a) for a in ages):
+                continue  # not heard there (or not numbers: nothing to go by)
+            ago, up_for = ages
+            if not (ago < now - lost - HEARD_AFTER_MARGIN and up_for > now - lost):
                 continue
             log.warning(
                 "%s: %s still hears %s (%.1fs ago, after this broker lost it): it will never "
@@ -1781,6 +1787,11 @@ class LinkSessions:
                 peer,
             )
             self.host.fenced_out(peer, seconds(detail.get("silent_for")))
+
+
+def _seconds(value: object) -> bool:
+    """A finite, non-negative number of seconds (a bool is not one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
 def _strs(*values: object) -> bool:

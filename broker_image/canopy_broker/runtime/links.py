@@ -87,6 +87,7 @@ class Link:
         self.acked_rx = 0
         self.last_heard = 0.0
         self.down_since: float | None = None  # when its session lost its connection
+        self.up_since = 0.0  # when its current connection came up (loop clock)
         self.incarnation = ""  # the peer's process, from its hello (what a fence names)
         self.rtt_ms: float | None = None
         self.connects = 0
@@ -290,6 +291,9 @@ class Client:
         self.publisher = False
         self.moved = False  # it said it moved to another broker: it may not publish here
         self.gap_told = False  # it told of a publisher gap (once per attachment)
+        # Wall-clock stretches it was told may be missing (POST /gaps), sorted and disjoint:
+        # each is told once to it (ClientSessions.tell_gap).
+        self.gaps_told: list[tuple[float, float]] = []
         self.resumed = False  # it attached after a failover (C_RESUME)
         self.over = False
         self.over_since: float | None = None

@@ -184,35 +184,6 @@ _MARKER = dumps([B_MARKER])
 MAX_GAP_S = 86_400.0
 
 
-def untold(
-    told: list[tuple[float, float]], since: float, until: float
-) -> list[tuple[float, float]]:
-    """The parts of ``[since, until]`` outside the stretches ``told`` (sorted, disjoint)."""
-    parts, start = [], since
-    for a, b in told:
-        if b <= start or a >= until:
-            continue
-        if a > start:
-            parts.append((start, a))
-        start = max(start, b)
-    if start < until:
-        parts.append((start, until))
-    return parts
-
-
-def merged(
-    told: list[tuple[float, float]], since: float, until: float
-) -> list[tuple[float, float]]:
-    """``told`` with ``[since, until]`` added, kept sorted and disjoint."""
-    out: list[tuple[float, float]] = []
-    for a, b in sorted([*told, (since, until)]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
 class Broker:
     """One broker: core + links + clients + metrics + telemetry; no HTTP (see admin.py)."""
 
@@ -235,8 +206,6 @@ class Broker:
         # internal error); /healthz reports it so a supervisor restarts the process.
         self.failed: str | None = None
         self.fenced_by: str | None = None  # a broker that declared this one dead (fenced_out)
-        # Wall-clock stretches tell_gap has told (each is told once), sorted and disjoint.
-        self.gaps_told: list[tuple[float, float]] = []
         self.incarnation = uuid.uuid4().hex[:8]
         self.resume_slack = max(2.0, detection)
         self.max_subscriptions = config.max_subscriptions
@@ -1419,23 +1388,14 @@ class Broker:
         """See :meth:`ClientSessions.tell_gap` (the restore joined a split overlay);
         ``covers``: the brokers whose lifted fences this gap tells of, forgotten now.
 
-        A stretch already told here is not told again: only the parts of ``[since, until]``
-        no earlier gap covered are told (none, if all were). A join retried after a failure,
-        or a later join of a third part, tells the sides of an earlier join from the same
-        start (the earliest time still unforgotten at one of its members), and the
-        subscribers heard the same stretch twice (review). Whatever an event published in it,
-        the first gap said already that it may be missing. What is told is remembered up to
-        now at most: an ``until`` ahead (a clock ahead of this one) silences nothing later."""
+        A stretch a subscriber was told already is not told to it again (see there)."""
         now = time.time()
         if not now - MAX_GAP_S <= since <= until <= now + 60:
             raise ValueError(
                 f"need since <= until, since within the last {MAX_GAP_S:g} s and until not in "
                 "the future"
             )
-        parts = untold(self.gaps_told, since, until)
-        told = max((self.client_sessions.tell_gap(a, b, reason) for a, b in parts), default=0)
-        kept = [(a, b) for a, b in self.gaps_told if b >= now - MAX_GAP_S]
-        self.gaps_told = merged(kept, since, min(until, now)) if since < now else kept
+        told = self.client_sessions.tell_gap(since, until, reason)
         for peer in covers:
             self.sessions.lifted_since.pop(peer, None)
             self.sessions.fenced_since.pop(peer, None)  # told: that failure is over here
@@ -1443,7 +1403,7 @@ class Broker:
             "%s: told %d subscriber(s) that %.1fs may be missing: %s",
             self.name,
             told,
-            sum(b - a for a, b in parts),
+            until - since,
             reason,
         )
         return told
