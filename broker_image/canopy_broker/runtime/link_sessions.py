@@ -1091,19 +1091,21 @@ class LinkSessions:
             self.name,
             link.peer,
         )
-        # Whatever the connection (a link, a channel, a probe): an exchange whose cycle it is
-        # on will hear nothing more from it, and settles now rather than at its lease's end.
-        self.host.apply(self.host.core.handle(FencedBy(link.peer), self.host.now()))
-        if link.kind != "link":
-            return
-        if link.incarnation:
+        if link.kind == "link" and link.incarnation:
             # Symmetric: that process will not take us back, nor we it (a link that failed
             # both ways is then fenced at both ends whichever detector fired first; the
             # other end's refusal can come before our own timeout).
             self.fenced.setdefault(link.peer, link.incarnation)
         if not self._connected_elsewhere(link):
+            # Whatever the connection (a link, a channel): cut off from the whole overlay,
+            # this is the stale side. First, so that nothing more is acknowledged or sent
+            # for it (an exchange it is in is not settled: it leaves).
             self.host.fenced_out(link.peer, seconds(detail.get("silent_for")))
-        elif link.established and not link.closing:
+            return
+        # Whatever the connection: an exchange whose cycle the peer is on will hear nothing
+        # more from it, and settles now rather than at its lease's end.
+        self.host.apply(self.host.core.handle(FencedBy(link.peer), self.host.now()))
+        if link.kind == "link" and link.established and not link.closing:
             self._declare_dead(link, self.host.now() - (link.down_since or self.host.now()))
 
     def _declare_dead(
