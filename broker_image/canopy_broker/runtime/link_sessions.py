@@ -61,6 +61,7 @@ Session rules, in one place:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -68,6 +69,7 @@ import ssl
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -116,6 +118,7 @@ from canopy_broker.runtime.framing import (
     decode_peer_message,
     encode_generic,
     error_detail,
+    finite_number,
     parse_address,
     seconds,
 )
@@ -1288,9 +1291,11 @@ class LinkSessions:
             if "complete_at" in rec or link.peer not in rec["linked"] or lost is None:
                 continue
             ages = heard.get(dead)
-            if type(ages) is not list or len(ages) != 2 or not all(_seconds(a) for a in ages):
-                continue  # not heard there (or not numbers: nothing to go by)
-            ago, up_for = ages
+            if type(ages) is not list or len(ages) != 2:
+                continue  # not heard there
+            ago, up_for = (finite_number(a) for a in ages)
+            if ago is None or up_for is None or ago < 0 or up_for < 0:
+                continue  # not numbers of seconds: nothing to go by
             if not (ago < now - lost - HEARD_AFTER_MARGIN and up_for > now - lost):
                 continue
             log.warning(
@@ -1733,12 +1738,7 @@ class LinkSessions:
         for peer in peers:
             link = self.links.get(peer)
             address = self.host.peers.get(peer) or (link.address if link is not None else None)
-            if not address or peer in self._asking_fence:
-                continue
-            self._asking_fence.add(peer)
-            self.host.tasks.spawn(
-                self._fence_answer(peer, address, stale=stale), f"fence check {peer}"
-            )
+            self._fence_question(peer, address, functools.partial(self._fence_answer, peer, stale))
 
     def _ask_link_fence(self, link: Link) -> None:
         """Ask the peer of a link waited for (a witness hears it) whether it declared this
@@ -1746,13 +1746,25 @@ class LinkSessions:
         answer says so (see _fenced_by_peer). Asked after each detection timeout of the
         wait, like the witnesses."""
         peer = link.peer
-        address = self.host.peers.get(peer) or link.address
         now = self.host.now()
-        if not address or peer in self._asking_fence:
-            return
         if now - self._fence_asked.get(peer, -math.inf) < self.host.config.detection_timeout:
             return  # asked lately (a deferred verdict comes back every heartbeat)
-        self._fence_asked[peer] = now
+
+        def answered(detail: dict[str, Any]) -> None:
+            if self.host.fenced_by is None and self.links.get(peer) is link and link.conn is None:
+                self._fenced_by_peer(link, detail)  # still waited for
+
+        if self._fence_question(peer, self.host.peers.get(peer) or link.address, answered):
+            self._fence_asked[peer] = now
+
+    def _fence_question(
+        self, peer: str, address: str | None, answered: Callable[[dict[str, Any]], None]
+    ) -> bool:
+        """Ask ``peer`` at ``address``, in the background, whether it declared this process
+        dead (Broker.fenced_at); ``answered`` gets the refusal's detail if it did. One question
+        per peer at a time; False when none was asked (no address, or one is out)."""
+        if not address or peer in self._asking_fence:
+            return False
         self._asking_fence.add(peer)
 
         async def ask() -> None:
@@ -1760,20 +1772,13 @@ class LinkSessions:
                 detail = await self.host.fenced_at(peer, address)
             finally:
                 self._asking_fence.discard(peer)
-            if detail is None or self.host.stopping or self.host.fenced_by is not None:
-                return
-            if self.links.get(peer) is link and link.conn is None:  # still waited for
-                self._fenced_by_peer(link, detail)
+            if detail is not None and not self.host.stopping:
+                answered(detail)
 
         self.host.tasks.spawn(ask(), f"fence check {peer}")
+        return True
 
-    async def _fence_answer(self, peer: str, address: str, *, stale: bool) -> None:
-        try:
-            detail = await self.host.fenced_at(peer, address)
-        finally:
-            self._asking_fence.discard(peer)
-        if detail is None or self.host.stopping:
-            return
+    def _fence_answer(self, peer: str, stale: bool, detail: dict[str, Any]) -> None:
         if not stale and detail.get("linked") is False and self.name < peer:
             log.info(
                 "%s: %s declared this broker dead, and is cut off too: it restarts, this one "
@@ -1789,11 +1794,6 @@ class LinkSessions:
                 peer,
             )
             self.host.fenced_out(peer, seconds(detail.get("silent_for")))
-
-
-def _seconds(value: object) -> bool:
-    """A finite, non-negative number of seconds (a bool is not one)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
 def _strs(*values: object) -> bool:
