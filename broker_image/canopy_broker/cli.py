@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import errno
 import gc
 import json
 import logging
@@ -40,6 +41,8 @@ from canopy_broker.runtime.server import Broker
 READY_PREFIX = "CANOPY_READY "
 TOKEN_ENV = "CANOPY_ADMIN_TOKEN"
 PROFILE_ENV = "CANOPY_PROFILE"
+EXIT_ADDRESS_IN_USE = 3
+"""``serve``'s exit status when a port it was given is taken (another process listens there)."""
 
 
 MAX_WRITE_INTERVAL_MS = 100.0
@@ -348,61 +351,71 @@ async def serve(args: argparse.Namespace) -> int:
         broker = Broker(config)
     except SecurityError as exc:
         sys.exit(f"canopy-broker: {exc}")
-    await broker.start()
-    runner = web.AppRunner(make_admin_app(broker, token), access_log=None)
-    await runner.setup()
-    # The admin API speaks HTTPS with the broker's certificate when TLS is on (bearer token
-    # inside); clients are not asked for a certificate there. The HTTP gateway is for clients:
-    # it presents the client port's certificate. Both are reloaded with the broker's files.
-    admin_tls = broker.reloaded_context(admin_files) if admin_files is not None else None
-    client_files = client_tls or tls
-    site = web.TCPSite(runner, admin_host, admin_port, ssl_context=admin_tls)
-    await site.start()
-    assert broker.address is not None
-    admin_sock = runner.addresses[0]
-    runners = [runner]
-    gateway: str | None = None
-    host = "127.0.0.1" if broker.address[0] in ("0.0.0.0", "::") else broker.address[0]
-    own = f"{host}:{broker.address[1]}"  # the gateways are clients of their own broker
-    own_ca = client_files.ca if client_files is not None else None
-    if args.gateway:
-        gw_host, gw_port = parse_address(args.gateway)
-        # Open streams end with the broker: a short grace, not aiohttp's 60 s.
-        gw = web.AppRunner(
-            make_gateway_app(own, own_ca),
-            access_log=None,
-            shutdown_timeout=1.0,
-        )
-        await gw.setup()
-        gw_tls = broker.reloaded_context(client_files) if client_files is not None else None
-        await web.TCPSite(gw, gw_host, gw_port, ssl_context=gw_tls).start()
-        runners.append(gw)
-        gw_sock = gw.addresses[0]
-        gateway = f"{gw_sock[0]}:{gw_sock[1]}"
+    runners: list[web.AppRunner] = []
     mqtt: tuple[asyncio.Server, MqttGateway] | None = None
-    if args.mqtt:
-        mq_host, mq_port = parse_address(args.mqtt)
-        mq_tls = broker.reloaded_context(client_files) if client_files is not None else None
-        mqtt = await start_mqtt(mq_host, mq_port, own, own_ca, mq_tls)
-        mq_sock = mqtt[0].sockets[0].getsockname()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    ready = {
-        "name": broker.name,
-        "listen": f"{broker.address[0]}:{broker.address[1]}",
-        **({"link": "{}:{}".format(*broker.link_address)} if broker.link_address else {}),
-        "admin": f"{admin_sock[0]}:{admin_sock[1]}",
-        "routing": broker.core.mode.value,
-        "tls": tls is not None,
-        "pid": os.getpid(),
-        **({"gateway": gateway} if gateway else {}),
-        **({"mqtt": f"{mq_sock[0]}:{mq_sock[1]}"} if mqtt else {}),
-    }
-    print(READY_PREFIX + json.dumps(ready), flush=True)
+    code = 0
     try:
+        await broker.start()
+        runner = web.AppRunner(make_admin_app(broker, token), access_log=None)
+        await runner.setup()
+        runners.append(runner)
+        # The admin API speaks HTTPS with the broker's certificate when TLS is on (bearer
+        # token inside); clients are not asked for a certificate there. The HTTP gateway is
+        # for clients: it presents the client port's certificate. Both are reloaded with the
+        # broker's files.
+        admin_tls = broker.reloaded_context(admin_files) if admin_files is not None else None
+        client_files = client_tls or tls
+        site = web.TCPSite(runner, admin_host, admin_port, ssl_context=admin_tls)
+        await site.start()
+        assert broker.address is not None
+        admin_sock = runner.addresses[0]
+        gateway: str | None = None
+        host = "127.0.0.1" if broker.address[0] in ("0.0.0.0", "::") else broker.address[0]
+        own = f"{host}:{broker.address[1]}"  # the gateways are clients of their own broker
+        own_ca = client_files.ca if client_files is not None else None
+        if args.gateway:
+            gw_host, gw_port = parse_address(args.gateway)
+            # Open streams end with the broker: a short grace, not aiohttp's 60 s.
+            gw = web.AppRunner(
+                make_gateway_app(own, own_ca),
+                access_log=None,
+                shutdown_timeout=1.0,
+            )
+            await gw.setup()
+            runners.append(gw)
+            gw_tls = broker.reloaded_context(client_files) if client_files is not None else None
+            await web.TCPSite(gw, gw_host, gw_port, ssl_context=gw_tls).start()
+            gw_sock = gw.addresses[0]
+            gateway = f"{gw_sock[0]}:{gw_sock[1]}"
+        if args.mqtt:
+            mq_host, mq_port = parse_address(args.mqtt)
+            mq_tls = broker.reloaded_context(client_files) if client_files is not None else None
+            mqtt = await start_mqtt(mq_host, mq_port, own, own_ca, mq_tls)
+            mq_sock = mqtt[0].sockets[0].getsockname()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        ready = {
+            "name": broker.name,
+            "listen": f"{broker.address[0]}:{broker.address[1]}",
+            **({"link": "{}:{}".format(*broker.link_address)} if broker.link_address else {}),
+            "admin": f"{admin_sock[0]}:{admin_sock[1]}",
+            "routing": broker.core.mode.value,
+            "tls": tls is not None,
+            "pid": os.getpid(),
+            **({"gateway": gateway} if gateway else {}),
+            **({"mqtt": f"{mq_sock[0]}:{mq_sock[1]}"} if mqtt else {}),
+        }
+        print(READY_PREFIX + json.dumps(ready), flush=True)
         await stop.wait()
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        # A port asked for is taken: say which, and exit with a code of its own, so that a
+        # supervisor that asked for a broker's old ports back can ask for free ones instead.
+        print(f"canopy-broker: {exc}", file=sys.stderr, flush=True)
+        code = EXIT_ADDRESS_IN_USE
     finally:
         logging.getLogger("canopy.broker").info("stopping %s", broker.name)
         if mqtt is not None:  # the gateways' clients first, while the broker is up
@@ -411,7 +424,7 @@ async def serve(args: argparse.Namespace) -> int:
         for r in reversed(runners):
             await r.cleanup()
         await broker.stop()
-    return 0
+    return code
 
 
 def tune_gc() -> None:

@@ -17,7 +17,7 @@ import signal
 import ssl
 import sys
 import tempfile
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -55,11 +55,14 @@ def serve_command(
     routing: str = "covering",
     extra_args: Sequence[str] = (),
     tls_dir: Path | None = None,
+    ports: Mapping[str, int] | None = None,
 ) -> list[str]:
     """`canopy-broker serve` on free ports of ``host`` (it reports them on stdout when ready):
     one for clients, one for links (brokers only), one for the admin API; with its credentials
     from ``pki`` (None: ``--insecure``, plaintext), or from ``tls_dir``
-    (``--tls-dir``: a Kubernetes TLS Secret's files) when given."""
+    (``--tls-dir``: a Kubernetes TLS Secret's files) when given. ``ports``: the ports to ask
+    for instead (``listen``, ``link``, ``admin``; those not given are free ones)."""
+    ports = ports or {}
     if tls_dir is not None:
         security = ["--tls-dir", str(tls_dir)]
     else:
@@ -72,11 +75,11 @@ def serve_command(
         "--name",
         name,
         "--listen",
-        f"{host}:0",
+        f"{host}:{ports.get('listen', 0)}",
         "--link-listen",
-        f"{host}:0",
+        f"{host}:{ports.get('link', 0)}",
         "--admin",
-        f"{host}:0",
+        f"{host}:{ports.get('admin', 0)}",
         "--routing",
         routing,
         *security,
@@ -91,6 +94,25 @@ def rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024.0
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def process_alive(pid: int) -> bool:
+    """The process runs: any of its threads is neither gone nor a zombie. A process killed
+    shows its main thread a zombie while its other threads are still exiting, and until the
+    last one has, its sockets are open: its ports cannot be listened on again yet."""
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+        for tid in threads:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
+                if fh.read().rpartition(")")[2].split()[0] != "Z":
+                    return True
+    except (OSError, IndexError):
+        return True  # a thread went while we looked: look again later
+    return False
 
 
 def process_cpu_seconds(pids: Iterable[int]) -> float:

@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -16,8 +17,11 @@ from typing import Any
 
 import pytest
 
-from canopy_broker.client import Client, Notification, connect
+from canopy_broker.client import Client, Gap, Notification, connect
 from canopy_broker.client.credentials import Credentials
+from canopy_broker.procs import process_alive
+from canopy_operator.backends import local
+from canopy_operator.backends.local import LocalBackend
 from tests.integration.crash_overlay import (
     Publisher,
     assert_all_delivered,
@@ -87,15 +91,6 @@ async def declared_shape_back(state: Path, within: float = 60) -> dict[str, Any]
             if s["healthy"] and links == DECLARED and not s["restoring"]:
                 return s
             await asyncio.sleep(0.2)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}").exists() else ""
-    return bool(stat) and stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 class Traffic:
@@ -195,7 +190,7 @@ async def test_a_killed_broker_is_restored_to_the_declared_shape_losing_nothing(
         await traffic.close()
         code, out, err = await canopy("down", "--state-dir", str(state))
         assert code == 0, err
-    left = [p for p in pids if alive(p)]
+    left = [p for p in pids if process_alive(p)]
     assert not left, f"processes left after canopy down: {left}"
     assert not (where / "supervisor.pid").exists()
 
@@ -270,7 +265,7 @@ async def test_down_stops_the_supervisor_first_so_nothing_is_restarted(tmp_path:
     code, out, err = await canopy("down", "--state-dir", str(state))
     assert code == 0 and "supervisor" in out, err
     await asyncio.sleep(2.0)  # several supervisor ticks, had it survived
-    assert not alive(supervisor)
+    assert not process_alive(supervisor)
     mine = await asyncio.to_thread(processes_naming, str(where))
     assert not mine, f"processes of the overlay left: {mine}"
 
@@ -315,3 +310,130 @@ async def test_a_configuration_change_is_rolled_out_one_broker_at_a_time_losing_
         await traffic.close()
         code, _, err = await canopy("down", "--state-dir", str(state))
         assert code == 0, err
+
+
+async def test_a_restarted_broker_comes_back_at_its_addresses_or_free_ones_if_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A broker brought back after it died listens where it did: a client that knows only
+    that address (the application's one address; the failover's last resort) finds it again,
+    as with a Kubernetes pod. A port taken meanwhile by another process does not stop it:
+    that listener moves to a free port, the others stay. Taken between the check and the
+    bind (a race), the broker says so and exits, and is started again on free ports."""
+    backend = LocalBackend(tmp_path / "ports")
+    keys = ("listen", "link", "admin")
+    try:
+        await backend.create_broker("b")
+        first = dict(backend.brokers["b"])
+        await kill_and_wait(int(first["pid"]))
+        await backend.create_broker("b")
+        second = dict(backend.brokers["b"])
+        assert second["pid"] != first["pid"]
+        assert {k: second[k] for k in keys} == {k: first[k] for k in keys}
+        client = await connect(
+            first["listen"], "canopy/back", failover_within=0, credentials=backend.credentials
+        )
+        await client.subscribe("n >= 0")
+        await client.close()
+
+        await kill_and_wait(int(second["pid"]))
+        host, _, port = str(second["listen"]).rpartition(":")
+        with socket.create_server((host, int(port))):  # a stranger took the client port
+            await backend.create_broker("b")
+        third = dict(backend.brokers["b"])
+        assert third["listen"] != second["listen"]
+        assert (third["link"], third["admin"]) == (second["link"], second["admin"])
+        assert await backend.admin("b").readyz()
+
+        await kill_and_wait(int(third["pid"]))
+        monkeypatch.setattr(local, "_free", lambda host, ports: dict(ports))  # the race
+        host, _, port = str(third["link"]).rpartition(":")
+        with socket.create_server((host, int(port))):
+            await backend.create_broker("b")
+        fourth = dict(backend.brokers["b"])
+        assert all(fourth[k] != third[k] for k in keys), (third, fourth)
+        assert await backend.admin("b").readyz()
+        log = await asyncio.to_thread(Path(fourth["log"]).read_text)
+        assert f"('{host}', {port}): address already in use" in log, log
+    finally:
+        await backend.down()
+
+
+CHAIN = """\
+apiVersion: canopy.dev/v1alpha1
+kind: BrokerOverlay
+metadata: {name: chain}
+spec:
+  failureDetection: {heartbeatSeconds: 0.2, deadAfter: 3}
+  brokers: [{name: a}, {name: b}, {name: c}]
+  links: [[a, b], [b, c]]
+"""
+
+
+async def test_a_client_given_one_address_resumes_there_after_its_whole_side_died(
+    tmp_path: Path,
+) -> None:
+    """a and b, its only neighbour, are SIGKILLed together. The subscriber on a was given
+    a's address only and knows b's from a's hello: every broker it could fail over to is
+    dead. The supervisor brings both back where they were, and the subscriber resumes at
+    one of them, told what it may have missed, with nothing doubled or out of order; the
+    publisher on c goes on. (Restarted on new ports, it found nobody and gave up.)"""
+    state = tmp_path / "state"
+    manifest = tmp_path / "chain.yaml"
+    manifest.write_text(CHAIN)
+    code, _, err = await canopy("up", str(manifest), "--state-dir", str(state))
+    assert code == 0, err
+    where = state / "chain"
+    before = json.loads((where / "state.json").read_text())["brokers"]
+    creds = Credentials.from_pki(where / "pki")
+    got: list[Notification] = []
+    gaps: list[Gap] = []
+    sub = await connect(
+        before["a"]["listen"],
+        "canopy/s",
+        credentials=creds,
+        on_gap=gaps.append,
+        on_notifications=got.extend,
+        failover_within=20,  # the mechanism, not the machine's speed: 2.9 s measured
+    )
+    pub = await connect(before["c"]["listen"], "canopy/p", credentials=creds)
+    try:
+        await sub.subscribe("n >= 0")
+        await asyncio.sleep(0.5)  # the subscription reaches c
+        publisher = Publisher(pub)
+        await asyncio.sleep(1.0)
+        killed = time.monotonic()
+        for name in ("a", "b"):
+            os.kill(int(before[name]["pid"]), signal.SIGKILL)
+        async with asyncio.timeout(30):
+            while not sub.failovers:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        resumed_s = time.monotonic() - killed
+        await asyncio.sleep(1.0)
+        last = await publisher.stop()
+        async with asyncio.timeout(20):
+            while not got or got[-1].seq < last:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        missed, _ = verdict(got, last)
+        seqs = [n.seq for n in got]
+        assert seqs == sorted(set(seqs)), "duplicated or reordered"
+        assert not missed or gaps, f"missed {len(missed)} untold"
+        after = json.loads((where / "state.json").read_text())["brokers"]
+        for name in ("a", "b"):
+            assert after[name]["pid"] != before[name]["pid"]
+            assert after[name]["listen"] == before[name]["listen"], name
+        print(f"resumed {resumed_s:.2f} s after the kill; missed {len(missed)}, {len(gaps)} gaps")
+    finally:
+        await sub.close()
+        await pub.close()
+        code, _, err = await canopy("down", "--state-dir", str(state))
+        assert code == 0, err
+
+
+async def kill_and_wait(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    async with asyncio.timeout(10):
+        while True:
+            if not process_alive(pid):
+                return
+            await asyncio.sleep(0.02)

@@ -25,7 +25,7 @@ from canopy_broker.core.events import is_sampled
 from canopy_broker.procs import env_pki
 from canopy_broker.runtime import server
 from canopy_broker.runtime.config import BrokerConfig
-from canopy_broker.runtime.framing import control_frame, frame
+from canopy_broker.runtime.framing import F_HELLO, control_frame, frame
 from canopy_broker.runtime.server import Broker
 
 MakeBroker = Callable[..., Awaitable[Broker]]
@@ -1079,6 +1079,38 @@ async def test_rtt_probes_reach_non_neighbours(make_broker: MakeBroker) -> None:
             for r in a.telemetry.since(0)["records"]
         )
     )
+
+
+@pytest.mark.parametrize(("neighbours", "heard"), [(500, True), (3_000, False)])
+async def test_a_probe_answer_from_a_broker_with_many_links_is_heard(
+    make_broker: MakeBroker, neighbours: int, heard: bool
+) -> None:
+    """A probe's answer is read up to a bound (64 KB) and counts as no answer past it. The
+    bound must not fail an honest broker with many links: its ``heard`` grows with them (some
+    40 bytes each), and an answer not read counts as silence (review: at 4 KB, about 100
+    links). 500 links answer in about 16 KB; 3,000 in about 96 KB, which is not read."""
+    a = await make_broker("a")
+    lately = {f"neighbour-{i:05d}": [0.25, 3600.0] for i in range(neighbours)}
+    answer = control_frame(F_HELLO, {"v": 1, "name": "big", "heard": lately})
+    pki = env_pki()  # the far end presents its own certificate, as a broker does
+    tls = pki.broker("big").server_context(require_certificate=True) if pki else None
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(int.from_bytes(await reader.readexactly(4), "big"))
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    fake = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=tls)
+    try:
+        hello = await a.probe_hello(f"127.0.0.1:{fake.sockets[0].getsockname()[1]}", "big")
+        if heard:
+            assert hello is not None and len(hello["heard"]) == neighbours
+        else:  # never read as a partial answer
+            assert hello is None
+    finally:
+        fake.close()
+        await fake.wait_closed()
 
 
 async def test_a_full_retention_slows_publishers_instead_of_dropping_custody(

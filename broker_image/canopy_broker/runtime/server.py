@@ -180,6 +180,11 @@ class ExchangeRecord:
 _MARKER = dumps([B_MARKER])
 
 
+PROBE_ANSWER_MAX = 65_536
+"""Bytes a probe's answer may have. An honest one (a hello, with ``heard``: some 40 bytes per
+neighbour heard lately) stays far below; a larger one counts as no answer, so it must not be
+one a broker with many links could send (it was 4 KB: about 100 links)."""
+
 # The longest stretch a gap may name (POST /gaps): a partition's, at most a day back.
 MAX_GAP_S = 86_400.0
 
@@ -1243,7 +1248,7 @@ class Broker:
                 t0 = self._loop.time()
                 writer.write(control_frame(F_HELLO, hello))
                 length = int.from_bytes(await reader.readexactly(4), "big")
-                if length > 4096:
+                if length > PROBE_ANSWER_MAX:
                     return None
                 reply = loads_frame(await reader.readexactly(length))
                 return (self._loop.time() - t0) * 1000.0, reply

@@ -15,6 +15,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -26,10 +27,10 @@ from typing import Any
 import aiohttp
 
 from canopy_broker.admin_client import AdminClient, AdminError
-from canopy_broker.cli import READY_PREFIX
+from canopy_broker.cli import EXIT_ADDRESS_IN_USE, READY_PREFIX
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.pki import LocalPki
-from canopy_broker.procs import broker_env, serve_command
+from canopy_broker.procs import broker_env, process_alive, serve_command
 from canopy_operator.model.restore import status_neighbours
 
 
@@ -116,16 +117,18 @@ class LocalBackend:
             "mqtt": self.mqtt,
         }
 
-    def config_of(self, name: str) -> list[str]:
+    def config_of(self, name: str, ports: Mapping[str, int] | None = None) -> list[str]:
         """What broker ``name`` started now runs with (its arguments after the name): one
-        recorded with another configuration is rolled."""
+        recorded with another configuration is rolled. ``ports``: the gateway's and MQTT
+        listener's to ask for (by default free ones, which is what is recorded)."""
         zone = self.zones.get(name)
+        ports = ports or {}
         return [
             self.routing,
             *self.broker_args,
             *(("--zone", zone) if zone else ()),
-            *(("--gateway", f"{self.host}:0") if self.gateway else ()),
-            *(("--mqtt", f"{self.host}:0") if self.mqtt else ()),
+            *(("--gateway", f"{self.host}:{ports.get('gateway', 0)}") if self.gateway else ()),
+            *(("--mqtt", f"{self.host}:{ports.get('mqtt', 0)}") if self.mqtt else ()),
         ]
 
     def reload(self) -> None:
@@ -189,11 +192,24 @@ class LocalBackend:
 
     async def create_broker(self, name: str) -> None:
         info = self.brokers.get(name)
-        if info is not None and _alive(info["pid"]):
+        if info is not None and process_alive(info["pid"]):
             return
         stale = self._admins.pop(name, None)  # a dead process's admin API, at its old port
         if stale is not None:
             await stale.close()
+        # A broker restarted after it died comes back at its old addresses, as a Kubernetes
+        # pod keeps its name and ports: a client that knows only this broker finds it again
+        # within its failover time. A port taken meanwhile (by any process): free ones.
+        ports = _free(self.host, _ports(info)) if info is not None else {}
+        for pid, child in list(self._children.items()):
+            if child.poll() is not None:  # reaped: no zombie left behind
+                del self._children[pid]
+        if not await self._spawn(name, ports) and not await self._spawn(name, {}):
+            raise RuntimeError(f"broker {name}: a port is taken although asked for none")
+
+    async def _spawn(self, name: str, ports: Mapping[str, int]) -> bool:
+        """Start broker ``name`` on ``ports`` (the others free) and record it once ready.
+        False: a port asked for was taken (the broker exited saying so)."""
         log = self.dir / f"{name}.log"
         ready = self.dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
@@ -205,7 +221,8 @@ class LocalBackend:
                     pki=self.pki,
                     host=self.host,
                     routing=self.routing,
-                    extra_args=self.config_of(name)[1:],
+                    extra_args=self.config_of(name, ports)[1:],
+                    ports=ports,
                 ),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -230,8 +247,10 @@ class LocalBackend:
                         "config": self.config_of(name),
                     }
                     self.save()
-                    return
+                    return True
             if proc.poll() is not None:
+                if proc.returncode == EXIT_ADDRESS_IN_USE and ports:
+                    return False
                 raise RuntimeError(f"broker {name} exited with {proc.returncode}; see {log}")
             await asyncio.sleep(0.05)
         proc.kill()
@@ -300,12 +319,12 @@ class LocalBackend:
             async with asyncio.timeout(within):
                 return await self.admin(name).status()
         except (aiohttp.ClientError, OSError, AdminError, TimeoutError) as exc:
-            dead = not _alive(int(self.brokers[name]["pid"]))
+            dead = not process_alive(int(self.brokers[name]["pid"]))
             raise BrokerDownError(self._why_down(name, exc), dead=dead) from None
 
     def _why_down(self, name: str, exc: BaseException) -> str:
         info = self.brokers[name]
-        if not _alive(int(info["pid"])):
+        if not process_alive(int(info["pid"])):
             return f"broker {name} is dead (process {info['pid']} is gone; log: {info.get('log')})"
         return f"broker {name} does not answer at {info['admin']}: {exc or type(exc).__name__}"
 
@@ -315,7 +334,7 @@ class LocalBackend:
 
         async def one(name: str) -> dict[str, Any]:
             info = self.brokers[name]
-            if not _alive(int(info["pid"])):
+            if not process_alive(int(info["pid"])):
                 return {"state": "dead", "why": self._why_down(name, ProcessLookupError())}
             try:
                 status = await self._status_or_down(name, within)
@@ -350,7 +369,7 @@ class LocalBackend:
         """The running supervisor's pid, or None (no file, or its process is gone)."""
         with contextlib.suppress(OSError, ValueError):
             pid = int(self.supervisor_pid_file.read_text().strip())
-            if _alive(pid):
+            if process_alive(pid):
                 return pid
         return None
 
@@ -400,17 +419,26 @@ class LocalBackend:
         self.save()
 
 
-def _alive(pid: int) -> bool:
-    """The process runs (a zombie, killed but not yet reaped by its new parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    with contextlib.suppress(OSError, IndexError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-    return True
+def _free(host: str, ports: Mapping[str, int]) -> dict[str, int]:
+    """Those of ``ports`` nothing listens on now (as a broker binds: address reuse on, so a
+    connection of its last process waiting out its close does not count)."""
+    free = {}
+    for key, port in ports.items():
+        with contextlib.suppress(OSError), socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            free[key] = port
+    return free
+
+
+def _ports(info: Mapping[str, Any]) -> dict[str, int]:
+    """The ports a broker's record says it listened on (``listen``, ``link``, ``admin`` and,
+    when it served them, ``gateway`` and ``mqtt``)."""
+    return {
+        key: int(str(info[key]).rpartition(":")[2])
+        for key in ("listen", "link", "admin", "gateway", "mqtt")
+        if info.get(key)
+    }
 
 
 async def _stop(pid: int, within: float = 10.0) -> None:
@@ -422,7 +450,7 @@ async def _stop(pid: int, within: float = 10.0) -> None:
             done, _ = os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
             if done:
                 return
-        if not _alive(pid):
+        if not process_alive(pid):
             return
         await asyncio.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
