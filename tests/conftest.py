@@ -5,6 +5,11 @@
   (``@pytest.mark.looptime``): sleeps take no real time and their order is exact.
 * Async tests must not leak asyncio tasks: a task still pending when the test ends is a bug
   (a forgotten reader, an unawaited close), so the fixture below cancels it and fails the test.
+* Clients in the test process number their publications from 1, so that a test's assertions
+  on sequence numbers read as counts. By default a client starts from the clock
+  (``client.api.clock_seq``: a process restarted under the same id carries on above its
+  predecessor); tests marked ``clock_seq`` run with that default, as does every client in a
+  process of its own (``canopy pub``, the gateways inside the brokers, the demo).
 * Security is on in every test (issue 14): one CA for the session, named by ``$CANOPY_PKI``,
   from which every broker process gets its certificate and every client its credentials
   (``Credentials.from_env``). A test that wants plaintext says so (``insecure=True``).
@@ -21,6 +26,7 @@ from collections.abc import AsyncIterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+from canopy_broker.client import api
 from canopy_broker.client.credentials import ENV_PKI
 from canopy_broker.pki import LocalPki
 
@@ -50,6 +56,12 @@ async def no_leaked_tasks() -> AsyncIterator[None]:
     for t in leaked:
         t.cancel()
     assert not leaked, f"test leaked {len(leaked)} asyncio task(s): {leaked}"
+
+
+@pytest.fixture(autouse=True)
+def counted_sequences(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("clock_seq") is None:
+        monkeypatch.setattr(api, "clock_seq", lambda: 1)
 
 
 _PKI_ROOT = tempfile.mkdtemp(prefix="canopy-test-pki-")

@@ -39,13 +39,17 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from canopy_broker.client import Client, ClientError, Credentials, Gap, Notification, connect
+from canopy_broker.runtime.framing import FrameError, check_wire_attributes
 
 log = logging.getLogger("canopy.gateway")
 
 KEEPALIVE_SECONDS = 15.0
 MAX_BODY = 4 * 1024 * 1024
 MAX_BATCH = 10_000
-MAX_PUBLISHERS = 256  # publishing connections kept open between requests
+MAX_PUBLISHERS = 64  # publishing connections kept open between requests
+PUBLISHER_IDLE = 30.0  # seconds a kept publishing connection may go unused before it is closed
+BODY_TIMEOUT = 10.0  # seconds to receive a request's body
+MAX_STREAMS_PER_SOURCE = 64  # SSE and WebSocket streams at once from one remote address
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -60,7 +64,12 @@ class Gateway:
         self.broker = broker
         self.ca = ca
         self._publishers: dict[tuple[str | None, str | None], Client] = {}
-        self._locks: dict[tuple[str | None, str | None], asyncio.Lock] = {}
+        self._used: dict[tuple[str | None, str | None], float] = {}  # when, by key
+        # One lock per key while a request uses it or its connection is kept: a lock left for
+        # each refused token grew the gateway's memory without bound (review: 236 MB after
+        # 30,000 requests with made-up tokens).
+        self._locks: dict[tuple[str | None, str | None], tuple[asyncio.Lock, int]] = {}
+        self._streams: dict[str, int] = {}  # open SSE and WebSocket streams by remote address
 
     def credentials(self, request: web.Request) -> Credentials | web.Response:
         auth = request.headers.get("Authorization", "")
@@ -86,23 +95,53 @@ class Gateway:
 
     async def publisher(self, creds: Credentials, client_id: str | None) -> Client:
         """The kept connection for (token, client id), made if missing or closed. At most
-        ``MAX_PUBLISHERS`` are kept: the least recently used one is closed for a new one."""
+        ``MAX_PUBLISHERS`` are kept, none unused for more than ``PUBLISHER_IDLE`` seconds: the
+        least recently used one is closed for a new one. Each is a connection to the broker,
+        counted against its per-address limit with every other client of the gateways, so
+        callers inventing client ids must not make the gateway hold them (review: 256 kept,
+        the broker's whole allowance for the gateways' address, locked every new MQTT and HTTP
+        client out)."""
         key = (creds.token, client_id)
-        async with self._locks.setdefault(key, asyncio.Lock()):
-            client = self._publishers.pop(key, None)
-            if client is None or client.closed:
-                while len(self._publishers) >= MAX_PUBLISHERS:
-                    oldest = next(iter(self._publishers))
-                    self._locks.pop(oldest, None)
-                    await self._publishers.pop(oldest).close()
-                client = await self._connect(creds, client_id)
-            self._publishers[key] = client  # last: the most recently used
-            return client
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                await self.sweep()
+                client = self._publishers.pop(key, None)
+                if client is None or client.closed:
+                    while len(self._publishers) >= MAX_PUBLISHERS:
+                        await self._drop(next(iter(self._publishers)))
+                    client = await self._connect(creds, client_id)
+                self._publishers[key] = client  # last: the most recently used
+                self._used[key] = asyncio.get_running_loop().time()
+                return client
+        finally:
+            lock, users = self._locks[key]
+            if users > 1 or key in self._publishers:
+                self._locks[key] = (lock, users - 1)
+            else:
+                del self._locks[key]
+
+    async def sweep(self) -> None:
+        """Close the kept connections unused for ``PUBLISHER_IDLE`` seconds."""
+        stale = asyncio.get_running_loop().time() - PUBLISHER_IDLE
+        for key in [k for k, used in self._used.items() if used < stale]:
+            await self._drop(key)
+
+    async def _drop(self, key: tuple[str | None, str | None]) -> None:
+        self._used.pop(key, None)
+        client = self._publishers.pop(key, None)
+        held = self._locks.get(key)
+        if held is not None and held[1] == 0:
+            del self._locks[key]
+        if client is not None:
+            await client.close()
 
     async def close(self) -> None:
         for client in self._publishers.values():
             await client.close()
         self._publishers.clear()
+        self._used.clear()
 
     # -- handlers ----------------------------------------------------------------------------
 
@@ -111,7 +150,12 @@ class Gateway:
         if isinstance(creds, web.Response):
             return creds
         try:
-            body = orjson.loads(await request.read())
+            async with asyncio.timeout(BODY_TIMEOUT):
+                raw = await request.read()
+        except TimeoutError:
+            return _error(408, f"the body did not arrive within {BODY_TIMEOUT:g} s")
+        try:
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             return _error(400, f"the body is not JSON: {exc}")
         events = body if isinstance(body, list) else [body]
@@ -119,6 +163,12 @@ class Gateway:
             return _error(400, f"publish 1 to {MAX_BATCH} events, got {len(events)}")
         if not all(isinstance(e, dict) for e in events):
             return _error(400, "each event must be a JSON object of attributes")
+        for i, event in enumerate(events):  # all or nothing: none is sent if one is invalid
+            try:
+                check_wire_attributes(event)
+            except FrameError as exc:
+                where = f"event {i}: " if len(events) > 1 else ""
+                return _error(400, f"{where}{exc}")
         try:
             client = await self.publisher(creds, self.client_id(request))
             seqs = [client.publish_nowait(e) for e in events]
@@ -148,6 +198,28 @@ class Gateway:
         if not filters:
             yield _error(400, "give at least one filter: ?filter=...")
             return
+        source = request.remote or "?"
+        if self._streams.get(source, 0) >= MAX_STREAMS_PER_SOURCE:
+            # As the MQTT listener bounds its connections: the broker does not count its own
+            # gateways' clients by their addresses, the gateways do.
+            log.info(
+                "gateway: refused a stream from %s: %d open already", source, MAX_STREAMS_PER_SOURCE
+            )
+            yield _error(429, f"{MAX_STREAMS_PER_SOURCE} streams from {source} are open already")
+            return
+        self._streams[source] = self._streams.get(source, 0) + 1
+        try:
+            async with self._subscribed(creds, request, filters) as client:
+                yield client
+        finally:
+            left = self._streams.pop(source, 1) - 1
+            if left:
+                self._streams[source] = left
+
+    @contextlib.asynccontextmanager
+    async def _subscribed(
+        self, creds: Credentials, request: web.Request, filters: list[str]
+    ) -> AsyncIterator[Client | web.Response]:
         try:
             client = await self._connect(creds, self.client_id(request))
         except (ClientError, OSError) as exc:
@@ -276,17 +348,31 @@ def _status(exc: ClientError) -> int:
     return _STATUS.get(exc.code, 502)
 
 
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
 def make_gateway_app(broker: str, ca: Path | None) -> web.Application:
     """The gateway for the broker at ``broker`` (HOST:PORT), reached with ``ca`` (None:
     plaintext)."""
     gateway = Gateway(broker, ca)
     app = web.Application(client_max_size=MAX_BODY)
+    app[GATEWAY] = gateway
     app.router.add_post("/v1/publish", gateway.publish)
     app.router.add_get("/v1/subscribe", gateway.sse)
     app.router.add_get("/v1/ws", gateway.websocket)
 
-    async def closing(_app: web.Application) -> None:
+    async def sweeping(_app: web.Application) -> AsyncIterator[None]:
+        async def sweep() -> None:  # kept connections are closed once idle, requests or not
+            while True:
+                await asyncio.sleep(PUBLISHER_IDLE / 3)
+                await gateway.sweep()
+
+        task = asyncio.create_task(sweep())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         await gateway.close()
 
-    app.on_cleanup.append(closing)
+    app.cleanup_ctx.append(sweeping)
     return app

@@ -181,8 +181,51 @@ def downgrade(packet: bytes) -> bytes:
 # --------------------------------------------------------------------------- topics
 
 
+def parse(raw: bytes) -> object:
+    """A whole packet (in the MQTT 5 form) decoded by the codec. Whatever the codec fails
+    with is a malformed packet: that connection's end. Its Rust core can also panic (an
+    invalid UTF-8 string in some fields): ``PanicException``, a BaseException the gateway would
+    otherwise let escape its connection handler (review)."""
+    try:
+        packet, _ = mqtt5.read(memoryview(raw))
+    except (ValueError, IndexError) as exc:
+        raise MqttError(f"malformed packet: {exc}") from None
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise MqttError("malformed packet: the codec could not read it") from None
+    return packet
+
+
+MAX_TOPIC = 65_535  # bytes of UTF-8: MQTT's string length
+
+
+def _unprintable(text: str) -> bool:
+    """U+0000 (MQTT forbids it) or another control character (it advises against them, and
+    clients such as mosquitto_sub drop a connection that brings one)."""
+    return any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in text)
+
+
+def topic_name_problem(topic: str) -> str | None:
+    """Why ``topic`` cannot be an MQTT topic name (None: it can). Checked on publications
+    that come in, and on notifications that go out: another client may have published the
+    ``topic`` attribute with anything in it (review: a topic with a wildcard made the codec
+    raise in the middle of forwarding, which stopped that subscriber's notifications)."""
+    if not topic:
+        return "an empty topic name"
+    if "+" in topic or "#" in topic:
+        return f"a wildcard in the topic name {topic[:100]!r}"
+    if _unprintable(topic):
+        return f"a control character in the topic name {topic[:100]!r}"
+    if len(topic.encode(errors="surrogatepass")) > MAX_TOPIC:
+        return f"a topic name longer than {MAX_TOPIC} bytes"
+    return None
+
+
 def check_topic_filter(pattern: str) -> None:
     """Raise MqttError unless ``pattern`` is a valid MQTT topic filter."""
+    if _unprintable(pattern):
+        raise MqttError(f"a control character in the topic filter {pattern[:100]!r}")
     levels = pattern.split("/")
     for i, level in enumerate(levels):
         if ("#" in level and (level != "#" or i != len(levels) - 1)) or (
@@ -243,7 +286,8 @@ def event_of(topic: str, payload: bytes) -> dict[str, object]:
 
 
 def message_of(n: Notification) -> tuple[str, bytes]:
-    """The topic and payload a notification goes out with."""
+    """The topic and payload a notification goes out with (the topic may be no MQTT topic
+    name: see :func:`topic_name_problem`)."""
     attrs = n.attrs
     topic = attrs.get("topic")
     if not isinstance(topic, str) or not topic:
@@ -276,6 +320,20 @@ class Session:
         # still gets its answer (a SUBACK saying what was refused) before the connection ends.
         self._client_gone = False
         self._handling = False
+        self.unsendable = 0  # notifications no MQTT message can carry (skipped)
+
+    def _unsendable(self, n: Notification, problem: str) -> None:
+        """A notification this subscriber asked for that no MQTT PUBLISH can carry: skipped,
+        so that the others still go out; said in the log the first time for this session."""
+        self.unsendable += 1
+        if self.unsendable == 1:
+            log.warning(
+                "mqtt: %s: %s:%d cannot go out over MQTT (%s); skipping such notifications",
+                self.client.client_id,
+                n.publisher,
+                n.seq,
+                problem,
+            )
 
     def send(self, packet: bytes) -> None:
         self.writer.write(packet if self.version == V5 else downgrade(packet))
@@ -311,11 +369,7 @@ class Session:
 
     async def _handle(self, first: int, body: bytes) -> bool:
         """One packet from the client; False when the connection is to end."""
-        raw = _frame(first, body) if self.version == V5 else upgrade(first, body)
-        try:
-            packet, _ = mqtt5.read(memoryview(raw))
-        except (ValueError, IndexError) as exc:
-            raise MqttError(f"malformed packet: {exc}") from None
+        packet = parse(_frame(first, body) if self.version == V5 else upgrade(first, body))
         if isinstance(packet, mqtt5.PublishPacket):
             return await self._publish(packet)
         if isinstance(packet, mqtt5.SubscribePacket):
@@ -339,6 +393,9 @@ class Session:
     async def _publish(self, p: mqtt5.PublishPacket) -> bool:
         if p.qos == mqtt5.QoS.EXACTLY_ONCE:
             return self._refuse(mqtt5.DisconnectReasonCode.QOS_NOT_SUPPORTED, "QoS 2")
+        problem = topic_name_problem(p.topic)
+        if problem is not None:  # a malformed PUBLISH (MQTT 4.7.3): never passed on
+            return self._refuse(mqtt5.DisconnectReasonCode.TOPIC_NAME_INVALID, problem)
         try:
             self.client.publish_nowait(event_of(p.topic, p.payload))  # type: ignore[arg-type]
         except ClientError as exc:  # the broker had ended the client (a refused publication)
@@ -430,12 +487,22 @@ class Session:
                         qos = max(qos, sub[1])
                 if qos < 0:
                     continue  # only a wider filter matched: not this topic
+                problem = topic_name_problem(topic)
+                if problem is not None:
+                    self._unsendable(n, problem)
+                    continue
                 packet_id = None
                 if qos:
                     self._next_packet_id = self._next_packet_id % 65535 + 1
                     packet_id = self._next_packet_id
-                out = mqtt5.PublishPacket(topic, payload, qos=mqtt5.QoS(qos), packet_id=packet_id)
-                self.send(out.write())
+                try:
+                    out = mqtt5.PublishPacket(
+                        topic, payload, qos=mqtt5.QoS(qos), packet_id=packet_id
+                    ).write()
+                except ValueError as exc:  # anything else the codec refuses: that one only
+                    self._unsendable(n, str(exc))
+                    continue
+                self.send(out)
             await self.writer.drain()
         self._client_gone = True
         if not self._handling:  # else the handler answers first, then the connection ends
@@ -496,11 +563,7 @@ class MqttGateway:
             writer.write(bytes([CONNACK << 4, 2, 0, 1]))
             raise MqttError(f"protocol {name!r} level {level}: MQTT 3.1.1 and 5 are spoken")
         version = level
-        raw = _frame(first, body) if version == V5 else upgrade(first, body)
-        try:
-            connect_packet, _ = mqtt5.read(memoryview(raw))
-        except (ValueError, IndexError) as exc:
-            raise MqttError(f"malformed CONNECT: {exc}") from None
+        connect_packet = parse(_frame(first, body) if version == V5 else upgrade(first, body))
         assert isinstance(connect_packet, mqtt5.ConnectPacket)
 
         def connack(code: mqtt5.ConnAckReasonCode, **extra: object) -> None:

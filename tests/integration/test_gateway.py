@@ -15,6 +15,8 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
 from canopy_broker import gateway as gw
 from canopy_broker.client import Credentials, connect
@@ -79,7 +81,9 @@ async def test_http_clients_publish_and_subscribe_with_the_brokers_guarantees(
             await native.subscribe("kind = 'temp'")
             await wait_settled([a, b])  # the routes reached both brokers
 
-            # 200 events by POST on a, in batches of 20.
+            # 200 events by POST on a, in batches of 20, numbered on from the first (the
+            # gateway's client starts from the clock).
+            start_seq = None
             for first in range(0, 200, 20):
                 batch = [{"kind": "temp", "value": v} for v in range(first, first + 20)]
                 r = await http.post(
@@ -89,7 +93,9 @@ async def test_http_clients_publish_and_subscribe_with_the_brokers_guarantees(
                 )
                 assert r.status == 200, await r.text()
                 body = await r.json()
-                assert body["published"] == 20 and body["last_seq"] == first + 20
+                start_seq = start_seq or body["first_seq"]
+                assert body["published"] == 20
+                assert body["last_seq"] == start_seq + first + 19
                 assert body["client_id"] == "writer/post"
             # A reader's WebSocket may not publish: the broker refuses, the reply says so.
             wpub = await http.ws_connect(
@@ -111,7 +117,7 @@ async def test_http_clients_publish_and_subscribe_with_the_brokers_guarantees(
             over_ws = await asyncio.wait_for(ws_all(200), 20)
             assert [m["attrs"]["value"] for m in over_ws] == list(range(200))
             assert {(m["publisher"], m["hops"]) for m in over_ws} == {("writer/post", 0)}
-            assert [m["seq"] for m in over_ws] == list(range(1, 201))
+            assert [m["seq"] for m in over_ws] == list(range(start_seq, start_seq + 200))
             async with asyncio.timeout(20):
                 while len(got_sse) < 179:  # noqa: ASYNC110 - filled by the reading task
                     await asyncio.sleep(0.05)
@@ -122,7 +128,7 @@ async def test_http_clients_publish_and_subscribe_with_the_brokers_guarantees(
                 more = await native.receive(1000, timeout=5)
                 assert more, f"the native client got {len(mine)} of 200"
                 mine += more
-            assert [n.seq for n in mine] == list(range(1, 201))
+            assert [n.seq for n in mine] == list(range(start_seq, start_seq + 200))
 
             await ws.close()
             sse.close()
@@ -177,9 +183,18 @@ async def test_the_gateway_refuses_what_the_policy_or_the_request_gets_wrong(
                 "GET", "/v1/subscribe", params={"filter": "kind = 'alarm'"}, headers=bearer(READER)
             )
             assert code == 403, why  # not covered by the reader's subscribe filters
+            # A batch with one invalid event is refused whole: nothing of it is published
+            # (the next publication's number follows the last one accepted).
+            r = await http.post(f"{base}/v1/publish", data=temp, headers=bearer(WRITER))
+            assert r.status == 200, await r.text()
+            last = (await r.json())["last_seq"]
+            bad = orjson.dumps([{"kind": "temp", "value": 2}, {"kind": "temp", "value": None}])
+            code, why = await status("POST", "/v1/publish", data=bad, headers=bearer(WRITER))
+            assert code == 400 and why.startswith("event 1: "), why
             # The broker is unharmed: a good request still works.
             r = await http.post(f"{base}/v1/publish", data=temp, headers=bearer(WRITER))
             assert r.status == 200, await r.text()
+            assert (await r.json())["first_seq"] == last + 1
     finally:
         await asyncio.gather(a.stop(), b.stop())
 
@@ -215,3 +230,91 @@ async def test_the_gateway_keeps_a_bounded_number_of_publishing_connections(
     assert b.closed and not a.closed and len(made) == 3
     await g.close()
     assert all(f.closed for f in made)
+
+
+async def test_the_gateway_forgets_refused_callers_and_closes_idle_connections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Nothing is kept for a (token, client id) whose connection the broker refused: a lock
+    kept for each made-up token grew the gateway's memory without bound (review). A kept
+    connection unused for ``PUBLISHER_IDLE`` seconds is closed, requests or not: each one
+    counts against the broker's per-address limit, shared by every client of the gateways."""
+
+    class Fake:
+        def __init__(self) -> None:
+            self.client_id, self.closed = "x", False
+
+        async def close(self) -> None:
+            self.closed = True
+
+    async def refused(self: gw.Gateway, creds: Credentials, cid: str | None) -> Fake:
+        raise OSError("refused")
+
+    monkeypatch.setattr(gw.Gateway, "_connect", refused)
+    g = gw.Gateway("127.0.0.1:1", None)
+    for i in range(1000):
+        with pytest.raises(OSError):
+            await g.publisher(Credentials(token=f"made-up-{i}"), None)
+    assert not g._locks and not g._publishers
+
+    kept = Fake()
+
+    async def accepted(self: gw.Gateway, creds: Credentials, cid: str | None) -> Fake:
+        return kept
+
+    monkeypatch.setattr(gw.Gateway, "_connect", accepted)
+    monkeypatch.setattr(gw, "PUBLISHER_IDLE", 0.2)
+    app = gw.make_gateway_app("127.0.0.1:1", None)
+    runner = web.AppRunner(app)
+    await runner.setup()  # starts the sweeping task
+    try:
+        gateway = app[gw.GATEWAY]
+        assert await gateway.publisher(Credentials(token="t"), "c") is kept
+        async with asyncio.timeout(5):
+            while not kept.closed:  # noqa: ASYNC110 - the sweep closes it
+                await asyncio.sleep(0.05)
+        assert not gateway._publishers and not gateway._locks
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_gateway_bounds_the_streams_from_one_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SSE and WebSocket streams are bounded per remote address (429 past it), as MQTT
+    connections are: the broker does not count its gateways' clients by their addresses (they
+    all reach it from its own), so the gateways must (review: 250 streams from one address
+    locked every new client out)."""
+
+    class Quiet:
+        client_id, closed, gaps = "q", False, []
+
+        async def subscribe(self, f: str, sub_id: str) -> str:
+            return sub_id
+
+        async def receive(self, n: int, timeout: float | None) -> list[Any]:  # noqa: ASYNC109
+            await asyncio.sleep(timeout or 3600)
+            return []
+
+        async def close(self) -> None:
+            self.closed = True
+
+    async def quiet(self: gw.Gateway, creds: Credentials, cid: str | None) -> Quiet:
+        return Quiet()
+
+    monkeypatch.setattr(gw.Gateway, "_connect", quiet)
+    monkeypatch.setattr(gw, "MAX_STREAMS_PER_SOURCE", 2)
+    async with TestClient(TestServer(gw.make_gateway_app("127.0.0.1:1", None))) as http:
+        open_ = [await http.get("/v1/subscribe", params={"filter": "n > 0"}) for _ in range(2)]
+        assert [r.status for r in open_] == [200, 200]
+        refused = await http.get("/v1/subscribe", params={"filter": "n > 0"})
+        assert refused.status == 429 and "2 streams" in (await refused.json())["error"]
+        open_[0].close()
+        async with asyncio.timeout(10):
+            while True:  # the gateway notices the end of that stream, then takes another
+                again = await http.get("/v1/subscribe", params={"filter": "n > 0"})
+                if again.status == 200:
+                    break
+                await asyncio.sleep(0.05)
+        again.close()
+        open_[1].close()

@@ -24,7 +24,7 @@ from paho.mqtt import client as paho
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
-from canopy_broker.client import connect
+from canopy_broker.client import Client, connect
 from canopy_broker.mqtt import MAX_PACKET
 from canopy_broker.procs import BrokerProc, wait_settled
 from tests.integration.token_pair import READER, WRITER, linked_pair, token_policy
@@ -117,6 +117,15 @@ async def read_to_end(reader: asyncio.StreamReader) -> bytes:
         return b""
 
 
+async def shut(clients: list[Mqtt], native: Client | None, *brokers: BrokerProc) -> None:
+    """Stop the test's MQTT clients, its native client and its brokers."""
+    for c in clients:
+        c.stop()
+    if native is not None:
+        await native.close()
+    await asyncio.gather(*(b.stop() for b in brokers))
+
+
 async def until(test: Callable[[], bool], what: str, within: float = 20.0) -> None:
     deadline = time.monotonic() + within
     while not test():
@@ -170,7 +179,8 @@ async def test_mqtt_clients_publish_and_subscribe_with_the_brokers_guarantees(
             more = await native.receive(1000, timeout=5)
             assert more, f"the native client got {len(mine)} of 250"
             mine += more
-        assert [n.seq for n in mine] == list(range(1, 251))  # one publisher, in order
+        seqs = [n.seq for n in mine]  # one publisher, in order (numbered from the clock)
+        assert seqs == list(range(seqs[0], seqs[0] + 250))
         assert {n.publisher for n in mine} == {"writer/dev"}
         assert mine[0].attrs == {"topic": "sensors/k1/temp", "value": 0}
 
@@ -203,11 +213,7 @@ async def test_mqtt_clients_publish_and_subscribe_with_the_brokers_guarantees(
             "sensors/cli/x hello world",
         ]
     finally:
-        for c in clients:
-            c.stop()
-        if native is not None:
-            await native.close()
-        await asyncio.gather(a.stop(), b.stop())
+        await shut(clients, native, a, b)
 
 
 async def test_the_mqtt_gateway_refuses_what_the_policy_or_the_protocol_gets_wrong(
@@ -297,3 +303,68 @@ async def test_the_mqtt_gateway_refuses_what_the_policy_or_the_protocol_gets_wro
         for c in clients:
             c.stop()
         await asyncio.gather(a.stop(), b.stop())
+
+
+async def test_a_topic_no_mqtt_message_can_carry_costs_that_notification_only(
+    tmp_path: Path,
+) -> None:
+    """Any client may give the ``topic`` attribute any text: a wildcard, a control character,
+    more than MQTT's 65,535 bytes. Such a notification is skipped for MQTT subscribers (no
+    PUBLISH can carry it), and the next ones still go out (review: the codec raised in the
+    middle of forwarding, and that subscriber heard nothing more while its connection stayed
+    up). Over MQTT, a PUBLISH with such a topic name is malformed (DISCONNECT 0x90), and one
+    the codec cannot even read (an invalid UTF-8 topic, on which its Rust core panics) closes
+    that connection only, with no traceback in the broker's log."""
+    a, b, ca = await start(tmp_path)
+    clients: list[Mqtt] = []
+    native = None
+    try:
+        assert a.mqtt
+        v311 = Mqtt(a.mqtt, ca, "reader/all", READER, v5=False)
+        v5 = Mqtt(a.mqtt, ca, "reader/all5", READER, v5=True)
+        clients += [v311, v5]
+        for c in clients:
+            assert not (await c.start()).is_failure
+            assert await c.subscribe(("sensors/#", 1)) == [1]
+        native = await connect(b.listen, "poisoner")
+        await wait_settled([a, b])
+        for topic in ("sensors/+", "sensors/#", "sensors/a\x01b", "sensors/" + "x" * 70_000):
+            native.publish_nowait({"topic": topic, "n": 0})
+        native.publish_nowait({"topic": "sensors/ok", "n": 1})
+        await native.flush()
+        for c in (v311, v5):
+            assert await c.wait_messages(1) == [("sensors/ok", b'{"n":1}', 1)]
+            assert c.c.is_connected() and not c.dropped.is_set()
+
+        ctx = ssl.create_default_context(cafile=str(ca))
+        ctx.check_hostname = False
+        host, port = a.mqtt.rsplit(":", 1)
+        for topic, told in (
+            (b"sensors/+", True),
+            (b"sensors/\x00", True),
+            (b"x\x1a\xa1\xc4", False),
+        ):
+            reader_s, writer_s = await asyncio.open_connection(host, int(port), ssl=ctx)
+            writer_s.write(mqtt5.ConnectPacket("writer/bad", password=WRITER.encode()).write())
+            connack, _ = mqtt5.read(memoryview(await reader_s.read(4096)))
+            assert isinstance(connack, mqtt5.ConnAckPacket), connack
+            body = len(topic).to_bytes(2, "big") + topic + b"\x00\x01" + b"\x00" + b"hi"
+            writer_s.write(bytes([0x32, len(body)]) + body)  # PUBLISH, QoS 1, packet id 1
+            answer = await asyncio.wait_for(read_to_end(reader_s), 15)
+            if told:
+                packet, _ = mqtt5.read(memoryview(answer))
+                assert isinstance(packet, mqtt5.DisconnectPacket), (topic, packet)
+                assert packet.reason_code == mqtt5.DisconnectReasonCode.TOPIC_NAME_INVALID
+            else:
+                assert answer == b"", (topic, answer)
+            writer_s.close()
+        native.publish_nowait({"topic": "sensors/ok", "n": 2})
+        await native.flush()
+        for c in (v311, v5):
+            assert [m[1] for m in await c.wait_messages(2)] == [b'{"n":1}', b'{"n":2}']
+        assert a.log_path is not None
+        log = await asyncio.to_thread(a.log_path.read_text)
+        assert "Unhandled exception" not in log and "PanicException" not in log, log[-3000:]
+        assert "cannot go out over MQTT" in log
+    finally:
+        await shut(clients, native, a, b)

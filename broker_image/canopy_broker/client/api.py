@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
@@ -88,6 +89,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
         on_gap: Callable[[Gap], None] | None = None,
         credentials: Credentials | None = None,
         on_notifications: NotificationCallback | None = None,
+        first_seq: int | None = None,
     ) -> None:
         self.client_id = client_id or ""
         self._on_notifications: NotificationCallback | None = None
@@ -116,7 +118,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
         self._lock = asyncio.Lock()  # migrations and subscription changes, one at a time
         self._redirect: asyncio.Task[None] | None = None
         self._tasks = TaskSet(f"client {client_id or '(unnamed)'}")
-        self._seq = 0
+        self._seq = check_first_seq(first_seq if first_seq is not None else clock_seq()) - 1
         self._sub_counter = 0
         self._inbox: deque[Notification] = deque()
         self._inbox_waiter: asyncio.Future[None] | None = None
@@ -592,6 +594,29 @@ class Client(FailingOver, Migrating, AsyncClosing):
         return self._seq
 
 
+MAX_SEQ = 2**63 - 1
+"""The largest sequence number the broker takes (a signed 64-bit integer, as on the wire)."""
+
+
+def clock_seq() -> int:
+    """Where a client's sequence numbers start by default: the wall clock, in microseconds.
+
+    ``publisher:seq`` names an event, and a subscriber that failed over keeps only what is newer
+    than the last it got from each publisher (the duplicates a resume or a repair's replay
+    brings). A process that restarts under the same client id and counted from 1 again had
+    every event dropped by such subscribers, silently, until it passed its predecessor's count;
+    a broker's retention could even hold the old events and serve them first (review). Started
+    from the clock, a new process starts above everything the last one published, as long as
+    that one published under a million a second on average, and the clock did not go back."""
+    return time.time_ns() // 1000
+
+
+def check_first_seq(seq: int) -> int:
+    if type(seq) is not int or not 1 <= seq <= MAX_SEQ:
+        raise ValueError(f"first_seq must be an integer from 1 to {MAX_SEQ}, got {seq!r}")
+    return seq
+
+
 async def connect(
     address: str | Sequence[str],
     client_id: str | None = None,
@@ -602,6 +627,7 @@ async def connect(
     on_gap: Callable[[Gap], None] | None = None,
     credentials: Credentials | None = None,
     on_notifications: NotificationCallback | None = None,
+    first_seq: int | None = None,
 ) -> Client:
     """Connect to a broker at ``HOST:PORT`` as ``client_id`` (the broker picks one if None).
 
@@ -624,7 +650,11 @@ async def connect(
     with a callback nothing queues in the client, so the socket is never paused for a full
     inbox, and a callback that stores into an unbounded queue of its own grows without bound
     (the broker's slow-consumer protection sees only a client that reads). What it raises goes
-    to the loop's exception handler; the connection stays up."""
+    to the loop's exception handler; the connection stays up.
+
+    ``first_seq``: the sequence number of the first publication. By default
+    :func:`clock_seq`, so that a process that restarts under the same client id carries on
+    above its predecessor; an application that keeps its own count gives it here."""
     addresses = parse_addresses(address)
     client = Client(
         client_id,
@@ -634,6 +664,7 @@ async def connect(
         on_gap=on_gap,
         credentials=credentials,
         on_notifications=on_notifications,
+        first_seq=first_seq,
     )
     errors: list[str] = []
     for i, addr in enumerate(addresses):

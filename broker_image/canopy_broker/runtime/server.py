@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import ipaddress
 import logging
 import math
 import ssl
@@ -178,6 +180,17 @@ class ExchangeRecord:
 
 
 _MARKER = dumps([B_MARKER])
+
+
+@functools.lru_cache(maxsize=1024)
+def is_loopback(source: str) -> bool:
+    """Whether a peer's address is this host's loopback (an IPv4-mapped one too)."""
+    try:
+        address = ipaddress.ip_address(source)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool((mapped or address).is_loopback)
 
 
 PROBE_ANSWER_MAX = 65_536
@@ -603,6 +616,12 @@ class Broker:
         transport = conn.transport
         peer = transport.get_extra_info("peername") if transport is not None else None
         conn.source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if is_loopback(conn.source):
+            # This host's own: its gateways' sessions (every MQTT and HTTP gateway client is a
+            # client of its broker from here, and the gateways limit them by their own remote
+            # addresses); on Kubernetes nothing else shares a pod's loopback. Counted together,
+            # a few hundred gateway clients from anywhere locked every new client out (review).
+            return
         n = self._per_source.get(conn.source, 0) + 1
         self._per_source[conn.source] = n
         if n > self.config.max_connections_per_source:

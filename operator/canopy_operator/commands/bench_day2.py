@@ -111,14 +111,15 @@ class Traffic:
         return {s: len(r) for s, r in self.received.items()}
 
     async def verdict(self, since: dict[str, int], first: int, last: int) -> dict[str, int]:
-        """Lost, duplicated, reordered among ``first..last`` for every subscriber (waiting up
-        to 20 s for stragglers)."""
+        """Lost, duplicated, reordered among events ``first..last`` (their ``n``, which the
+        publisher counts from 1; its sequence numbers start from the clock) for every
+        subscriber (waiting up to 20 s for stragglers)."""
         async with asyncio.timeout(20):
-            while any(not r or r[-1].seq < last for r in self.received.values()):  # noqa: ASYNC110
+            while any(not r or _n(r[-1]) < last for r in self.received.values()):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         lost = dup = reordered = 0
         for sub, got in self.received.items():
-            seqs = [n.seq for n in got[since.get(sub, 0) :] if first <= n.seq <= last]
+            seqs = [_n(n) for n in got[since.get(sub, 0) :] if first <= _n(n) <= last]
             seen = Counter(seqs)
             lost += sum(1 for n in range(first, last + 1) if n not in seen)
             dup += sum(c - 1 for c in seen.values())
@@ -232,3 +233,8 @@ async def roll_scenario(backend: LocalBackend, traffic: Traffic, spec: Any) -> d
         "subscribers": len(traffic.received),
         **counts,
     }
+
+
+def _n(notification: Notification) -> int:
+    n = notification.attrs.get("n")
+    return n if type(n) is int else 0
