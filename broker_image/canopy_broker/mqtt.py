@@ -124,6 +124,8 @@ async def read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     length, shift = 0, 0
     for _ in range(4):
         b = (await reader.readexactly(1))[0]
+        if shift and not b:  # a last byte of 0 after others: not the shortest form (1.5.5)
+            raise MqttError("malformed remaining length (not in its shortest form)")
         length |= (b & 0x7F) << shift
         shift += 7
         if not b & 0x80:
@@ -370,6 +372,10 @@ class Session:
     async def _handle(self, first: int, body: bytes) -> bool:
         """One packet from the client; False when the connection is to end."""
         packet = parse(_frame(first, body) if self.version == V5 else upgrade(first, body))
+        if getattr(packet, "packet_id", None) == 0 and (
+            not isinstance(packet, mqtt5.PublishPacket) or packet.qos != mqtt5.QoS.AT_MOST_ONCE
+        ):  # a packet that needs an identifier needs a non-zero one (2.2.1)
+            raise MqttError(f"malformed {type(packet).__name__}: packet identifier 0")
         if isinstance(packet, mqtt5.PublishPacket):
             return await self._publish(packet)
         if isinstance(packet, mqtt5.SubscribePacket):
@@ -563,6 +569,8 @@ class MqttGateway:
             writer.write(bytes([CONNACK << 4, 2, 0, 1]))
             raise MqttError(f"protocol {name!r} level {level}: MQTT 3.1.1 and 5 are spoken")
         version = level
+        if at + 1 < len(body) and body[at + 1] & 1:  # the CONNECT flags' reserved bit (3.1.2.3)
+            raise MqttError("malformed CONNECT: the reserved flag is set")
         connect_packet = parse(_frame(first, body) if version == V5 else upgrade(first, body))
         assert isinstance(connect_packet, mqtt5.ConnectPacket)
 

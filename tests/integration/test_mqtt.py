@@ -358,6 +358,28 @@ async def test_a_topic_no_mqtt_message_can_carry_costs_that_notification_only(
             else:
                 assert answer == b"", (topic, answer)
             writer_s.close()
+        # What MQTT calls malformed, the connection closed with nothing answered: a length not
+        # in its shortest form, a CONNECT with its reserved flag set, a SUBSCRIBE whose packet
+        # identifier is 0.
+        good = mqtt5.ConnectPacket("writer/r", password=WRITER.encode()).write()
+        assert good[1] < 0x80  # its length in one byte: say it in two, 0x80 | n, 0
+        longhand = bytes([good[0], good[1] | 0x80, 0]) + good[2:]
+        flagged = bytearray(good)
+        flagged[9] |= 1  # the CONNECT flags byte, after the header, "MQTT" and the level
+        sub0 = b"\x00\x00" + b"\x00" + b"\x00\x09sensors/x\x01"  # packet id 0, no properties
+        for opening, then in (
+            (longhand, b""),
+            (bytes(flagged), b""),
+            (mqtt5.ConnectPacket("reader/z", password=READER.encode()).write(), sub0),
+        ):
+            reader_s, writer_s = await asyncio.open_connection(host, int(port), ssl=ctx)
+            writer_s.write(opening)
+            if then:
+                connack, _ = mqtt5.read(memoryview(await reader_s.read(4096)))
+                assert isinstance(connack, mqtt5.ConnAckPacket), connack
+                writer_s.write(bytes([0x82, len(then)]) + then)
+            assert await asyncio.wait_for(read_to_end(reader_s), 15) == b"", opening
+            writer_s.close()
         native.publish_nowait({"topic": "sensors/ok", "n": 2})
         await native.flush()
         for c in (v311, v5):
