@@ -96,11 +96,10 @@ class Gateway:
     async def publisher(self, creds: Credentials, client_id: str | None) -> Client:
         """The kept connection for (token, client id), made if missing or closed. At most
         ``MAX_PUBLISHERS`` are kept, none unused for more than ``PUBLISHER_IDLE`` seconds: the
-        least recently used one is closed for a new one. Each is a connection to the broker,
-        counted against its per-address limit with every other client of the gateways, so
-        callers inventing client ids must not make the gateway hold them (review: 256 kept,
-        the broker's whole allowance for the gateways' address, locked every new MQTT and HTTP
-        client out)."""
+        least recently used one is closed for a new one. Each is a connection to the broker
+        held open, so callers inventing client ids must not make the gateway hold them for
+        ever (review: 256 kept for good, then the broker's whole allowance for the gateways'
+        address, locked every new MQTT and HTTP client out)."""
         key = (creds.token, client_id)
         lock, users = self._locks.get(key, (asyncio.Lock(), 0))
         self._locks[key] = (lock, users + 1)
