@@ -603,9 +603,11 @@ def clock_seq() -> int:
 
     ``publisher:seq`` names an event, and a subscriber that failed over keeps only what is newer
     than the last it got from each publisher (the duplicates a resume or a repair's replay
-    brings). A process that restarts under the same client id and counted from 1 again had
-    every event dropped by such subscribers, silently, until it passed its predecessor's count;
-    a broker's retention could even hold the old events and serve them first (review). Started
+    brings), and the brokers' replays go by the same name. A process that restarted under the
+    same client id and counted from 1 again had its events taken for ones already seen and
+    dropped, silently, until it passed its predecessor's count (review: 570 lost at a
+    subscriber whose broker nobody touched; a broker's retention even served the old events
+    first to one that failed over). Started
     from the clock, a new process starts above everything the last one published, as long as
     that one published under a million a second on average, and the clock did not go back."""
     return time.time_ns() // 1000
