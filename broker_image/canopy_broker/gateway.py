@@ -39,6 +39,7 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from canopy_broker.client import Client, ClientError, Credentials, Gap, Notification, connect
+from canopy_broker.runtime.conn import SourceCounts
 from canopy_broker.runtime.framing import FrameError, check_wire_attributes
 
 log = logging.getLogger("canopy.gateway")
@@ -69,7 +70,7 @@ class Gateway:
         # each refused token grew the gateway's memory without bound (review: 236 MB after
         # 30,000 requests with made-up tokens).
         self._locks: dict[tuple[str | None, str | None], tuple[asyncio.Lock, int]] = {}
-        self._streams: dict[str, int] = {}  # open SSE and WebSocket streams by remote address
+        self._streams = SourceCounts(MAX_STREAMS_PER_SOURCE)  # SSE and WebSocket streams
 
     def credentials(self, request: web.Request) -> Credentials | web.Response:
         auth = request.headers.get("Authorization", "")
@@ -198,22 +199,18 @@ class Gateway:
             yield _error(400, "give at least one filter: ?filter=...")
             return
         source = request.remote or "?"
-        if self._streams.get(source, 0) >= MAX_STREAMS_PER_SOURCE:
+        if not self._streams.take(source):
             # As the MQTT listener bounds its connections: the broker does not count its own
             # gateways' clients by their addresses, the gateways do.
-            log.info(
-                "gateway: refused a stream from %s: %d open already", source, MAX_STREAMS_PER_SOURCE
-            )
-            yield _error(429, f"{MAX_STREAMS_PER_SOURCE} streams from {source} are open already")
+            limit = self._streams.limit
+            log.info("gateway: refused a stream from %s: %d open already", source, limit)
+            yield _error(429, f"{limit} streams from {source} are open already")
             return
-        self._streams[source] = self._streams.get(source, 0) + 1
         try:
             async with self._subscribed(creds, request, filters) as client:
                 yield client
         finally:
-            left = self._streams.pop(source, 1) - 1
-            if left:
-                self._streams[source] = left
+            self._streams.give_back(source)
 
     @contextlib.asynccontextmanager
     async def _subscribed(

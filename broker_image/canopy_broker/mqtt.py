@@ -48,6 +48,7 @@ import orjson
 
 from canopy_broker.client import Client, ClientError, Credentials, Notification, connect
 from canopy_broker.core.filters import Filter, FilterError
+from canopy_broker.runtime.conn import SourceCounts
 
 log = logging.getLogger("canopy.mqtt")
 
@@ -522,24 +523,22 @@ class MqttGateway:
         self.broker = broker
         self.ca = ca
         self.sessions: set[asyncio.Task[None]] = set()
-        # Every MQTT connection is a client connection of the broker from this process, so the
-        # broker's own per-source limit sees them all as one source: this one tells remote
-        # addresses apart, so that one of them cannot take every slot.
-        self.max_per_source = max_per_source
-        self._per_source: dict[str, int] = {}
+        # Every MQTT connection is a client connection of the broker from this process, which
+        # the broker does not count by address (it is its own loopback): this listener bounds
+        # them by their remote addresses, so that one of them cannot take every slot.
+        self._sources = SourceCounts(max_per_source)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if peer else ""
-        if self._per_source.get(source, 0) >= self.max_per_source:
+        if not self._sources.take(source):
             log.warning(
-                "mqtt: refused a connection from %s: %d open already", source, self.max_per_source
+                "mqtt: refused a connection from %s: %d open already", source, self._sources.limit
             )
             writer.close()
             return
-        self._per_source[source] = self._per_source.get(source, 0) + 1
         self.sessions.add(task)
         try:
             await self._connection(reader, writer)
@@ -551,9 +550,7 @@ class MqttGateway:
             pass  # gone, silent past its keep-alive, or never sent CONNECT
         finally:
             self.sessions.discard(task)
-            left = self._per_source.pop(source, 1) - 1
-            if left:
-                self._per_source[source] = left
+            self._sources.give_back(source)
             writer.close()
             with contextlib.suppress(ConnectionError, ssl.SSLError):
                 await writer.wait_closed()

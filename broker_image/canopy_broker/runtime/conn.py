@@ -21,6 +21,32 @@ from canopy_broker.runtime.security import Identity, transport_identity
 log = logging.getLogger("canopy.broker")
 
 
+class SourceCounts:
+    """What is open from each remote address (connections, streams), at most ``limit`` each:
+    a listener takes one before it spends anything on a stranger, and gives it back when that
+    ends. Shared by the broker's listeners and its gateways, which each count their own."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: dict[str, int] = {}
+
+    def count(self, source: str) -> int:
+        return self._open.get(source, 0)
+
+    def take(self, source: str) -> bool:
+        """One more from ``source``; False, and nothing counted, when it has ``limit`` open."""
+        n = self._open.get(source, 0)
+        if n >= self.limit:
+            return False
+        self._open[source] = n + 1
+        return True
+
+    def give_back(self, source: str) -> None:
+        left = self._open.pop(source, 0) - 1
+        if left > 0:
+            self._open[source] = left
+
+
 class ConnOwner(Protocol):
     """What a connection needs from the broker process that owns it.
 
@@ -72,7 +98,7 @@ class Conn(FrameProtocol):
         self.client: Client | None = None
         self.dialing = dial is not None
         self.opened_at = 0.0  # accepted: when (the loop's clock), for the hello timeout
-        self.source = ""  # accepted: the remote address, for the per-source limit
+        self.source = ""  # accepted: the remote address, once counted for the per-source limit
         self.handshake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # A dialer that gave up (its hello timed out, the broker stops) no longer awaits the
         # outcome; the failure is logged where the connection fails, so mark it seen here.

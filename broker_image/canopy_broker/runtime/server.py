@@ -69,7 +69,7 @@ from canopy_broker.core.messages import (
 )
 from canopy_broker.runtime.client_sessions import ClientSessions
 from canopy_broker.runtime.config import BrokerConfig
-from canopy_broker.runtime.conn import Conn
+from canopy_broker.runtime.conn import Conn, SourceCounts
 from canopy_broker.runtime.eventloop import loop_name
 from canopy_broker.runtime.framing import (
     B_CUT_OFF,
@@ -276,7 +276,7 @@ class Broker:
         self._delivered = 0  # notifications queued to clients, not yet in the metrics
         self._over: set[Link | Client] = set()
         self._lagging: set[Client] = set()  # slow consumers under the disconnect policy
-        self._per_source: dict[str, int] = {}  # accepted connections per remote address
+        self._sources = SourceCounts(config.max_connections_per_source)  # accepted ones
         self.publishers_paused = False
         self.custody_full = False  # a link's retention is at its limit: publishers wait
         self._warned: set[str] = set()
@@ -615,23 +615,23 @@ class Broker:
         conn.opened_at = self._loop.time()
         transport = conn.transport
         peer = transport.get_extra_info("peername") if transport is not None else None
-        conn.source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        if is_loopback(conn.source):
+        source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if is_loopback(source):
             # This host's own: its gateways' sessions (every MQTT and HTTP gateway client is a
             # client of its broker from here, and the gateways limit them by their own remote
             # addresses); on Kubernetes nothing else shares a pod's loopback. Counted together,
             # a few hundred gateway clients from anywhere locked every new client out (review).
             return
-        n = self._per_source.get(conn.source, 0) + 1
-        self._per_source[conn.source] = n
-        if n > self.config.max_connections_per_source:
-            conn.fail(
-                FrameError(
-                    f"{n} connections from {conn.source} "
-                    f"(limit {self.config.max_connections_per_source})",
-                    "too-many-connections",
-                )
+        if self._sources.take(source):
+            conn.source = source  # given back when it is lost
+            return
+        conn.fail(
+            FrameError(
+                f"{self._sources.count(source) + 1} connections from {source} "
+                f"(limit {self._sources.limit})",
+                "too-many-connections",
             )
+        )
 
     def _check_conns(self, now: float) -> None:
         """Close accepted connections that hold resources without using them: no hello within
@@ -671,11 +671,7 @@ class Broker:
         self.wake()
         self._conns.discard(conn)
         if conn.source:
-            n = self._per_source.get(conn.source, 1) - 1
-            if n > 0:
-                self._per_source[conn.source] = n
-            else:
-                self._per_source.pop(conn.source, None)
+            self._sources.give_back(conn.source)
         if conn.role == "client":
             assert conn.client is not None
             self.client_sessions.detach(conn.client)
