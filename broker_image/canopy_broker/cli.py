@@ -31,7 +31,7 @@ from canopy_broker import logs
 from canopy_broker.core.messages import RoutingMode
 from canopy_broker.gateway import make_gateway_app
 from canopy_broker.mqtt import MqttGateway, start_mqtt
-from canopy_broker.runtime import eventloop
+from canopy_broker.runtime import eventloop, httpsite
 from canopy_broker.runtime.admin import make_admin_app
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import parse_address
@@ -356,7 +356,7 @@ async def serve(args: argparse.Namespace) -> int:
     code = 0
     try:
         await broker.start()
-        runner = web.AppRunner(make_admin_app(broker, token), access_log=None)
+        runner = httpsite.runner(make_admin_app(broker, token))
         await runner.setup()
         runners.append(runner)
         # The admin API speaks HTTPS with the broker's certificate when TLS is on (bearer
@@ -365,8 +365,7 @@ async def serve(args: argparse.Namespace) -> int:
         # broker's files.
         admin_tls = broker.reloaded_context(admin_files) if admin_files is not None else None
         client_files = client_tls or tls
-        site = web.TCPSite(runner, admin_host, admin_port, ssl_context=admin_tls)
-        await site.start()
+        await httpsite.BoundedSite(runner, admin_host, admin_port, ssl_context=admin_tls).start()
         assert broker.address is not None
         admin_sock = runner.addresses[0]
         gateway: str | None = None
@@ -376,15 +375,11 @@ async def serve(args: argparse.Namespace) -> int:
         if args.gateway:
             gw_host, gw_port = parse_address(args.gateway)
             # Open streams end with the broker: a short grace, not aiohttp's 60 s.
-            gw = web.AppRunner(
-                make_gateway_app(own, own_ca),
-                access_log=None,
-                shutdown_timeout=1.0,
-            )
+            gw = httpsite.runner(make_gateway_app(own, own_ca), shutdown_timeout=1.0)
             await gw.setup()
             runners.append(gw)
             gw_tls = broker.reloaded_context(client_files) if client_files is not None else None
-            await web.TCPSite(gw, gw_host, gw_port, ssl_context=gw_tls).start()
+            await httpsite.BoundedSite(gw, gw_host, gw_port, ssl_context=gw_tls).start()
             gw_sock = gw.addresses[0]
             gateway = f"{gw_sock[0]}:{gw_sock[1]}"
         if args.mqtt:

@@ -534,9 +534,7 @@ class MqttGateway:
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if peer else ""
         if not self._sources.take(source):
-            log.warning(
-                "mqtt: refused a connection from %s: %d open already", source, self._sources.limit
-            )
+            self._sources.refused(source, log, "mqtt")
             writer.close()
             return
         self.sessions.add(task)
@@ -630,5 +628,13 @@ async def start_mqtt(
     """Listen for MQTT clients on ``host:port`` (TLS with ``tls``), for the broker at
     ``broker`` reached with ``ca`` (None: plaintext)."""
     gateway = MqttGateway(broker, ca, max_per_source)
-    server = await asyncio.start_server(gateway.handle, host, port, ssl=tls)
+    server = await asyncio.start_server(
+        gateway.handle,
+        host,
+        port,
+        ssl=tls,
+        # A stranger's TLS handshake is not counted per address yet (the connection is seen
+        # once it is done): give it CONNECT's time, not asyncio's 60 s.
+        ssl_handshake_timeout=CONNECT_TIMEOUT if tls is not None else None,
+    )
     return server, gateway

@@ -20,7 +20,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from canopy_broker import gateway as gw
 from canopy_broker.client import Credentials, connect
-from canopy_broker.procs import BrokerProc, wait_settled
+from canopy_broker.procs import BrokerProc, spawn_broker, wait_settled
+from canopy_broker.runtime.httpsite import MAX_PER_SOURCE
 from tests.integration.token_pair import READER, WRITER, linked_pair, token_policy
 
 pytestmark = pytest.mark.integration
@@ -318,3 +319,47 @@ async def test_the_gateway_bounds_the_streams_from_one_address(
                 await asyncio.sleep(0.05)
         again.close()
         open_[1].close()
+
+
+async def test_the_brokers_http_ports_bound_the_connections_from_one_address(
+    tmp_path: Path,
+) -> None:
+    """The gateway and the admin API of a real broker (TLS on) take at most
+    ``MAX_PER_SOURCE`` connections from one address: with that many open, doing nothing after
+    their handshake, another is closed at once, and an ordinary request gets through once one
+    of them has gone. Before, 3,000 slow request heads from one address were each held for as
+    long as they were fed, up to the broker's file-descriptor limit. (The deadline for a
+    request head is tested in tests/unit/test_runtime_httpsite.py: 20 s here.)"""
+    broker = await spawn_broker("h", log_dir=tmp_path, extra_args=("--gateway", "127.0.0.1:0"))
+    assert broker.tls is not None and broker.gateway is not None
+    ctx = broker.tls
+    try:
+        await broker.admin.close()  # its kept connection would take one of the admin's places
+        for address in (broker.gateway, broker.admin_address):
+            host, port = address.rsplit(":", 1)
+
+            async def opened(host: str = host, port: str = port) -> Any:
+                return await asyncio.open_connection(host, int(port), ssl=ctx)
+
+            held = [await opened() for _ in range(MAX_PER_SOURCE)]
+            extra_reader, extra_writer = await opened()
+            async with asyncio.timeout(5):
+                assert await extra_reader.read() == b"", address  # closed at once
+            extra_writer.close()
+            held.pop()[1].close()
+            async with asyncio.timeout(10):
+                while True:  # that one's place is free once the broker has seen it go
+                    reader, writer = await opened()
+                    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    answer = await reader.read()
+                    writer.close()
+                    if answer:
+                        break
+                    await asyncio.sleep(0.05)
+            assert answer.startswith(b"HTTP/1.1 "), (address, answer[:100])
+            for _, w in held:
+                w.close()
+        log = (tmp_path / "h.log").read_text()
+        assert log.count("refused 1 connection(s) from 127.0.0.1") == 2, log[-2000:]
+    finally:
+        await broker.stop()

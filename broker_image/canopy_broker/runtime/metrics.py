@@ -166,7 +166,8 @@ class BrokerMetrics:
         self.refused = Counter(
             "canopy_security_refusals",
             "Connections and requests security refused (no or wrong identity, forbidden id, "
-            "subscription or publication), by role and code",
+            "subscription or publication, too many connections from one address), by role "
+            "and code",
             ["role", "code"],
             registry=r,
         )

@@ -115,7 +115,9 @@ __all__ = ["Broker", "BrokerConfig", "ExchangeRecord"]  # BrokerConfig: where ca
 
 log = logging.getLogger("canopy.broker")
 
-REFUSAL_CODES = frozenset({"unauthenticated", "wrong-identity", "forbidden", "wrong-port"})
+REFUSAL_CODES = frozenset(
+    {"unauthenticated", "wrong-identity", "forbidden", "wrong-port", "too-many-connections"}
+)
 """Error codes of security refusals (counted as refusals, not as malformed input)."""
 
 FLUSH_AFTER = 0.002
@@ -625,6 +627,8 @@ class Broker:
         if self._sources.take(source):
             conn.source = source  # given back when it is lost
             return
+        self.metrics.refused.labels("unknown", "too-many-connections").inc()
+        self._sources.refused(source, log, self.name)
         conn.fail(
             FrameError(
                 f"{self._sources.count(source) + 1} connections from {source} "
