@@ -107,16 +107,25 @@ def _frame(first: int, body: bytes) -> bytes:
     return bytes([first]) + _varint(len(body)) + body
 
 
-def _split(packet: bytes) -> tuple[int, bytes]:
-    """A whole packet written by the codec → (first byte, body)."""
-    pos, length, shift = 1, 0, 0
-    while True:
-        b = packet[pos]
-        length |= (b & 0x7F) << shift
+def _uvarint(buf: bytes, pos: int) -> tuple[int, int]:
+    """The variable byte integer at ``pos``: (its value, the position after it)."""
+    value, shift = 0, 0
+    for _ in range(4):
+        if pos >= len(buf):
+            raise MqttError("truncated packet")
+        b = buf[pos]
         pos += 1
+        value |= (b & 0x7F) << shift
         shift += 7
         if not b & 0x80:
-            return packet[0], packet[pos : pos + length]
+            return value, pos
+    raise MqttError("malformed variable byte integer")
+
+
+def _split(packet: bytes) -> tuple[int, bytes]:
+    """A whole packet written by the codec → (first byte, body)."""
+    length, pos = _uvarint(packet, 1)
+    return packet[0], packet[pos : pos + length]
 
 
 async def read_packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
@@ -163,6 +172,27 @@ def upgrade(first: int, body: bytes) -> bytes:
     elif kind in (SUBSCRIBE, UNSUBSCRIBE):
         body = body[:2] + b"\x00" + body[2:]
     return _frame(first, body)
+
+
+# Bits of a subscription's options that must be 0: MQTT 5's two highest; 3.1.1 has only the QoS.
+_RESERVED_OPTIONS = {V5: 0xC0, V311: 0xFC}
+
+
+def check_subscription_options(body: bytes, version: int) -> None:
+    """Raise MqttError when a SUBSCRIBE's body (as received, before :func:`upgrade`) sets a
+    reserved bit of a subscription's options: a malformed packet (MQTT 5 3.8.3.1, 3.1.1
+    3.8.3.1), which the codec reads as if the bit were not there."""
+    pos = 2  # after the packet identifier
+    if version == V5:
+        properties, pos = _uvarint(body, pos)
+        pos += properties
+    while pos < len(body):
+        pos += 2 + _u16(body, pos)  # the topic filter
+        if pos >= len(body):
+            raise MqttError("truncated SUBSCRIBE")
+        if body[pos] & _RESERVED_OPTIONS[version]:
+            raise MqttError(f"malformed SUBSCRIBE: reserved option bits set ({body[pos]:#04x})")
+        pos += 1
 
 
 def downgrade(packet: bytes) -> bytes:
@@ -372,7 +402,18 @@ class Session:
 
     async def _handle(self, first: int, body: bytes) -> bool:
         """One packet from the client; False when the connection is to end."""
+        if first >> 4 == SUBSCRIBE:
+            check_subscription_options(body, self.version)
         packet = parse(_frame(first, body) if self.version == V5 else upgrade(first, body))
+        patterns = (
+            [tf.pattern for tf in packet.topic_filters]
+            if isinstance(packet, mqtt5.SubscribePacket)
+            else packet.patterns
+            if isinstance(packet, mqtt5.UnsubscribePacket)
+            else []
+        )
+        if any("\x00" in pattern for pattern in patterns):  # which the codec lets through
+            raise MqttError("malformed packet: U+0000 in a topic filter (1.5.4)")
         if getattr(packet, "packet_id", None) == 0 and (
             not isinstance(packet, mqtt5.PublishPacket) or packet.qos != mqtt5.QoS.AT_MOST_ONCE
         ):  # a packet that needs an identifier needs a non-zero one (2.2.1)
@@ -400,6 +441,10 @@ class Session:
     async def _publish(self, p: mqtt5.PublishPacket) -> bool:
         if p.qos == mqtt5.QoS.EXACTLY_ONCE:
             return self._refuse(mqtt5.DisconnectReasonCode.QOS_NOT_SUPPORTED, "QoS 2")
+        if p.topic_alias is not None:  # none accepted: the CONNACK advertises no maximum
+            return self._refuse(
+                mqtt5.DisconnectReasonCode.TOPIC_ALIAS_INVALID, "a topic alias (none accepted)"
+            )
         problem = topic_name_problem(p.topic)
         if problem is not None:  # a malformed PUBLISH (MQTT 4.7.3): never passed on
             return self._refuse(mqtt5.DisconnectReasonCode.TOPIC_NAME_INVALID, problem)

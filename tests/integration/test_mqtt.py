@@ -360,17 +360,23 @@ async def test_a_topic_no_mqtt_message_can_carry_costs_that_notification_only(
             writer_s.close()
         # What MQTT calls malformed, the connection closed with nothing answered: a length not
         # in its shortest form, a CONNECT with its reserved flag set, a SUBSCRIBE whose packet
-        # identifier is 0.
+        # identifier is 0, one with a reserved bit of its options set, one with U+0000 in its
+        # filter (the last two the codec lets through).
         good = mqtt5.ConnectPacket("writer/r", password=WRITER.encode()).write()
         assert good[1] < 0x80  # its length in one byte: say it in two, 0x80 | n, 0
         longhand = bytes([good[0], good[1] | 0x80, 0]) + good[2:]
         flagged = bytearray(good)
         flagged[9] |= 1  # the CONNECT flags byte, after the header, "MQTT" and the level
+        reader_connect = mqtt5.ConnectPacket("reader/z", password=READER.encode()).write()
         sub0 = b"\x00\x00" + b"\x00" + b"\x00\x09sensors/x\x01"  # packet id 0, no properties
+        reserved = b"\x00\x05" + b"\x00" + b"\x00\x09sensors/x\x81"
+        null = b"\x00\x05" + b"\x00" + b"\x00\x09sensors/\x00\x01"
         for opening, then in (
             (longhand, b""),
             (bytes(flagged), b""),
-            (mqtt5.ConnectPacket("reader/z", password=READER.encode()).write(), sub0),
+            (reader_connect, sub0),
+            (reader_connect, reserved),
+            (reader_connect, null),
         ):
             reader_s, writer_s = await asyncio.open_connection(host, int(port), ssl=ctx)
             writer_s.write(opening)
@@ -380,6 +386,16 @@ async def test_a_topic_no_mqtt_message_can_carry_costs_that_notification_only(
                 writer_s.write(bytes([0x82, len(then)]) + then)
             assert await asyncio.wait_for(read_to_end(reader_s), 15) == b"", opening
             writer_s.close()
+        # A topic alias, when the CONNACK advertised none: DISCONNECT 0x94, nothing published.
+        reader_s, writer_s = await asyncio.open_connection(host, int(port), ssl=ctx)
+        writer_s.write(mqtt5.ConnectPacket("writer/alias", password=WRITER.encode()).write())
+        connack, _ = mqtt5.read(memoryview(await reader_s.read(4096)))
+        assert isinstance(connack, mqtt5.ConnAckPacket), connack
+        writer_s.write(mqtt5.PublishPacket("sensors/ok", b'{"n":-1}', topic_alias=1).write())
+        packet, _ = mqtt5.read(memoryview(await asyncio.wait_for(read_to_end(reader_s), 15)))
+        assert isinstance(packet, mqtt5.DisconnectPacket), packet
+        assert packet.reason_code == mqtt5.DisconnectReasonCode.TOPIC_ALIAS_INVALID
+        writer_s.close()
         native.publish_nowait({"topic": "sensors/ok", "n": 2})
         await native.flush()
         for c in (v311, v5):

@@ -12,7 +12,10 @@ import pytest
 from canopy_broker.core.filters import Filter
 from canopy_broker.mqtt import (
     MAX_PACKET,
+    V5,
+    V311,
     MqttError,
+    check_subscription_options,
     downgrade,
     event_of,
     filter_of,
@@ -122,6 +125,35 @@ def test_311_packets_are_read_by_the_mqtt5_codec_after_upgrade() -> None:
 
     u, _ = mqtt5.read(memoryview(upgrade(0xA2, (4).to_bytes(2, "big") + _str("a/+"))))
     assert isinstance(u, mqtt5.UnsubscribePacket) and u.patterns == ["a/+"]
+
+
+@pytest.mark.parametrize(
+    ("version", "options", "malformed"),
+    [
+        (V5, 0x01, False),
+        (V5, 0x2D, False),  # no local, retain as published, retain handling 2, QoS 1
+        (V5, 0x41, True),
+        (V5, 0x81, True),
+        (V311, 0x01, False),
+        (V311, 0x05, True),  # what 5 calls "no local" is reserved in 3.1.1
+        (V311, 0x80, True),
+    ],
+)
+def test_reserved_subscription_option_bits_make_a_subscribe_malformed(
+    version: int, options: int, malformed: bool
+) -> None:
+    """The codec reads a SUBSCRIBE as if its reserved option bits were not there; MQTT calls
+    it malformed (3.8.3.1), so the listener checks them, on every filter of the packet."""
+    properties = b"\x00" if version == V5 else b""
+    filters = _str("a/b") + b"\x00" + _str("c") + bytes([options])
+    body = (3).to_bytes(2, "big") + properties + filters
+    if malformed:
+        with pytest.raises(MqttError, match="reserved option bits"):
+            check_subscription_options(body, version)
+    else:
+        check_subscription_options(body, version)
+    with pytest.raises(MqttError, match="truncated"):
+        check_subscription_options(body[:-1], version)
 
 
 def test_server_packets_are_written_in_311_form() -> None:
