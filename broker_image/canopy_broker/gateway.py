@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -51,6 +52,35 @@ MAX_PUBLISHERS = 64  # publishing connections kept open between requests
 PUBLISHER_IDLE = 30.0  # seconds a kept publishing connection may go unused before it is closed
 BODY_TIMEOUT = 10.0  # seconds to receive a request's body
 MAX_STREAMS_PER_SOURCE = 64  # SSE and WebSocket streams at once from one remote address
+
+
+def _int64(text: str) -> int:
+    n = int(text)
+    if not -(2**63) <= n < 2**64:
+        raise ValueError(f"the integer {text[:40]} does not fit in 64 bits")
+    return n
+
+
+def _loads(raw: bytes | str) -> Any:
+    """JSON as orjson reads it, except that an integer beyond 64 bits is an error (ValueError):
+    orjson makes it a float, and the gateway published a number other than the one sent. Only
+    a body holding a float that large is read again, by the standard library, to tell."""
+    body = orjson.loads(raw)
+    todo, huge = [body], False
+    while todo and not huge:
+        value = todo.pop()
+        if type(value) is float:
+            huge = abs(value) >= 2.0**63
+        elif isinstance(value, dict):
+            todo.extend(value.values())
+        elif isinstance(value, list):
+            todo.extend(value)
+    if not huge:
+        return body
+    try:
+        return json.loads(raw, parse_int=_int64)
+    except RecursionError:  # orjson reads 1,024 levels, the standard library fewer
+        raise ValueError("nested too deeply") from None
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -155,8 +185,8 @@ class Gateway:
         except TimeoutError:
             return _error(408, f"the body did not arrive within {BODY_TIMEOUT:g} s")
         try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
+            body = _loads(raw)
+        except ValueError as exc:  # orjson.JSONDecodeError is one too
             return _error(400, f"the body is not JSON: {exc}")
         events = body if isinstance(body, list) else [body]
         if not events or len(events) > MAX_BATCH:
@@ -287,8 +317,8 @@ class Gateway:
 async def _ws_request(client: Client, text: str) -> bytes:
     """One message the application sent on its WebSocket: a publication."""
     try:
-        msg = orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
+        msg = _loads(text)
+    except ValueError as exc:
         return orjson.dumps({"error": f"not JSON: {exc}"})
     attrs = msg.get("publish") if isinstance(msg, dict) else None
     if not isinstance(attrs, dict):

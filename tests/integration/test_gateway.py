@@ -167,6 +167,10 @@ async def test_the_gateway_refuses_what_the_policy_or_the_request_gets_wrong(
             assert code == 400 and "not JSON" in why
             code, why = await status("POST", "/v1/publish", data=b"[1, 2]", headers=bearer(WRITER))
             assert code == 400 and "JSON object" in why
+            # An integer beyond 64 bits: refused, not published as the float orjson makes of it.
+            huge = b'{"kind": "temp", "value": 123456789012345678901234567890}'
+            code, why = await status("POST", "/v1/publish", data=huge, headers=bearer(WRITER))
+            assert code == 400 and "does not fit in 64 bits" in why, why
             code, why = await status(
                 "POST",
                 "/v1/publish",
@@ -363,3 +367,24 @@ async def test_the_brokers_http_ports_bound_the_connections_from_one_address(
         assert log.count("refused 1 connection(s) from 127.0.0.1") == 2, log[-2000:]
     finally:
         await broker.stop()
+
+
+@pytest.mark.parametrize(
+    ("raw", "read"),
+    [
+        (b'{"n": 18446744073709551615}', {"n": 2**64 - 1}),  # the largest that fits
+        (b'{"n": -9223372036854775808}', {"n": -(2**63)}),
+        (b'{"n": 1e30, "m": [1.5e300]}', {"n": 1e30, "m": [1.5e300]}),  # large floats are floats
+        (b'{"n": 18446744073709551616}', "does not fit in 64 bits"),
+        (b'[{"n": 1}, {"n": -9223372036854775809}]', "does not fit in 64 bits"),
+        (b"[" * 1000 + b"1e300" + b"]" * 1000, "nested too deeply"),
+    ],
+)
+def test_the_gateway_reads_json_numbers_as_they_were_sent(raw: bytes, read: object) -> None:
+    """orjson reads an integer beyond 64 bits as a float: the gateway published a number other
+    than the one sent. Such a body is now refused; large floats are still floats."""
+    if isinstance(read, str):
+        with pytest.raises(ValueError, match=read):
+            gw._loads(raw)
+    else:
+        assert gw._loads(raw) == read
