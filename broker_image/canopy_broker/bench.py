@@ -412,14 +412,31 @@ async def run_dataplane(
             )
             sink.latencies_ns.clear()
             sink.record_latency = True
-            await publish_paced(rate, duration, canopy_sender(pub, lambda: _tick(rng)))
-            await _quiesce(sink, pub)
+            since, lags = time.time(), LagWatch()
+            with lags:
+                await publish_paced(rate, duration, canopy_sender(pub, lambda: _tick(rng)))
+                await _quiesce(sink, pub)
             sink.record_latency = False
-            point = {"load": load, "events_per_s": round(rate), **percentiles(sink.latencies_ns)}
+            stalls = await overlay.stalls(since)
+            point = {
+                "load": load,
+                "events_per_s": round(rate),
+                **percentiles(sink.latencies_ns),
+                "broker_stalls": stalls["stalls"],
+                "broker_longest_stall_ms": round(stalls["longest_stall_s"] * 1000, 1),
+                "broker_longest_stall_cpu_ms": round(stalls["longest_stall_cpu_s"] * 1000, 1),
+                "client_lags_over_10ms": lags.over(0.010),
+                "client_longest_lag_ms": round(lags.longest * 1000, 1),
+            }
             latency.append(point)
             progress(
                 f"{label}: latency p50 {point['p50_ms']:.2f} ms, p99 {point['p99_ms']:.2f} ms, "
-                f"p99.9 {point['p999_ms']:.2f} ms over {point['samples']} notifications"
+                f"p99.9 {point['p999_ms']:.2f} ms over {point['samples']} notifications; "
+                f"brokers' loops stalled {stalls['stalls']} times 10 ms or more (longest "
+                f"{point['broker_longest_stall_ms']:.0f} ms, {stalls['longest_stall_broker']}, "
+                f"{point['broker_longest_stall_cpu_ms']:.0f} ms of it on CPU); this process's "
+                f"{point['client_lags_over_10ms']} times (longest "
+                f"{point['client_longest_lag_ms']:.0f} ms)"
             )
         half = min(latency, key=lambda p: abs(p["load"] - 0.5))
         return {
@@ -440,6 +457,41 @@ async def run_dataplane(
         await pub.close()
         for c in subs:
             await c.close()
+
+
+class LagWatch:
+    """This process's own event-loop lag while in its ``with`` block (a callback due every
+    5 ms): latency the benchmark's client process added, told apart from the overlay's. The
+    publisher and every subscriber share this loop, so a notification that arrived while it
+    lagged waited for it."""
+
+    PERIOD = 0.005
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def longest(self) -> float:
+        return max(self.lags, default=0.0)
+
+    def over(self, seconds: float) -> int:
+        return sum(1 for lag in self.lags if lag >= seconds)
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.PERIOD
+            await asyncio.sleep(self.PERIOD)
+            self.lags.append(max(0.0, loop.time() - due))
+
+    def __enter__(self) -> LagWatch:
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 def percentiles(latencies_ns: Sequence[int]) -> dict[str, Any]:
@@ -622,7 +674,10 @@ def report(r: dict[str, Any]) -> str:
                 f"latency at {p['load']:.0%} load, {where}, p50 / p99 / p99.9 ms",
                 f"{p['p50_ms']:.2f} / {p['p99_ms']:.2f} / {p['p999_ms']:.2f}",
                 "p99 <= 5" if p["load"] == 0.5 and where == "chain of 3" else "",
-                f"{p['events_per_s']:,} events/s",
+                f"{p['events_per_s']:,} events/s; loops stalled >= 10 ms: brokers "
+                f"{p['broker_stalls']} (longest {p['broker_longest_stall_ms']:.0f} ms, "
+                f"{p['broker_longest_stall_cpu_ms']:.0f} on CPU), client process "
+                f"{p['client_lags_over_10ms']} (longest {p['client_longest_lag_ms']:.0f} ms)",
             )
             for where, x in (("1 broker", s), ("chain of 3", c))
             for p in x["latency"]

@@ -52,33 +52,6 @@ def tree(n: int) -> tuple[list[str], list[tuple[str, str]]]:
     return names, [(names[(i - 1) // 2], names[i]) for i in range(1, n)]
 
 
-async def _stalls(overlay: Overlay, since: float) -> dict[str, Any]:
-    """The event-loop stalls of every broker since wall-clock ``since``, as each broker
-    measured its own loop (a callback due every 10 ms, see ``LoopWatch``): the longest, where,
-    and how much of it the broker spent on CPU (the rest it waited for a core, which on a
-    machine with fewer cores than brokers is the machine's doing); the longest in CPU; and the
-    longest garbage collection."""
-    statuses = await overlay.statuses()
-    out: dict[str, Any] = {
-        "longest_stall_s": 0.0,
-        "longest_stall_broker": "",
-        "longest_stall_cpu_s": 0.0,
-        "longest_busy_stall_s": 0.0,
-        "longest_gc_pause_s": 0.0,
-    }
-    for name, st in statuses.items():
-        for t, kind, took, cpu in st["loop"]["stalls"]:
-            if t < since:
-                continue
-            if kind != "loop":
-                out["longest_gc_pause_s"] = max(out["longest_gc_pause_s"], took)
-                continue
-            out["longest_busy_stall_s"] = max(out["longest_busy_stall_s"], cpu)
-            if took > out["longest_stall_s"]:
-                out.update(longest_stall_s=took, longest_stall_broker=name, longest_stall_cpu_s=cpu)
-    return out
-
-
 def _said(stalls: dict[str, Any]) -> str:
     return (
         f"longest event-loop stall {stalls['longest_stall_s'] * 1000:.0f} ms "
@@ -130,7 +103,7 @@ async def install(
     t_all = time.perf_counter() - t0
     # What an insertion costs a broker: every broker holds every one of them.
     cpu_us = (overlay.cpu_seconds() - cpu0) / (n * len(overlay.brokers)) * 1e6
-    stalls = await _stalls(overlay, since)
+    stalls = await overlay.stalls(since)
     per_batch = [b - a for a, b in zip([t0, *acked], acked, strict=False)]
     k = max(1, 1000 // batch)
     first, last = sum(per_batch[:k]), sum(per_batch[-k:])
@@ -191,7 +164,7 @@ async def leave(overlay: Overlay, clients: Sequence[Client]) -> dict[str, Any]:
             )
         await asyncio.sleep(0.05)
     took = time.perf_counter() - t0
-    stalls = await _stalls(overlay, since)
+    stalls = await overlay.stalls(since)
     progress(f"leave: {held:,} withdrawn from every routing table in {took:.2f}s; {_said(stalls)}")
     return {"subscriptions": held, "withdrawn_everywhere_s": round(took, 3), **stalls}
 
@@ -289,7 +262,7 @@ async def run(
             shown.advance("bench subscriptions", f"{n:,} installed")
         since = time.time()
         churned = await churn(overlay, names[0], names[-2], rate, churn_seconds)
-        stalls = await _stalls(overlay, since)
+        stalls = await overlay.stalls(since)
         churned.update(stalls)
         progress(f"churn: {_said(stalls)}")
         shown.advance("bench subscriptions", "churn")

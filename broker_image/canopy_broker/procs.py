@@ -478,6 +478,36 @@ class Overlay:
         found = await asyncio.gather(*(b.admin.status() for b in self.brokers.values()))
         return dict(zip(self.brokers, found, strict=True))
 
+    async def stalls(self, since: float) -> dict[str, Any]:
+        """The event-loop stalls of every broker since wall-clock ``since``, as each broker
+        measured its own loop (a callback due every 10 ms, see ``LoopWatch``; a stall is a lag
+        of 10 ms or more, and each broker keeps its last 256): how many, the longest, where,
+        and how much of it the broker spent on CPU (the rest it waited for a core, which on a
+        machine with fewer cores than brokers is the machine's doing); the longest in CPU;
+        and the longest garbage collection."""
+        out: dict[str, Any] = {
+            "stalls": 0,
+            "longest_stall_s": 0.0,
+            "longest_stall_broker": "",
+            "longest_stall_cpu_s": 0.0,
+            "longest_busy_stall_s": 0.0,
+            "longest_gc_pause_s": 0.0,
+        }
+        for name, st in (await self.statuses()).items():
+            for t, kind, took, cpu in st["loop"]["stalls"]:
+                if t < since:
+                    continue
+                if kind != "loop":
+                    out["longest_gc_pause_s"] = max(out["longest_gc_pause_s"], took)
+                    continue
+                out["stalls"] += 1
+                out["longest_busy_stall_s"] = max(out["longest_busy_stall_s"], cpu)
+                if took > out["longest_stall_s"]:
+                    out.update(
+                        longest_stall_s=took, longest_stall_broker=name, longest_stall_cpu_s=cpu
+                    )
+        return out
+
     def cpu_seconds(self) -> float:
         """User + system CPU time of all its broker processes so far."""
         return process_cpu_seconds(b.pid for b in self.brokers.values())

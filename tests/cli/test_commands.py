@@ -561,6 +561,9 @@ def test_bench_dataplane_reports_latency_percentiles_at_each_load(tmp_path: Path
         assert [p["load"] for p in points] == [0.25, 0.5], points
         for p in points:
             assert p["samples"] > 0 and 0 < p["p50_ms"] <= p["p99_ms"] <= p["p999_ms"], p
+            # Beside each: the loops' stalls, the brokers' and the client process's own.
+            assert p["broker_stalls"] >= 0 and p["client_lags_over_10ms"] >= 0, p
+            assert 0 <= p["broker_longest_stall_cpu_ms"] <= p["broker_longest_stall_ms"] + 1, p
         assert detail[where]["p99_ms"] == points[1]["p99_ms"]  # the half-load figure
         # The brokers' capacity is what they delivered per CPU-second they used: consistent
         # with the rate and CPU per event printed beside it, and the client process's load.
