@@ -5,7 +5,7 @@
     canopy pub --broker 127.0.0.1:7400 '{"symbol": "ACME", "price": 5}'
     producer | canopy pub --broker 127.0.0.1:7400        # one event per stdin line
     canopy sub --broker 127.0.0.1:7400,127.0.0.1:7401 'n > 0'   # fail over to the second
-    canopy sub --overlay .canopy 'n > 0'                 # any broker of `canopy up`'s overlay
+    canopy sub --overlay .canopy/demo 'n > 0'            # any broker of `canopy up`'s overlay demo
 
 When the broker a client is attached to is lost, the client fails over (to the dead broker's
 neighbours first, then the other addresses given) and carries on; what could not be recovered

@@ -88,6 +88,12 @@ class CanopyEmulator(kmock.KubernetesEmulator):
 
     async def _handle_k8s(self, request: rendering.Request) -> Any:
         data = request.data
+        schema = STATUS_SCHEMAS.get((request.resource.plural if request.resource else None) or "")
+        if schema is not None and isinstance(data, dict) and isinstance(data.get("status"), dict):
+            # A real API server prunes what the CRD's structural schema does not declare: an
+            # operator writing an undeclared status field would see it kept here and lost on a
+            # cluster (status.rollout was, and `kubectl get bo -o wide` showed no roll-out).
+            data["status"] = pruned(data["status"], schema)
         if request.resource is not None and isinstance(data, dict):
             meta = data.setdefault("metadata", {})
             if request.action == kmock.action.CREATE:
@@ -134,6 +140,32 @@ class CanopyEmulator(kmock.KubernetesEmulator):
 
 
 CRDS = Path(__file__).resolve().parents[2] / "manifests" / "crds"
+
+
+def _status_schemas() -> dict[str, dict[str, Any]]:
+    """Each of Canopy's CRDs' status schema, by plural."""
+    out = {}
+    for path in sorted(CRDS.glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        out[crd["spec"]["names"]["plural"]] = schema["properties"]["status"]
+    return out
+
+
+def pruned(value: Any, schema: dict[str, Any]) -> Any:
+    """``value`` less what a real API server would prune: fields of an object that its
+    structural schema does not declare (unless it preserves unknown fields)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return value
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        return {k: pruned(v, props[k]) for k, v in value.items() if k in props}
+    if isinstance(value, list):
+        return [pruned(v, schema.get("items") or {}) for v in value]
+    return value
+
+
+STATUS_SCHEMAS = _status_schemas()
 
 
 def printer_columns() -> dict[str, list[dict[str, Any]]]:
