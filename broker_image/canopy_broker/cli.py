@@ -156,6 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted connections per remote address (more are refused)",
     )
     s.add_argument(
+        "--hold-clients",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="refuse clients (error 'joining': they try another broker) until the first link "
+        "is up, or for at most SECONDS (default 0: off). For a broker of a larger overlay, "
+        "whose clients know its address from before a restart: unlinked, it would acknowledge "
+        "their publications and route them to nobody",
+    )
+    s.add_argument(
         "--no-standby",
         dest="standby",
         action="store_false",
@@ -340,6 +350,7 @@ async def serve(args: argparse.Namespace) -> int:
         client_write_interval=args.client_write_interval_ms / 1000,
         max_subscriptions=args.max_subscriptions,
         max_connections_per_source=args.max_connections_per_source,
+        hold_clients=args.hold_clients,
         tls=tls,
         client_tls=client_tls,
         policy_file=args.policy,

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 
-from canopy_broker.client import Client, Gap, Notification, connect
+from canopy_broker.client import Client, ClientError, Gap, Notification, connect
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.procs import process_alive
 from canopy_operator.backends import local
 from canopy_operator.backends.local import LocalBackend
+from canopy_operator.commands.supervise import restore_once
 from tests.integration.crash_overlay import (
     Publisher,
     assert_all_delivered,
@@ -432,6 +433,62 @@ async def test_a_client_given_one_address_resumes_there_after_its_whole_side_die
         await pub.close()
         code, _, err = await canopy("down", "--state-dir", str(state))
         assert code == 0, err
+
+
+async def test_a_restarted_broker_takes_clients_only_once_linked_into_the_overlay(
+    tmp_path: Path,
+) -> None:
+    """c of the chain a-b-c is SIGKILLed and started again at its address, not yet linked
+    (no supervisor here, so nothing restores it yet). A publisher that comes to it then is
+    refused ("joining") rather than acknowledged: unlinked, c would have routed its events to
+    nobody, and the subscriber on a, which nothing happened to, would have lost them untold
+    (review: 767 of 3,185 in one run in four, publisher and its broker's only neighbour
+    killed together). Once the restore links c, the publisher is taken there and the
+    subscriber on a gets its events."""
+    state = tmp_path / "state"
+    manifest = tmp_path / "chain.yaml"
+    manifest.write_text(CHAIN)
+    code, _, err = await canopy("up", str(manifest), "--state-dir", str(state), "--no-supervisor")
+    assert code == 0, err
+    where = state / "chain"
+    backend = LocalBackend(where)
+    creds = Credentials.from_pki(where / "pki")
+    got: list[Notification] = []
+    sub = await connect(
+        backend.brokers["a"]["listen"], "canopy/s", credentials=creds, on_notifications=got.extend
+    )
+    try:
+        await sub.subscribe("n >= 0")
+        c_listen = backend.brokers["c"]["listen"]
+        await kill_and_wait(int(backend.brokers["c"]["pid"]))
+        await backend.create_broker("c")
+        assert backend.brokers["c"]["listen"] == c_listen  # back at its address
+        held = (await backend.admin("c").status())["clients_held"]
+        assert held is not None, "a restarted broker of a larger overlay takes clients unlinked"
+        with pytest.raises(ClientError) as refused:
+            await connect(c_listen, "canopy/p", credentials=creds, failover_within=0)
+        assert refused.value.code == "joining"
+
+        async with asyncio.timeout(60):
+            while await restore_once(backend, ["c"], log=lambda _line: None) is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+        async with asyncio.timeout(10):
+            while (await backend.admin("c").status())["clients_held"] is not None:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        pub = await connect(c_listen, "canopy/p", credentials=creds, failover_within=0)
+        try:
+            for n in range(1, 51):
+                pub.publish_nowait({"n": n})
+            assert await pub.wait_acknowledged(timeout=10)
+            async with asyncio.timeout(10):
+                while len(got) < 50:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            assert [x.attrs["n"] for x in got] == list(range(1, 51))
+        finally:
+            await pub.close()
+    finally:
+        await sub.close()
+        await backend.down()  # reaps the process it started
 
 
 async def kill_and_wait(pid: int) -> None:

@@ -133,6 +133,37 @@ async def test_duplicate_client_id_is_refused(make_broker: MakeBroker) -> None:
         assert info.value.code == "client-id-in-use"
 
 
+async def test_a_broker_holding_clients_admits_them_once_linked_or_after_its_hold(
+    make_broker: MakeBroker,
+) -> None:
+    """A new broker process of a larger overlay refuses clients ("joining": they try another
+    broker) until its first link is up and a heartbeat has brought the neighbour's routing
+    table: unlinked, it acknowledged a publisher that failed over to it and routed its events
+    to nobody (review: lost, untold, at a subscriber nothing had happened to). What is
+    published once it admits reaches the neighbour's subscriber. Linked to nobody, it admits
+    them after its hold, so an overlay that cannot be restored is still served."""
+    a = await make_broker("a")
+    b = await make_broker("b", hold_clients=30.0)
+    assert b.status()["clients_held"] is not None
+    with pytest.raises(ClientError) as info:
+        await connect(addr(b), "early", failover_within=0)
+    assert info.value.code == "joining" and "has not joined the overlay" in str(info.value)
+    async with await connect(addr(a), "sub") as sub:
+        await sub.subscribe("n >= 0")
+        await link(b, a)
+        await eventually(lambda: b.clients_held is None, within=5.0)
+        async with await connect(addr(b), "pub") as pub:
+            await pub.publish({"n": 1})
+            assert [n.attrs["n"] for n in await collect(sub, 1)] == [1]
+
+    alone = await make_broker("alone", hold_clients=0.3)
+    with pytest.raises(ClientError):
+        await connect(addr(alone), "early", failover_within=0)
+    await eventually(lambda: alone.clients_held is None, within=5.0)
+    async with await connect(addr(alone), "late"):
+        pass
+
+
 async def raw_connection(
     b: Broker, as_broker: str | None = None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

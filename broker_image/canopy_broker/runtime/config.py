@@ -45,6 +45,12 @@ class BrokerConfig:
     reconnect_min: float = 0.05
     reconnect_max: float = 2.0
     handshake_timeout: float = 5.0
+    # A fresh process of a broker that belongs to a larger overlay refuses clients ("joining")
+    # until its first link is up, and a heartbeat more for the neighbour's routing table to
+    # arrive, or until this many seconds have passed (0: off, clients at once). A broker
+    # restarted at its old address, not yet linked, acknowledged what a reconnecting publisher
+    # sent and routed it to nobody: lost without a word (review).
+    hold_clients: float = 0.0
     advertise: str | None = None  # HOST:PORT peers dial (default: the link listener's address)
     client_advertise: str | None = None  # HOST:PORT clients are sent to (default: see server)
     probe_interval: float = 10.0  # RTT probes to non-neighbours in the address book (0: off)

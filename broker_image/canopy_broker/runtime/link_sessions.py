@@ -196,6 +196,8 @@ class LinkHost(ConnOwner, Protocol):
 
     def fenced_out(self, by: str, silent_for: float | None) -> None: ...
 
+    def linked(self, peer: str) -> None: ...
+
     async def probe_hello(self, address: str, peer: str) -> dict[str, Any] | None: ...
 
     async def fenced_at(self, peer: str, address: str) -> dict[str, Any] | None: ...
@@ -795,6 +797,7 @@ class LinkSessions:
             if not link.established and not link.opened:
                 link.established = True
                 host.apply(host.core.handle(AddLink(link.peer), host.now()))
+            host.linked(link.peer)
             link.remote_pressure = link.sent_pressure = False
             host.update_pressure()
             self._tell_peers()

@@ -226,6 +226,9 @@ class Broker:
         # internal error); /healthz reports it so a supervisor restarts the process.
         self.failed: str | None = None
         self.fenced_by: str | None = None  # a broker that declared this one dead (fenced_out)
+        # Why clients are refused for now (config.hold_clients), None once they are admitted.
+        self.clients_held: str | None = None
+        self._hold_timer: asyncio.TimerHandle | None = None
         self.incarnation = uuid.uuid4().hex[:8]
         self.resume_slack = max(2.0, detection)
         self.max_subscriptions = config.max_subscriptions
@@ -356,6 +359,11 @@ class Broker:
         host = self.advertised.rpartition(":")[0]
         self.client_advertised = cfg.client_advertise or f"{host}:{self.address[1]}"
         self._ticker = self.tasks.spawn(self._tick(), "ticker", forever=True)
+        if cfg.hold_clients > 0:
+            self.clients_held = f"not linked yet, for at most {cfg.hold_clients:g} s"
+            self._hold_timer = self._loop.call_later(
+                cfg.hold_clients, self._admit_clients, f"no link within {cfg.hold_clients:g} s"
+            )
         self.loop_watch.start(self._loop)
         self.tasks.spawn(self._acknowledge(), "publish acks", forever=True)
         self._update_placement()
@@ -374,6 +382,23 @@ class Broker:
     @property
     def ready(self) -> bool:
         return self._server is not None and not self.stopping and self.failed is None
+
+    def linked(self, peer: str) -> None:
+        """A link of the tree came up: a broker holding its clients admits them one heartbeat
+        later. The neighbour sends its routing table right after its hello, on the same
+        connection; a heartbeat later it has arrived, so what a client publishes here then is
+        routed to the overlay's subscribers."""
+        if self.clients_held is not None and self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = self._loop.call_later(
+                self.config.heartbeat_interval, self._admit_clients, f"linked to {peer}"
+            )
+
+    def _admit_clients(self, why: str) -> None:
+        if self.clients_held is not None:
+            log.info("%s: admitting clients (%s)", self.name, why)
+            self.clients_held = None
+            self._hold_timer = None
 
     @property
     def max_frame(self) -> int:
@@ -947,6 +972,12 @@ class Broker:
                 "fenced" if role == "client" else "left",
             )
         if role == "client":
+            if self.clients_held is not None:
+                raise FrameError(
+                    f"{self.name} has not joined the overlay yet ({self.clients_held}): "
+                    "connect to another broker, or again shortly",
+                    "joining",
+                )
             if self.client_sessions.held_until_withdrawn(conn, hello.get("client_id")):
                 conn.hold("withdrawing", [F_HELLO, hello])  # handled again once it is gone
                 return
@@ -1489,6 +1520,7 @@ class Broker:
             "placement": {"zone": self.placement.current.zone, "node": self.placement.current.node},
             "uptime_s": round(time.monotonic() - self.started, 3),
             "ready": self.ready,
+            "clients_held": self.clients_held,
             "neighbours": [self.links[p].status() for p in sorted(self.links)],
             "clients": len(self.clients),
             "queue_depths": {

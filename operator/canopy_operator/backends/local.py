@@ -32,6 +32,7 @@ from canopy_broker.client.credentials import Credentials
 from canopy_broker.pki import LocalPki
 from canopy_broker.procs import broker_env, process_alive, serve_command
 from canopy_operator.model.restore import status_neighbours
+from canopy_operator.model.topology import parse_overlay
 
 
 class BrokerDownError(Exception):
@@ -43,6 +44,10 @@ class BrokerDownError(Exception):
 
 
 BROKER_STATES = ("up", "failed", "unreachable", "dead")
+# Seconds a new broker process of a larger overlay refuses clients, unless linked before (a
+# plan or the supervisor's restore links it within a few): past them, an overlay that cannot
+# be restored is still served.
+CLIENT_HOLD = 30.0
 """What ``canopy status`` says of a broker: ``up`` (answers, healthy), ``failed`` (answers but
 reports itself failed: /healthz 500), ``unreachable`` (its process lives but the admin API does
 not answer in time: paused, overloaded or partitioned), ``dead`` (its process is gone)."""
@@ -201,15 +206,22 @@ class LocalBackend:
         # pod keeps its name and ports: a client that knows only this broker finds it again
         # within its failover time. A port taken meanwhile (by any process): free ones.
         ports = _free(self.host, _ports(info)) if info is not None else {}
+        # Until it is linked, a broker of a larger overlay refuses clients. Unlinked, it would
+        # acknowledge their publications and route them to nobody: a restarted one, back at
+        # its old address, took a publisher that failed over to it, and a subscriber nothing
+        # had happened to lost what it sent, untold (review).
+        declared = parse_overlay(self.state["spec"]).broker_names if self.state.get("spec") else []
+        hold = CLIENT_HOLD if len(declared) > 1 else 0.0
         for pid, child in list(self._children.items()):
             if child.poll() is not None:  # reaped: no zombie left behind
                 del self._children[pid]
-        if not await self._spawn(name, ports) and not await self._spawn(name, {}):
+        if not await self._spawn(name, ports, hold) and not await self._spawn(name, {}, hold):
             raise RuntimeError(f"broker {name}: a port is taken although asked for none")
 
-    async def _spawn(self, name: str, ports: Mapping[str, int]) -> bool:
-        """Start broker ``name`` on ``ports`` (the others free) and record it once ready.
-        False: a port asked for was taken (the broker exited saying so)."""
+    async def _spawn(self, name: str, ports: Mapping[str, int], hold: float) -> bool:
+        """Start broker ``name`` on ``ports`` (the others free), refusing clients until linked
+        or for ``hold`` s, and record it once ready. False: a port asked for was taken (the
+        broker exited saying so)."""
         log = self.dir / f"{name}.log"
         ready = self.dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
@@ -221,7 +233,10 @@ class LocalBackend:
                     pki=self.pki,
                     host=self.host,
                     routing=self.routing,
-                    extra_args=self.config_of(name, ports)[1:],
+                    extra_args=[
+                        *self.config_of(name, ports)[1:],
+                        *(("--hold-clients", repr(hold)) if hold else ()),
+                    ],
                     ports=ports,
                 ),
                 stdin=subprocess.DEVNULL,
