@@ -753,3 +753,31 @@ def test_notes_tell_what_to_do_next_and_what_is_missing(notes_chart: Path, tmp_p
     assert "WARNING" in text and "adminPort.from" in text
     assert "WARNING" not in notes(yaml.safe_load(ALL_ON.read_text()))
     assert "no TopologyProposals will be filed" in notes({"miner": {"enabled": False}})
+
+
+def test_broker_pods_of_a_larger_overlay_hold_clients_by_annotation_not_by_argument() -> None:
+    """A new broker process refuses clients until linked (a container restarted in place
+    keeps its pod's address, and the Service takes it once its process answers). Told by a
+    pod annotation, read through the downward API, so that it is no part of the template
+    hash: an overlay growing from one broker to two does not replace its first."""
+
+    def pod(names: list[str]) -> dict[str, Any]:
+        links = [[names[0], n] for n in names[1:]]
+        spec = parse_overlay(
+            {
+                "apiVersion": f"{kube.GROUP}/{kube.VERSION}",
+                "kind": kube.KIND,
+                "metadata": {"name": "o"},
+                "spec": {"brokers": [{"name": n} for n in names], "links": links},
+            }
+        )
+        return manifests.pod_manifest(spec, "hub", "ns", {}, "img")
+
+    alone, pair = pod(["hub"]), pod(["hub", "edge"])
+    hold = "canopy.dev/hold-clients"
+    assert hold not in alone["metadata"]["annotations"]
+    assert float(pair["metadata"]["annotations"][hold]) > 30  # above the default heal interval
+    same = manifests.TEMPLATE_HASH
+    assert alone["metadata"]["annotations"][same] == pair["metadata"]["annotations"][same]
+    (container,) = pair["spec"]["containers"]
+    assert broker_parser().parse_args(container["args"]).placement_dir == manifests.PLACEMENT_DIR

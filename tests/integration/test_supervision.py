@@ -466,7 +466,9 @@ async def test_a_restarted_broker_takes_clients_only_once_linked_into_the_overla
         held = (await backend.admin("c").status())["clients_held"]
         assert held is not None, "a restarted broker of a larger overlay takes clients unlinked"
         with pytest.raises(ClientError) as refused:
-            await connect(c_listen, "canopy/p", credentials=creds, failover_within=0)
+            await connect(
+                c_listen, "canopy/p", credentials=creds, failover_within=0, connect_timeout=1
+            )
         assert refused.value.code == "joining"
 
         async with asyncio.timeout(60):

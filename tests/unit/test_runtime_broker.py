@@ -146,7 +146,7 @@ async def test_a_broker_holding_clients_admits_them_once_linked_or_after_its_hol
     b = await make_broker("b", hold_clients=30.0)
     assert b.status()["clients_held"] is not None
     with pytest.raises(ClientError) as info:
-        await connect(addr(b), "early", failover_within=0)
+        await connect(addr(b), "early", failover_within=0, connect_timeout=0.5)
     assert info.value.code == "joining" and "has not joined the overlay" in str(info.value)
     async with await connect(addr(a), "sub") as sub:
         await sub.subscribe("n >= 0")
@@ -156,9 +156,19 @@ async def test_a_broker_holding_clients_admits_them_once_linked_or_after_its_hol
             await pub.publish({"n": 1})
             assert [n.attrs["n"] for n in await collect(sub, 1)] == [1]
 
+    # connect() tries again while a broker says it is joining, within its connect_timeout:
+    # what a client connecting as an overlay becomes ready (or a broker restarts) sees.
+    late = await make_broker("late", hold_clients=30.0)
+    early = asyncio.create_task(connect(addr(late), "patient", failover_within=0))
+    await asyncio.sleep(0.6)  # refused twice or thrice meanwhile
+    assert not early.done()
+    await link(late, a)
+    async with await early:
+        pass
+
     alone = await make_broker("alone", hold_clients=0.3)
     with pytest.raises(ClientError):
-        await connect(addr(alone), "early", failover_within=0)
+        await connect(addr(alone), "early", failover_within=0, connect_timeout=0.1)
     await eventually(lambda: alone.clients_held is None, within=5.0)
     async with await connect(addr(alone), "late"):
         pass

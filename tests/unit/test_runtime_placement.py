@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
+from canopy_broker.client import ClientError, connect
 from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.messages import (
     AddLink,
@@ -56,6 +59,31 @@ def test_the_zone_comes_from_the_label_else_the_annotation_and_changes_are_repor
     assert src.poll() is None
     fixed = PlacementSource(zone="z-flag", directory=str(tmp_path))
     assert fixed.poll() == Placement("z-flag", "")  # --zone overrides the files
+
+
+def test_the_client_hold_is_read_from_the_pods_annotation(tmp_path: Path) -> None:
+    assert PlacementSource(directory=str(tmp_path)).annotated_hold() == 0.0  # no files yet
+    assert PlacementSource().annotated_hold() == 0.0  # no downward API at all
+    write_downward(tmp_path, {}, {"canopy.dev/hold-clients": "90.0"})
+    assert PlacementSource(directory=str(tmp_path)).annotated_hold() == 90.0
+    write_downward(tmp_path, {}, {"canopy.dev/hold-clients": "soon"})
+    assert PlacementSource(directory=str(tmp_path)).annotated_hold() == 0.0  # said, not used
+
+
+async def test_a_pod_annotated_to_hold_clients_refuses_them_until_linked(
+    make_broker: MakeBroker, tmp_path: Path
+) -> None:
+    write_downward(tmp_path, {}, {"canopy.dev/hold-clients": "60"})
+    a = await make_broker("a")
+    b = await make_broker("b", placement_dir=str(tmp_path))
+    assert b.clients_held is not None and "60 s" in b.clients_held
+    with pytest.raises(ClientError) as refused:
+        await connect(
+            f"{b.address[0]}:{b.address[1]}", "early", failover_within=0, connect_timeout=0.5
+        )
+    assert refused.value.code == "joining"
+    await link(b, a)
+    await eventually(lambda: b.clients_held is None)
 
 
 async def test_a_broker_picks_up_its_zone_from_the_downward_api_and_tells_its_neighbour(

@@ -595,6 +595,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
 
 
 MAX_SEQ = 2**63 - 1
+JOINING_RETRY = 0.25  # s between rounds of the addresses while every one says "joining"
 """The largest sequence number the broker takes (a signed 64-bit integer, as on the wire)."""
 
 
@@ -634,9 +635,12 @@ async def connect(
     """Connect to a broker at ``HOST:PORT`` as ``client_id`` (the broker picks one if None).
 
     ``address`` may be several (a list, or one string with commas): the first that answers
-    is used, the others are where to fail over to. ``failover_within``: how long to look for
-    another broker when ours is lost before raising :class:`ConnectionLost` (0: never fail
-    over); ``on_gap`` is called with each :class:`Gap` a failover could not fill.
+    is used, the others are where to fail over to. A broker that says it is joining the
+    overlay (new or restarted, about to be linked) is passed over, and the addresses are
+    tried again until one takes the client or ``connect_timeout`` has passed.
+    ``failover_within``: how long to look for another broker when ours is lost before
+    raising :class:`ConnectionLost` (0: never fail over); ``on_gap`` is called with each
+    :class:`Gap` a failover could not fill.
     ``follow_redirects``: migrate on its own when the broker drains (the default).
     ``credentials``: the CA and a client certificate or token (default: from the environment,
     see :mod:`canopy_broker.client.credentials`).
@@ -668,23 +672,32 @@ async def connect(
         on_notifications=on_notifications,
         first_seq=first_seq,
     )
-    errors: list[str] = []
-    for i, addr in enumerate(addresses):
-        try:
-            await client._open(addr, connect_timeout)
-        except (OSError, TimeoutError, ClientError) as exc:
-            # A refusal is the application's to fix (credentials, its id), unless it says
-            # that broker is out of the overlay: the next address may be a live one.
-            if isinstance(exc, ClientError) and exc.code != "fenced":
-                raise
-            errors.append(f"{addr}: {exc or type(exc).__name__}")
-            if i == len(addresses) - 1:
-                if len(addresses) == 1:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + connect_timeout
+    while True:
+        errors: list[str] = []
+        joining = False
+        for addr in addresses:
+            try:
+                await client._open(addr, max(0.1, min(connect_timeout, deadline - loop.time())))
+            except (OSError, TimeoutError, ClientError) as exc:
+                # A refusal is the application's to fix (credentials, its id), unless it says
+                # that broker is out of the overlay (fenced) or not in it yet (joining: new or
+                # restarted, about to be linked): the next address may be a live one.
+                code = exc.code if isinstance(exc, ClientError) else None
+                if isinstance(exc, ClientError) and code not in ("fenced", "joining"):
                     raise
-                raise ConnectionLostError(f"no broker answered ({'; '.join(errors)})") from exc
+                joining = joining or code == "joining"
+                errors.append(f"{addr}: {exc or type(exc).__name__}")
+                last = exc
+                continue
+            return client
+        if joining and loop.time() + JOINING_RETRY < deadline:
+            await asyncio.sleep(JOINING_RETRY)  # one is about to be linked: all again shortly
             continue
-        return client
-    raise ValueError("no broker address given")
+        if len(addresses) == 1:
+            raise last
+        raise ConnectionLostError(f"no broker answered ({'; '.join(errors)})") from last
 
 
 def parse_addresses(address: str | Sequence[str]) -> list[str]:

@@ -30,6 +30,11 @@ log = logging.getLogger("canopy.broker")
 
 ZONE_LABEL: Final = "topology.kubernetes.io/zone"
 ZONE_ANNOTATION: Final = "canopy.dev/zone"
+# Seconds a new process refuses clients until linked (``--hold-clients``), as the operator
+# annotates the pods of an overlay of more than one broker: an annotation, not an argument,
+# so that it is no part of what a pod runs (its template hash), and an overlay growing from
+# one broker to two does not replace its first.
+HOLD_ANNOTATION: Final = "canopy.dev/hold-clients"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +92,22 @@ class PlacementSource:
             return None
         self._reported = self.current
         return self.current
+
+    def annotated_hold(self) -> float:
+        """The pod's :data:`HOLD_ANNOTATION` in seconds, as it was when the process started
+        (0 without one or without a downward-API directory)."""
+        files = self._files()
+        if files is None:
+            return 0.0
+        try:
+            raw = parse_downward(files[1].read_text(encoding="utf-8")).get(HOLD_ANNOTATION)
+        except OSError:
+            return 0.0
+        try:
+            return max(0.0, float(raw)) if raw else 0.0
+        except ValueError:
+            log.warning("placement: %s=%r is not a number of seconds", HOLD_ANNOTATION, raw)
+            return 0.0
 
     def _zone_from(self, labels: Path, annotations: Path) -> str:
         found: dict[str, str] = {}

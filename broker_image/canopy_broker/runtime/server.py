@@ -359,10 +359,11 @@ class Broker:
         host = self.advertised.rpartition(":")[0]
         self.client_advertised = cfg.client_advertise or f"{host}:{self.address[1]}"
         self._ticker = self.tasks.spawn(self._tick(), "ticker", forever=True)
-        if cfg.hold_clients > 0:
-            self.clients_held = f"not linked yet, for at most {cfg.hold_clients:g} s"
+        hold = cfg.hold_clients or self.placement.annotated_hold()
+        if hold > 0:
+            self.clients_held = f"not linked yet, for at most {hold:g} s"
             self._hold_timer = self._loop.call_later(
-                cfg.hold_clients, self._admit_clients, f"no link within {cfg.hold_clients:g} s"
+                hold, self._admit_clients, f"no link within {hold:g} s"
             )
         self.loop_watch.start(self._loop)
         self.tasks.spawn(self._acknowledge(), "publish acks", forever=True)

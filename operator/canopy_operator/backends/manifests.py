@@ -16,7 +16,7 @@ import yaml
 
 from canopy_broker.client.credentials import LOCAL_CLIENT
 from canopy_broker.pki import permissive_policy
-from canopy_broker.runtime.placement import ZONE_LABEL
+from canopy_broker.runtime.placement import HOLD_ANNOTATION, ZONE_LABEL
 from canopy_broker.runtime.security import Policy, SecurityError
 from canopy_operator.backends.certs import (
     ISSUER_KINDS,
@@ -31,6 +31,10 @@ the admin API, /metrics and probes (the operator and the miner); the HTTP gatewa
 listener (clients; MQTT over TLS on its usual port)."""
 LABEL_OVERLAY, LABEL_BROKER = "canopy.dev/overlay", "canopy.dev/broker"
 TEMPLATE_HASH = "canopy.dev/template-hash"
+# Seconds a broker pod of an overlay of more than one broker refuses clients unless linked
+# before (HOLD_ANNOTATION): more than the operator's default heal interval (30 s), within
+# which it links a container restarted in place.
+POD_CLIENT_HOLD = 90.0
 """Pod annotation: a hash of what the broker runs (image, arguments, resources, mounts). A pod
 whose hash is not the one the spec gives now is replaced by the rolling replacement."""
 PAUSE_ROLLOUT = "canopy.dev/pause-rollout"
@@ -381,7 +385,13 @@ def pod_manifest(
             "volumes": volumes,
         },
     }
-    pod["metadata"]["annotations"] = {TEMPLATE_HASH: template_hash(pod)}
+    pod["metadata"]["annotations"] = {
+        TEMPLATE_HASH: template_hash(pod),
+        # A new process (a new pod, or its container restarted in place, at the same address)
+        # refuses clients until linked: unlinked, it acknowledged publications and routed them
+        # to nobody. The operator links it within a heal interval or two.
+        **({HOLD_ANNOTATION: repr(POD_CLIENT_HOLD)} if len(spec.brokers) > 1 else {}),
+    }
     return pod
 
 
