@@ -174,6 +174,30 @@ async def test_a_broker_holding_clients_admits_them_once_linked_or_after_its_hol
         pass
 
 
+async def test_an_exchange_whose_cycle_the_overlay_no_longer_has_gives_up_soon(
+    make_broker: MakeBroker,
+) -> None:
+    """A plan made from a view a repair has changed since: the cycle a-b-c removes b-c,
+    which is gone. Waiting will not bring it back, so A1 gives up after a few tries (about
+    1.5 s) and the plan can be made again from the overlay as it is. It tried for 4.8
+    minutes while the supervisor waited on it holding the overlay's lock: nothing was
+    restored and a split was never told (review: 22,452 events lost untold)."""
+    # b-c is gone: two trees, a-b and c-d, as a repair may have left them. (Real time, not
+    # the exchange tests' virtual time: the A end's dials to c, cut short by each refusal,
+    # are still closing when a virtual clock has already run the brokers down.)
+    brokers = {n: await make_broker(n) for n in "abcd"}
+    for b in brokers.values():
+        b.set_peers({n: addr(x) for n, x in brokers.items()})
+    await link(brokers["a"], brokers["b"])
+    await link(brokers["c"], brokers["d"])
+    rec = brokers["a"].start_exchange(["a", "b", "c"], ("b", "c"))
+    async with asyncio.timeout(10):
+        await rec.done.wait()
+    assert rec.state == "failed" and not rec.ok, rec.to_json()
+    assert rec.reason == "gave up after 5 attempts: b has no link to c", rec.reason
+    assert "a" not in brokers["c"].links and "c" not in brokers["a"].links  # nothing changed
+
+
 async def raw_connection(
     b: Broker, as_broker: str | None = None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

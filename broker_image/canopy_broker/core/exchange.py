@@ -87,7 +87,16 @@ from canopy_broker.core.messages import (
 if TYPE_CHECKING:
     from canopy_broker.core.routing import RoutingState
 
-MAX_LOCK_ATTEMPTS = 60
+MAX_LOCK_ATTEMPTS = 60  # a busy cycle: about 4.8 minutes of backoff in all
+# A cycle that does not match the overlay (a link it removes is not there, the one it adds
+# is): the plan was made from a view a repair has changed since, and waiting will not
+# mend it. A few tries (about 1.5 s, for a link a repair is about to make or undo), then
+# give up, so that the plan is made again from the overlay as it is. Before, the exchange
+# tried for 4.8 minutes while the supervisor waited on it, holding the overlay's lock:
+# nothing was restored and a split was never told (review: 22,452 events lost untold).
+MAX_SHAPE_ATTEMPTS = 5
+NO_LINK = "has no link to"
+LINKED_ALREADY = "is already linked to"
 
 
 class BrokerCore(Protocol):
@@ -383,7 +392,8 @@ def give_up(core: BrokerCore, xid: str, reason: str, out: list[Effect]) -> None:
 def retry_later(core: BrokerCore, xid: str, reason: str, out: list[Effect]) -> None:
     req, attempt = core.attempts[xid]
     attempt += 1
-    if attempt >= MAX_LOCK_ATTEMPTS:
+    shape = NO_LINK in reason or LINKED_ALREADY in reason
+    if attempt >= (MAX_SHAPE_ATTEMPTS if shape else MAX_LOCK_ATTEMPTS):
         give_up(core, xid, f"gave up after {attempt} attempts: {reason}", out)
         return
     core.attempts[xid] = (req, attempt)
@@ -440,12 +450,16 @@ def lock_problem(core: BrokerCore, path: tuple[str, ...], i: int) -> str | None:
     routing = core.routing
     if core.ex is not None:
         return f"{core.name} is locked by exchange {core.ex.xid}"
-    if i < len(path) - 1 and (not routing.has_link(path[i + 1]) or routing.is_frozen(path[i + 1])):
-        return f"{core.name} has no link to {path[i + 1]}"
+    if i < len(path) - 1:
+        nxt = path[i + 1]
+        if not routing.has_link(nxt):
+            return f"{core.name} {NO_LINK} {nxt}"
+        if routing.is_frozen(nxt):
+            return f"{core.name}'s link to {nxt} is held by another exchange"
     if i in (0, len(path) - 1):
         other = path[-1] if i == 0 else path[0]
         if routing.has_link(other):
-            return f"{core.name} is already linked to {other}"
+            return f"{core.name} {LINKED_ALREADY} {other}"
     return None
 
 
