@@ -10,7 +10,15 @@ from hypothesis import strategies as st
 
 from canopy_broker.sim.topology import random_tree
 from canopy_operator.model.planner import LiveOverlay, steps_from_json
-from canopy_operator.model.restore import describe, mutual, restore, split, status_neighbours
+from canopy_operator.model.restore import (
+    ONE_SIDED_STUCK,
+    describe,
+    mutual,
+    restore,
+    split,
+    status_neighbours,
+    stuck_one_sided,
+)
 from canopy_operator.model.topology import adjacency, norm
 from tests.operator.test_planner import replay, spec
 
@@ -237,3 +245,24 @@ def test_each_join_names_the_two_sides_it_joins() -> None:
     first, second = r.plan.steps
     assert first.kind == second.kind == "join"
     assert first.members == ("b0", "b1", "b3", "b4") and second.members == tuple(alive)
+
+
+def test_a_link_known_at_one_end_for_too_long_is_removed_at_that_end() -> None:
+    """A repair's promoted link the other end never took stayed known at one end only for
+    good; the restore waited on it and never ran (review: 21,075 events lost untold). Once
+    one-sided for ONE_SIDED_STUCK seconds it is removed where it is known; shorter, it is
+    being set up or closed, and left alone (the case that must not trip)."""
+    neighbours = {"b2": ["b3"], "b3": ["b4"], "b4": ["b3"]}
+    _, one_sided = mutual(neighbours)
+    assert one_sided == {("b2", "b3")}
+    seen, stuck = stuck_one_sided(one_sided, neighbours, {}, now=100.0)
+    assert seen == {"b2-b3": 100.0} and stuck == []  # first seen now
+    seen, stuck = stuck_one_sided(one_sided, neighbours, seen, now=100.0 + ONE_SIDED_STUCK / 2)
+    assert seen == {"b2-b3": 100.0} and stuck == []
+    _, stuck = stuck_one_sided(one_sided, neighbours, seen, now=100.0 + ONE_SIDED_STUCK)
+    assert stuck == [("b2", "b3")]  # b2 holds it: removed there
+    flipped = {"b2": [], "b3": ["b2", "b4"], "b4": ["b3"]}
+    _, stuck = stuck_one_sided(mutual(flipped)[1], flipped, seen, now=200.0)
+    assert stuck == [("b3", "b2")]
+    settled, stuck = stuck_one_sided(set(), neighbours, seen, now=300.0)
+    assert settled == {} and stuck == []  # nothing one-sided: nothing kept

@@ -38,11 +38,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from canopy_broker import logs
 from canopy_operator.backends.local import BrokerDownError, LocalBackend
 from canopy_operator.commands.local import overlay_dir, run_own_plan
 from canopy_operator.executor import StepError
-from canopy_operator.model.restore import describe, mutual, repairs_under_way, restore, split
+from canopy_operator.model.restore import (
+    describe,
+    mutual,
+    repairs_under_way,
+    restore,
+    split,
+    stuck_one_sided,
+)
 from canopy_operator.model.topology import parse_overlay
 
 log = logging.getLogger("canopy.supervisor")
@@ -124,7 +133,16 @@ async def tick(backend: LocalBackend, say: Callable[[str], None]) -> bool:
     # All alive but in several trees: a partition healed (each side repaired without the
     # other); the restore joins them.
     parted = not dead and split(backend.reported_neighbours(health))
-    if not dead and not missing and not parted and not backend.state.get("restoring"):
+    # A link known at one end only: being set up or closed, or stuck (restore_once removes
+    # it once it has been so for too long, which a restore then mends).
+    _, one_sided = mutual(backend.reported_neighbours(health))
+    calm = not dead and not missing and not parted and not one_sided
+    if calm and not backend.state.get("restoring"):
+        if backend.state.get("one_sided"):  # settled: a later one starts its own clock
+            async with backend.locked():
+                backend.reload()
+                backend.state.pop("one_sided", None)
+                backend.save()
         return True
     async with backend.locked():
         backend.reload()
@@ -143,11 +161,22 @@ async def restore_once(
     spec = parse_overlay(backend.state["spec"])
     health = await backend.health()
     if any(h["state"] == "unreachable" for h in health.values()):
-        stuck = sorted(n for n, h in health.items() if h["state"] == "unreachable")
-        log(f"waiting: {', '.join(stuck)} does not answer")
+        silent = sorted(n for n, h in health.items() if h["state"] == "unreachable")
+        log(f"waiting: {', '.join(silent)} does not answer")
         return None
     alive = [n for n, h in health.items() if h["state"] == "up"]
-    links, one_sided = mutual(backend.reported_neighbours(health))
+    neighbours = backend.reported_neighbours(health)
+    links, one_sided = mutual(neighbours)
+    seen, stuck = stuck_one_sided(
+        one_sided, neighbours, backend.state.get("one_sided") or {}, time.time()
+    )
+    if seen != backend.state.get("one_sided"):
+        backend.state["one_sided"] = seen
+        backend.save()
+    for holder, other in stuck:
+        log(f"link {holder}-{other} is known at {holder} only for too long: removing it there")
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            await backend.admin(holder).remove_link(other)
     if one_sided:
         a, b = min(one_sided)
         log(f"waiting: link {a}-{b} is known at one end only (being set up or closed)")
