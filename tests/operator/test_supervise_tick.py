@@ -12,6 +12,7 @@ import pytest
 
 from canopy_operator.backends.local import LocalBackend
 from canopy_operator.commands import supervise
+from canopy_operator.model.restore import ONE_SIDED_STUCK
 
 MANIFEST = {
     "apiVersion": "canopy.dev/v1alpha1",
@@ -77,8 +78,37 @@ async def test_live_brokers_in_two_trees_are_restored_although_none_died(
     assert restores == [[]] and backend.locks == 1
 
 
-async def test_a_link_known_at_one_end_only_is_waited_out(restores: list[list[str]]) -> None:
-    """Being set up or closed (b-c at b only): not a split to act on yet."""
+async def test_a_link_known_at_one_end_only_goes_to_the_restore(
+    restores: list[list[str]],
+) -> None:
+    """b-c at b only: being set up or closed, or stuck. The tick hands it to the restore,
+    which waits it out, or removes it once it has been one-sided too long (below)."""
     backend = Brokers({"a": ["b"], "b": ["a", "c"], "c": ["d"], "d": ["c"]})
     assert await supervise.tick(backend, print)  # type: ignore[arg-type]
-    assert restores == []
+    assert restores == [[]]
+
+
+async def test_the_restore_waits_on_a_fresh_one_sided_link_and_removes_a_stuck_one() -> None:
+    """A repair's promoted link the other end never took stayed one-sided for minutes, and
+    the restore waited on it all along (review: 21,075 events lost untold). The real
+    restore_once: waits while it is new, removes it at b once it has been so for too long."""
+    removed: list[tuple[str, str]] = []
+
+    class Admin:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def remove_link(self, peer: str) -> bool:
+            removed.append((self.name, peer))
+            return True
+
+    backend = Brokers({"a": ["b"], "b": ["a", "c"], "c": ["d"], "d": ["c"]})
+    backend.admin = Admin  # type: ignore[attr-defined]
+    backend.save = lambda: None  # type: ignore[attr-defined]
+    said: list[str] = []
+    assert await supervise.restore_once(backend, [], log=said.append) is None  # type: ignore[arg-type]
+    assert removed == [] and "known at one end only" in said[-1]
+    first = backend.state["one_sided"]["b-c"]
+    backend.state["one_sided"]["b-c"] = first - ONE_SIDED_STUCK
+    assert await supervise.restore_once(backend, [], log=said.append) is None  # type: ignore[arg-type]
+    assert removed == [("b", "c")], said
