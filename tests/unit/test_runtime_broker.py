@@ -134,7 +134,7 @@ async def test_duplicate_client_id_is_refused(make_broker: MakeBroker) -> None:
 
 
 async def test_a_broker_holding_clients_admits_them_once_linked_or_after_its_hold(
-    make_broker: MakeBroker,
+    make_broker: MakeBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A new broker process of a larger overlay refuses clients ("joining": they try another
     broker) until its first link is up and a heartbeat has brought the neighbour's routing
@@ -165,6 +165,11 @@ async def test_a_broker_holding_clients_admits_them_once_linked_or_after_its_hol
     await link(late, a)
     async with await early:
         pass
+
+    # A client refused while a broker joins tries again every quarter second: not a warning
+    # each time (a restarted pod's log filled with them), and not counted as malformed.
+    assert not [r for r in caplog.records if "has not joined" in r.getMessage()]
+    assert b.metrics.malformed.labels("unknown", "joining")._value.get() == 0
 
     alone = await make_broker("alone", hold_clients=0.3)
     with pytest.raises(ClientError):

@@ -693,6 +693,8 @@ class Broker:
             self.client_sessions.detach(conn.client)
         if exc.code in REFUSAL_CODES:  # counted and logged where they were decided
             return
+        if exc.code == "joining":  # not an error: the client tries again (admission is logged)
+            return
         self.metrics.malformed.labels(role, exc.code).inc()
         who = conn.link.peer if conn.link else conn.client.id if conn.client else "?"
         log.warning("%s: closing %s connection (%s): %s", self.name, role, who, exc)
