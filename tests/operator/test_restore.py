@@ -250,19 +250,30 @@ def test_each_join_names_the_two_sides_it_joins() -> None:
 def test_a_link_known_at_one_end_for_too_long_is_removed_at_that_end() -> None:
     """A repair's promoted link the other end never took stayed known at one end only for
     good; the restore waited on it and never ran (review: 21,075 events lost untold). Once
-    one-sided for ONE_SIDED_STUCK seconds it is removed where it is known; shorter, it is
-    being set up or closed, and left alone (the case that must not trip)."""
+    one-sided for ONE_SIDED_STUCK seconds, looked at all along, it is removed where it is
+    known. The cases that must not trip: shorter (being set up or closed); seen again after
+    nobody looked for a while (a new episode, not the old one); a link to a broker that does
+    not answer (a repair's to end)."""
     neighbours = {"b2": ["b3"], "b3": ["b4"], "b4": ["b3"]}
     _, one_sided = mutual(neighbours)
     assert one_sided == {("b2", "b3")}
-    seen, stuck = stuck_one_sided(one_sided, neighbours, {}, now=100.0)
-    assert seen == {"b2-b3": 100.0} and stuck == []  # first seen now
-    seen, stuck = stuck_one_sided(one_sided, neighbours, seen, now=100.0 + ONE_SIDED_STUCK / 2)
-    assert seen == {"b2-b3": 100.0} and stuck == []
-    _, stuck = stuck_one_sided(one_sided, neighbours, seen, now=100.0 + ONE_SIDED_STUCK)
+    t0, step = 100.0, ONE_SIDED_STUCK / 4
+    seen, stuck = stuck_one_sided(one_sided, neighbours, {}, now=t0)
+    assert seen == {"b2-b3": [t0, t0]} and stuck == []  # first seen now
+    for k in (1, 2, 3):
+        seen, stuck = stuck_one_sided(one_sided, neighbours, seen, now=t0 + k * step)
+        assert stuck == [] and seen["b2-b3"][0] == t0
+    _, stuck = stuck_one_sided(one_sided, neighbours, seen, now=t0 + 4 * step)
     assert stuck == [("b2", "b3")]  # b2 holds it: removed there
     flipped = {"b2": [], "b3": ["b2", "b4"], "b4": ["b3"]}
-    _, stuck = stuck_one_sided(mutual(flipped)[1], flipped, seen, now=200.0)
+    _, stuck = stuck_one_sided(mutual(flipped)[1], flipped, seen, now=t0 + 4 * step)
     assert stuck == [("b3", "b2")]
-    settled, stuck = stuck_one_sided(set(), neighbours, seen, now=300.0)
+    # Nobody looked for longer than half the time: what is seen now is a new episode.
+    later, stuck = stuck_one_sided(one_sided, neighbours, seen, now=t0 + 3 * ONE_SIDED_STUCK)
+    assert stuck == [] and later["b2-b3"] == [t0 + 3 * ONE_SIDED_STUCK] * 2
+    # b3 does not answer: b2's link to it is one-sided, and a repair's to end, not ours.
+    silent = {"b2": ["b3"]}
+    held, stuck = stuck_one_sided(mutual(silent)[1], silent, seen, now=t0 + 4 * step)
+    assert held == {} and stuck == []
+    settled, stuck = stuck_one_sided(set(), neighbours, seen, now=t0 + 5 * step)
     assert settled == {} and stuck == []  # nothing one-sided: nothing kept

@@ -108,7 +108,7 @@ async def test_the_restore_waits_on_a_fresh_one_sided_link_and_removes_a_stuck_o
     said: list[str] = []
     assert await supervise.restore_once(backend, [], log=said.append) is None  # type: ignore[arg-type]
     assert removed == [] and "known at one end only" in said[-1]
-    first = backend.state["one_sided"]["b-c"]
-    backend.state["one_sided"]["b-c"] = first - ONE_SIDED_STUCK
+    first, last = backend.state["one_sided"]["b-c"]
+    backend.state["one_sided"]["b-c"] = [first - ONE_SIDED_STUCK, last]  # seen all along
     assert await supervise.restore_once(backend, [], log=said.append) is None  # type: ignore[arg-type]
     assert removed == [("b", "c")], said

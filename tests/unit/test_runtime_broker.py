@@ -179,6 +179,23 @@ async def test_a_broker_holding_clients_admits_them_once_linked_or_after_its_hol
         pass
 
 
+async def test_a_held_broker_whose_only_link_dropped_again_waits_for_its_cap(
+    make_broker: MakeBroker,
+) -> None:
+    """Admission comes a heartbeat after a link came up only if a link is still up then
+    (review: a link that dropped again admitted clients to an unlinked broker), and no link
+    coming and going pushes it past the broker's hold (review: each one moved it back)."""
+    a = await make_broker("a")
+    b = await make_broker("b", hold_clients=3.0, heartbeat_interval=1.0)
+    await link(b, a)
+    linked_at = asyncio.get_running_loop().time()
+    await a.stop(flush_timeout=0.1)  # gone well before the heartbeat after the link (1 s)
+    await eventually(lambda: not any(lk.conn for lk in b.links.values()))
+    await asyncio.sleep(max(0.0, linked_at + 1.5 - asyncio.get_running_loop().time()))
+    assert b.clients_held is not None  # linked a moment, but not any more
+    await eventually(lambda: b.clients_held is None, within=3.0)  # the cap admits
+
+
 async def test_an_exchange_whose_cycle_the_overlay_no_longer_has_gives_up_soon(
     make_broker: MakeBroker,
 ) -> None:

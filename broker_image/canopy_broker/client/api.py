@@ -674,12 +674,14 @@ async def connect(
     )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + connect_timeout
+    again = False  # the first round gives every address the whole connect_timeout, as before
     while True:
         errors: list[str] = []
         joining = False
         for addr in addresses:
             try:
-                await client._open(addr, max(0.1, min(connect_timeout, deadline - loop.time())))
+                within = max(0.1, deadline - loop.time()) if again else connect_timeout
+                await client._open(addr, within)
             except (OSError, TimeoutError, ClientError) as exc:
                 # A refusal is the application's to fix (credentials, its id), unless it says
                 # that broker is out of the overlay (fenced) or not in it yet (joining: new or
@@ -694,6 +696,7 @@ async def connect(
             return client
         if joining and loop.time() + JOINING_RETRY < deadline:
             await asyncio.sleep(JOINING_RETRY)  # one is about to be linked: all again shortly
+            again = True
             continue
         if len(addresses) == 1:
             raise last

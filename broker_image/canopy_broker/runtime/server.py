@@ -229,6 +229,7 @@ class Broker:
         # Why clients are refused for now (config.hold_clients), None once they are admitted.
         self.clients_held: str | None = None
         self._hold_timer: asyncio.TimerHandle | None = None
+        self._hold_until = 0.0  # the loop's time: clients admitted then, linked or not
         self.incarnation = uuid.uuid4().hex[:8]
         self.resume_slack = max(2.0, detection)
         self.max_subscriptions = config.max_subscriptions
@@ -362,8 +363,9 @@ class Broker:
         hold = cfg.hold_clients or self.placement.annotated_hold()
         if hold > 0:
             self.clients_held = f"not linked yet, for at most {hold:g} s"
-            self._hold_timer = self._loop.call_later(
-                hold, self._admit_clients, f"no link within {hold:g} s"
+            self._hold_until = self._loop.time() + hold
+            self._hold_timer = self._loop.call_at(
+                self._hold_until, self._admit_clients, f"no link within {hold:g} s"
             )
         self.loop_watch.start(self._loop)
         self.tasks.spawn(self._acknowledge(), "publish acks", forever=True)
@@ -391,15 +393,22 @@ class Broker:
         routed to the overlay's subscribers."""
         if self.clients_held is not None and self._hold_timer is not None:
             self._hold_timer.cancel()
-            self._hold_timer = self._loop.call_later(
-                self.config.heartbeat_interval, self._admit_clients, f"linked to {peer}"
-            )
+            due = min(self._loop.time() + self.config.heartbeat_interval, self._hold_until)
+            self._hold_timer = self._loop.call_at(due, self._admit_clients, f"linked to {peer}")
 
     def _admit_clients(self, why: str) -> None:
-        if self.clients_held is not None:
-            log.info("%s: admitting clients (%s)", self.name, why)
-            self.clients_held = None
-            self._hold_timer = None
+        if self.clients_held is None:
+            return
+        if why.startswith("linked") and not any(
+            lk.conn is not None for lk in self.sessions.links.values()
+        ):  # the link dropped again meanwhile: the next one to come up admits, or the cap
+            self._hold_timer = self._loop.call_at(
+                self._hold_until, self._admit_clients, "no link that stayed up"
+            )
+            return
+        log.info("%s: admitting clients (%s)", self.name, why)
+        self.clients_held = None
+        self._hold_timer = None
 
     @property
     def max_frame(self) -> int:

@@ -203,22 +203,32 @@ set up or closed (which take a heartbeat or two)."""
 def stuck_one_sided(
     one_sided: Iterable[Edge],
     neighbours: Mapping[str, Iterable[str]],
-    first_seen: Mapping[str, float],
+    seen_before: Mapping[str, Sequence[float]],
     now: float,
     after: float = ONE_SIDED_STUCK,
-) -> tuple[dict[str, float], list[tuple[str, str]]]:
-    """Which one-sided links have been so for longer than ``after`` seconds: (when each
-    one-sided link was first seen, by ``"a-b"``, to keep for the next look; and the
+) -> tuple[dict[str, list[float]], list[tuple[str, str]]]:
+    """Which one-sided links have been so for longer than ``after`` seconds: (each one-sided
+    link's ``[first seen, last seen]``, by ``"a-b"``, to keep for the next look; and the
     (holder, other end) of those stuck, for the holder to remove). A repair's promoted link
     that the other end never took was reported by one end only for good, and the restore,
     waiting for it to settle, never ran: nothing was restored and a split was never told
     (review: 21,075 events lost untold). Removed, the overlay is in parts the restore joins,
-    telling every subscriber of the gap."""
-    seen = {f"{a}-{b}": first_seen.get(f"{a}-{b}", now) for a, b in sorted(one_sided)}
+    telling every subscriber of the gap.
+
+    Only between brokers that both answered (``neighbours`` has both): a link to a broker
+    that does not answer is a repair's to end. A link last seen more than ``after / 2`` s ago
+    (nobody looked meanwhile) starts a new episode rather than continuing the old one."""
+    seen: dict[str, list[float]] = {}
     stuck = []
-    for key, since in seen.items():
-        if now - since >= after:
-            a, b = key.split("-", 1)
+    for a, b in sorted(one_sided):
+        if a not in neighbours or b not in neighbours:
+            continue
+        key = f"{a}-{b}"
+        first, last = [*(seen_before.get(key) or ()), now, now][:2]
+        if now - last > after / 2:
+            first = now
+        seen[key] = [first, now]
+        if now - first >= after:
             holder = a if b in neighbours.get(a, ()) else b
             stuck.append((holder, b if holder == a else a))
     return seen, stuck
