@@ -4,6 +4,7 @@ and a real broker process on it serves TLS clients across a link and says which 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from pathlib import Path
 
@@ -40,9 +41,12 @@ def test_uvloop_by_default_and_asyncio_on_request(monkeypatch: pytest.MonkeyPatc
 def test_the_loop_clock_is_the_precise_monotonic_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """uvloop's own clock counts whole milliseconds (module docstring); Canopy's loop reads
     time.monotonic(). The plain uvloop loop is the case that must trip the check (uniformly
-    0-1 ms behind: twenty readings all under 0.3 ms would be a 1-in-10^10 chance)."""
+    0-1 ms behind: twenty readings all under 0.3 ms would be a 1-in-10^10 chance). Canopy's
+    readings are a microsecond apart, but the process can be preempted between the two
+    reads of one (a clean-clone CI saw 0.2 ms once, with Spark busy beside it): the median,
+    which a few such readings do not move, is what is checked."""
     monkeypatch.delenv(eventloop.LOOP_ENV, raising=False)
-    assert max(eventloop.run(_clock())) < 0.0001
+    assert statistics.median(eventloop.run(_clock())) < 0.0001
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         assert max(runner.run(_clock())) >= 0.0003
 
