@@ -48,7 +48,7 @@ import orjson
 
 from canopy_broker.client import Client, ClientError, Credentials, Notification, connect
 from canopy_broker.core.filters import Filter, FilterError
-from canopy_broker.runtime.conn import SourceCounts
+from canopy_broker.runtime.conn import SourceCounts, source_of
 
 log = logging.getLogger("canopy.mqtt")
 
@@ -576,8 +576,8 @@ class MqttGateway:
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        peer = writer.get_extra_info("peername")
-        source = str(peer[0]) if peer else ""
+        peer = writer.get_extra_info("peername")  # host and port, for the log
+        source = source_of(writer.transport)
         if not self._sources.take(source):
             self._sources.refused(source, log, "mqtt")
             writer.close()

@@ -595,8 +595,8 @@ class Client(FailingOver, Migrating, AsyncClosing):
 
 
 MAX_SEQ = 2**63 - 1
-JOINING_RETRY = 0.25  # s between rounds of the addresses while every one says "joining"
 """The largest sequence number the broker takes (a signed 64-bit integer, as on the wire)."""
+JOINING_RETRY = 0.25  # s between rounds of the addresses while every one says "joining"
 
 
 def clock_seq() -> int:

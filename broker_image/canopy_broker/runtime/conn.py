@@ -22,6 +22,13 @@ from canopy_broker.runtime.security import Identity, transport_identity
 log = logging.getLogger("canopy.broker")
 
 
+def source_of(transport: asyncio.BaseTransport | None) -> str:
+    """The remote address a transport is from, as :class:`SourceCounts` counts it ("?"
+    without one)."""
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+
+
 class SourceCounts:
     """What is open from each remote address (connections, streams), at most ``limit`` each:
     a listener takes one before it spends anything on a stranger, and gives it back when that

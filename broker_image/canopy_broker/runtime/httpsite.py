@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from canopy_broker.runtime.conn import SourceCounts
+from canopy_broker.runtime.conn import SourceCounts, source_of
 
 log = logging.getLogger("canopy.http")
 
@@ -50,8 +50,7 @@ class _Counted(asyncio.Protocol):
         self._source: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        peer = transport.get_extra_info("peername")
-        source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        source = source_of(transport)
         if not self._counts.take(source):
             self._counts.refused(source, log, "http")
             transport.close()  # nothing written yet: closed at once

@@ -69,7 +69,7 @@ from canopy_broker.core.messages import (
 )
 from canopy_broker.runtime.client_sessions import ClientSessions
 from canopy_broker.runtime.config import BrokerConfig
-from canopy_broker.runtime.conn import Conn, SourceCounts
+from canopy_broker.runtime.conn import Conn, SourceCounts, source_of
 from canopy_broker.runtime.eventloop import loop_name
 from canopy_broker.runtime.framing import (
     B_CUT_OFF,
@@ -391,15 +391,17 @@ class Broker:
         later. The neighbour sends its routing table right after its hello, on the same
         connection; a heartbeat later it has arrived, so what a client publishes here then is
         routed to the overlay's subscribers."""
-        if self.clients_held is not None and self._hold_timer is not None:
-            self._hold_timer.cancel()
-            due = min(self._loop.time() + self.config.heartbeat_interval, self._hold_until)
-            self._hold_timer = self._loop.call_at(due, self._admit_clients, f"linked to {peer}")
+        if self.clients_held is None:
+            return
+        assert self._hold_timer is not None  # set whenever clients are held
+        self._hold_timer.cancel()
+        due = min(self._loop.time() + self.config.heartbeat_interval, self._hold_until)
+        self._hold_timer = self._loop.call_at(due, self._admit_clients, f"linked to {peer}")
 
     def _admit_clients(self, why: str) -> None:
         if self.clients_held is None:
             return
-        if why.startswith("linked") and not any(
+        if self._loop.time() < self._hold_until and not any(
             lk.conn is not None for lk in self.sessions.links.values()
         ):  # the link dropped again meanwhile: the next one to come up admits, or the cap
             self._hold_timer = self._loop.call_at(
@@ -650,9 +652,7 @@ class Broker:
             conn.write(self.sessions.hello_frame(conn.link))
             return
         conn.opened_at = self._loop.time()
-        transport = conn.transport
-        peer = transport.get_extra_info("peername") if transport is not None else None
-        source = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        source = source_of(conn.transport)
         if is_loopback(source):
             # This host's own: its gateways' sessions (every MQTT and HTTP gateway client is a
             # client of its broker from here, and the gateways limit them by their own remote

@@ -132,10 +132,11 @@ async def tick(backend: LocalBackend, say: Callable[[str], None]) -> bool:
     missing = [b for b in declared if b not in backend.brokers]
     # All alive but in several trees: a partition healed (each side repaired without the
     # other); the restore joins them.
-    parted = not dead and split(backend.reported_neighbours(health))
+    neighbours = backend.reported_neighbours(health)
+    parted = not dead and split(neighbours)
     # A link known at one end only: being set up or closed, or stuck (restore_once removes
     # it once it has been so for too long, which a restore then mends).
-    _, one_sided = mutual(backend.reported_neighbours(health))
+    _, one_sided = mutual(neighbours)
     calm = not dead and not missing and not parted and not one_sided
     if calm and not backend.state.get("restoring"):
         if backend.state.get("one_sided"):  # settled: a later one starts its own clock
