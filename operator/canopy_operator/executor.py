@@ -12,9 +12,12 @@ again returns the same exchange instead of starting a second one; creating a bro
 adding a link that exists, draining a drained broker are no-ops.
 
 **Failures.** An unreachable broker is retried with backoff (the overlay is reported Degraded
-meanwhile); an exchange the brokers give up on (lock conflicts beyond their retries, a lease that
-ran out) fails the step with its reason, and the plan stops there — the overlay is consistent
-after every step, so a later reconcile re-plans from what is live.
+meanwhile), unless its process or pod is gone: then the step fails at once, so that whoever runs
+the plan (the supervisor, the reconciler) plans again from what is live, which brings the broker
+back, instead of retrying for a minute with the overlay's lock held. An exchange the brokers give
+up on (lock conflicts beyond their retries, a lease that ran out) fails the step with its reason,
+and the plan stops there — the overlay is consistent after every step, so a later reconcile
+re-plans from what is live.
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ class Backend(Protocol):
         ...
 
     def admin(self, name: str) -> AdminClient: ...
+
+    async def gone(self, name: str) -> bool:
+        """Whether broker ``name``'s process (pod) no longer exists: a step that needs it can
+        only fail until a plan brings it back, so it is not worth retrying."""
+        ...
 
 
 class ProgressStore(Protocol):
@@ -171,15 +179,19 @@ class Executor:
     async def _retrying(
         self, action: Callable[[], Awaitable[dict[str, Any]]], step: Step, i: int
     ) -> dict[str, Any]:
-        deadline = time.monotonic() + self.retry_for
+        clock = asyncio.get_running_loop().time  # the loop's: virtual time in tests
+        deadline = clock() + self.retry_for
         delay = 0.2
         degraded = False
         while True:
             try:
                 result = await action()
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                if time.monotonic() > deadline:
+                if clock() > deadline:
                     raise StepError(i, step, f"broker unreachable: {exc}") from exc
+                for name in sorted(needed(step)):
+                    if await self.backend.gone(name):
+                        raise StepError(i, step, f"broker {name} is gone ({exc})") from exc
                 if not degraded and self.on_degraded is not None:
                     await self.on_degraded(f"broker unreachable during step {i + 1}: {exc}")
                 degraded = True
@@ -286,6 +298,9 @@ class Executor:
         other = None
         if step.remove is not None:
             other = step.remove[1] if step.remove[0] == leaf else step.remove[0]
+        if await self.backend.gone(leaf):  # dead: no clients to move, nobody to drain
+            await self.backend.delete_broker(leaf)
+            return {"broker": leaf, "clients_moved_to": None}
         admin = self.backend.admin(leaf)
         with contextlib.suppress(AdminError):  # a leaf that is already gone has no clients
             if other is not None:
@@ -299,6 +314,15 @@ class Executor:
                 await admin.remove_link(other)
         await self.backend.delete_broker(leaf)
         return {"broker": leaf, "clients_moved_to": other}
+
+
+def needed(step: Step) -> set[str]:
+    """The brokers that must be alive for ``step`` to succeed when retried: all it touches but
+    the one an add-leaf starts (a retry starts it again) and the one a remove-leaf deletes."""
+    out = step.brokers() | set(step.members)
+    if step.broker is not None:
+        out.discard(step.broker)
+    return out
 
 
 async def replace_broker(

@@ -77,6 +77,9 @@ class _Brokers:
     async def wait_ready(self, name: str, within: float) -> None:
         return None
 
+    async def gone(self, name: str) -> bool:
+        return self.brokers[name].process.returncode is not None
+
     def address(self, name: str) -> str:
         return self.brokers[name].listen
 

@@ -1,15 +1,20 @@
 """The executor's batches: one failed step cancels its siblings, waits for them, and leaves
-progress that a second run resumes from without repeating a step."""
+progress that a second run resumes from without repeating a step; a step is retried against a
+broker that does not answer, but not against one whose process or pod is gone."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import aiohttp
 import pytest
 
+from canopy_operator.backends.k8s import KubernetesBackend
+from canopy_operator.backends.manifests import pod_name
 from canopy_operator.executor import Executor, StepError, apart_since
 from canopy_operator.model.planner import Plan, Step
+from canopy_operator.model.topology import parse_overlay
 
 
 class Store:
@@ -88,3 +93,102 @@ def test_a_join_tells_the_stretch_from_when_the_first_broker_fell_silent() -> No
     assert apart_since({"b1": {}}, alive) is None
     lifted = {"b1": {"lifted_since": {"b3": 100.5, "b8": 10.0}}}  # b8: not one of the sides
     assert apart_since({**statuses, **lifted}, alive) == 100.5
+
+
+class _Unreachable:
+    """An admin client whose broker does not answer."""
+
+    def __getattr__(self, name: str) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            raise aiohttp.ClientConnectionError("connection refused")
+
+        return call
+
+
+class _Backend:
+    """Brokers that do not answer; ``dead`` ones have no process any more."""
+
+    def __init__(self, dead: set[str]) -> None:
+        self.dead = dead
+        self.deleted: list[str] = []
+
+    def admin(self, name: str) -> _Unreachable:
+        return _Unreachable()
+
+    def link_address(self, name: str) -> str:
+        return f"{name}:1"
+
+    address = link_address
+
+    async def gone(self, name: str) -> bool:
+        return name in self.dead
+
+    async def delete_broker(self, name: str) -> None:
+        self.deleted.append(name)
+
+
+EXCHANGE = Plan(
+    (Step("exchange", 0, remove=("a", "b"), add=("a", "c"), cycle=("a", "b", "c")),), ()
+)
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize(("dead", "within"), [(set(), 60.0), ({"b"}, 0.0), ({"z"}, 60.0)])
+async def test_a_step_is_not_retried_against_a_broker_whose_process_is_gone(
+    dead: set[str], within: float
+) -> None:
+    """A broker that does not answer is retried for ``retry_for`` (it may be paused or
+    restarting); one whose process is gone fails the step at once, so the supervisor plans
+    again (bringing it back) instead of holding the overlay's lock for a minute. A dead broker
+    the step does not touch (``z``) changes nothing."""
+    ex = Executor(backend=_Backend(dead), store=Store(), overlay="ov")  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(StepError, match="is gone" if within == 0 else "unreachable"):
+        await ex.run(EXCHANGE, generation=1)
+    assert loop.time() - t0 == pytest.approx(within, abs=6.0)
+
+
+@pytest.mark.looptime
+async def test_a_dead_leaf_is_removed_without_draining_it() -> None:
+    backend = _Backend({"c"})
+    ex = Executor(backend=backend, store=Store(), overlay="ov")  # type: ignore[arg-type]
+    leaf = Plan((Step("remove-leaf", 0, broker="c", remove=("a", "c")),), ())
+    await ex.run(leaf, generation=1)
+    assert backend.deleted == ["c"]
+
+
+class _Pods:
+    """The API server's pods, by path."""
+
+    def __init__(self, pods: dict[str, dict[str, Any]]) -> None:
+        self.pods = pods
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        return self.pods.get(path.rsplit("/", 1)[-1])
+
+
+@pytest.mark.parametrize(
+    ("pod", "gone"),
+    [
+        (None, True),
+        ({"metadata": {"deletionTimestamp": "2026-11-27T10:00:00Z"}}, True),
+        ({"status": {"phase": "Failed"}}, True),
+        ({"status": {"phase": "Running"}}, False),
+        ({"status": {"phase": "Pending"}}, False),  # restarting in place, or being scheduled
+    ],
+)
+async def test_a_broker_pod_is_gone_when_missing_deleted_or_ended(
+    pod: dict[str, Any] | None, gone: bool
+) -> None:
+    spec = parse_overlay(
+        {
+            "apiVersion": "canopy.dev/v1alpha1",
+            "kind": "BrokerOverlay",
+            "metadata": {"name": "ov"},
+            "spec": {"brokers": [{"name": "b1"}], "links": []},
+        }
+    )
+    pods = _Pods({pod_name("ov", "b1"): pod} if pod is not None else {})
+    backend = KubernetesBackend(pods, spec, "ns", {}, "token")  # type: ignore[arg-type]
+    assert await backend.gone("b1") is gone

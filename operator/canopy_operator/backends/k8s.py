@@ -222,6 +222,14 @@ class KubernetesBackend:
                 raise TimeoutError(f"broker {name} not ready after {within}s")
             await asyncio.sleep(self.poll)
 
+    async def gone(self, name: str) -> bool:
+        """No pod, or one being deleted or ended for good. A container restarted in place is
+        not gone: it answers again under a new incarnation, which the brokers tell apart."""
+        pod = await self.api.get(self._pod_path(name))
+        if pod is None or (pod.get("metadata") or {}).get("deletionTimestamp"):
+            return True
+        return (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded")
+
     def address(self, name: str) -> str:
         return self.endpoints(name).listen
 

@@ -272,11 +272,20 @@ class LocalBackend:
         raise RuntimeError(f"broker {name} did not report ready within 30s; see {log}")
 
     async def wait_ready(self, name: str, within: float) -> None:
+        """Until the broker answers ready; a process that died meanwhile is told at once
+        (ConnectionError: the executor's retry of an add-leaf starts it again), not after
+        ``within`` s of knocking on a dead port."""
         deadline = time.monotonic() + within
         while not await self.admin(name).readyz():
+            if await self.gone(name):
+                raise ConnectionError(self._why_down(name, ProcessLookupError()))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"broker {name} not ready after {within}s")
             await asyncio.sleep(0.05)
+
+    async def gone(self, name: str) -> bool:
+        info = self.brokers.get(name)
+        return info is None or not process_alive(int(info["pid"]))
 
     async def delete_broker(self, name: str) -> None:
         info = self.brokers.pop(name, None)
