@@ -500,3 +500,39 @@ async def kill_and_wait(pid: int) -> None:
             if not process_alive(pid):
                 return
             await asyncio.sleep(0.02)
+
+
+async def test_a_restore_restarts_a_broker_its_neighbours_fenced_out_at_once(
+    tmp_path: Path,
+) -> None:
+    """c of the chain a-b-c is paused past failure detection: b fences it out and c, resumed,
+    reports itself failed (it waits to be restarted as a new member). A restore that brings c
+    back kills that process and starts a new one, linked in a second or two. Before, the
+    restore found c's process alive, took it as started, and waited for it to be ready for a
+    minute with the overlay's lock held (chaos soak, seed 125: a publisher that knew only two
+    brokers, both fenced meanwhile, gave up)."""
+    state = tmp_path / "state"
+    manifest = tmp_path / "chain.yaml"
+    manifest.write_text(CHAIN)
+    code, _, err = await canopy("up", str(manifest), "--state-dir", str(state), "--no-supervisor")
+    assert code == 0, err
+    backend = LocalBackend(state / "chain")
+    try:
+        pid = int(backend.brokers["c"]["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        await asyncio.sleep(2.0)  # 0.6 s is dead after: b fences c out
+        os.kill(pid, signal.SIGCONT)
+        async with asyncio.timeout(15):
+            while not await backend.failed("c"):  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+        started = time.monotonic()
+        async with asyncio.timeout(25):
+            while await restore_once(backend, [], log=lambda _line: None) is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.2)
+        assert time.monotonic() - started < 20
+        assert int(backend.brokers["c"]["pid"]) != pid
+        assert not process_alive(pid)
+        links = {tuple(sorted(e)) for e in await backend.live_links()}
+        assert links == {("a", "b"), ("b", "c")}
+    finally:
+        await backend.down()

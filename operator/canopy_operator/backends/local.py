@@ -196,9 +196,16 @@ class LocalBackend:
         return brokers
 
     async def create_broker(self, name: str) -> None:
+        """Start broker ``name``, unless its process runs and has not failed: one that failed
+        (fenced out by its neighbours after a pause, or broken) is killed and started anew,
+        as the supervisor would, since it only waits to be restarted (soak: a restore that
+        "brought back" such a broker found it alive and waited a minute for it to be
+        ready)."""
         info = self.brokers.get(name)
         if info is not None and process_alive(info["pid"]):
-            return
+            if not await self.failed(name):
+                return
+            await _stop(info["pid"], first=signal.SIGKILL)
         stale = self._admins.pop(name, None)  # a dead process's admin API, at its old port
         if stale is not None:
             await stale.close()
@@ -279,6 +286,8 @@ class LocalBackend:
         while not await self.admin(name).readyz():
             if await self.gone(name):
                 raise ConnectionError(self._why_down(name, ProcessLookupError()))
+            if await self.failed(name):  # the retry's create_broker starts it anew
+                raise ConnectionError(f"broker {name} reports itself failed")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"broker {name} not ready after {within}s")
             await asyncio.sleep(0.05)
@@ -286,6 +295,12 @@ class LocalBackend:
     async def gone(self, name: str) -> bool:
         info = self.brokers.get(name)
         return info is None or not process_alive(int(info["pid"]))
+
+    async def failed(self, name: str) -> bool:
+        """Whether broker ``name`` answers and reports itself failed (``/healthz`` 500): not
+        merely silent (paused, busy), which a restart would not mend but lose."""
+        state: str = (await self.health_of(name))["state"]
+        return state == "failed"
 
     async def delete_broker(self, name: str) -> None:
         info = self.brokers.pop(name, None)
@@ -355,22 +370,22 @@ class LocalBackend:
     async def health(self, within: float = 2.0) -> dict[str, dict[str, Any]]:
         """Every broker's state (one of :data:`BROKER_STATES`), with its status when it answers
         and the reason when it does not; never raises for a broker that is down."""
-
-        async def one(name: str) -> dict[str, Any]:
-            info = self.brokers[name]
-            if not process_alive(int(info["pid"])):
-                return {"state": "dead", "why": self._why_down(name, ProcessLookupError())}
-            try:
-                status = await self._status_or_down(name, within)
-            except BrokerDownError as exc:
-                return {"state": "unreachable", "why": str(exc)}
-            if not await self.admin(name).healthz():
-                return {"state": "failed", "status": status, "why": f"broker {name} failed"}
-            return {"state": "up", "status": status}
-
         names = sorted(self.brokers)
-        results = await asyncio.gather(*(one(n) for n in names))
+        results = await asyncio.gather(*(self.health_of(n, within) for n in names))
         return dict(zip(names, results, strict=True))
+
+    async def health_of(self, name: str, within: float = 2.0) -> dict[str, Any]:
+        """One broker's part of :meth:`health`."""
+        info = self.brokers[name]
+        if not process_alive(int(info["pid"])):
+            return {"state": "dead", "why": self._why_down(name, ProcessLookupError())}
+        try:
+            status = await self._status_or_down(name, within)
+        except BrokerDownError as exc:
+            return {"state": "unreachable", "why": str(exc)}
+        if not await self.admin(name).healthz():
+            return {"state": "failed", "status": status, "why": f"broker {name} failed"}
+        return {"state": "up", "status": status}
 
     @staticmethod
     def reported_neighbours(health: Mapping[str, Mapping[str, Any]]) -> dict[str, set[str]]:
@@ -465,9 +480,9 @@ def _ports(info: Mapping[str, Any]) -> dict[str, int]:
     }
 
 
-async def _stop(pid: int, within: float = 10.0) -> None:
+async def _stop(pid: int, within: float = 10.0, first: signal.Signals = signal.SIGTERM) -> None:
     with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, first)
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         with contextlib.suppress(ChildProcessError):
