@@ -10,11 +10,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from canopy_operator.backends.k8s import KubernetesBackend
-from canopy_operator.backends.manifests import pod_name
 from canopy_operator.executor import Executor, StepError, apart_since
 from canopy_operator.model.planner import Plan, Step
-from canopy_operator.model.topology import parse_overlay
 
 
 class Store:
@@ -156,39 +153,3 @@ async def test_a_dead_leaf_is_removed_without_draining_it() -> None:
     leaf = Plan((Step("remove-leaf", 0, broker="c", remove=("a", "c")),), ())
     await ex.run(leaf, generation=1)
     assert backend.deleted == ["c"]
-
-
-class _Pods:
-    """The API server's pods, by path."""
-
-    def __init__(self, pods: dict[str, dict[str, Any]]) -> None:
-        self.pods = pods
-
-    async def get(self, path: str) -> dict[str, Any] | None:
-        return self.pods.get(path.rsplit("/", 1)[-1])
-
-
-@pytest.mark.parametrize(
-    ("pod", "gone"),
-    [
-        (None, True),
-        ({"metadata": {"deletionTimestamp": "2026-11-27T10:00:00Z"}}, True),
-        ({"status": {"phase": "Failed"}}, True),
-        ({"status": {"phase": "Running"}}, False),
-        ({"status": {"phase": "Pending"}}, False),  # restarting in place, or being scheduled
-    ],
-)
-async def test_a_broker_pod_is_gone_when_missing_deleted_or_ended(
-    pod: dict[str, Any] | None, gone: bool
-) -> None:
-    spec = parse_overlay(
-        {
-            "apiVersion": "canopy.dev/v1alpha1",
-            "kind": "BrokerOverlay",
-            "metadata": {"name": "ov"},
-            "spec": {"brokers": [{"name": "b1"}], "links": []},
-        }
-    )
-    pods = _Pods({pod_name("ov", "b1"): pod} if pod is not None else {})
-    backend = KubernetesBackend(pods, spec, "ns", {}, "token")  # type: ignore[arg-type]
-    assert await backend.gone("b1") is gone

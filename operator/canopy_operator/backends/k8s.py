@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from canopy_broker.admin_client import AdminClient
-from canopy_broker.runtime.placement import ZONE_ANNOTATION, ZONE_LABEL
+from canopy_broker.runtime.placement import HOLD_ANNOTATION, ZONE_ANNOTATION, ZONE_LABEL
 from canopy_broker.runtime.security import BROKER, Identity
 from canopy_operator.backends.certs import (
     SCRAPE_NAME,
@@ -28,6 +28,7 @@ from canopy_operator.backends.manifests import (
     TEMPLATE_HASH,
     Endpoints,
     Resolver,
+    client_hold,
     dns_resolver,
     pod_manifest,
     pod_name,
@@ -186,6 +187,26 @@ class KubernetesBackend:
                 )
                 done[broker] = zones[node]
         return done
+
+    async def annotate_holds(self) -> dict[str, str | None]:
+        """Give each broker pod the client hold its overlay's size asks for now
+        (:func:`~canopy_operator.backends.manifests.client_hold`). A pod gets it when created;
+        an overlay grown from one broker to more, or shrunk to one, changes what its running
+        pods need: a container restarted in place reads it through the downward API at start
+        (an unlinked broker taking clients routes their events to nobody; a lone one held
+        would refuse them for nothing). Returns what was changed (None: removed)."""
+        want = client_hold(self.spec)
+        changed: dict[str, str | None] = {}
+        for broker, pod in sorted((await self.pods()).items()):
+            meta = pod.get("metadata") or {}
+            if meta.get("deletionTimestamp"):
+                continue
+            if (meta.get("annotations") or {}).get(HOLD_ANNOTATION) != want:
+                await self.api.patch(
+                    self._pod_path(broker), {"metadata": {"annotations": {HOLD_ANNOTATION: want}}}
+                )
+                changed[broker] = want
+        return changed
 
     async def _forget_admin(self, name: str) -> None:
         client = self._admins.pop(name, None)

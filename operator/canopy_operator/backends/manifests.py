@@ -31,12 +31,12 @@ the admin API, /metrics and probes (the operator and the miner); the HTTP gatewa
 listener (clients; MQTT over TLS on its usual port)."""
 LABEL_OVERLAY, LABEL_BROKER = "canopy.dev/overlay", "canopy.dev/broker"
 TEMPLATE_HASH = "canopy.dev/template-hash"
-# Seconds a broker pod of an overlay of more than one broker refuses clients unless linked
-# before (HOLD_ANNOTATION): more than the operator's default heal interval (30 s), within
-# which it links a container restarted in place.
-POD_CLIENT_HOLD = 90.0
 """Pod annotation: a hash of what the broker runs (image, arguments, resources, mounts). A pod
 whose hash is not the one the spec gives now is replaced by the rolling replacement."""
+POD_CLIENT_HOLD = 90.0
+"""Seconds a broker pod of an overlay of more than one broker refuses clients unless linked
+before (HOLD_ANNOTATION): more than the operator's default heal interval (30 s), within which it
+links a container restarted in place."""
 PAUSE_ROLLOUT = "canopy.dev/pause-rollout"
 """BrokerOverlay annotation: "true" holds a rolling replacement after the broker it is on."""
 TOKEN_DIR = "/var/run/canopy"  # where the broker image expects its token
@@ -390,9 +390,18 @@ def pod_manifest(
         # A new process (a new pod, or its container restarted in place, at the same address)
         # refuses clients until linked: unlinked, it acknowledged publications and routed them
         # to nobody. The operator links it within a heal interval or two.
-        **({HOLD_ANNOTATION: repr(POD_CLIENT_HOLD)} if len(spec.brokers) > 1 else {}),
+        **({HOLD_ANNOTATION: hold} if (hold := client_hold(spec)) is not None else {}),
     }
     return pod
+
+
+def client_hold(spec: OverlaySpec) -> str | None:
+    """The :data:`HOLD_ANNOTATION` a broker pod of ``spec`` carries (None: none). A lone broker
+    has no link to wait for; any other does. Not part of the template hash: growing an
+    overlay from one broker to two changes it on the running pods
+    (:meth:`~canopy_operator.backends.k8s.KubernetesBackend.annotate_holds`), which replaces
+    nothing."""
+    return repr(POD_CLIENT_HOLD) if len(spec.brokers) > 1 else None
 
 
 def spread_constraints(

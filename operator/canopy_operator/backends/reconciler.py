@@ -816,6 +816,15 @@ async def heal(config: OperatorConfig, api: KubeApi, namespace: str, name: str) 
                 "zones from the brokers' nodes: "
                 + ", ".join(f"{b} in {z}" for b, z in placed.items()),
             )
+        held = await backend.annotate_holds()
+        if held:
+            hold = next(iter(held.values()))
+            r.event(
+                "ClientHoldChanged",
+                f"pods {', '.join(held)} "
+                + (f"hold clients for up to {hold} s" if hold else "no longer hold clients")
+                + " when their broker starts until it is linked (the overlay's size changed)",
+            )
         await _relink_restarted(r, backend, spec, await backend.neighbours(spec.broker_names))
         restored = await _restore(r, backend, spec)
         if restored:  # a roll-out a restart of the operator or a failed step left unfinished
