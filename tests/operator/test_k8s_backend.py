@@ -1,5 +1,6 @@
-"""The Kubernetes backend's reading of pods, against an API server's answers: which broker pods
-are gone (a step is not retried against them) and which need their client hold changed."""
+"""The Kubernetes side's readings, against given answers: which broker pods are gone (a step is
+not retried against them), which need their client hold changed, and when the heal ends a link
+known at one end only."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 
 from canopy_broker.runtime.placement import HOLD_ANNOTATION
+from canopy_operator.backends import reconciler
 from canopy_operator.backends.k8s import KubernetesBackend
 from canopy_operator.backends.manifests import LABEL_BROKER, LABEL_OVERLAY, pod_name
 from canopy_operator.model.topology import OverlaySpec, parse_overlay
@@ -105,3 +107,46 @@ async def test_a_pod_being_deleted_is_left_as_it_is() -> None:
     )
     backend = KubernetesBackend(api, overlay("a", "b"), "ns", {}, "token")  # type: ignore[arg-type]
     assert await backend.annotate_holds() == {}
+
+
+async def test_the_heal_ends_a_link_known_at_one_end_for_three_heals(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """b-c at b only (c answers, with other links): the restore waits while it is new, and
+    the heal removes it at b once it has been one-sided for three heal intervals, so the
+    restore can join the parts (as the local supervisor does after 10 s). Before, the
+    Kubernetes restore waited on such a link for good."""
+    removed: list[tuple[str, str]] = []
+    events: list[str] = []
+
+    class Admin:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def remove_link(self, peer: str) -> bool:
+            removed.append((self.name, peer))
+            return True
+
+    class Backend:
+        def admin(self, name: str) -> Admin:
+            return Admin(name)
+
+    class Heal:
+        config = reconciler.OperatorConfig(heal_interval=30.0)
+        namespace, name = "ns", "ov"
+
+        def event(self, reason: str, message: str, warning: bool = False) -> None:
+            events.append(f"{reason}: {message}")
+
+    neighbours = {"a": ["b"], "b": ["a", "c"], "c": ["d"], "d": ["c"]}
+    statuses = {n: {"neighbours": [{"peer": p} for p in ps]} for n, ps in neighbours.items()}
+    clock = [1000.0]
+    monkeypatch.setattr(reconciler.time, "monotonic", lambda: clock[0])
+    heal, backend = Heal(), Backend()
+    for _ in range(3):  # three heals, 30 s apart: 60 s one-sided, not yet 90
+        assert not await reconciler._end_stuck_links(heal, backend, statuses)  # type: ignore[arg-type]
+        clock[0] += 30.0
+    assert removed == [] and events == []
+    assert await reconciler._end_stuck_links(heal, backend, statuses)  # type: ignore[arg-type]
+    assert removed == [("b", "c")]
+    assert events[0].startswith("StuckLinkRemoved: link b-c was known at b only for over 90s")

@@ -86,12 +86,14 @@ from canopy_operator.model.planner import (
     plan_status,
 )
 from canopy_operator.model.restore import (
+    ONE_SIDED_STUCK,
     describe,
     mutual,
     repairs_under_way,
     reported_links,
     restore,
     status_neighbours,
+    stuck_one_sided,
 )
 from canopy_operator.model.topology import OverlaySpec, SpecError, norm, parse_overlay, validate
 
@@ -173,6 +175,9 @@ class OperatorConfig:
     # Crash repairs the brokers did on their own, already told as Events (per overlay).
     reported: dict[tuple[str, str], set[tuple[str, ...]]] = field(default_factory=dict)
     renewal_checked: dict[tuple[str, str], float] = field(default_factory=dict)  # monotonic
+    # Links known at one end only, by overlay: [first seen, last seen] (monotonic) by "a-b"
+    # (model.restore.stuck_one_sided), so that one stuck for good is ended.
+    one_sided: dict[tuple[str, str], dict[str, list[float]]] = field(default_factory=dict)
     # Namespaces where the chart's NetworkPolicy isolates broker pods (admin and client ports):
     # there each overlay gets its own policy admitting its link port from its own brokers only.
     network_policy_namespaces: frozenset[str] = frozenset()
@@ -867,10 +872,39 @@ async def _relink_restarted(
         r.event("BrokerRelinked", f"re-linked {side} to {other}")
 
 
+async def _end_stuck_links(
+    r: Reconciler, backend: KubernetesBackend, statuses: Mapping[str, Mapping[str, Any]]
+) -> bool:
+    """End each link known at one end only for too long, at the end that knows it: the
+    restore waits while any link is one-sided, so one stuck for good (a repair's promoted
+    link the other end never took) kept it from ever joining the parts and telling their
+    subscribers of the gap (chaos soak; ``canopy supervise`` does the same locally). "Too
+    long" spans three heals, since the heal is the only one looking. True if one was ended."""
+    neighbours = status_neighbours(statuses)
+    _, one_sided = mutual(neighbours)
+    key = (r.namespace, r.name)
+    after = max(ONE_SIDED_STUCK, 3 * r.config.heal_interval)
+    seen, stuck = stuck_one_sided(
+        one_sided, neighbours, r.config.one_sided.get(key, {}), time.monotonic(), after
+    )
+    r.config.one_sided[key] = seen
+    for holder, other in stuck:
+        r.event(
+            "StuckLinkRemoved",
+            f"link {holder}-{other} was known at {holder} only for over {after:g}s: removed "
+            "there, so that the restore can join the parts",
+            warning=True,
+        )
+        await backend.admin(holder).remove_link(other)
+    return bool(stuck)
+
+
 async def _restore(r: Reconciler, backend: KubernetesBackend, spec: OverlaySpec) -> bool:
     """Run the restore plan if one is due (the heal holds the overlay's lock, so no reconcile
     plans at the same time); True when the live shape is the declared one."""
     statuses = await backend.statuses(spec.broker_names)
+    if await _end_stuck_links(r, backend, statuses):
+        statuses = await backend.statuses(spec.broker_names)
     links, one_sided = mutual(status_neighbours(statuses))
     decision = restore(spec, spec.broker_names, links, repairs_under_way(statuses))
     if one_sided or decision.wait:
