@@ -14,6 +14,7 @@ from canopy_operator.backends import reconciler
 from canopy_operator.backends.k8s import KubernetesBackend
 from canopy_operator.backends.manifests import LABEL_BROKER, LABEL_OVERLAY, pod_name
 from canopy_operator.model.topology import OverlaySpec, parse_overlay
+from tests.operator.fakes import LinkRemovals
 
 
 def overlay(*brokers: str) -> OverlaySpec:
@@ -116,20 +117,12 @@ async def test_the_heal_ends_a_link_known_at_one_end_for_three_heals(
     the heal removes it at b once it has been one-sided for three heal intervals, so the
     restore can join the parts (as the local supervisor does after 10 s). Before, the
     Kubernetes restore waited on such a link for good."""
-    removed: list[tuple[str, str]] = []
     events: list[str] = []
-
-    class Admin:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        async def remove_link(self, peer: str) -> bool:
-            removed.append((self.name, peer))
-            return True
+    admin = LinkRemovals()
 
     class Backend:
-        def admin(self, name: str) -> Admin:
-            return Admin(name)
+        def admin(self, name: str) -> object:
+            return admin(name)
 
     class Heal:
         config = reconciler.OperatorConfig(heal_interval=30.0)
@@ -146,7 +139,7 @@ async def test_the_heal_ends_a_link_known_at_one_end_for_three_heals(
     for _ in range(3):  # three heals, 30 s apart: 60 s one-sided, not yet 90
         assert not await reconciler._end_stuck_links(heal, backend, statuses)  # type: ignore[arg-type]
         clock[0] += 30.0
-    assert removed == [] and events == []
+    assert admin.removed == [] and events == []
     assert await reconciler._end_stuck_links(heal, backend, statuses)  # type: ignore[arg-type]
-    assert removed == [("b", "c")]
+    assert admin.removed == [("b", "c")]
     assert events[0].startswith("StuckLinkRemoved: link b-c was known at b only for over 90s")

@@ -13,6 +13,7 @@ import pytest
 from canopy_operator.backends.local import LocalBackend
 from canopy_operator.commands import supervise
 from canopy_operator.model.restore import ONE_SIDED_STUCK
+from tests.operator.fakes import LinkRemovals
 
 MANIFEST = {
     "apiVersion": "canopy.dev/v1alpha1",
@@ -92,23 +93,14 @@ async def test_the_restore_waits_on_a_fresh_one_sided_link_and_removes_a_stuck_o
     """A repair's promoted link the other end never took stayed one-sided for minutes, and
     the restore waited on it all along (review: 21,075 events lost untold). The real
     restore_once: waits while it is new, removes it at b once it has been so for too long."""
-    removed: list[tuple[str, str]] = []
-
-    class Admin:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        async def remove_link(self, peer: str) -> bool:
-            removed.append((self.name, peer))
-            return True
-
+    admin = LinkRemovals()
     backend = Brokers({"a": ["b"], "b": ["a", "c"], "c": ["d"], "d": ["c"]})
-    backend.admin = Admin  # type: ignore[attr-defined]
+    backend.admin = admin  # type: ignore[attr-defined]
     backend.save = lambda: None  # type: ignore[attr-defined]
     said: list[str] = []
     assert await supervise.restore_once(backend, [], log=said.append) is None  # type: ignore[arg-type]
-    assert removed == [] and "known at one end only" in said[-1]
+    assert admin.removed == [] and "known at one end only" in said[-1]
     first, last = backend.state["one_sided"]["b-c"]
     backend.state["one_sided"]["b-c"] = [first - ONE_SIDED_STUCK, last]  # seen all along
     assert await supervise.restore_once(backend, [], log=said.append) is None  # type: ignore[arg-type]
-    assert removed == [("b", "c")], said
+    assert admin.removed == [("b", "c")], said
