@@ -861,15 +861,25 @@ async def _relink_restarted(
     declared = {norm(e) for e in spec.links or ()} | {
         norm(e) for e in (r.obj.get("status") or {}).get("links") or []
     }
+    # By restarted broker (``side``, which lacks the links): the neighbours (``other``) that
+    # hold its old sessions.
+    holders: dict[str, list[str]] = {}
     for a, b in sorted(one_sided & declared):
-        # ``other`` holds the old session; ``side`` (the restarted one) lacks the link.
         other, side = (a, b) if b in neighbours.get(a, set()) else (b, a)
-        if neighbours.get(side):
-            continue  # not a fresh process: a link being set up or closed, not a restart
+        if not neighbours.get(side):  # else not a fresh process: a link being set up or closed
+            holders.setdefault(side, []).append(other)
+
+    async def relink(side: str, other: str) -> None:
         await backend.admin(other).remove_link(side)
         await backend.admin(side).set_peers({other: backend.link_address(other)})
         await backend.admin(side).add_link(other, backend.link_address(other))
         r.event("BrokerRelinked", f"re-linked {side} to {other}")
+
+    # All of a broker's links at once: it admits its clients a heartbeat after the first is
+    # up, and one at a time, each up to add_link's wait, its clients' events would have
+    # reached only the part of the overlay behind that first link meanwhile.
+    for side, others in sorted(holders.items()):
+        await asyncio.gather(*(relink(side, other) for other in others))
 
 
 async def _end_stuck_links(
