@@ -117,7 +117,10 @@ class Gateway:
         """What the broker said (its error frame's code as an HTTP status), or that it could
         not be reached."""
         if isinstance(exc, ClientError):
-            return _error(_status(exc), str(exc))
+            response = _error(_status(exc), str(exc))
+            if exc.code == "joining":  # linked within seconds; the hold ends by its cap anyway
+                response.headers["Retry-After"] = "1"
+            return response
         return _error(502, f"the broker at {self.broker} cannot be reached: {exc}")
 
     async def _connect(self, creds: Credentials, client_id: str | None) -> Client:
@@ -233,7 +236,7 @@ class Gateway:
             # As the MQTT listener bounds its connections: the broker does not count its own
             # gateways' clients by their addresses, the gateways do.
             limit = self._streams.limit
-            log.info("gateway: refused a stream from %s: %d open already", source, limit)
+            self._streams.refused(source, log, "gateway", "stream(s)")
             yield _error(429, f"{limit} streams from {source} are open already")
             return
         try:
@@ -364,12 +367,13 @@ def _gap(gap: Gap) -> Mapping[str, object]:
 
 
 _STATUS = {"unauthenticated": 401, "forbidden": 403, "wrong-identity": 403}
-_STATUS |= {"client-id-in-use": 409, "invalid-filter": 400}
+_STATUS |= {"client-id-in-use": 409, "invalid-filter": 400, "joining": 503}
 
 
 def _status(exc: ClientError) -> int:
     """The HTTP status for what the broker said (the code of its error frame): who it does
-    not know 401, what it does not allow 403, a client id in use 409; anything else (the
+    not know 401, what it does not allow 403, a client id in use 409, not taking clients
+    until it is linked into the overlay 503 (with ``Retry-After``); anything else (the
     connection ended) 502."""
     return _STATUS.get(exc.code, 502)
 

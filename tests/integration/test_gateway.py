@@ -284,12 +284,13 @@ async def test_the_gateway_forgets_refused_callers_and_closes_idle_connections(
 
 
 async def test_the_gateway_bounds_the_streams_from_one_address(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """SSE and WebSocket streams are bounded per remote address (429 past it), as MQTT
     connections are: the broker does not count its gateways' clients by their addresses (they
     all reach it from its own), so the gateways must (review: 250 streams from one address
-    locked every new client out)."""
+    locked every new client out). Refusals are logged once per address per 10 s, not once
+    per request of a caller retrying in a loop."""
 
     class Quiet:
         client_id, closed, gaps = "q", False, []
@@ -314,6 +315,10 @@ async def test_the_gateway_bounds_the_streams_from_one_address(
         assert [r.status for r in open_] == [200, 200]
         refused = await http.get("/v1/subscribe", params={"filter": "n > 0"})
         assert refused.status == 429 and "2 streams" in (await refused.json())["error"]
+        for _ in range(5):
+            assert (await http.get("/v1/subscribe", params={"filter": "n > 0"})).status == 429
+        told = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert told == ["gateway: refused 1 stream(s) from 127.0.0.1: 2 open (the limit)"]
         open_[0].close()
         async with asyncio.timeout(10):
             while True:  # the gateway notices the end of that stream, then takes another
@@ -388,3 +393,28 @@ def test_the_gateway_reads_json_numbers_as_they_were_sent(raw: bytes, read: obje
             gw._loads(raw)
     else:
         assert gw._loads(raw) == read
+
+
+async def test_a_broker_not_linked_yet_answers_503_with_retry_after(tmp_path: Path) -> None:
+    """A broker holding its clients until it is linked (``--hold-clients``) refuses the
+    gateway's connection with ``joining``; the gateway tries again for its connect timeout
+    (10 s), then the caller gets 503 and ``Retry-After``, what HTTP clients and load balancers
+    retry on, not 502 (a broken broker). Once the hold ends, the same request publishes."""
+    broker = await spawn_broker(
+        "held", pki=None, extra_args=["--gateway", "127.0.0.1:0", "--hold-clients", "12"]
+    )
+    try:
+        assert broker.gateway
+        url = f"http://{broker.gateway}/v1/publish"
+        async with aiohttp.ClientSession() as http:
+            refused = await http.post(url, json={"kind": "temp", "value": 1})
+            assert refused.status == 503, await refused.text()
+            assert refused.headers["Retry-After"] == "1"
+            assert "joining" in (await refused.json())["error"]
+            async with asyncio.timeout(20):
+                while (await http.post(url, json={"kind": "temp", "value": 2})).status == 503:  # noqa: ASYNC110
+                    await asyncio.sleep(float(refused.headers["Retry-After"]))
+            published = await http.post(url, json={"kind": "temp", "value": 3})
+            assert published.status == 200, await published.text()
+    finally:
+        await broker.stop()

@@ -56,10 +56,13 @@ class SourceCounts:
         self._open[source] = n + 1
         return True
 
-    def refused(self, source: str, logger: logging.Logger, who: str) -> None:
+    def refused(
+        self, source: str, logger: logging.Logger, who: str, what: str = "connection(s)"
+    ) -> None:
         """After a refused :meth:`take`: log it, with those not logged yet, unless ``source``
-        was told about less than :attr:`TELL_EVERY` s ago. Kept only while ``source`` has
-        connections open, so bounded by the addresses at their limit."""
+        was told about less than :attr:`TELL_EVERY` s ago (a caller retrying in a loop would
+        write a line per attempt). Kept only while ``source`` has ``what`` open, so bounded by
+        the addresses at their limit."""
         now = time.monotonic()
         told, since = self._told.get(source, (-self.TELL_EVERY, 0))
         if now - told < self.TELL_EVERY:
@@ -67,9 +70,10 @@ class SourceCounts:
             return
         self._told[source] = (now, 0)
         logger.warning(
-            "%s: refused %d connection(s) from %s: %d open (the limit)",
+            "%s: refused %d %s from %s: %d open (the limit)",
             who,
             since + 1,
+            what,
             source,
             self.limit,
         )
