@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canopy_broker.core.broker import BrokerCore, ProtocolError
+from canopy_broker.core.exchange import MAX_LOCK_ATTEMPTS, MAX_SHAPE_ATTEMPTS
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
     AddLink,
@@ -156,18 +157,38 @@ def test_a_busy_broker_refuses_and_the_initiator_backs_off() -> None:
     assert any(isinstance(e, StartTimer) and e.key == "lock:x2" for e in retry)  # back off
 
 
-def test_initiator_gives_up_after_bounded_attempts() -> None:
+@pytest.mark.parametrize(
+    ("stale", "tries"), [(False, MAX_LOCK_ATTEMPTS), (True, MAX_SHAPE_ATTEMPTS)]
+)
+def test_initiator_gives_up_after_bounded_attempts(stale: bool, tries: int) -> None:
+    """A busy path gets every try (it frees itself); one refused as not matching the overlay
+    (planned from a stale view) only a few, so that its caller plans again within seconds.
+    Stale or not is a field of the refusal, not read from its text: during a roll-out, an
+    older broker's refusal has no such field and gets every try."""
     init = BrokerCore("b9")
     init.handle(AddLink("b1"))
     init.handle(StartExchange("x2", ("b9", "b1", "b2"), ("b1", "b2")))
     results = []
     for attempt in range(200):  # each retry is a new try: the refusal answers that one
-        out = init.handle(FromLink("b1", LockRefused("x2", "busy", attempt)))
+        refusal = LockRefused("x2", "b1 has no link to b2", attempt, stale=stale)
+        out = init.handle(FromLink("b1", refusal))
         results += [e for e in out if isinstance(e, ExchangeFinished)]
         if results:
             break
         init.handle(TimerFired("lock:x2"))
-    assert results and not results[0].ok and "gave up" in results[0].reason
+    assert results and not results[0].ok and f"gave up after {tries} " in results[0].reason
+
+
+def test_a_lock_along_a_missing_link_is_refused_as_stale_and_a_locked_broker_as_busy() -> None:
+    core = BrokerCore("b1")
+    core.handle(AddLink("b0"))
+    out = core.handle(FromLink("b0", Lock("x1", ("b0", "b1", "b2"), 1)))
+    assert out == [SendToLink("b0", LockRefused("x1", "b1 has no link to b2", stale=True))]
+    for peer in ("b2", "b9"):
+        core.handle(AddLink(peer))
+    core.handle(FromLink("b9", Lock("x2", ("b9", "b1", "b2"), 1)))
+    out = core.handle(FromLink("b0", Lock("x3", ("b0", "b1", "b2"), 1)))
+    assert out == [SendToLink("b0", LockRefused("x3", "b1 is locked by exchange x2"))]
 
 
 def test_causal_mode_keeps_causal_order_where_fifo_mode_does_not() -> None:

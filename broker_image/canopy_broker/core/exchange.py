@@ -95,8 +95,6 @@ MAX_LOCK_ATTEMPTS = 60  # a busy cycle: about 4.8 minutes of backoff in all
 # tried for 4.8 minutes while the supervisor waited on it, holding the overlay's lock:
 # nothing was restored and a split was never told (review: 22,452 events lost untold).
 MAX_SHAPE_ATTEMPTS = 5
-NO_LINK = "has no link to"
-LINKED_ALREADY = "is already linked to"
 
 
 class BrokerCore(Protocol):
@@ -380,7 +378,7 @@ def try_lock(core: BrokerCore, xid: str, out: list[Effect]) -> None:
         lock_here(core, lock, 0, out)
         out.append(SendToLink(req.path[1], lock))
     else:
-        retry_later(core, xid, problem, out)
+        retry_later(core, xid, *problem, out)
 
 
 def give_up(core: BrokerCore, xid: str, reason: str, out: list[Effect]) -> None:
@@ -389,11 +387,12 @@ def give_up(core: BrokerCore, xid: str, reason: str, out: list[Effect]) -> None:
     out.append(ExchangeFinished(xid, False, reason, attempt + 1))
 
 
-def retry_later(core: BrokerCore, xid: str, reason: str, out: list[Effect]) -> None:
+def retry_later(core: BrokerCore, xid: str, reason: str, stale: bool, out: list[Effect]) -> None:
+    """Try again after a backoff; ``stale``: the cycle does not match the overlay (see
+    :data:`MAX_SHAPE_ATTEMPTS`)."""
     req, attempt = core.attempts[xid]
     attempt += 1
-    shape = NO_LINK in reason or LINKED_ALREADY in reason
-    if attempt >= (MAX_SHAPE_ATTEMPTS if shape else MAX_LOCK_ATTEMPTS):
+    if attempt >= (MAX_SHAPE_ATTEMPTS if stale else MAX_LOCK_ATTEMPTS):
         give_up(core, xid, f"gave up after {attempt} attempts: {reason}", out)
         return
     core.attempts[xid] = (req, attempt)
@@ -412,7 +411,7 @@ def timer(core: BrokerCore, key: str, out: list[Effect]) -> None:
         # leases (renewed as Granted passed them) might end first: they would roll back while
         # the near ones rolled forward. Let this try go; nothing has changed anywhere yet.
         undo_lock(core, ex, out, by_lease=True)
-        retry_later(core, xid, "Granted did not come back within half the lease", out)
+        retry_later(core, xid, "Granted did not come back within half the lease", False, out)
 
 
 def lease_expired(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
@@ -422,7 +421,7 @@ def lease_expired(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     if not ex.granted and not ex.gray:
         undo_lock(core, ex, out, by_lease=True)
         if ex.me == 0:
-            retry_later(core, ex.xid, "lease expired while locking", out)
+            retry_later(core, ex.xid, "lease expired while locking", False, out)
         return
     ex.marks.add(Mark.BY_LEASE)
     r = ex.r_peer
@@ -445,21 +444,22 @@ def lease_expired(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
         out.append(ExchangeFinished(ex.xid, False, reason, attempt + 1))
 
 
-def lock_problem(core: BrokerCore, path: tuple[str, ...], i: int) -> str | None:
-    """Why this broker cannot lock for the exchange at position ``i`` (None if it can)."""
+def lock_problem(core: BrokerCore, path: tuple[str, ...], i: int) -> tuple[str, bool] | None:
+    """Why this broker cannot lock for the exchange at position ``i`` (None if it can), and
+    whether that is because the path does not match the overlay (stale) rather than busy."""
     routing = core.routing
     if core.ex is not None:
-        return f"{core.name} is locked by exchange {core.ex.xid}"
+        return f"{core.name} is locked by exchange {core.ex.xid}", False
     if i < len(path) - 1:
         nxt = path[i + 1]
         if not routing.has_link(nxt):
-            return f"{core.name} {NO_LINK} {nxt}"
+            return f"{core.name} has no link to {nxt}", True
         if routing.is_frozen(nxt):
-            return f"{core.name}'s link to {nxt} is held by another exchange"
+            return f"{core.name}'s link to {nxt} is held by another exchange", False
     if i in (0, len(path) - 1):
         other = path[-1] if i == 0 else path[0]
         if routing.has_link(other):
-            return f"{core.name} {LINKED_ALREADY} {other}"
+            return f"{core.name} is already linked to {other}", True
     return None
 
 
@@ -516,7 +516,8 @@ def on_lock(core: BrokerCore, peer: str, msg: Lock, out: list[Effect]) -> None:
         undo_lock(core, held, out)
     problem = lock_problem(core, path, i)
     if problem is not None:
-        out.append(SendToLink(peer, LockRefused(msg.xid, problem, msg.attempt)))
+        reason, stale = problem
+        out.append(SendToLink(peer, LockRefused(msg.xid, reason, msg.attempt, stale=stale)))
         return
     lock_here(core, msg, i, out)
     if i == len(path) - 1:
@@ -561,7 +562,7 @@ def on_refused(core: BrokerCore, ex: Exchange, msg: LockRefused, out: list[Effec
     if ex.me == 0 and msg.final:
         give_up(core, ex.xid, msg.reason, out)
     elif ex.me == 0:
-        retry_later(core, ex.xid, msg.reason, out)
+        retry_later(core, ex.xid, msg.reason, msg.stale, out)
     else:
         out.append(SendToLink(ex.path[ex.me - 1], msg))
 

@@ -159,6 +159,12 @@ class LockRefused:
     # The path itself is broken (a broker on it died): trying the same path again cannot
     # succeed, so A1 gives up at once and its caller re-plans from the live tree.
     final: bool = False
+    # The path does not match the overlay (a link it removes is missing, or the link it adds
+    # exists): planned from a stale view, it is tried only a few times (MAX_SHAPE_ATTEMPTS),
+    # so its caller re-plans within seconds. A busy path (another exchange's lock or frozen
+    # link) is not stale: it frees itself, and gets every try. A broker from before this
+    # field never sets it: its refusals all get every try, which is safe, only slower.
+    stale: bool = False
 
 
 @message
