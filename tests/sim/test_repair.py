@@ -14,10 +14,13 @@ from canopy_broker.core.events import Event
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
     AddLink,
+    ClientAttach,
+    ClientPublish,
     FromLink,
     Neighbours,
     OpenLink,
     PeerFailed,
+    Publish,
     RemoveLink,
     Repaired,
     RepairFinished,
@@ -28,7 +31,7 @@ from canopy_broker.core.messages import (
     Subscribe,
     TimerFired,
 )
-from canopy_broker.core.repair import Retention, chain_links, standby_peers
+from canopy_broker.core.repair import Retention, chain_links, merged, standby_peers
 from canopy_broker.sim.checker import check_deliveries, check_routing
 from canopy_broker.sim.simulator import Simulator
 from canopy_broker.sim.topology import random_tree
@@ -311,3 +314,49 @@ def test_the_core_knows_its_standby_peers_before_a_failure_needs_them() -> None:
     out = core.handle(PeerFailed("x"))
     assert [e.peer for e in out if isinstance(e, OpenLink)] == ["a", "c"]
     assert core.standby_peers() == ()  # x's list is spent; a and c are neighbours now
+
+
+def test_a_chain_end_that_dies_too_hands_its_replay_to_the_repair_around_it() -> None:
+    """b0's only link is to b6, whose neighbours are b0 and b3 (the tree b0-b6-b3-b2).
+    b6 dies with b0's notifications in flight to it; b0 repairs around it by linking to b3,
+    holding what it publishes meanwhile. b3 dies too before its sweep came (the soak: b6 and
+    b3 paused together): b0 repairs around b3 by linking to b2. What b0 kept for the first
+    repair (sent to b6 and never passed on, then held) is bound for b2's side, which that
+    repair's chain no longer reaches: the second repair replays it. It replayed nothing
+    (the soak: "0 of 559 sent again"), and b2's subscribers lost it untold."""
+    core = BrokerCore("b0", announce_neighbours=True, retention_window=150.0)
+    core.handle(ClientAttach("p"))
+    core.handle(AddLink("b6"))
+    core.handle(FromLink("b6", Neighbours(("b0", "b3"))))
+    core.handle(FromLink("b6", Subscribe(RouteKey(Filter.parse("x >= 0"), ""))))
+    for seq in (1, 2, 3):  # to b6, which is dead already: in b0's custody
+        core.handle(ClientPublish("p", Event("p", seq, {"x": seq})))
+    assert OpenLink("b3") in core.handle(PeerFailed("b6"))
+    core.handle(FromLink("b3", Neighbours(("b0", "b2"))))  # b3's list, over the new link
+    core.handle(ClientPublish("p", Event("p", 4, {"x": 4})))  # held for the replay
+    out = core.handle(PeerFailed("b3"))
+    assert RepairFinished("b6", 0, 4) in out  # its chain is gone: nothing to replay over
+    assert OpenLink("b2") in out and Repaired("b3", ("b0", "b2"), ("b2",)) in out
+    core.handle(FromLink("b2", Subscribe(RouteKey(Filter.parse("x >= 0"), ""))))
+    core.handle(ClientPublish("p", Event("p", 5, {"x": 5})))  # held for this replay
+    done = core.handle(FromLink("b2", RepairSweep("b3", forward=False)))
+    replayed = [
+        e.message.event.seq
+        for e in done
+        if isinstance(e, SendToLink) and e.peer == "b2" and isinstance(e.message, Publish)
+    ]
+    assert replayed == [1, 2, 3, 4, 5], done  # once each, in order
+    assert RepairFinished("b3", 5, 5) in done
+
+
+def test_two_replays_merge_into_one_in_each_publishers_order() -> None:
+    a = [Event("p", 3, {}), Event("q", 2, {}), Event("p", 5, {})]
+    b = [Event("p", 1, {}), Event("p", 3, {}), Event("q", 4, {})]
+    assert [(e.publisher, e.seq) for e in merged(a, b)] == [
+        ("p", 1),
+        ("q", 2),
+        ("p", 3),
+        ("q", 4),
+        ("p", 5),
+    ]
+    assert merged(a, []) == a and merged([], b) == b

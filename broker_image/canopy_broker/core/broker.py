@@ -97,7 +97,13 @@ from canopy_broker.core.messages import (
     Unsubscribe,
 )
 from canopy_broker.core.path import Role
-from canopy_broker.core.repair import NeighbourLists, RepairRun, Retention, standby_peers
+from canopy_broker.core.repair import (
+    NeighbourLists,
+    RepairRun,
+    Retention,
+    merged,
+    standby_peers,
+)
 from canopy_broker.core.repair import Phase as RepairPhase
 from canopy_broker.core.repair import Step as RepairStep
 from canopy_broker.core.routing import (
@@ -563,17 +569,27 @@ class BrokerCore:
         for client in [c for c, (source, _) in self._held.items() if source == peer]:
             self._release_held(client, out)
 
-    def _chain_end_gone(self, peer: str, out: list[Effect]) -> None:
+    def _chain_end_gone(self, peer: str, out: list[Effect]) -> list[Event]:
         """``peer``, this broker's neighbour in the chain of a repair under way, will send no
-        sweep: its link was removed (the runtime withdraws a repair link whose far end will
-        never open it, a partition: LinkSessions._alive_there). As when it dies, this broker is
-        that end of the chain now, and the repair completes on the others instead of waiting
-        for its timer."""
+        sweep: it died, or its link was removed (the runtime withdraws a repair link whose far
+        end will never open it, a partition: LinkSessions._alive_there). As when it dies, this
+        broker is that end of the chain now, and the repair completes on the others instead of
+        waiting for its timer.
+
+        Returns what that repair kept for its replay so far. Its replay goes over the chain
+        links that are left, and what was bound for the far side of ``peer``'s end can no
+        longer get there that way: the repair around ``peer``, if it died, takes it over
+        (chaos soak: b6 and b3 paused together, b0 repaired around b6 by linking to b3, then
+        declared b3 dead too; the repair around b6 replayed 0 of 559 notifications, and
+        subscribers of brokers nothing had happened to lost 692 events untold)."""
         run = self._holding.pop(peer, None)
-        if run is not None:
-            out.extend(run.end_died(peer))
-            if run.complete:
-                self._finish_repair(run, out)
+        if run is None:
+            return []
+        kept = list(run.retained)
+        out.extend(run.end_died(peer))
+        if run.complete:
+            self._finish_repair(run, out)
+        return kept
 
     def _peer_failed(self, peer: str, out: list[Effect]) -> None:
         """Paper 001's repair: drop the dead link (its routes are withdrawn), then link to this
@@ -595,7 +611,9 @@ class BrokerCore:
         # collects it for the replay.
         self.routing.freeze(peer)
         self._ghosts.add(peer)
-        self._chain_end_gone(peer, out)  # it was in the chain of a repair still under way
+        # It was in the chain of a repair still under way: what that one kept is replayed by
+        # this one too (its own chain reaches the far side of the dead end).
+        carried = self._chain_end_gone(peer, out)
         chain, targets = self.neighbour_lists.chain_for(peer)
         opened: list[str] = []
         for t in targets:
@@ -609,7 +627,7 @@ class BrokerCore:
             peer,
             previous=chain[me - 1] if me > 0 else None,
             next=chain[me + 1] if 0 <= me < len(chain) - 1 else None,
-            retained=self.retention.take(peer, self.now),
+            retained=merged(carried, self.retention.take(peer, self.now)),
         )
         self._forget_repairs()
         self.repairs[peer] = run

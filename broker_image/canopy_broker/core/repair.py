@@ -326,6 +326,26 @@ class Retention:
         )
 
 
+def merged(first: Sequence[Event], second: Sequence[Event]) -> list[Event]:
+    """The notifications of two replays as one: each once, each publisher's in sequence
+    order (a receiver takes a replayed notification at or below the last it saw from that
+    publisher for one it had: one replayed behind a later one of its publisher would be
+    dropped as such). Publishers' sequence numbers follow their clocks, so ordering by them
+    also keeps notifications of different publishers roughly in publishing order. Either
+    empty: the other as it is."""
+    if not first or not second:
+        return list(first or second)
+    seen: set[tuple[str, int]] = set()
+    out: list[Event] = []
+    for event in (*first, *second):
+        key = (event.publisher, event.seq)
+        if key not in seen:
+            seen.add(key)
+            out.append(event)
+    out.sort(key=lambda e: (e.seq, e.publisher))
+    return out
+
+
 def _forwarded_at(entry: tuple[float, Event]) -> float:
     return entry[0]
 
