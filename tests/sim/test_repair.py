@@ -31,7 +31,13 @@ from canopy_broker.core.messages import (
     Subscribe,
     TimerFired,
 )
-from canopy_broker.core.repair import Retention, chain_links, merged, standby_peers
+from canopy_broker.core.repair import (
+    NeighbourLists,
+    Retention,
+    chain_links,
+    merged,
+    standby_peers,
+)
 from canopy_broker.sim.checker import check_deliveries, check_routing
 from canopy_broker.sim.simulator import Simulator
 from canopy_broker.sim.topology import random_tree
@@ -360,3 +366,17 @@ def test_two_replays_merge_into_one_in_each_publishers_order() -> None:
         ("p", 5),
     ]
     assert merged(a, []) == a and merged([], b) == b
+
+
+def test_a_broker_forgets_the_list_of_one_that_is_no_longer_its_neighbour() -> None:
+    """b4 heard b0's list while they were linked; an exchange removed the link (no
+    RemoveLink). When a repair links them again and b0 dies before saying its new list, b4
+    must not chain up along the old one (it held notifications for a broker that was no
+    longer b0's neighbour and never sent its sweep)."""
+    lists = NeighbourLists("b4")
+    lists.heard("b0", Neighbours(("b1", "b4", "x0")))
+    lists.announce(["b0", "b2"], [], lambda _peer: False)
+    assert lists.chain_for("b0") == (("b1", "b4", "x0"), ("b1", "x0"))
+    lists.heard("b0", Neighbours(("b1", "b4", "x0")))
+    lists.announce(["b2"], [], lambda _peer: False)  # the link to b0 went
+    assert lists.chain_for("b0") == ((), ())
