@@ -380,3 +380,20 @@ def test_a_broker_forgets_the_list_of_one_that_is_no_longer_its_neighbour() -> N
     lists.heard("b0", Neighbours(("b1", "b4", "x0")))
     lists.announce(["b2"], [], lambda _peer: False)  # the link to b0 went
     assert lists.chain_for("b0") == ((), ())
+
+
+def test_a_chain_neighbour_already_dead_makes_this_broker_that_end_of_the_chain() -> None:
+    """b4 repairs around b0 (still waiting for b1's sweep) when x0 dies too, whose neighbours
+    were b0 and b4: b4's chain neighbour b0 is dead already. b4 is that end of the chain: the
+    repair around x0 completes at once. It sent its sweep to b0, which has no link ("the core
+    sent to b0, which has no link" in the soak's log), and waited for one from it until its
+    timer, holding what it routed meanwhile."""
+    core = BrokerCore("b4", announce_neighbours=True, retention_window=150.0)
+    for peer in ("b0", "x0"):
+        core.handle(AddLink(peer))
+    core.handle(FromLink("b0", Neighbours(("b1", "b4"))))
+    core.handle(FromLink("x0", Neighbours(("b0", "b4"))))
+    core.handle(PeerFailed("b0"))  # waits for b1's sweep
+    out = core.handle(PeerFailed("x0"))
+    assert not any(isinstance(e, SendToLink) and e.peer == "b0" for e in out), out
+    assert RepairFinished("x0", 0, 0) in out

@@ -623,10 +623,19 @@ class BrokerCore:
                 opened.append(t)
         out.append(Repaired(peer, chain, tuple(opened)))
         me = chain.index(self.name) if self.name in chain else -1
+
+        def chain_end(i: int) -> str | None:
+            """The chain's broker at ``i``, unless there is none or it died too: its own
+            repair is under way here, and this broker is that end of the chain (a sweep sent
+            to it would go nowhere, and this repair would wait for one from it until its
+            timer)."""
+            n = chain[i] if me >= 0 and 0 <= i < len(chain) else None
+            return None if n in self._ghosts else n
+
         run = RepairRun(
             peer,
-            previous=chain[me - 1] if me > 0 else None,
-            next=chain[me + 1] if 0 <= me < len(chain) - 1 else None,
+            previous=chain_end(me - 1),
+            next=chain_end(me + 1),
             retained=merged(carried, self.retention.take(peer, self.now)),
         )
         self._forget_repairs()
