@@ -569,6 +569,14 @@ class BrokerCore:
         for client in [c for c, (source, _) in self._held.items() if source == peer]:
             self._release_held(client, out)
 
+    @property
+    def repair_holding(self) -> str | None:
+        """The broker a repair under way here is around, while it holds what this broker
+        routes towards its chain (waiting for the sweeps); None when none is."""
+        for run in self._holding.values():
+            return run.dead
+        return None
+
     def _chain_end_gone(self, peer: str, out: list[Effect]) -> list[Event]:
         """``peer``, this broker's neighbour in the chain of a repair under way, will send no
         sweep: it died, or its link was removed (the runtime withdraws a repair link whose far
