@@ -25,7 +25,6 @@ from canopy_broker.core.messages import (
     Echo,
     End,
     ExchangeFinished,
-    FencedBy,
     FlushMsg,
     FromLink,
     FromPeer,
@@ -35,6 +34,7 @@ from canopy_broker.core.messages import (
     LinkReady,
     Lock,
     LockRefused,
+    PeerGone,
     RecMsg,
     RouteKey,
     RoutingMode,
@@ -217,10 +217,10 @@ def test_a_broker_of_the_cycle_that_fenced_this_one_settles_the_exchange_as_its_
     its later lease timer finds nothing. A broker off the path changes nothing."""
     core = locked_middle()
     before = state_of(core)
-    assert core.handle(FencedBy("elsewhere")) == [] and state_of(core) == before
-    assert core.handle(FencedBy("m")) == [] and state_of(core) == before  # itself: no meaning
+    assert core.handle(PeerGone("elsewhere")) == [] and state_of(core) == before
+    assert core.handle(PeerGone("m")) == [] and state_of(core) == before  # itself: no meaning
     by_fence = locked_middle()
-    by_fence.handle(FencedBy("z"))
+    by_fence.handle(PeerGone("z"))
     by_lease = locked_middle()
     by_lease.handle(TimerFired("lease:x1"))
     assert by_fence.exchange is None and state_of(by_fence) == state_of(by_lease)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from canopy_broker.admin_client import AdminClient, AdminError
 from canopy_broker.client import Gap, connect
+from canopy_broker.core.messages import FromLink, Lock
 from canopy_broker.runtime.admin import ROUTES, make_admin_app
 from canopy_broker.runtime.client_sessions import merged, untold
 from canopy_broker.runtime.config import BrokerConfig
@@ -427,3 +428,21 @@ def test_a_gap_tells_exactly_what_was_not_told_before(
         assert since <= a < b <= until
         assert all(b <= c or a >= d for c, d in stretches)
     assert all(b <= c for (_, b), (c, _) in itertools.pairwise(parts))
+
+
+async def test_removing_a_link_on_a_running_exchanges_cycle_is_409(
+    make_broker: MakeBroker, serve: Serve
+) -> None:
+    """The core refuses (the link is on the cycle of an exchange this broker is locked in)
+    and nothing changes: the caller gets 409 and the reason, not a server error."""
+    a, z, q = await make_broker("a"), await make_broker("z"), await make_broker("q")
+    admin_a = await serve(a)
+    assert (await admin_a.add_link("z", addr(z)))["up"]
+    assert (await admin_a.add_link("q", addr(q)))["up"]
+    a.core.handle(FromLink("z", Lock("x1", ("z", "a", "q"), 1)), a.now())  # locks a
+    assert a.core.exchange is not None
+    with pytest.raises(AdminError) as refused:
+        await admin_a.remove_link("z")
+    assert refused.value.status == 409, refused.value
+    assert "on the cycle of exchange x1" in str(refused.value)
+    assert "z" in a.links

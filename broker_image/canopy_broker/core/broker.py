@@ -51,7 +51,6 @@ from canopy_broker.core.messages import (
     Echo,
     Effect,
     End,
-    FencedBy,
     FindCycles,
     FlushMsg,
     FromLink,
@@ -71,6 +70,7 @@ from canopy_broker.core.messages import (
     OpenLink,
     PeerFailed,
     PeerFeatures,
+    PeerGone,
     PeerMessage,
     Placed,
     Publish,
@@ -325,7 +325,7 @@ class BrokerCore:
             self._chain_end_gone(inp.peer, out)
         elif isinstance(inp, PeerFailed):
             self._peer_failed(inp.peer, out)
-        elif isinstance(inp, FencedBy):
+        elif isinstance(inp, PeerGone):
             ex = self.ex
             if ex is not None and inp.peer in ex.path and inp.peer != self.name:
                 coordinated.lease_expired(self, ex, out)

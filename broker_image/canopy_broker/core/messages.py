@@ -441,12 +441,15 @@ class LinkFailed:
 
 
 @message
-class FencedBy:
-    """``peer`` declared this broker's process dead (it refused it, or answered it, with
-    ``fenced``): it will take nothing more from this process. If it is on the cycle of the
-    exchange this broker is locked in, nothing more will come of that exchange either, and
-    it settles now as it would when its lease ran out (a partition during an exchange: the
-    lease held the overlay split for up to 30 s after the network healed, review)."""
+class PeerGone:
+    """``peer`` is gone for this process: it declared this broker's process dead (it refused
+    it, or answered it, with ``fenced``), or this broker's failure detector declared it dead
+    (no connection past the detection time, and no witness hears it). Nothing more will pass
+    between them. If it is on the cycle of the exchange this broker is locked in, nothing more
+    will come of that exchange either, and it settles now as it would when its lease ran out.
+    Waiting for the lease held the overlay split for up to 30 s: after a partition healed
+    (review), and when a member was killed during the exchange, which deferred the repair
+    around it (chaos soak: 2,539 events lost untold at a subscriber)."""
 
     peer: str
 
@@ -618,7 +621,7 @@ Input = (
     | RemoveLink
     | PeerFailed
     | LinkFailed
-    | FencedBy
+    | PeerGone
     | StandbyLinks
     | PeerFeatures
     | Placed

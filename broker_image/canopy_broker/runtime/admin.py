@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from canopy_broker.core.errors import ProtocolError
 from canopy_broker.runtime.framing import finite_number, printable
 from canopy_broker.runtime.metrics import CONTENT_TYPE
 from canopy_broker.runtime.server import Broker
@@ -108,7 +109,13 @@ async def add_link(request: web.Request) -> web.Response:
 
 
 async def remove_link(request: web.Request) -> web.Response:
-    removed = request.app[BROKER].remove_link(request.match_info["peer"])
+    """409 while the link is on the cycle of a running exchange (nothing changed: the core
+    refuses first); it answered 500 with a traceback in the log, once per supervisor tick
+    that asked (chaos soak reproduction)."""
+    try:
+        removed = request.app[BROKER].remove_link(request.match_info["peer"])
+    except ProtocolError as exc:
+        return _error(409, str(exc))
     return web.json_response({"removed": removed})
 
 

@@ -79,7 +79,6 @@ from canopy_broker.core.messages import (
     AddLink,
     CycleProbe,
     Effect,
-    FencedBy,
     FindCycles,
     FromLink,
     FromPeer,
@@ -89,6 +88,7 @@ from canopy_broker.core.messages import (
     Neighbours,
     PeerFailed,
     PeerFeatures,
+    PeerGone,
     Publish,
     RemoveLink,
     RepairFinished,
@@ -1110,7 +1110,7 @@ class LinkSessions:
             return
         # Whatever the connection: an exchange whose cycle the peer is on will hear nothing
         # more from it, and settles now rather than at its lease's end.
-        self.host.apply(self.host.core.handle(FencedBy(link.peer), self.host.now()))
+        self.host.apply(self.host.core.handle(PeerGone(link.peer), self.host.now()))
         if link.kind == "link" and link.established and not link.closing:
             self._declare_dead(link, self.host.now() - (link.down_since or self.host.now()))
 
@@ -1124,14 +1124,28 @@ class LinkSessions:
         peer = link.peer
         if not link.established or link.closing:
             return  # not a link of the core's tree (yet, or any more): nothing to repair
-        try:
-            effects = host.core.handle(PeerFailed(peer), host.now())
-        except ProtocolError as exc:  # on the cycle of an exchange past its grant: lease first
-            self._defer(peer, "looks dead", exc)
-            # Unless the peer fenced this broker meanwhile (a partition: it repaired around
-            # this one), which settles the exchange at once (_fenced_by_peer).
-            self._ask_link_fence(link)
-            return
+        core = host.core
+        if not core.routing.has_link(peer):
+            # The core has no such link (it went with an exchange the peer's death cut short):
+            # nothing to repair, but the runtime's link must go and the peer be fenced as
+            # below. Deferred, the repair waited for an exchange that had ended, and asked the
+            # witnesses about the peer every heartbeat for good; the supervisor saw the link
+            # at this end only and never brought the peer back (chaos soak reproduction).
+            effects = []
+        else:
+            try:
+                effects = core.handle(PeerFailed(peer), host.now())
+            except ProtocolError:
+                # On the cycle of an exchange past its grant: the verdict is as strong as a
+                # fence, so the exchange settles now, as at its lease's end (PeerGone), and
+                # the repair follows at once instead of after the lease.
+                host.apply(core.handle(PeerGone(peer), host.now()))
+                try:
+                    effects = core.handle(PeerFailed(peer), host.now())
+                except ProtocolError as exc:
+                    self._defer(peer, "looks dead", exc)
+                    self._ask_link_fence(link)
+                    return
         self._deferred.pop(peer, None)
         link.established = False  # the core has dropped it already
         if link.incarnation:
