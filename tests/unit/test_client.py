@@ -15,6 +15,7 @@ import pytest
 from canopy_broker.client import Client, ClientError, ConnectionLost, Gap, Notification, connect
 from canopy_broker.client.connection import BrokerConnection
 from canopy_broker.client.credentials import Credentials
+from canopy_broker.client.failover import HEARD_EVERY
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import ClientSubscribe, ClientUnsubscribe
 from canopy_broker.runtime.framing import B_NOTIFY, B_PUBACK, C_PUB_GAP, FrameError
@@ -639,3 +640,33 @@ async def test_a_gap_from_the_broker_is_checked_and_made_printable() -> None:
         with pytest.raises(FrameError):
             c._told_gap(conn, since, until, "x")
     assert len(c.gaps) == 1
+
+
+@pytest.mark.looptime
+async def test_a_failover_gap_starts_when_a_recently_active_publisher_was_last_heard() -> None:
+    """p was heard until 2 s before the loss (its notifications were held upstream while
+    repairs ran), q until the loss; r last spoke 20 s before (longer ago than anything stays
+    in flight). The gaps the next broker tells start from p's last hearing, less the look's
+    precision: what p published after it may have been on its way to the lost broker. They
+    started at the loss, and such notifications were covered by no gap (chaos soak)."""
+    c = Client("s")
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    c._last_seq["r"] = 1
+    c._note_heard(loop.time())
+    await asyncio.sleep(20.0)
+    c._last_seq["p"] = c._last_seq["q"] = 1
+    c._note_heard(loop.time())
+    await asyncio.sleep(1.0)
+    c._last_seq["p"] = 2  # p's last, at t0 + 21
+    c._note_heard(loop.time())
+    for n in range(3, 11):  # q on, every quarter second, until the loss
+        await asyncio.sleep(0.25)
+        c._last_seq["q"] = n
+        c._note_heard(loop.time())
+    lost_at = loop.time()  # t0 + 23
+    assert c._gap_from(lost_at) == pytest.approx(t0 + 21 - HEARD_EVERY)
+    assert Client("fresh")._gap_from(lost_at) == lost_at  # nothing heard: from the loss
+    c._last_seq.clear()
+    c._note_heard(loop.time() + 1)
+    assert c._heard_at == {}  # forgotten with the publishers

@@ -115,6 +115,9 @@ class Client(FailingOver, Migrating, AsyncClosing):
         self._migration: Migration | None = None
         self._migrated = False  # a switch happened: the last-seq filter is in force from now on
         self._last_seq: dict[str, int] = {}  # per publisher, the last seq delivered
+        self._heard_at: dict[str, float] = {}  # see FailingOver._note_heard
+        self._heard_seq: dict[str, int] = {}
+        self._heard_checked = -math.inf
         self._lock = asyncio.Lock()  # migrations and subscription changes, one at a time
         self._redirect: asyncio.Task[None] | None = None
         self._tasks = TaskSet(f"client {client_id or '(unnamed)'}")
@@ -240,6 +243,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
                     self._told_gap(conn, item[1], item[2], item[3])
                 else:
                     raise FrameError(f"unknown message from the broker: {item!r}", "unknown-type")
+            self._note_heard(asyncio.get_running_loop().time())
             if inbox:
                 self._wake_inbox()
                 if len(inbox) > self.max_buffered and not self._reading_paused:
