@@ -115,6 +115,18 @@ class AdminClient(AsyncClosing):
     async def healthz(self) -> bool:
         return await self._probe("/healthz")
 
+    async def reports_failed(self) -> bool:
+        """Whether the broker answers that it has failed (``/healthz`` 500): not merely that
+        it did not answer (paused, busy, a connection reset), which restarting would not
+        mend but lose."""
+        try:
+            await self._request("GET", "/healthz")
+        except AdminError as exc:
+            return exc.status == 500
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+        return False
+
     async def readyz(self) -> bool:
         return await self._probe("/readyz")
 

@@ -190,7 +190,11 @@ class Executor:
                 if clock() > deadline:
                     raise StepError(i, step, f"broker unreachable: {exc}") from exc
                 for name in sorted(needed(step)):
-                    if await self.backend.gone(name):
+                    try:
+                        gone = await self.backend.gone(name)
+                    except Exception:  # not known to be gone (the API failed): retried as before
+                        gone = False
+                    if gone:
                         raise StepError(i, step, f"broker {name} is gone ({exc})") from exc
                 if not degraded and self.on_degraded is not None:
                     await self.on_degraded(f"broker unreachable during step {i + 1}: {exc}")

@@ -161,19 +161,26 @@ def test_a_busy_broker_refuses_and_the_initiator_backs_off() -> None:
 
 
 @pytest.mark.parametrize(
-    ("stale", "tries"), [(False, MAX_LOCK_ATTEMPTS), (True, MAX_SHAPE_ATTEMPTS)]
+    ("stale", "reason", "tries"),
+    [
+        (False, "b1 is locked by exchange x9", MAX_LOCK_ATTEMPTS),
+        (True, "b1 has no link to b2", MAX_SHAPE_ATTEMPTS),
+        # From a broker before the field (a roll-out): its text says so.
+        (False, "b1 has no link to b2", MAX_SHAPE_ATTEMPTS),
+        (False, "b1 is already linked to b9", MAX_SHAPE_ATTEMPTS),
+    ],
 )
-def test_initiator_gives_up_after_bounded_attempts(stale: bool, tries: int) -> None:
+def test_initiator_gives_up_after_bounded_attempts(stale: bool, reason: str, tries: int) -> None:
     """A busy path gets every try (it frees itself); one refused as not matching the overlay
     (planned from a stale view) only a few, so that its caller plans again within seconds.
-    Stale or not is a field of the refusal, not read from its text: during a roll-out, an
-    older broker's refusal has no such field and gets every try."""
+    Stale or not is a field of the refusal; a broker from before the field (during a
+    roll-out) drops it as it passes a refusal on, and its text still says."""
     init = BrokerCore("b9")
     init.handle(AddLink("b1"))
     init.handle(StartExchange("x2", ("b9", "b1", "b2"), ("b1", "b2")))
     results = []
     for attempt in range(200):  # each retry is a new try: the refusal answers that one
-        refusal = LockRefused("x2", "b1 has no link to b2", attempt, stale=stale)
+        refusal = LockRefused("x2", reason, attempt, stale=stale)
         out = init.handle(FromLink("b1", refusal))
         results += [e for e in out if isinstance(e, ExchangeFinished)]
         if results:

@@ -667,6 +667,15 @@ async def test_a_failover_gap_starts_when_a_recently_active_publisher_was_last_h
     lost_at = loop.time()  # t0 + 23
     assert c._gap_from(lost_at) == pytest.approx(t0 + 21 - HEARD_EVERY)
     assert Client("fresh")._gap_from(lost_at) == lost_at  # nothing heard: from the loss
+    # Heard just before a quiet stretch, with no frame after it to prompt a look: dated by
+    # its frame's arrival, not by the look the failover makes 6 s later.
+    quiet = Client("quiet")
+    quiet._note_heard(loop.time())
+    quiet._last_seq["p"] = 5
+    quiet._last_frame_at = loop.time()  # the frame that brought p's 5
+    heard = loop.time()
+    await asyncio.sleep(6.0)
+    assert quiet._gap_from(loop.time()) == pytest.approx(heard - HEARD_EVERY)
     c._last_seq.clear()
     c._note_heard(loop.time() + 1)
     assert c._heard_at == {}  # forgotten with the publishers

@@ -446,3 +446,21 @@ async def test_removing_a_link_on_a_running_exchanges_cycle_is_409(
     assert refused.value.status == 409, refused.value
     assert "on the cycle of exchange x1" in str(refused.value)
     assert "z" in a.links
+
+
+async def test_a_broker_reports_failed_only_when_it_says_so(
+    make_broker: MakeBroker, serve: Serve
+) -> None:
+    """What the local backend kills and starts anew: a broker whose /healthz answers 500. A
+    broker that does not answer (paused, busy, gone) is not reported failed: restarting it
+    would lose what it holds and mend nothing."""
+    b = await make_broker("b")
+    admin = await serve(b)
+    assert not await admin.reports_failed()
+    b.fail("a test")
+    assert await admin.reports_failed()
+    nobody = AdminClient("127.0.0.1:1", TOKEN)
+    try:
+        assert not await nobody.reports_failed()
+    finally:
+        await nobody.close()

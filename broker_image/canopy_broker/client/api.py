@@ -118,6 +118,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
         self._heard_at: dict[str, float] = {}  # see FailingOver._note_heard
         self._heard_seq: dict[str, int] = {}
         self._heard_checked = -math.inf
+        self._last_frame_at = -math.inf
         self._lock = asyncio.Lock()  # migrations and subscription changes, one at a time
         self._redirect: asyncio.Task[None] | None = None
         self._tasks = TaskSet(f"client {client_id or '(unnamed)'}")
@@ -191,6 +192,9 @@ class Client(FailingOver, Migrating, AsyncClosing):
     def _frame(self, conn: BrokerConnection, frame: list[Any]) -> None:
         ftype = frame[0]
         if ftype == F_MSGS and len(frame) == 2 and type(frame[1]) is list:
+            # Who was heard by the previous frame, dated then (this one's, at the next look).
+            self._note_heard(self._last_frame_at)
+            self._last_frame_at = asyncio.get_running_loop().time()
             m = self._migration
             if m is None:
                 mode = "deliver" if conn is self._conn else "drop"
@@ -243,7 +247,6 @@ class Client(FailingOver, Migrating, AsyncClosing):
                     self._told_gap(conn, item[1], item[2], item[3])
                 else:
                     raise FrameError(f"unknown message from the broker: {item!r}", "unknown-type")
-            self._note_heard(asyncio.get_running_loop().time())
             if inbox:
                 self._wake_inbox()
                 if len(inbox) > self.max_buffered and not self._reading_paused:

@@ -128,6 +128,7 @@ class FailingOver:
     _heard_at: dict[str, float]
     _heard_seq: dict[str, int]
     _heard_checked: float
+    _last_frame_at: float  # when the last frame of notifications arrived (the loop's time)
     _unacked: deque[tuple[int, bytes]]
     _acked: deque[tuple[float, int, bytes]]
     _acked_forgotten: float
@@ -195,7 +196,7 @@ class FailingOver:
                 if remaining <= 0:
                     break
                 try:
-                    await self._resume_at(address, lost, gap_from, min(2.0, remaining))
+                    await self._resume_at(address, lost, lost_at, gap_from, min(2.0, remaining))
                 except (OSError, TimeoutError, ClientError) as exc:
                     tried.append(f"{address} ({exc or type(exc).__name__})")
                     continue
@@ -217,18 +218,21 @@ class FailingOver:
         self._wake_inbox()
         self._wake_publishers()
 
-    def _note_heard(self, now: float) -> None:
-        """Every :data:`HEARD_EVERY` s at most: the publishers whose last delivered sequence
-        number moved since the last look were heard from now. A look at the per-publisher
-        map, not a stamp per notification: the receive path stays as it is."""
-        if now - self._heard_checked < HEARD_EVERY:
+    def _note_heard(self, at: float, *, force: bool = False) -> None:
+        """Every :data:`HEARD_EVERY` s at most (``force``: now): the publishers whose last
+        delivered sequence number moved since the last look were last heard at ``at``, the
+        time the last frame before this look arrived (a look stamping its own time would
+        date a notification received before a quiet stretch at its end). A look at the
+        per-publisher map, not a stamp per notification: the receive path stays as it
+        is."""
+        if at - self._heard_checked < HEARD_EVERY and not force:
             return
-        self._heard_checked = now
+        self._heard_checked = at
         seen = self._heard_seq
         for publisher, seq in self._last_seq.items():
             if seen.get(publisher) != seq:
                 seen[publisher] = seq
-                self._heard_at[publisher] = now
+                self._heard_at[publisher] = at
         if len(self._heard_at) > len(self._last_seq):  # publishers forgotten since
             for gone in [p for p in self._heard_at if p not in self._last_seq]:
                 del self._heard_at[gone]
@@ -239,7 +243,7 @@ class FailingOver:
         a publisher heard within :data:`IN_FLIGHT` before it was heard (less the look's
         precision). What was published after that and did not arrive may have been on its
         way to the lost broker (see IN_FLIGHT)."""
-        self._note_heard(asyncio.get_running_loop().time())
+        self._note_heard(self._last_frame_at, force=True)
         recent = [t for t in self._heard_at.values() if lost_at - IN_FLIGHT <= t < lost_at]
         if not recent:
             return lost_at
@@ -250,7 +254,12 @@ class FailingOver:
         raise NotImplementedError
 
     async def _resume_at(
-        self, address: str, lost: BrokerConnection, lost_at: float, within: float
+        self,
+        address: str,
+        lost: BrokerConnection,
+        lost_at: float,
+        unsure_from: float,
+        within: float,
     ) -> None:
         """Attach at ``address``, resume (subscriptions, what was missed, the gaps) and send
         again what no broker acknowledged. The new connection is the client's from the start,
@@ -264,6 +273,8 @@ class FailingOver:
                 "subs": [[sid, encode_filter(f)] for sid, f in self.subscriptions.items()],
                 "last": self._last_seq,
                 "lost_for": asyncio.get_running_loop().time() - lost_at,
+                # The gaps start here (older brokers ignore it, and start them at the loss).
+                "unsure_for": asyncio.get_running_loop().time() - unsure_from,
                 "previous": lost.broker,
             }
             answer = new.expect(B_RESUMED, "")

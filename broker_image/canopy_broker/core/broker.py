@@ -502,7 +502,8 @@ class BrokerCore:
         out.append(Resumed(inp.client, served, tuple(self._resume_gaps(inp))))
 
     def _resume_gaps(self, inp: ClientResume) -> list[Gap]:
-        now, prev, since = self.now, inp.previous, inp.since
+        now, prev = self.now, inp.previous
+        since = inp.since if inp.unsure_since is None else min(inp.since, inp.unsure_since)
         gaps: list[Gap] = []
         if not self.retention.enabled:
             gaps.append(Gap(since, now, f"{self.name} keeps no retention (repair is off)"))

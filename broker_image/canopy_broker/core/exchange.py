@@ -573,7 +573,10 @@ def on_refused(core: BrokerCore, ex: Exchange, msg: LockRefused, out: list[Effec
     if ex.me == 0 and msg.final:
         give_up(core, ex.xid, msg.reason, out)
     elif ex.me == 0:
-        retry_later(core, ex.xid, msg.reason, msg.stale, out)
+        # A broker from before the field, on the path, drops it as it passes the refusal on:
+        # its text still says (these phrases are what lock_problem has always said).
+        stale = msg.stale or "has no link to" in msg.reason or "is already linked to" in msg.reason
+        retry_later(core, ex.xid, msg.reason, stale, out)
     else:
         out.append(SendToLink(ex.path[ex.me - 1], msg))
 

@@ -587,6 +587,10 @@ class ClientResume:
     since: float
     last: tuple[tuple[str, int], ...] = ()
     margin: float = 0.0
+    # From when (this broker's clock) the client may lack what was on its way to ``previous``:
+    # the loss, or earlier (client/failover.py IN_FLIGHT). The gaps start there; what is
+    # served from retention still goes by ``since``. None: ``since``.
+    unsure_since: float | None = None
 
 
 @message

@@ -186,7 +186,10 @@ class NeighbourLists:
         and replayed them 10 s later behind newer ones, where they were dropped as had
         (chaos soak: 457 events lost untold at a subscriber)."""
         for peer in [p for p in self.lists if p not in neighbours]:
-            self.forget(peer)
+            # The list and placement it said over that link; not ``legacy``, which says
+            # what software it runs (a link back over a standby takes no new hello).
+            self.lists.pop(peer, None)
+            self.where.pop(peer, None)
         old = self.legacy.intersection(neighbours)
         if old:  # they would sort it: everybody must read the same chain from it
             names = tuple(sorted(set(neighbours)))
@@ -340,9 +343,10 @@ def merged(first: Sequence[Event], second: Sequence[Event]) -> list[Event]:
     """The notifications of two replays as one: each once, each publisher's in sequence
     order (a receiver takes a replayed notification at or below the last it saw from that
     publisher for one it had: one replayed behind a later one of its publisher would be
-    dropped as such). Publishers' sequence numbers follow their clocks, so ordering by them
-    also keeps notifications of different publishers roughly in publishing order. Either
-    empty: the other as it is."""
+    dropped as such). Across publishers the order is by sequence number, which starts from
+    each publisher's clock when it started and grows by one per publication: not publishing
+    order, which nothing downstream relies on for a replay (each publisher's is kept).
+    Either empty: the other as it is."""
     if not first or not second:
         return list(first or second)
     seen: set[tuple[str, int]] = set()

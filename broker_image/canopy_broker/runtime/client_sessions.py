@@ -500,6 +500,10 @@ class ClientSessions:
             raise FrameError("resume: subs must be an array and last an object")
         if type(lost_for) not in (int, float) or not 0 <= lost_for < 1e9:
             raise FrameError(f"resume: lost_for must be seconds, got {lost_for!r}")
+        raw = req.get("unsure_for", lost_for)
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or not lost_for <= raw < 1e9:
+            raise FrameError(f"resume: unsure_for must be seconds >= lost_for, got {raw!r}")
+        unsure_for = float(raw)
         marks: list[tuple[str, int]] = []
         for publisher, seq in last.items():
             if type(seq) is not int or seq < 0:
@@ -516,7 +520,14 @@ class ClientSessions:
                 self._check_subscribe(client, f)
                 self._check_room(client.id, entry[0])
                 host.apply(core.handle(ClientSubscribe(client.id, entry[0], f), now))
-        resume = ClientResume(client.id, previous, now - lost_for, tuple(marks), host.resume_slack)
+        resume = ClientResume(
+            client.id,
+            previous,
+            now - lost_for,
+            tuple(marks),
+            host.resume_slack,
+            unsure_since=now - unsure_for,
+        )
         host.apply(core.handle(resume, now))
 
     def resumed(self, eff: Resumed) -> None:

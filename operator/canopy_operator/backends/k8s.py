@@ -202,9 +202,14 @@ class KubernetesBackend:
             if meta.get("deletionTimestamp"):
                 continue
             if (meta.get("annotations") or {}).get(HOLD_ANNOTATION) != want:
-                await self.api.patch(
-                    self._pod_path(broker), {"metadata": {"annotations": {HOLD_ANNOTATION: want}}}
-                )
+                try:
+                    await self.api.patch(
+                        self._pod_path(broker),
+                        {"metadata": {"annotations": {HOLD_ANNOTATION: want}}},
+                    )
+                except KubeError as exc:  # deleted since it was listed: the next heal sees
+                    log.info("pod of %s not annotated: %s", broker, exc)
+                    continue
                 changed[broker] = want
         return changed
 

@@ -383,7 +383,7 @@ class LocalBackend:
             status = await self._status_or_down(name, within)
         except BrokerDownError as exc:
             return {"state": "unreachable", "why": str(exc)}
-        if not await self.admin(name).healthz():
+        if await self.admin(name).reports_failed():
             return {"state": "failed", "status": status, "why": f"broker {name} failed"}
         return {"state": "up", "status": status}
 

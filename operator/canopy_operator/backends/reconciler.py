@@ -898,15 +898,23 @@ async def _end_stuck_links(
         one_sided, neighbours, r.config.one_sided.get(key, {}), time.monotonic(), after
     )
     r.config.one_sided[key] = seen
+    removed = False
     for holder, other in stuck:
+        try:
+            await backend.admin(holder).remove_link(other)
+        except (AdminError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            # On a running exchange's cycle (409), or the holder stopped answering: the next
+            # heal looks again; the rest of this one goes on.
+            log.info("link %s-%s not removed at %s: %s", holder, other, holder, exc)
+            continue
+        removed = True
         r.event(
             "StuckLinkRemoved",
             f"link {holder}-{other} was known at {holder} only for over {after:g}s: removed "
             "there, so that the restore can join the parts",
             warning=True,
         )
-        await backend.admin(holder).remove_link(other)
-    return bool(stuck)
+    return removed
 
 
 async def _restore(r: Reconciler, backend: KubernetesBackend, spec: OverlaySpec) -> bool:
