@@ -289,7 +289,15 @@ class Executor:
         rec = await admin.start_exchange(
             cycle, step.remove, ordering=self.ordering, xid=xid, wait=20.0, lease=self.lease
         )
+        # A backstop: the brokers end an exchange by their retries (about 4.8 minutes for a
+        # busy cycle) or its lease; a record that says "running" for longer than both is not
+        # worth waiting on with the overlay's lock held.
+        clock = asyncio.get_running_loop().time
+        within = 300.0 + 2 * self.lease
+        deadline = clock() + within
         while rec.get("state") == "running":
+            if clock() > deadline:
+                raise StepError(i, step, f"exchange {xid} still running after {within:g}s")
             await asyncio.sleep(0.1)
             rec = await admin.exchange(xid)
         if rec.get("state") != "finished":

@@ -1618,3 +1618,19 @@ async def test_connections_per_source_and_subscriptions_per_client_are_bounded(
         await c2.subscribe("n = 1")  # the others are unaffected
         await hang_up(writer)
         del reader
+
+
+async def test_a_broker_that_fails_ends_the_exchanges_it_started(make_broker: MakeBroker) -> None:
+    """A fenced (or broken) initiator finishes nothing it started: its running exchanges are
+    reported failed at once, with why. They stayed "running", and the supervisor's executor
+    polled one for good with the overlay's lock held (chaos soak)."""
+    brokers = {n: await make_broker(n) for n in "abcd"}
+    for b in brokers.values():
+        b.set_peers({n: addr(x) for n, x in brokers.items()})
+    await link(brokers["a"], brokers["b"])
+    await link(brokers["c"], brokers["d"])
+    rec = brokers["a"].start_exchange(["a", "b", "c"], ("b", "c"))  # b-c is not there: retries
+    assert rec.state == "running"
+    brokers["a"].fail("fenced out, in this test")
+    assert rec.state == "failed" and rec.done.is_set()
+    assert rec.reason == "a failed before the exchange ended: fenced out, in this test"

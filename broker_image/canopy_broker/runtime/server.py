@@ -422,6 +422,12 @@ class Broker:
         if self.failed is None:
             self.failed = why
             log.critical("%s: broker failed: %s", self.name, why)
+            # Nothing it started will finish now: whoever waits on one is told (the
+            # supervisor's executor polled a fenced initiator's "running" exchange for good,
+            # holding the overlay's lock: chaos soak).
+            for rec in [r for r in self.exchanges.values() if r.state == "running"]:
+                reason = f"{self.name} failed before the exchange ended: {why}"
+                self._exchange_finished(ExchangeFinished(rec.xid, False, reason, rec.attempts))
 
     def fenced_out(self, by: str, silent_for: float | None) -> None:
         """``by`` declared this broker dead (paused, or cut off, past failure detection) and
