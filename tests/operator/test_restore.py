@@ -13,6 +13,7 @@ from canopy_operator.model.planner import LiveOverlay, steps_from_json
 from canopy_operator.model.restore import (
     ONE_SIDED_STUCK,
     describe,
+    down_links,
     mutual,
     restore,
     split,
@@ -277,3 +278,23 @@ def test_a_link_known_at_one_end_for_too_long_is_removed_at_that_end() -> None:
     assert held == {} and stuck == []
     settled, stuck = stuck_one_sided(set(), neighbours, seen, now=t0 + 5 * step)
     assert settled == {} and stuck == []  # nothing one-sided: nothing kept
+
+
+def test_a_link_an_end_reports_not_connected_is_down() -> None:
+    """A link cut with both ends alive (no cycle repairs it) holds its traffic until it
+    heals: a plan must not exchange it away meanwhile (what it holds would arrive behind what
+    went round and be dropped as had). Closing links and links the core has not opened yet
+    are not the tree's, as for the restore."""
+    statuses = {
+        "a": {"neighbours": [{"peer": "b", "state": "up"}, {"peer": "c", "state": "down"}]},
+        "b": {"neighbours": [{"peer": "a", "state": "up"}]},
+        "c": {
+            "neighbours": [
+                {"peer": "a", "state": "connecting"},
+                {"peer": "d", "state": "down", "closing": True},
+                {"peer": "e", "state": "down", "established": False},
+            ]
+        },
+    }
+    assert down_links(statuses) == [("a", "c")]
+    assert down_links({"a": {"neighbours": [{"peer": "b", "state": "up"}]}}) == []

@@ -88,6 +88,7 @@ from canopy_operator.model.planner import (
 from canopy_operator.model.restore import (
     ONE_SIDED_STUCK,
     describe,
+    down_links,
     mutual,
     repairs_under_way,
     reported_links,
@@ -925,7 +926,7 @@ async def _restore(r: Reconciler, backend: KubernetesBackend, spec: OverlaySpec)
         statuses = await backend.statuses(spec.broker_names)
     links, one_sided = mutual(status_neighbours(statuses))
     decision = restore(spec, spec.broker_names, links, repairs_under_way(statuses))
-    if one_sided or decision.wait:
+    if one_sided or down_links(statuses) or decision.wait:  # see down_links
         return False
     if not decision.needed:
         return True

@@ -46,6 +46,7 @@ from canopy_operator.commands.local import overlay_dir, run_own_plan
 from canopy_operator.executor import StepError
 from canopy_operator.model.restore import (
     describe,
+    down_links,
     mutual,
     repairs_under_way,
     restore,
@@ -183,6 +184,11 @@ async def restore_once(
         log(f"waiting: link {a}-{b} is known at one end only (being set up or closed)")
         return None
     statuses = {n: h["status"] for n, h in health.items() if h["state"] == "up"}
+    down = down_links(statuses)
+    if down:
+        a, b = down[0]
+        log(f"waiting: link {a}-{b} is down (reconnecting, or cut: its traffic waits in it)")
+        return None
     decision = restore(spec, alive, links, repairs_under_way(statuses))
     if decision.wait:
         log(describe(decision, spec.broker_names))
