@@ -95,6 +95,10 @@ MAX_LOCK_ATTEMPTS = 60  # a busy cycle: about 4.8 minutes of backoff in all
 # tried for 4.8 minutes while the supervisor waited on it, holding the overlay's lock:
 # nothing was restored and a split was never told (review: 22,452 events lost untold).
 MAX_SHAPE_ATTEMPTS = 5
+# What a stale refusal says (lock_problem); a broker from before LockRefused.stale is known by
+# the same words.
+NO_LINK = "has no link to"
+LINKED_ALREADY = "is already linked to"
 
 
 class BrokerCore(Protocol):
@@ -464,13 +468,13 @@ def lock_problem(core: BrokerCore, path: tuple[str, ...], i: int) -> tuple[str, 
     if i < len(path) - 1:
         nxt = path[i + 1]
         if not routing.has_link(nxt):
-            return f"{core.name} has no link to {nxt}", True
+            return f"{core.name} {NO_LINK} {nxt}", True
         if routing.is_frozen(nxt):
             return f"{core.name}'s link to {nxt} is held by another exchange", False
     if i in (0, len(path) - 1):
         other = path[-1] if i == 0 else path[0]
         if routing.has_link(other):
-            return f"{core.name} is already linked to {other}", True
+            return f"{core.name} {LINKED_ALREADY} {other}", True
     return None
 
 
@@ -574,8 +578,8 @@ def on_refused(core: BrokerCore, ex: Exchange, msg: LockRefused, out: list[Effec
         give_up(core, ex.xid, msg.reason, out)
     elif ex.me == 0:
         # A broker from before the field, on the path, drops it as it passes the refusal on:
-        # its text still says (these phrases are what lock_problem has always said).
-        stale = msg.stale or "has no link to" in msg.reason or "is already linked to" in msg.reason
+        # its text still says.
+        stale = msg.stale or NO_LINK in msg.reason or LINKED_ALREADY in msg.reason
         retry_later(core, ex.xid, msg.reason, stale, out)
     else:
         out.append(SendToLink(ex.path[ex.me - 1], msg))

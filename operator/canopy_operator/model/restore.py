@@ -156,14 +156,17 @@ def status_neighbours(statuses: Mapping[str, Mapping[str, Any]]) -> dict[str, se
     waiting for the core to open it, such as a repair link dialed by a broker that saw a death
     this one did not (a partition): counted at both ends, it made the restore plan from one
     tree that was two, and run exchanges that never ended (review)."""
-    return {
-        name: {
-            str(x["peer"])
-            for x in status.get("neighbours") or ()
-            if not x.get("closing") and x.get("established", True)
-        }
-        for name, status in statuses.items()
-    }
+    return {name: {str(x["peer"]) for x in tree_links(status)} for name, status in statuses.items()}
+
+
+def tree_links(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The entries of one ``/status``'s neighbours that are links of the tree, as
+    :func:`status_neighbours` counts them: established, not closing."""
+    return [
+        x
+        for x in status.get("neighbours") or ()
+        if not x.get("closing") and x.get("established", True)
+    ]
 
 
 def repairs_under_way(statuses: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -204,9 +207,7 @@ def down_links(statuses: Mapping[str, Mapping[str, Any]]) -> list[Edge]:
     the restore exchanged a cut link away, 2,487 events lost untold at two subscribers)."""
     down: set[Edge] = set()
     for name, status in statuses.items():
-        for x in status.get("neighbours") or ():
-            if x.get("closing") or not x.get("established", True):
-                continue
+        for x in tree_links(status):
             if x.get("state", "up") != "up":
                 a, b = sorted((name, str(x["peer"])))
                 down.add((a, b))
