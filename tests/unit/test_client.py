@@ -15,7 +15,7 @@ import pytest
 from canopy_broker.client import Client, ClientError, ConnectionLost, Gap, Notification, connect
 from canopy_broker.client.connection import BrokerConnection
 from canopy_broker.client.credentials import Credentials
-from canopy_broker.client.failover import HEARD_EVERY
+from canopy_broker.client.failover import FORGET_AFTER, HEARD_EVERY
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import ClientSubscribe, ClientUnsubscribe
 from canopy_broker.runtime.framing import B_NOTIFY, B_PUBACK, C_PUB_GAP, FrameError
@@ -678,4 +678,22 @@ async def test_a_failover_gap_starts_when_a_recently_active_publisher_was_last_h
     assert quiet._gap_from(loop.time()) == pytest.approx(heard - HEARD_EVERY)
     c._last_seq.clear()
     c._note_heard(loop.time() + 1)
-    assert c._heard_at == {}  # forgotten with the publishers
+    assert c._heard_at == {} and c._heard_seq == {}  # forgotten with the publishers
+
+
+def test_a_subscriber_forgets_publishers_it_has_not_heard_for_ten_minutes() -> None:
+    """A subscriber that outlives thousands of short-lived publishers keeps an entry only for
+    those heard within FORGET_AFTER: one per publisher ever heard grew without bound, was
+    sent whole at each resume and looked through every quarter second."""
+    c = Client("s")
+    t = 1000.0
+    for n in range(1000):  # a thousand publishers, each heard once
+        c._last_seq[f"old{n}"] = 1
+    c._note_heard(t)
+    c._last_seq["steady"] = 1
+    for step in range(1, 50):  # a steady publisher, heard every 15 s for over ten minutes
+        c._last_seq["steady"] = step + 1
+        c._note_heard(t + 15 * step)
+    assert set(c._last_seq) == {"steady"} and set(c._heard_at) == {"steady"}
+    assert set(c._heard_seq) == {"steady"} and c._last_seq["steady"] == 50
+    assert FORGET_AFTER < 15 * 49  # the old ones were last heard longer ago than that

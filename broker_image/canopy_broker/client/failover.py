@@ -76,6 +76,15 @@ while repairs ran were published seconds before the broker died, and were covere
 HEARD_EVERY = 0.25
 """Seconds between looks at which publishers were heard from (:meth:`Client._note_heard`):
 the precision of :data:`IN_FLIGHT`'s start, taken off it as a margin."""
+FORGET_AFTER = 600.0
+"""Seconds after which a publisher not heard from is forgotten (its last sequence number and
+when it was heard): a subscriber that outlives many short-lived publishers would otherwise
+keep one entry per publisher it ever heard, send them all at each resume and look at them
+all every :data:`HEARD_EVERY` s. What the entry guards against, a notification delivered
+twice, needs a broker to serve that publisher's older notifications again; a broker serves
+what it retained since the client lost it, and a client silent that long about a publisher
+got nothing from it in that window. Ten minutes is far past the retention (15 s by default)
+and :data:`IN_FLIGHT`."""
 
 log = logging.getLogger("canopy.client")
 
@@ -128,6 +137,7 @@ class FailingOver:
     _heard_at: dict[str, float]
     _heard_seq: dict[str, int]
     _heard_checked: float
+    _forgot_at: float  # when publishers unheard for FORGET_AFTER were last forgotten
     _last_frame_at: float  # when the last frame of notifications arrived (the loop's time)
     _unacked: deque[tuple[int, bytes]]
     _acked: deque[tuple[float, int, bytes]]
@@ -229,14 +239,22 @@ class FailingOver:
             return
         self._heard_checked = at
         seen = self._heard_seq
-        for publisher, seq in self._last_seq.items():
+        last = self._last_seq
+        heard_at = self._heard_at
+        for publisher, seq in last.items():
             if seen.get(publisher) != seq:
                 seen[publisher] = seq
-                self._heard_at[publisher] = at
-        if len(self._heard_at) > len(self._last_seq):  # publishers forgotten since
-            for gone in [p for p in self._heard_at if p not in self._last_seq]:
-                del self._heard_at[gone]
-                seen.pop(gone, None)
+                heard_at[publisher] = at
+        if at - self._forgot_at >= FORGET_AFTER / 10:  # see FORGET_AFTER
+            self._forgot_at = at
+            for gone in [p for p, t in heard_at.items() if at - t > FORGET_AFTER]:
+                last.pop(gone, None)
+                del heard_at[gone]
+        if len(heard_at) != len(last) or len(seen) != len(last):  # forgotten since
+            for gone in [p for p in heard_at if p not in last]:
+                del heard_at[gone]
+            for gone in [p for p in seen if p not in last]:
+                del seen[gone]
 
     def _gap_from(self, lost_at: float) -> float:
         """Where the next broker's gaps start: at the loss, or earlier, from the last time
