@@ -6,6 +6,7 @@ in order. The negative control (no detection) must fail the same checks."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -397,3 +398,37 @@ def test_a_chain_neighbour_already_dead_makes_this_broker_that_end_of_the_chain(
     out = core.handle(PeerFailed("x0"))
     assert not any(isinstance(e, SendToLink) and e.peer == "b0" for e in out), out
     assert RepairFinished("x0", 0, 0) in out
+
+
+def test_two_repairs_sharing_a_chain_end_each_hold_it_until_their_own_sweep() -> None:
+    """b repairs around x and around y at once, and e is b's chain neighbour in both (lists
+    heard at different times can say so). e's sweep for y ends that repair only: what b
+    routes towards e is still held for the repair around x, and replayed by it, in order.
+    One run per end was kept: the second repair took e over from the first, which then held
+    and replayed nothing of what was routed meanwhile, and e's subscribers lost it untold
+    (e dropped the replay as already had, behind what went to it directly)."""
+    core = BrokerCore("b", announce_neighbours=True, retention_window=150.0)
+    core.handle(ClientAttach("p"))
+    for peer in ("x", "y"):
+        core.handle(AddLink(peer))
+        core.handle(FromLink(peer, Neighbours(("b", "e"))))
+    core.handle(PeerFailed("x"))
+    core.handle(FromLink("e", Subscribe(RouteKey(Filter.parse("n >= 0"), ""))))
+    core.handle(ClientPublish("p", Event("p", 1, {"n": 1})))  # held for x's repair
+    core.handle(PeerFailed("y"))
+    core.handle(ClientPublish("p", Event("p", 2, {"n": 2})))  # held for both
+
+    def to_e(out: list[Any]) -> list[int]:
+        return [
+            e.message.event.seq
+            for e in out
+            if isinstance(e, SendToLink) and e.peer == "e" and isinstance(e.message, Publish)
+        ]
+
+    assert to_e(core.handle(FromLink("e", RepairSweep("y", forward=False)))) == [2]
+    assert core.repair_holding == "x"
+    assert to_e(core.handle(ClientPublish("p", Event("p", 3, {"n": 3})))) == []  # still held
+    done = core.handle(FromLink("e", RepairSweep("x", forward=False)))
+    assert to_e(done) == [1, 2, 3]  # e drops 2 as had (replayed), and has 1 and 3 in order
+    assert core.repair_holding is None
+    assert to_e(core.handle(ClientPublish("p", Event("p", 4, {"n": 4})))) == [4]

@@ -185,7 +185,9 @@ class BrokerCore:
         )
         self.repair_timeout = repair_timeout
         self.repairs: dict[str, RepairRun] = {}
-        self._holding: dict[str, RepairRun] = {}
+        # Each chain end a repair under way waits for, with the runs that wait for it (two
+        # repairs may share an end: each holds it until its own sweep came).
+        self._holding: dict[str, list[RepairRun]] = {}
         # Dead neighbours whose routes stay until their repair has the new routes: withdrawing
         # them at once would cut this broker's side off from the far side meanwhile.
         self._ghosts: set[str] = set()
@@ -416,11 +418,14 @@ class BrokerCore:
         elif replay:  # had it already: pass it on (others may not), deliver it not again
             deliver = None if self.resuming else False
             self.replay_duplicates += 1
-        if self._holding and source not in self._holding:
+        if self._holding:
             # A repair is waiting for its routes: whatever the new links will need of this
-            # is sent with the replay, once the routes are known (they are partial now).
-            for run in dict.fromkeys(self._holding.values()):
-                run.retained.append(event.forwarded())
+            # is sent with the replay, once the routes are known (they are partial now); not
+            # what came from one of that repair's own chain ends.
+            own = self._holding.get(source, ()) if source is not None else ()
+            for run in self._holding_runs():
+                if run not in own:
+                    run.retained.append(event.forwarded())
         peers, targets = self.routing.route(event.attrs, source)
         if peers:
             ex = self.ex
@@ -574,9 +579,13 @@ class BrokerCore:
     def repair_holding(self) -> str | None:
         """The broker a repair under way here is around, while it holds what this broker
         routes towards its chain (waiting for the sweeps); None when none is."""
-        for run in self._holding.values():
-            return run.dead
+        for runs in self._holding.values():
+            return runs[0].dead
         return None
+
+    def _holding_runs(self) -> list[RepairRun]:
+        """The repairs under way that hold a chain end, each once."""
+        return list(dict.fromkeys(run for runs in self._holding.values() for run in runs))
 
     def _chain_end_gone(self, peer: str, out: list[Effect]) -> list[Event]:
         """``peer``, this broker's neighbour in the chain of a repair under way, will send no
@@ -591,13 +600,12 @@ class BrokerCore:
         (chaos soak: b6 and b3 paused together, b0 repaired around b6 by linking to b3, then
         declared b3 dead too; the repair around b6 replayed 0 of 559 notifications, and
         subscribers of brokers nothing had happened to lost 692 events untold)."""
-        run = self._holding.pop(peer, None)
-        if run is None:
-            return []
-        kept = list(run.retained)
-        out.extend(run.end_died(peer))
-        if run.complete:
-            self._finish_repair(run, out)
+        kept: list[Event] = []
+        for run in self._holding.pop(peer, ()):
+            kept = merged(kept, run.retained)
+            out.extend(run.end_died(peer))
+            if run.complete:
+                self._finish_repair(run, out)
         return kept
 
     def _peer_failed(self, peer: str, out: list[Effect]) -> None:
@@ -651,7 +659,7 @@ class BrokerCore:
         self.repairs[peer] = run
         for end in (run.previous, run.next):
             if end is not None:
-                self._holding[end] = run
+                self._holding.setdefault(end, []).append(run)
         out.extend(run.sweeps_to_start())  # behind this end's routes on the new link
         if run.complete:
             self._finish_repair(run, out)
@@ -694,8 +702,11 @@ class BrokerCore:
             del self.repairs[dead]
 
     def _finish_repair(self, run: RepairRun, out: list[Effect], *, timed_out: bool = False) -> None:
-        for peer in [p for p, r in self._holding.items() if r is run]:
-            del self._holding[peer]
+        holding = self._holding
+        for peer in [p for p, runs in holding.items() if run in runs]:
+            holding[peer] = [r for r in holding[peer] if r is not run]
+            if not holding[peer]:
+                del holding[peer]
         if run.dead in self._ghosts:  # now its routes may go: the new links have theirs
             self._ghosts.discard(run.dead)
             self._remove_link(run.dead, out)
