@@ -169,6 +169,21 @@ def test_a_resume_after_the_repair_replayed_is_a_gap() -> None:
     assert (gap.since, gap.until) == (0.5, 3.0)
 
 
+def test_a_repair_around_an_earlier_incarnation_hides_no_gap() -> None:
+    """y repaired around x long ago; x restarted and was linked elsewhere. A client that now
+    loses x and resumes at y, which is no neighbour of x, is told so: the finished repair
+    (kept under x's name) answered instead and named nothing (chaos soak: 92 events lost
+    untold at a client of a paused broker that failed over to a non-neighbour)."""
+    core = broker(window=30.0)
+    core.handle(PeerFailed("x"), 1.0)
+    core.handle(TimerFired("repair:x"), 2.0)
+    core.now = 20.0
+    [why] = gaps_of(core, "c", previous="x", since=19.0)
+    assert "not a neighbour of x" in why
+    core.handle(AddLink("x"), 20.0)  # x's new incarnation linked here: y vouches again
+    assert gaps_of(core, "d", previous="x", since=19.5) == []
+
+
 def test_a_resume_while_the_repair_is_under_way_here_is_a_gap() -> None:
     """This broker has sent its routes and its sweep down the repair chain already: the
     client's subscriptions follow them and may reach the far end after it replayed, so what
