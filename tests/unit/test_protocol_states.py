@@ -14,7 +14,7 @@ import pytest
 from canopy_broker.core import routing as routing_module
 from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.errors import CoreFailedError, ProtocolError
-from canopy_broker.core.exchange import TRANSITIONS, Phase, Step
+from canopy_broker.core.exchange import TRANSITIONS, Phase, Step, backoff
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
     AddLink,
@@ -34,12 +34,15 @@ from canopy_broker.core.messages import (
     LinkReady,
     Lock,
     LockRefused,
+    PeerFailed,
     PeerGone,
     RecMsg,
     RouteKey,
     RoutingMode,
+    SendToLink,
     Separator,
     StartExchange,
+    StartTimer,
     TimerFired,
     Transfer,
 )
@@ -236,6 +239,32 @@ def test_a1_gives_up_at_once_on_a_final_refusal() -> None:
     assert not finished.ok and finished.reason == "r1 died on the path"
     assert not any(getattr(e, "key", "").startswith("lock:") for e in effects)
     assert core.exchange is None and "x1" not in core.attempts
+
+
+def test_a_repair_off_the_cycle_lets_an_ungranted_lock_go_to_be_tried_again() -> None:
+    """A neighbour off the exchange's cycle died while this broker held an ungranted lock:
+    the repair about to hold here must not have the tree reshaped under it, so the try goes
+    (a refusal that is not final: A1 tries again after a backoff, and a new lock is refused
+    as busy while the repair holds). The exchange went on under the hold."""
+    core = locked_middle()
+    core.handle(AddLink("q"))
+    effects = core.handle(PeerFailed("q"))
+    refusal = LockRefused("x1", "m is repairing around q", final=False)
+    assert SendToLink("a", refusal) in effects and core.exchange is None
+    # Granted passed here already: A1 commits on it, and Go may have turned the brokers
+    # before this one black; a refusal there is a protocol error. The exchange goes on.
+    promised = locked_middle()
+    promised.handle(AddLink("q"))
+    promised.handle(FromLink("r1", Granted("x1")))
+    effects = promised.handle(PeerFailed("q"))
+    assert not any(isinstance(e, SendToLink) and e.peer == "a" for e in effects), effects
+    assert promised.exchange is not None
+    a1 = a1_locked()
+    a1.handle(AddLink("q"))
+    effects = a1.handle(PeerFailed("q"))
+    assert StartTimer("lock:x1", backoff("x1", 1)) in effects
+    assert not any(isinstance(e, ExchangeFinished) for e in effects)
+    assert a1.exchange is None and "x1" in a1.attempts
 
 
 def test_done_for_another_exchange_is_checked_before_it_is_applied() -> None:

@@ -621,14 +621,17 @@ class BrokerCore:
         if not self.routing.has_link(peer) or peer in self._ghosts:
             raise ProtocolError(f"{self.name}: no link to {peer!r}")
         ex = self.ex
-        if ex is not None and peer in ex.cycle_peers():
-            if ex.granted or ex.gray:
-                # Phase 1 has begun: the exchange's lease rolls it forward first (the runtime
-                # defers the repair until then).
-                raise ProtocolError(
-                    f"{self.name}: link to {peer!r} is on the cycle of exchange {ex.xid}"
-                )
-            coordinated.abandon_lock(self, ex, peer, out)
+        if ex is not None and not ex.promised:
+            # Locked, nothing changed yet: let the try go. Its path has lost a broker (final:
+            # A1 reports it failed), or the repair about to hold here must not have the tree
+            # reshaped under it (as lock_problem refuses a new lock meanwhile; A1 tries again).
+            coordinated.abandon_lock(self, ex, peer, out, final=peer in ex.cycle_peers())
+        elif ex is not None and peer in ex.cycle_peers():
+            # Phase 1 has begun, or is about to (Granted passed here): the exchange's lease
+            # rolls it forward first (the runtime defers the repair until then).
+            raise ProtocolError(
+                f"{self.name}: link to {peer!r} is on the cycle of exchange {ex.xid}"
+            )
         # The dead link stays in the tables, frozen (nothing is sent to it), until the new
         # routes are in: its routes keep this side's traffic coming here, and the repair
         # collects it for the replay.

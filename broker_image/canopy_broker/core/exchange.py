@@ -244,6 +244,13 @@ class Exchange:
         return self.phase not in (Phase.LOCKED, Phase.LOCKED_GRAY)
 
     @property
+    def promised(self) -> bool:
+        """Whether this broker can no longer let the try go: phase 1 has begun here, or
+        Granted passed here towards A1, which commits on it (a refusal sent back after it
+        would meet brokers that Go has turned black already)."""
+        return self.granted or self.gray or Mark.GRANTED in self.marks
+
+    @property
     def gray(self) -> bool:
         return self.phase in (Phase.LOCKED_GRAY, Phase.GRAY, Phase.CLOSING)
 
@@ -553,19 +560,25 @@ def undo_lock(core: BrokerCore, ex: Exchange, out: list[Effect], *, by_lease: bo
     core.leave_exchange(ex, by_lease=by_lease)
 
 
-def abandon_lock(core: BrokerCore, ex: Exchange, dead: str, out: list[Effect]) -> None:
-    """A cycle neighbour of this broker died while it held an ungranted lock. Nothing has changed
+def abandon_lock(
+    core: BrokerCore, ex: Exchange, dead: str, out: list[Effect], *, final: bool = True
+) -> None:
+    """A neighbour of this broker died while it held an ungranted lock. Nothing has changed
     here but the lock (and an A end's frozen link), so the try is given up as a refusal would
-    give it up — at once, rather than at the lease's end — and the repair can run now. The
-    refusal is final: the path has lost a broker, so A1 reports the exchange failed instead of
-    retrying it, and its caller re-plans from the live tree. Answers to the try that still
-    come are dropped (see ``Lock.attempt``)."""
-    reason = f"{dead} died on the path"
+    give it up — at once, rather than at the lease's end — and the repair can run now.
+    ``final`` (the dead broker was on the cycle): the path has lost a broker, so A1 reports the
+    exchange failed instead of retrying it, and its caller re-plans from the live tree. Not
+    final (it was off the cycle): this broker's repair is busy, and A1 tries again after a
+    backoff. Answers to the try that still come are dropped (see ``Lock.attempt``)."""
+    reason = f"{dead} died on the path" if final else f"{core.name} is repairing around {dead}"
     undo_lock(core, ex, out, by_lease=True)
     if ex.me == 0:
-        give_up(core, ex.xid, reason, out)
+        if final:
+            give_up(core, ex.xid, reason, out)
+        else:
+            retry_later(core, ex.xid, reason, False, out)
     elif ex.path[ex.me - 1] != dead:
-        refusal = LockRefused(ex.xid, reason, ex.attempt, final=True)
+        refusal = LockRefused(ex.xid, reason, ex.attempt, final=final)
         out.append(SendToLink(ex.path[ex.me - 1], refusal))
 
 
