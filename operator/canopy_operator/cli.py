@@ -206,7 +206,15 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
         )
     )
     mine.add_bench_arguments(bench_sub)
-    from canopy_operator.commands import bench_day2
+    from canopy_operator.commands import bench_chaos, bench_day2
+
+    bench_chaos.add_arguments(
+        bench_sub.add_parser(
+            "chaos",
+            help="a local overlay under seeded combined faults (kills, pauses, cuts, "
+            "reshapes): every subscriber's losses, told and untold",
+        )
+    )
 
     bench_day2.add_arguments(
         bench_sub.add_parser(

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from canopy_broker.client.credentials import Credentials
 from canopy_broker.procs import process_alive
 from canopy_operator.backends import local
 from canopy_operator.backends.local import LocalBackend
+from canopy_operator.commands.bench_chaos import canopy as run_canopy
 from canopy_operator.commands.supervise import restore_once
 from tests.integration.crash_overlay import (
     Publisher,
@@ -48,23 +48,7 @@ SUBSCRIBERS = {"s-south": "south", "s-edge": "edge-1", "s-north": "north"}
 
 
 async def canopy(*args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "canopy_operator.cli",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        async with asyncio.timeout(120):
-            out, err = await proc.communicate()
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    return await run_canopy(*args, within=120)
 
 
 async def status(state: Path) -> dict[str, Any]:

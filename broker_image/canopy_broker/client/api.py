@@ -443,6 +443,18 @@ class Client(FailingOver, Migrating, AsyncClosing):
         """Publications no broker has acknowledged yet (kept, to send again on a failover)."""
         return len(self._unacked)
 
+    @property
+    def unacknowledged_seqs(self) -> list[int]:
+        """The sequence numbers of those publications, oldest first: what an application
+        that gives up on this client may have to publish again by other means."""
+        return [seq for seq, _ in self._unacked]
+
+    @property
+    def failover_error(self) -> ClientError | None:
+        """Why the client stopped looking for another broker (none took it within
+        ``failover_within``), or None: it is connected, or still looking."""
+        return self._failover_error
+
     async def _acks_progress(self) -> None:
         """Until the next acknowledgement, or the end of a failover."""
         self._acks_waiter = w = asyncio.get_running_loop().create_future()
