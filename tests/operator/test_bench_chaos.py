@@ -48,8 +48,10 @@ def test_the_verdict_names_the_worst_outcome() -> None:
 
 
 def test_bad_arguments_are_refused_with_the_reason() -> None:
-    result = canopy("bench", "chaos", "--kinds", "kill,meteor")
+    result = canopy("bench", "chaos", "--kinds", "kill,meteor", "--publishers", "9", "--rate", "0")
     assert result.returncode == 2 and "unknown fault kind(s) ['meteor']" in result.stderr
+    assert "--publishers must be between 1 and --brokers" in result.stderr
+    assert "--rate must be above 0" in result.stderr
 
 
 def test_a_short_run_under_kills_is_clean() -> None:

@@ -118,7 +118,6 @@ class Client(FailingOver, Migrating, AsyncClosing):
         self._heard_at: dict[str, float] = {}  # see FailingOver._note_heard
         self._heard_seq: dict[str, int] = {}
         self._heard_checked = -math.inf
-        self._forgot_at = -math.inf
         self._last_frame_at = -math.inf
         self._lock = asyncio.Lock()  # migrations and subscription changes, one at a time
         self._redirect: asyncio.Task[None] | None = None

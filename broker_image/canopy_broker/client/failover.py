@@ -76,15 +76,16 @@ while repairs ran were published seconds before the broker died, and were covere
 HEARD_EVERY = 0.25
 """Seconds between looks at which publishers were heard from (:meth:`Client._note_heard`):
 the precision of :data:`IN_FLIGHT`'s start, taken off it as a margin."""
-FORGET_AFTER = 600.0
-"""Seconds after which a publisher not heard from is forgotten (its last sequence number and
-when it was heard): a subscriber that outlives many short-lived publishers would otherwise
-keep one entry per publisher it ever heard, send them all at each resume and look at them
-all every :data:`HEARD_EVERY` s. What the entry guards against, a notification delivered
-twice, needs a broker to serve that publisher's older notifications again; a broker serves
-what it retained since the client lost it, and a client silent that long about a publisher
-got nothing from it in that window. Ten minutes is far past the retention (15 s by default)
-and :data:`IN_FLIGHT`."""
+REMEMBERED = 10_000
+"""Publishers a subscriber keeps its last sequence number for (and when it heard them); past
+that, the ones heard longest ago are forgotten, a tenth at a time. A subscriber outliving many
+short-lived publishers kept one entry per publisher it ever heard, sent them all at each
+resume and looked through them every :data:`HEARD_EVERY` s. A forgotten publisher counts as
+never heard at a resume: of its notifications, only those the next broker kept since the loss
+are served. That is what it can lack unless it spoke again after a long silence and a broker
+held it back for this client (a slow one) for longer than the resume's margin: an untold loss
+then, and a duplicate if a broker replays one it had before. Both need more publishers alive
+than this at once, which a size bound, unlike a time bound, leaves to deployments that big."""
 
 log = logging.getLogger("canopy.client")
 
@@ -137,7 +138,6 @@ class FailingOver:
     _heard_at: dict[str, float]
     _heard_seq: dict[str, int]
     _heard_checked: float
-    _forgot_at: float  # when publishers unheard for FORGET_AFTER were last forgotten
     _last_frame_at: float  # when the last frame of notifications arrived (the loop's time)
     _unacked: deque[tuple[int, bytes]]
     _acked: deque[tuple[float, int, bytes]]
@@ -245,9 +245,9 @@ class FailingOver:
             if seen.get(publisher) != seq:
                 seen[publisher] = seq
                 heard_at[publisher] = at
-        if at - self._forgot_at >= FORGET_AFTER / 10:  # see FORGET_AFTER
-            self._forgot_at = at
-            for gone in [p for p, t in heard_at.items() if at - t > FORGET_AFTER]:
+        if len(last) > REMEMBERED:  # see REMEMBERED
+            by_age = sorted(heard_at.items(), key=lambda item: item[1])
+            for gone, _ in by_age[: len(last) - REMEMBERED * 9 // 10]:
                 last.pop(gone, None)
                 del heard_at[gone]
         if len(heard_at) != len(last) or len(seen) != len(last):  # forgotten since

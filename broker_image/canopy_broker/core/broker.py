@@ -712,10 +712,18 @@ class BrokerCore:
 
     def _finish_repair(self, run: RepairRun, out: list[Effect], *, timed_out: bool = False) -> None:
         holding = self._holding
+        shared: list[str] = []  # this run's chain ends another repair still holds
         for peer in [p for p, runs in holding.items() if run in runs]:
             holding[peer] = [r for r in holding[peer] if r is not run]
-            if not holding[peer]:
+            if holding[peer]:
+                shared.append(peer)
+            else:
                 del holding[peer]
+        # What this run kept for an end another repair still holds is replayed by that one,
+        # with what it holds: replayed now, it would reach the end ahead of older events
+        # only the other run kept, which the end would then drop as had (review).
+        for other in dict.fromkeys(r for peer in shared for r in holding[peer]):
+            other.retained = merged(run.retained, other.retained)
         if run.dead in self._ghosts:  # now its routes may go: the new links have theirs
             self._ghosts.discard(run.dead)
             self._remove_link(run.dead, out)
@@ -724,7 +732,7 @@ class BrokerCore:
             return list(self.routing.route(event.attrs, None)[0])
 
         sent = len(out)
-        run.finish(route, out, now=self.now, timed_out=timed_out)
+        run.finish(route, out, now=self.now, timed_out=timed_out, skip=shared)
         if self.retention.enabled:  # the replay is in custody too: the next hop may die next
             for eff in out[sent:]:
                 if isinstance(eff, SendToLink) and isinstance(eff.message, Publish):

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, TypeVar
@@ -469,12 +469,14 @@ class RepairRun:
         *,
         now: float,
         timed_out: bool = False,
+        skip: Collection[str] = (),
     ) -> None:
         """Replay the retained notifications, in the order they came, over the new links their
-        routes now lead to; from here on the new links carry traffic as any link does."""
+        routes now lead to (not to ``skip``: chain ends another repair replays to); from here
+        on the new links carry traffic as any link does."""
         self.phase = Phase.DONE
         self.finished_at = now
-        chain = {p for p in (self.previous, self.next) if p is not None}
+        chain = {p for p in (self.previous, self.next) if p is not None} - set(skip)
         replayed = 0
         for event in self.retained:
             for peer in sorted(chain.intersection(route(event))):

@@ -17,10 +17,14 @@ random schedule, then checks every subscriber's stream against what was publishe
 * Told loss at a subscriber whose broker failed is what failover promises.
 
 Verdicts: CLEAN, TOLD-LOSS-AT-NONFAILED, HARD (any of the first two items) and +STUCK when the
-overlay did not settle back to the declared shape or a publisher's publications were not all
-acknowledged at the end. Exit status 1 for HARD or STUCK. The overlay's state directory (broker
-and supervisor logs, the fault schedule, the full result) is kept when the verdict is not CLEAN,
-or always with ``--keep``; the last stdout line is a JSON object with ``--json``.
+overlay did not settle back to the declared shape, a publisher's publications were not all
+acknowledged at the end, or a client gave up failing over (no broker took it within
+``--failover-within``). Exit status 1 for HARD or STUCK; 2 for bad arguments, or ERROR: the
+harness itself failed, and there is no verdict. The overlay's state directory (broker and
+supervisor logs, the fault schedule, the full result) is kept when the verdict is not CLEAN, or
+always with ``--keep``; the last stdout line is a JSON object with ``--json``. A loss within
+a second of a gap's edge counts as told (the gap's times are a broker's, the publish times
+this process's) but is reported apart (``lost_told_slack``).
 
 The same seed draws the same schedule; timing on real processes is not the same twice, so a
 seed reproduces the faults, not necessarily the outcome.
@@ -109,17 +113,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run_args)
 
 
+def problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the arguments (nothing: an empty list)."""
+    found = []
+    unknown = sorted(set(args.kinds.split(",")) - set(WEIGHTS))
+    if unknown:
+        found.append(f"unknown fault kind(s) {unknown} (known: {', '.join(WEIGHTS)})")
+    if args.brokers < 4:
+        found.append("--brokers must be at least 4")
+    if not 1 <= args.publishers <= args.brokers:
+        found.append("--publishers must be between 1 and --brokers")
+    if args.subscribers < 1:
+        found.append("--subscribers must be at least 1")
+    for name in ("rate", "duration", "settle", "heartbeat", "failover_within", "gap_min"):
+        if not getattr(args, name) > 0:
+            found.append(f"--{name.replace('_', '-')} must be above 0")
+    if args.gap_max < args.gap_min:
+        found.append("--gap-max must be at least --gap-min")
+    if args.dead_after < 1:
+        found.append("--dead-after must be at least 1")
+    return found
+
+
 def run_args(args: argparse.Namespace) -> int:
-    unknown = set(args.kinds.split(",")) - set(WEIGHTS)
-    if unknown or args.brokers < 4 or args.gap_min <= 0 or args.gap_max < args.gap_min:
-        why = f"unknown fault kind(s) {sorted(unknown)}" if unknown else "bad numbers"
-        print(f"error: {why} (kinds: {', '.join(WEIGHTS)}; at least 4 brokers)", file=sys.stderr)
+    wrong = problems(args)
+    if wrong:
+        for problem in wrong:
+            print(f"error: {problem}", file=sys.stderr)
         return 2
     result = asyncio.run(bench(args))
     for line in summary(result):
         print(line)
     if args.json:
         print(json.dumps(result, default=str))
+    if result["verdict"] == "ERROR":
+        return 2
     return 1 if result["verdict"].startswith("HARD") or "STUCK" in result["verdict"] else 0
 
 
@@ -237,7 +265,7 @@ async def canopy(*args: str, within: float = 180.0) -> tuple[int, str, str]:
     try:
         async with asyncio.timeout(within):
             out, err = await proc.communicate()
-    except TimeoutError:
+    except BaseException:  # a timeout, or this run cancelled: it must not go on without us
         proc.kill()
         await proc.wait()
         raise
@@ -379,7 +407,16 @@ class Chaos:
                         "sym": self.attrs_rng.choice(SYMBOLS),
                         "price": self.attrs_rng.randrange(100),
                     }
-                    book[await c.publish(attrs)] = (self.loop.time(), attrs)
+                    # Booked before it is sent: publish() sends it, then may wait (and
+                    # raise, if the client gives up failing over), and a notification
+                    # subscribers got but the book lacked would count as spurious.
+                    seq = c.last_seq + 1
+                    book[seq] = (self.loop.time(), attrs)
+                    try:
+                        await c.publish(attrs)
+                    finally:
+                        if c.last_seq < seq:  # refused before it was sent
+                            del book[seq]
                 with contextlib.suppress(Exception):
                     await c.flush()
                 await asyncio.sleep(0.01)
@@ -653,8 +690,10 @@ class Chaos:
         self.spawn(self.watch_failovers())
         stop_publishing, stop_faults = asyncio.Event(), asyncio.Event()
         publishing = [asyncio.ensure_future(self.publish(p, stop_publishing)) for p in self.pubs]
+        self.background.update(publishing)  # cancelled by down() if this run is
         await asyncio.sleep(2.0)
         injecting = asyncio.ensure_future(self.inject(stop_faults))
+        self.background.add(injecting)
         await asyncio.sleep(self.args.duration)
         stop_faults.set()
         await injecting
@@ -679,11 +718,15 @@ class Chaos:
         unacked = {pid: c.unacknowledged_seqs for pid, c in self.pubs.items()}
         await self.wait_delivered(30.0)
         subscribers = self.judged(unacked)
-        stuck = not settled["settled"] or not all(acked.values())
+        # A subscriber that gave up failing over went without a broker for failover_within:
+        # what it missed after is not counted as lost, so the run is not clean either.
+        stuck = not settled["settled"] or not all(acked.values()) or bool(self.gave_up_at)
         return {
             "seed": self.args.seed,
             "verdict": verdict(subscribers, stuck),
-            "faults": dict(sorted(_count(f["kind"] for f in self.faults).items())),
+            "faults": dict(
+                sorted(_count(f["kind"] for f in self.faults if f["kind"] in WEIGHTS).items())
+            ),
             "settled": settled,
             "acknowledged": acked,
             "published": {pid: len(book) for pid, book in self.books.items()},
@@ -702,17 +745,29 @@ class Chaos:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(5):
                     await c.close()
-        with contextlib.suppress(Exception):
-            await canopy("down", "--state-dir", str(self.state), within=60)
-        if self.backend is not None:
+        if self.backend is not None:  # every process of the run, before `down` forgets them
             with contextlib.suppress(Exception):
                 self.live()
+                supervisor = self.backend.supervisor_pid()
+                if supervisor is not None:
+                    self.pids.add(supervisor)
+        with contextlib.suppress(Exception):
+            await canopy("down", "--state-dir", str(self.state), within=60)
         for pid in self.pids:  # whatever `down` missed (a broker restarted meanwhile)
-            if process_alive(pid):
+            if process_alive(pid) and _is_canopy(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         if self.backend is not None:
             await self.backend.close()
+
+
+def _is_canopy(pid: int) -> bool:
+    """Whether ``pid`` still runs a Canopy process (not another that took the number over)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"canopy_broker" in command or b"canopy_operator" in command
 
 
 def _count(items: Iterable[str]) -> dict[str, int]:
@@ -728,8 +783,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     chaos = Chaos(args, state)
     try:
         result = await chaos.main()
-    except Exception as exc:
-        result = {"seed": args.seed, "verdict": "HARD+STUCK", "error": repr(exc)}
+    except Exception as exc:  # the harness, not the overlay: no verdict
+        result = {"seed": args.seed, "verdict": "ERROR", "error": repr(exc)}
         progress(f"the run failed: {exc!r}")
     finally:
         (state / "faults.json").write_text(json.dumps(chaos.faults, indent=1))
