@@ -646,9 +646,11 @@ async def test_a_gap_from_the_broker_is_checked_and_made_printable() -> None:
 async def test_a_failover_gap_starts_when_a_recently_active_publisher_was_last_heard() -> None:
     """p was heard until 2 s before the loss (its notifications were held upstream while
     repairs ran), q until the loss; r last spoke 20 s before (longer ago than anything stays
-    in flight). The gaps the next broker tells start from p's last hearing, less the look's
-    precision: what p published after it may have been on its way to the lost broker. They
-    started at the loss, and such notifications were covered by no gap (chaos soak)."""
+    in flight). The gaps the next broker tells start from the hearing before p's last (that
+    one, after a second's silence, may have been held up itself), less the look's precision:
+    what p published after its last notification may have been on its way to the lost
+    broker. They started at the loss, and such notifications were covered by no gap (chaos
+    soak)."""
     c = Client("s")
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -665,7 +667,7 @@ async def test_a_failover_gap_starts_when_a_recently_active_publisher_was_last_h
         c._last_seq["q"] = n
         c._note_heard(loop.time())
     lost_at = loop.time()  # t0 + 23
-    assert c._gap_from(lost_at) == pytest.approx(t0 + 21 - HEARD_EVERY)
+    assert c._gap_from(lost_at) == pytest.approx(t0 + 20 - HEARD_EVERY)
     assert Client("fresh")._gap_from(lost_at) == lost_at  # nothing heard: from the loss
     # Heard just before a quiet stretch, with no frame after it to prompt a look: dated by
     # its frame's arrival, not by the look the failover makes 6 s later.
@@ -679,6 +681,24 @@ async def test_a_failover_gap_starts_when_a_recently_active_publisher_was_last_h
     c._last_seq.clear()
     c._note_heard(loop.time() + 1)
     assert c._heard_at == {} and c._heard_seq == {}  # forgotten with the publishers
+
+
+def test_a_failover_gap_covers_what_was_published_after_a_held_up_notification() -> None:
+    """p is heard every quarter second until t = 10; its next notifications were held up on
+    the way (a paused broker) and arrive in a burst at 11.5, published at 10-10.1; its
+    broker dies at 12 with what p published after them. The gap starts at p's hearing
+    before the burst (10), not at the burst's arrival (11.5): what was published from 10.1
+    on and lost fell before the gap (chaos soak: 9 + 21 events lost untold)."""
+    c = Client("s")
+    t, n = 8.0, 0
+    while t <= 10.0:
+        n += 1
+        c._last_seq["p"] = n
+        c._note_heard(t)
+        t += HEARD_EVERY
+    c._last_seq["p"] = n + 5  # the burst
+    c._note_heard(11.5)
+    assert c._gap_from(12.0) == pytest.approx(10.0 - HEARD_EVERY)
 
 
 def test_a_subscriber_forgets_the_publishers_heard_longest_ago_past_a_bound() -> None:

@@ -115,7 +115,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
         self._migration: Migration | None = None
         self._migrated = False  # a switch happened: the last-seq filter is in force from now on
         self._last_seq: dict[str, int] = {}  # per publisher, the last seq delivered
-        self._heard_at: dict[str, float] = {}  # see FailingOver._note_heard
+        self._heard_at: dict[str, tuple[float, float]] = {}  # see FailingOver._note_heard
         self._heard_seq: dict[str, int] = {}
         self._heard_checked = -math.inf
         self._last_frame_at = -math.inf

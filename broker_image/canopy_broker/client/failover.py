@@ -69,10 +69,11 @@ IN_FLIGHT = 15.0
 """Seconds a notification may spend in the overlay on its way to a broker: held by a crash
 repair waiting for its routes (its timer: 10 s at least), or in a link's resend queue until
 its peer is declared dead. A client that loses its broker tells the next one it may lack
-what was on its way then, from the last time it heard each publisher active within this
-long (:meth:`FailingOver._gap_from`), not only from the loss: notifications held upstream
-while repairs ran were published seconds before the broker died, and were covered by no gap
-(chaos soak: 58-3,008 events lost untold at subscribers that failed over)."""
+what was on its way then, from the time before the last that it heard each publisher
+active within this long (:meth:`FailingOver._gap_from`), not only from the loss:
+notifications held upstream while repairs ran were published seconds before the broker died,
+and were covered by no gap (chaos soak: 58-3,008 events lost untold at subscribers that
+failed over)."""
 HEARD_EVERY = 0.25
 """Seconds between looks at which publishers were heard from (:meth:`Client._note_heard`):
 the precision of :data:`IN_FLIGHT`'s start, taken off it as a margin."""
@@ -135,7 +136,7 @@ class FailingOver:
     _last_seq: dict[str, int]
     # Per publisher, when its last delivered notification was first seen here (the loop's
     # time, at HEARD_EVERY's precision), and the last-seq snapshot that was compared.
-    _heard_at: dict[str, float]
+    _heard_at: dict[str, tuple[float, float]]  # publisher: (heard last, heard the time before)
     _heard_seq: dict[str, int]
     _heard_checked: float
     _last_frame_at: float  # when the last frame of notifications arrived (the loop's time)
@@ -244,9 +245,10 @@ class FailingOver:
         for publisher, seq in last.items():
             if seen.get(publisher) != seq:
                 seen[publisher] = seq
-                heard_at[publisher] = at
+                before = heard_at.get(publisher)
+                heard_at[publisher] = (at, at if before is None else before[0])
         if len(last) > REMEMBERED:  # see REMEMBERED
-            by_age = sorted(heard_at.items(), key=lambda item: item[1])
+            by_age = sorted(heard_at.items(), key=lambda item: item[1][0])
             for gone, _ in by_age[: len(last) - REMEMBERED * 9 // 10]:
                 last.pop(gone, None)
                 del heard_at[gone]
@@ -257,12 +259,24 @@ class FailingOver:
                 del seen[gone]
 
     def _gap_from(self, lost_at: float) -> float:
-        """Where the next broker's gaps start: at the loss, or earlier, from the last time
-        a publisher heard within :data:`IN_FLIGHT` before it was heard (less the look's
-        precision). What was published after that and did not arrive may have been on its
-        way to the lost broker (see IN_FLIGHT)."""
+        """Where the next broker's gaps start: at the loss, or earlier, from the time before
+        the last that a publisher heard within :data:`IN_FLIGHT` before it was heard (less
+        the look's precision). What was published after the last notification heard from it
+        and did not arrive may have been on its way to the lost broker (see IN_FLIGHT).
+
+        Not from the last hearing: that dates the last notification by its arrival, and one
+        held up on its way (a paused broker between) arrives seconds after it was published;
+        what was published just after it, and lost, then fell before the gap (chaos soak:
+        9 + 21 events lost untold). Held up, it ends a silence of about as long at the
+        client, so the hearing before it, at the silence's start, is not later than its
+        publication while the publisher's notifications come steadily; for a sparse one the
+        gap reaches back further than it must, at most IN_FLIGHT."""
         self._note_heard(self._last_frame_at, force=True)
-        recent = [t for t in self._heard_at.values() if lost_at - IN_FLIGHT <= t < lost_at]
+        recent = [
+            before
+            for latest, before in self._heard_at.values()
+            if lost_at - IN_FLIGHT <= latest < lost_at
+        ]
         if not recent:
             return lost_at
         return max(lost_at - IN_FLIGHT, min(recent) - HEARD_EVERY)
