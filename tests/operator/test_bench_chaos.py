@@ -3,6 +3,7 @@ something), and a short run of real processes under kills comes out clean."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from canopy_broker.client import Gap
@@ -69,6 +70,7 @@ def test_a_short_run_under_kills_is_clean() -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data: dict[str, Any] = last_json(result.stdout)
     assert data["verdict"] == "CLEAN", result.stdout
+    assert re.fullmatch(r"\d\d:\d\d:\d\d,\d{3}", data["started"])  # as the logs write time
     assert data["faults"]["kill"] >= 2 and data["settled"]["settled"] is True
     assert all(n > 500 for n in data["published"].values())
     for sub in data["subscribers"].values():

@@ -284,6 +284,7 @@ class Chaos:
         self.where = state / OVERLAY
         self.loop = asyncio.get_running_loop()
         self.t0 = self.loop.time()
+        self.wall0 = time.time()
         self.names = [f"b{i}" for i in range(args.brokers)]
         self.declared = list(self.names)
         self.extra = ["x0", "x1"]  # brokers a reshape may add
@@ -309,7 +310,7 @@ class Chaos:
         return round(self.loop.time() - self.t0, 3)
 
     def note(self, kind: str, **what: Any) -> None:
-        record = {"t": self.now(), "kind": kind, **what}
+        record = {"t": self.now(), "log_time": _log_time(time.time()), "kind": kind, **what}
         self.faults.append(record)
         progress(f"{record['t']:7.2f}s {kind} {what}")
 
@@ -723,6 +724,7 @@ class Chaos:
         stuck = not settled["settled"] or not all(acked.values()) or bool(self.gave_up_at)
         return {
             "seed": self.args.seed,
+            "started": _log_time(self.wall0),  # t = 0 of faults.json and untold_at, as in the logs
             "verdict": verdict(subscribers, stuck),
             "faults": dict(
                 sorted(_count(f["kind"] for f in self.faults if f["kind"] in WEIGHTS).items())
@@ -768,6 +770,11 @@ def _is_canopy(pid: int) -> bool:
     except OSError:
         return False
     return b"canopy_broker" in command or b"canopy_operator" in command
+
+
+def _log_time(at: float) -> str:
+    """A time as the brokers' logs write it (local time), to find a moment of the run there."""
+    return time.strftime("%H:%M:%S", time.localtime(at)) + f",{int(at % 1 * 1000):03d}"
 
 
 def _count(items: Iterable[str]) -> dict[str, int]:
