@@ -134,6 +134,10 @@ async def publisher_on_the_victim(
         stop.set()
         await publisher
         assert await pub.wait_acknowledged(10.0)
+        if resend:  # the broker that took it knows since when what it sent again was published
+            status = await brokers[pub.broker].admin.status()
+            since, when = status["resent"]["p"]
+            assert when - 5.0 < since < when, status["resent"]
         last = published[-1]
         missed: dict[str, list[int]] = {}
         with contextlib.suppress(TimeoutError):  # the negative control never gets all

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from canopy_operator.executor import Executor, StepError, apart_since
+from canopy_operator.executor import Executor, StepError, apart_since, resent_since
 from canopy_operator.model.planner import Plan, Step
 
 
@@ -70,6 +70,21 @@ async def test_a_failed_step_cancels_its_siblings_and_a_rerun_resumes() -> None:
     ex.log.clear()
     await ex.run(plan(), generation=3, progress=store.saved)
     assert ex.log == []  # a finished plan runs nothing again
+
+
+def test_a_join_tells_from_the_oldest_publication_sent_again_while_apart() -> None:
+    """A publisher whose broker died sends what it had not had acknowledged again at the next
+    broker; during a split that reaches one part only. Published before the split began, it
+    was outside the gap the other part was told (chaos soak: 1-6 events lost untold per
+    subscriber): the gap reaches back to it. A resend before the split reached both parts."""
+    statuses: dict[str, dict[str, Any]] = {
+        "b1": {"resent": {"p": [95.5, 101.0]}},  # came at 101, while apart since 100
+        "b2": {"resent": {"q": [80.0, 90.0]}},  # before the split: everyone had it
+        "b3": {},
+    }
+    assert resent_since(statuses, 100.0) == 95.5
+    assert resent_since(statuses, 102.0) is None
+    assert resent_since({"b3": {}}, 0.0) is None
 
 
 def test_a_join_tells_the_stretch_from_when_the_first_broker_fell_silent() -> None:

@@ -160,20 +160,20 @@ async def test_what_a_fenced_broker_acknowledged_after_it_left_is_sent_again(
     the next broker; what is no longer kept is said to be possibly lost."""
     c = Client("p")
     loop = asyncio.get_running_loop()
-    c._unacked.extend((seq, b'{"n":%d}' % seq) for seq in range(1, 9))
+    c._unacked.extend((seq, b'{"n":%d}' % seq, loop.time()) for seq in range(1, 9))
     c._acknowledged(2)
     await asyncio.sleep(10)
     left = loop.time()
     await asyncio.sleep(1)
     c._acknowledged(4)  # acknowledged after the broker left
     c._revoke_acks(left, "b")
-    assert [seq for seq, _ in c._unacked] == [3, 4, 5, 6, 7, 8]
-    assert [seq for _, seq, _ in c._acked] == [1, 2]
+    assert [seq for seq, _, _ in c._unacked] == [3, 4, 5, 6, 7, 8]
+    assert [seq for _, seq, _, _ in c._acked] == [1, 2]
     assert "b acknowledged 2 publication(s) after it left" in caplog.text
     assert "no longer kept" not in caplog.text
     await asyncio.sleep(25)  # 1 and 2 were acknowledged 36 s ago: forgotten at the next ack
     c._acknowledged(6)
-    assert [seq for _, seq, _ in c._acked] == [3, 4, 5, 6]
+    assert [seq for _, seq, _, _ in c._acked] == [3, 4, 5, 6]
     c._revoke_acks(left, "b")  # 1 and 2 were acknowledged before it left: nothing lost
     assert "no longer kept" not in caplog.text
     assert c._pub_gap is None
@@ -182,12 +182,16 @@ async def test_what_a_fenced_broker_acknowledged_after_it_left_is_sent_again(
     # ... which the next broker is told, to tell every subscriber (C_PUB_GAP).
     assert c._pub_gap is not None and c._pub_gap[0] == left - 20
     assert c._pub_gap[1] == pytest.approx(left - 10, abs=0.01)  # when 2 was acknowledged
-    assert [seq for seq, _ in c._unacked] == [3, 4, 5, 6, 7, 8]
+    assert [seq for seq, _, _ in c._unacked] == [3, 4, 5, 6, 7, 8]
     # Without failover nothing would be sent again: nothing is kept.
     alone = Client("q", failover_within=0)
-    alone._unacked.extend((seq, b"{}") for seq in (1, 2, 3))
+    alone._unacked.extend((seq, b"{}", 0.0) for seq in (1, 2, 3))
     alone._acknowledged(2)
-    assert not alone._acked and [seq for seq, _ in alone._unacked] == [3]
+    assert not alone._acked and [seq for seq, _, _ in alone._unacked] == [3]
+    # Sent again at the next broker, with how long ago the oldest was published (seq 3 went
+    # back among the unacknowledged with its own publication time).
+    assert c._resent_for(left + 100) == pytest.approx(100 + 10)
+    assert Client("none")._resent_for(5.0) is None
 
 
 async def test_a_publisher_gap_is_told_to_every_subscriber_of_the_overlay(

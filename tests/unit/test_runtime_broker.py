@@ -301,6 +301,11 @@ async def test_garbage_closes_only_that_connection(make_broker: MakeBroker, garb
         ([[17, {"previous": "x", "last": {"p": "7"}}]], "malformed"),
         ([[17, {"previous": "x", "subs": [["s", "price <"]]}]], "invalid-filter"),
         ([[17, {"previous": 5}]], "malformed"),
+        ([[17, {"previous": "x", "lost_for": 2, "unsure_for": 1}]], "malformed"),  # < lost_for
+        ([[17, {"previous": "x", "unsure_for": "soon"}]], "malformed"),
+        ([[17, {"previous": "x", "resent_for": -1}]], "malformed"),
+        ([[17, {"previous": "x", "resent_for": True}]], "malformed"),
+        ([[17, {"previous": "x", "resent_for": 1e300}]], "malformed"),
         ([[10, "s", [["a", "=", n] for n in range(65)]]], "invalid-filter"),  # too many
         ([[10, "s", " and ".join(f"a{n} = {n}" for n in range(65))]], "invalid-filter"),
         ([[10, "s", "a = " + '"' + "x" * 9000 + '"']], "invalid-filter"),  # too long

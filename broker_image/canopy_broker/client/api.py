@@ -102,8 +102,10 @@ class Client(FailingOver, Migrating, AsyncClosing):
         self.failovers = 0
         self._failover: asyncio.Task[None] | None = None
         self._failover_error: ClientError | None = None
-        self._unacked: deque[tuple[int, bytes]] = deque()  # (seq, attributes as JSON)
-        self._acked: deque[tuple[float, int, bytes]] = deque()  # (when, seq, attributes)
+        # (seq, attributes as JSON, when published: the loop's clock)
+        self._unacked: deque[tuple[int, bytes, float]] = deque()
+        # (when acknowledged, seq, attributes, when published)
+        self._acked: deque[tuple[float, int, bytes, float]] = deque()
         self._acked_forgotten = -math.inf  # when the newest publication no longer kept was acked
         self._pub_gap: tuple[float, float] | None = None
         self._acks_waiter: asyncio.Future[None] | None = None
@@ -426,7 +428,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
             acked = self._acked
             while unacked and unacked[0][0] <= seq:
                 seq_body = unacked.popleft()
-                acked.append((now, seq_body[0], seq_body[1]))
+                acked.append((now, seq_body[0], seq_body[1], seq_body[2]))
             horizon = now - self.keep_acked_for
             while acked and (acked[0][0] < horizon or len(acked) > self.max_unacked):
                 self._acked_forgotten = acked.popleft()[0]
@@ -446,7 +448,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
     def unacknowledged_seqs(self) -> list[int]:
         """The sequence numbers of those publications, oldest first: what an application
         that gives up on this client may have to publish again by other means."""
-        return [seq for seq, _ in self._unacked]
+        return [seq for seq, _, _ in self._unacked]
 
     @property
     def failover_error(self) -> ClientError | None:
@@ -590,7 +592,7 @@ class Client(FailingOver, Migrating, AsyncClosing):
         # 400 MB rather than 12 (review).
         body = bytes(memoryview(orjson.dumps(checked)))
         if failing_over or self._conn is None or self._conn.acks:
-            self._unacked.append((self._seq, body))
+            self._unacked.append((self._seq, body, asyncio.get_running_loop().time()))
         if conn is not None:
             conn.send(b"[12,%d," % self._seq + body + b"]")
         return self._seq

@@ -159,6 +159,10 @@ def merged(
     return out
 
 
+RESENT_KEPT = 256
+"""Publishers whose resend a broker remembers (see :attr:`ClientSessions.resent`)."""
+
+
 class ClientSessions:
     """Every client attached to one broker, and the handling of their messages."""
 
@@ -184,6 +188,11 @@ class ClientSessions:
         # Publish acknowledgements sent: the broker paces its acknowledgement rounds by the
         # last one that sent any (Broker._acknowledge).
         self.pubacks = 0
+        # Publishers that failed over to this broker and sent publications again: since when
+        # those were published, and when they came (epoch seconds), the last RESENT_KEPT. A
+        # join of a split overlay reads them (status "resent"): what came here while the
+        # parts were apart reached this part only, and its gap must reach back to them.
+        self.resent: dict[str, tuple[float, float]] = {}
 
     # ------------------------------------------------------------------ attach and detach
 
@@ -504,6 +513,15 @@ class ClientSessions:
         if isinstance(raw, bool) or not isinstance(raw, int | float) or not lost_for <= raw < 1e9:
             raise FrameError(f"resume: unsure_for must be seconds >= lost_for, got {raw!r}")
         unsure_for = float(raw)
+        resent_for = req.get("resent_for")
+        if resent_for is not None:
+            if (
+                isinstance(resent_for, bool)
+                or not isinstance(resent_for, int | float)
+                or not 0 <= resent_for < 1e9
+            ):
+                raise FrameError(f"resume: resent_for must be seconds, got {resent_for!r}")
+            self.note_resent(client.id, float(resent_for))
         marks: list[tuple[str, int]] = []
         for publisher, seq in last.items():
             if type(seq) is not int or seq < 0:
@@ -529,6 +547,15 @@ class ClientSessions:
             unsure_since=now - unsure_for,
         )
         host.apply(core.handle(resume, now))
+
+    def note_resent(self, publisher: str, ago: float) -> None:
+        """``publisher`` sends again here what it published from ``ago`` seconds on (see
+        :attr:`resent`)."""
+        now = time.time()
+        self.resent.pop(publisher, None)  # the latest last, for the bound below
+        self.resent[publisher] = (round(now - ago, 3), round(now, 3))
+        while len(self.resent) > RESENT_KEPT:
+            del self.resent[next(iter(self.resent))]
 
     def resumed(self, eff: Resumed) -> None:
         client = self.clients.get(eff.client)

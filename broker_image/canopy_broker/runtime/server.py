@@ -1573,6 +1573,7 @@ class Broker:
             "fenced": dict(self.sessions.fenced),
             "fenced_since": dict(self.sessions.fenced_since),
             "lifted_since": dict(self.sessions.lifted_since),
+            "resent": {p: list(r) for p, r in self.client_sessions.resent.items()},
             "fenced_by": self.fenced_by,
             "cycles": self.sessions.cycles_status(),
             "link_repairs": list(self.sessions.link_repairs),
