@@ -79,6 +79,17 @@ async def test_live_brokers_in_two_trees_are_restored_although_none_died(
     assert restores == [[]] and backend.locks == 1
 
 
+async def test_a_whole_tree_that_is_not_the_declared_one_is_restored(
+    restores: list[list[str]],
+) -> None:
+    """c-d failed with both alive, and the brokers moved it to b-d by an exchange onto a
+    standby link: one tree, nobody dead, nothing one-sided, but not the declared shape. The
+    tick left it so for good (chaos soak); the restore puts c-d back."""
+    backend = Brokers({"a": ["b"], "b": ["a", "c", "d"], "c": ["b"], "d": ["b"]})
+    assert await supervise.tick(backend, print)  # type: ignore[arg-type]
+    assert restores == [[]] and backend.locks == 1
+
+
 async def test_a_link_known_at_one_end_only_goes_to_the_restore(
     restores: list[list[str]],
 ) -> None:

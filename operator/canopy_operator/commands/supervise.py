@@ -53,7 +53,7 @@ from canopy_operator.model.restore import (
     split,
     stuck_one_sided,
 )
-from canopy_operator.model.topology import parse_overlay
+from canopy_operator.model.topology import norm, parse_overlay
 
 log = logging.getLogger("canopy.supervisor")
 
@@ -129,16 +129,20 @@ async def tick(backend: LocalBackend, say: Callable[[str], None]) -> bool:
     dead = sorted(n for n, h in health.items() if h["state"] in ("dead", "failed"))
     # Declared but not in the state: a roll-out or an apply stopped between taking a broker
     # out and bringing it back (its lock is gone with it, so nobody else will).
-    declared = parse_overlay(backend.state["spec"]).broker_names
-    missing = [b for b in declared if b not in backend.brokers]
+    spec = parse_overlay(backend.state["spec"])
+    missing = [b for b in spec.broker_names if b not in backend.brokers]
     # All alive but in several trees: a partition healed (each side repaired without the
     # other); the restore joins them.
     neighbours = backend.reported_neighbours(health)
     parted = not dead and split(neighbours)
     # A link known at one end only: being set up or closed, or stuck (restore_once removes
     # it once it has been so for too long, which a restore then mends).
-    _, one_sided = mutual(neighbours)
-    calm = not dead and not missing and not parted and not one_sided
+    links, one_sided = mutual(neighbours)
+    # One whole tree, but not the declared one: the brokers repaired a failed link by an
+    # exchange onto a standby link, and nothing died. The restore puts the declared links
+    # back (chaos soak: b5-x0 cut, moved to b3-x0, and left so for good).
+    drifted = spec.links is not None and {norm(e) for e in links} != set(map(norm, spec.links))
+    calm = not dead and not missing and not parted and not one_sided and not drifted
     if calm and not backend.state.get("restoring"):
         if backend.state.get("one_sided"):  # settled: a later one starts its own clock
             async with backend.locked():
