@@ -598,9 +598,12 @@ class Chaos:
     # -- the end
 
     async def settle(self) -> dict[str, Any]:
-        """Until ``canopy status`` says healthy, not restoring, and in the declared shape."""
+        """Until ``canopy status`` says healthy, not restoring, and in the declared shape;
+        if it never does, what it said last, and how its links differ from the declared."""
         deadline = self.loop.time() + self.args.settle
         status: dict[str, Any] = {}
+        extra: set[tuple[str, ...]] = set()
+        absent: set[tuple[str, ...]] = set()
         while self.loop.time() < deadline:
             with contextlib.suppress(ValueError, IndexError, TimeoutError):
                 _, out, _ = await canopy(
@@ -609,13 +612,21 @@ class Chaos:
                 status = json.loads(out.strip().splitlines()[-1])
             declared_manifest = self.state_now().state.get("spec") or {}  # the last applied
             spec = declared_manifest.get("spec") or {}
-            declared = {tuple(sorted(e)) for e in spec.get("links", [])}
             links = {tuple(sorted(e)) for e in status.get("links", [])}
-            if status.get("healthy") and not status.get("restoring") and links == declared:
+            declared = {tuple(sorted(e)) for e in spec.get("links", links)}
+            extra, absent = links - declared, declared - links
+            if status.get("healthy") and not status.get("restoring") and not extra | absent:
                 took = self.args.settle - (deadline - self.loop.time())
                 return {"settled": True, "after_s": round(took, 1)}
             await asyncio.sleep(1.0)
-        return {"settled": False, "problems": status.get("problems")}
+        return {
+            "settled": False,
+            "healthy": status.get("healthy"),
+            "restoring": status.get("restoring"),
+            "problems": status.get("problems"),
+            "links_not_declared": sorted(extra),
+            "declared_links_missing": sorted(absent),
+        }
 
     async def wait_delivered(self, within: float) -> None:
         """Until every subscriber has each publisher's last notification owed to it, or nothing
