@@ -301,15 +301,16 @@ class FailingOver:
         self._migrated = True  # from now on only what is newer than the last delivery passes
         new.resuming_from = lost.broker
         try:
+            now = asyncio.get_running_loop().time()
             request = {
                 "subs": [[sid, encode_filter(f)] for sid, f in self.subscriptions.items()],
                 "last": self._last_seq,
-                "lost_for": asyncio.get_running_loop().time() - lost_at,
+                "lost_for": now - lost_at,
                 # The gaps start here (older brokers ignore it, and start them at the loss).
-                "unsure_for": asyncio.get_running_loop().time() - unsure_from,
+                "unsure_for": now - unsure_from,
                 "previous": lost.broker,
             }
-            resent_for = self._resent_for(asyncio.get_running_loop().time())
+            resent_for = self._resent_for(now)
             if resent_for is not None:  # older brokers ignore it
                 request["resent_for"] = resent_for
             answer = new.expect(B_RESUMED, "")

@@ -159,6 +159,15 @@ def merged(
     return out
 
 
+def _seconds(value: object, what: str, least: float = 0.0) -> float:
+    """A duration a resume request gives (``what``): finite, from ``least`` on, within
+    reason."""
+    seconds = finite_number(value)
+    if seconds is None or not least <= seconds < 1e9:
+        raise FrameError(f"resume: {what} must be seconds >= {least:g}, got {value!r}")
+    return seconds
+
+
 RESENT_KEPT = 256
 """Publishers whose resend a broker remembers (see :attr:`ClientSessions.resent`)."""
 
@@ -507,21 +516,10 @@ class ClientSessions:
         client.resumed = True  # it failed over: it may tell of a publisher gap (once)
         if type(subs) is not list or type(last) is not dict:
             raise FrameError("resume: subs must be an array and last an object")
-        if type(lost_for) not in (int, float) or not 0 <= lost_for < 1e9:
-            raise FrameError(f"resume: lost_for must be seconds, got {lost_for!r}")
-        raw = req.get("unsure_for", lost_for)
-        if isinstance(raw, bool) or not isinstance(raw, int | float) or not lost_for <= raw < 1e9:
-            raise FrameError(f"resume: unsure_for must be seconds >= lost_for, got {raw!r}")
-        unsure_for = float(raw)
-        resent_for = req.get("resent_for")
-        if resent_for is not None:
-            if (
-                isinstance(resent_for, bool)
-                or not isinstance(resent_for, int | float)
-                or not 0 <= resent_for < 1e9
-            ):
-                raise FrameError(f"resume: resent_for must be seconds, got {resent_for!r}")
-            self.note_resent(client.id, float(resent_for))
+        lost_for = _seconds(lost_for, "lost_for")
+        unsure_for = _seconds(req.get("unsure_for", lost_for), "unsure_for", least=lost_for)
+        if req.get("resent_for") is not None:
+            self.note_resent(client.id, _seconds(req["resent_for"], "resent_for"))
         marks: list[tuple[str, int]] = []
         for publisher, seq in last.items():
             if type(seq) is not int or seq < 0:

@@ -44,8 +44,9 @@ import signal
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -170,19 +171,9 @@ class Counts:
     untold_at: list[float] = field(default_factory=list)  # publish times (first 20)
 
     def add(self, other: Counts) -> None:
-        for name in (
-            "expected",
-            "got",
-            "lost_untold",
-            "lost_told",
-            "lost_told_slack",
-            "lost_after_giving_up",
-            "duplicated",
-            "reordered",
-            "spurious",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.untold_at = (self.untold_at + other.untold_at)[:20]
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        self.untold_at = self.untold_at[:20]
 
     @property
     def hard(self) -> bool:
@@ -738,7 +729,7 @@ class Chaos:
             "started": _log_time(self.wall0),  # t = 0 of faults.json and untold_at, as in the logs
             "verdict": verdict(subscribers, stuck),
             "faults": dict(
-                sorted(_count(f["kind"] for f in self.faults if f["kind"] in WEIGHTS).items())
+                sorted(Counter(f["kind"] for f in self.faults if f["kind"] in WEIGHTS).items())
             ),
             "settled": settled,
             "acknowledged": acked,
@@ -786,13 +777,6 @@ def _is_canopy(pid: int) -> bool:
 def _log_time(at: float) -> str:
     """A time as the brokers' logs write it (local time), to find a moment of the run there."""
     return time.strftime("%H:%M:%S", time.localtime(at)) + f",{int(at % 1 * 1000):03d}"
-
-
-def _count(items: Iterable[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    return counts
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:

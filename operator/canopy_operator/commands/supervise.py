@@ -141,7 +141,7 @@ async def tick(backend: LocalBackend, say: Callable[[str], None]) -> bool:
     # One whole tree, but not the declared one: the brokers repaired a failed link by an
     # exchange onto a standby link, and nothing died. The restore puts the declared links
     # back (chaos soak: b5-x0 cut, moved to b3-x0, and left so for good).
-    drifted = spec.links is not None and {norm(e) for e in links} != set(map(norm, spec.links))
+    drifted = spec.links is not None and links != set(map(norm, spec.links))
     calm = not dead and not missing and not parted and not one_sided and not drifted
     if calm and not backend.state.get("restoring"):
         if backend.state.get("one_sided"):  # settled: a later one starts its own clock

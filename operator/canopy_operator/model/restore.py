@@ -209,8 +209,7 @@ def down_links(statuses: Mapping[str, Mapping[str, Any]]) -> list[Edge]:
     for name, status in statuses.items():
         for x in tree_links(status):
             if x.get("state", "up") != "up":
-                a, b = sorted((name, str(x["peer"])))
-                down.add((a, b))
+                down.add(norm((name, str(x["peer"]))))
     return sorted(down)
 
 
