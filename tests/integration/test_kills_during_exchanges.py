@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from pathlib import Path
 
 import pytest
 
 from canopy_broker.client import Client, Gap, Notification, connect
 from canopy_broker.procs import Overlay
-from tests.integration.crash_overlay import drain, kill, verdict
+from tests.integration.crash_overlay import Publisher, drain, kill, verdict
 
 pytestmark = pytest.mark.integration
 
@@ -106,3 +107,87 @@ async def test_an_inner_broker_and_a_leaf_killed_while_exchanges_run(tmp_path: P
             await c.close()
         for t in tasks:
             await t
+
+
+CHAIN = [f"b{i}" for i in range(6)]
+# The exchange's lease, shorter than the default 30 s: the cycle members away from the dead
+# broker (b2, b3, b4) hear nothing of its death and stay locked until then, and a locked broker
+# acknowledges no publication (its publisher waits).
+LEASE = 10.0
+
+
+@pytest.mark.parametrize("locked", ["b1", "b5"])
+async def test_the_initiator_killed_during_its_exchange(tmp_path: Path, locked: str) -> None:
+    """The chain b0 .. b5 exchanges b4-b5 for b0-b5 (a cycle of all six); b0, which started it,
+    is SIGKILLed as soon as ``locked`` is locked: b1 early in the locking, b5 (A2) last, after
+    which b0 commits. Its neighbours, b1 and (if the exchange got that far) b5 over the new
+    link, must agree on the repair at once. Found on `canopy up` with a kill during an apply:
+    b1 chained up with b5 from b0's list, which named the new link from b0's lock on, while b5
+    had heard no list from b0 (or had rolled back and had no link to it) and linked to nobody:
+    b1's repair link came up at one end only and the survivors stayed split until a restore
+    joined them (12 s; 3,610 events missed, told, by b5's subscriber). The survivors must be
+    one tree well within the lease, and their subscribers miss nothing of b3's publisher."""
+    async with Overlay(
+        CHAIN, list(itertools.pairwise(CHAIN)), log_dir=tmp_path, extra_args=ARGS
+    ) as ov:
+        received: dict[str, list[Notification]] = {}
+        gaps: list[Gap] = []
+        clients: list[Client] = []
+        tasks = []
+        for b in ("b1", "b5"):
+            c = await connect(ov[b].listen, client_id=f"s{b[1:]}", on_gap=gaps.append)
+            clients.append(c)
+            await c.subscribe("n >= 0", sub_id="all")
+            received[c.client_id] = []
+            tasks.append(asyncio.create_task(drain(c, received[c.client_id])))
+        pub = await connect(ov["b3"].listen, client_id="p3")
+        clients.append(pub)
+        await ov.settle()
+        publisher = Publisher(pub)
+        try:
+            await asyncio.sleep(0.5)
+            started = await ov["b0"].admin.start_exchange(CHAIN, ("b4", "b5"), lease=LEASE)
+            assert started["state"] == "running", started
+            while (await ov[locked].admin.status())["exchange"] is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.001)
+            await kill(ov.brokers, "b0")
+
+            async def one_tree(one_sided: bool) -> bool:
+                """The links both ends report span the survivors (a tree: four of them); with
+                ``one_sided``, a link only one end reports may remain: the removed link b4-b5,
+                which b5 closed as it settled, while b4, away from the dead broker, waits for
+                the lease."""
+                statuses = {n: await b.admin.status() for n, b in ov.brokers.items()}
+                told = {(n, p["peer"]) for n, st in statuses.items() for p in st["neighbours"]}
+                mutual = {tuple(sorted(e)) for e in told if (e[1], e[0]) in told}
+                joined = {"b1"}
+                for _ in range(len(CHAIN)):
+                    joined |= {x for e in mutual if joined & set(e) for x in e}
+                whole = len(mutual) == 4 and joined == set(ov.brokers)
+                return whole and (one_sided or len(told) == 2 * len(mutual))
+
+            async with asyncio.timeout(LEASE - 4):  # waiting for the lease fails
+                while not await one_tree(one_sided=True):  # noqa: ASYNC110 - polling
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            last = await publisher.stop()
+            assert await pub.wait_acknowledged(LEASE + 5)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(20):
+                    while any(not r or r[-1].seq < last for r in received.values()):  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+            # The lease has run out (publications are acknowledged again): no link is left
+            # known at one end only (b1's repair link to a b5 that linked to nobody was).
+            async with asyncio.timeout(5):
+                while not await one_tree(one_sided=False):  # noqa: ASYNC110 - polling
+                    await asyncio.sleep(0.05)
+        finally:
+            await publisher.stop()
+            for c in clients:
+                await c.close()
+            for t in tasks:
+                await t
+        for sub, got in received.items():
+            missed, exact = verdict(got, last)
+            assert not missed and exact, (sub, len(missed), exact)
+        assert gaps == [], [str(g) for g in gaps]

@@ -5,11 +5,13 @@ instead of run (tests/integration/test_supervision.py runs it on real processes)
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from canopy_broker.admin_client import AdminError
 from canopy_operator.backends.local import LocalBackend
 from canopy_operator.commands import supervise
 from canopy_operator.model.restore import ONE_SIDED_STUCK
@@ -115,6 +117,23 @@ async def test_the_restore_waits_on_a_fresh_one_sided_link_and_removes_a_stuck_o
     backend.state["one_sided"]["b-c"] = [first - ONE_SIDED_STUCK, last]  # seen all along
     assert await supervise.restore_once(backend, [], log=said.append) is None  # type: ignore[arg-type]
     assert admin.removed == [("b", "c")], said
+
+
+async def test_a_stuck_link_its_broker_will_not_remove_yet_is_waited_on() -> None:
+    """The broker refuses to remove the stuck link (409: it is on the cycle of an exchange
+    it is locked in, until the exchange's lease ends): the restore says so and waits. The
+    refusal escaped the tick (a traceback in the supervisor's log at every tick)."""
+    refusal = AdminError(409, "b: link to 'c' is on the cycle of exchange x1", "https://b/links/c")
+    admin = LinkRemovals(refusal)
+    backend = Brokers({"a": ["b"], "b": ["a", "c"], "c": ["d"], "d": ["c"]})
+    backend.admin = admin  # type: ignore[attr-defined]
+    backend.save = lambda: None  # type: ignore[attr-defined]
+    said: list[str] = []
+    backend.state["one_sided"] = {"b-c": [time.time() - 2 * ONE_SIDED_STUCK, time.time()]}
+    assert await supervise.restore_once(backend, [], log=said.append) is None  # type: ignore[arg-type]
+    assert admin.removed == []
+    assert "b keeps its link to c for now: b: link to 'c' is on the cycle" in said[-2], said
+    assert "known at one end only" in said[-1], said
 
 
 async def test_the_restore_waits_while_a_link_is_down() -> None:

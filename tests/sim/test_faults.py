@@ -173,6 +173,61 @@ def test_a_death_on_a_locking_exchange_path_is_repaired_at_once(dead: str, at: f
     assert problems == [], problems
 
 
+@pytest.mark.parametrize("step", [0, 1, 2, 3])
+def test_an_a_end_dead_in_phase_1_is_repaired_around_by_the_other_one_too(step: int) -> None:
+    """The initiator (A1) dies after phase 1 began, while the exchange runs (on real
+    processes: the initiator of an apply killed 18-24 ms into it). Its neighbours are b1 and,
+    over the new link, b5, which must chain up with b1 from the same list b1 has: the added
+    link carries the A ends' lists once phase 1 began at each. It used to carry none, so b5
+    linked to nobody, b1's repair link came up at one end only and the overlay stayed split
+    until a restore joined it. ``step``: how many more inputs b5 handles after its phase 1
+    began before b0 dies."""
+    sim = chain(6, detection_time=60.0)
+    for p in ("pb1", "pb5"):
+        publish_steadily(sim, p, 150, 1500)
+    sim.exchange(("b0", "b1", "b2", "b3", "b4", "b5"), ("b4", "b5"), at=200, lease=3000.0)
+    sim.run(until=200)
+    while not (sim.cores["b5"].exchange and sim.cores["b5"].exchange.granted):
+        sim.run(until=sim.now + 0.25)
+    for _ in range(step):
+        sim.run(until=sim.now + 0.25)
+    dead_at = sim.now
+    sim.crash("b0", at=dead_at)
+    sim.detect_failure("b0", at=dead_at + 60)
+    sim.run()
+    assert sim.cores["b5"].is_neighbour("b1") and sim.cores["b1"].is_neighbour("b5")
+    assert dead_at + 60 <= sim.repaired["b0"] < dead_at + 120  # not a lease (3000) later
+    report = judge_deliveries(sim)
+    assert report.survivors.ok and report.survivors.owed == 2 * 5 * 1350, str(report)
+    problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]
+    assert problems == [], problems
+
+
+@pytest.mark.parametrize("locked", ["b1", "b5"])
+def test_an_a_end_dead_before_phase_1_leaves_the_old_tree_whole(locked: str) -> None:
+    """A1 dies while the exchange still locks: it has not committed, so A2 rolls back, and
+    A1's other neighbour must not chain up with A2 from a list naming the link that never
+    was (it was listed from A1's lock on: b1 linked to b5, which linked to nobody)."""
+    sim = chain(6, detection_time=60.0)
+    for p in ("pb1", "pb5"):
+        publish_steadily(sim, p, 150, 1500)
+    x = sim.exchange(("b0", "b1", "b2", "b3", "b4", "b5"), ("b4", "b5"), at=200, lease=3000.0)
+    sim.run(until=200)
+    while sim.cores[locked].exchange is None:  # locked there: b1 first, b5 (A2) last
+        sim.run(until=sim.now + 0.25)
+    assert not (sim.cores["b0"].exchange and sim.cores["b0"].exchange.granted)
+    dead_at = sim.now
+    sim.crash("b0", at=dead_at)
+    sim.detect_failure("b0", at=dead_at + 60)
+    sim.run()
+    assert not sim.exchanges[x].ok
+    assert sorted(sim.edges) == [("b1", "b2"), ("b2", "b3"), ("b3", "b4"), ("b4", "b5")]
+    report = judge_deliveries(sim)
+    assert report.survivors.ok and report.survivors.owed == 2 * 5 * 1350, str(report)
+    problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]
+    assert problems == [], problems
+
+
 def test_the_planner_spares_what_the_core_does_not_support() -> None:
     """No death on a running exchange's path, none while a repair runs; drops stay shorter
     than detection (see the module docstring of canopy_broker.sim.faults)."""

@@ -472,6 +472,11 @@ class LinkSessions:
         link = self._new_link(Link(peer, session, dialer=dialer, address=None, opened=True))
         link.established = True
         self._opened_how[peer] = "dialed"
+        # Suspected like a link that lost its connection if it never connects: its far end
+        # may have died before dialing. An exchange's new link waited for the exchange's lease
+        # (30 s) at the end that does not dial, locked, its link known at this end only, when
+        # the initiator was killed right after its lock (a kill during an apply).
+        link.down_since = self.host.now()
 
     # ------------------------------------------------------------------ standby links
 
@@ -1140,12 +1145,15 @@ class LinkSessions:
                 # fence, so the exchange settles now, as at its lease's end (PeerGone), and
                 # the repair follows at once instead of after the lease.
                 host.apply(core.handle(PeerGone(peer), host.now()))
-                try:
-                    effects = core.handle(PeerFailed(peer), host.now())
-                except ProtocolError as exc:
-                    self._defer(peer, "looks dead", exc)
-                    self._ask_link_fence(link)
-                    return
+                if not core.routing.has_link(peer):
+                    effects = []  # settling rolled the exchange back: its new link is gone
+                else:
+                    try:
+                        effects = core.handle(PeerFailed(peer), host.now())
+                    except ProtocolError as exc:
+                        self._defer(peer, "looks dead", exc)
+                        self._ask_link_fence(link)
+                        return
         self._deferred.pop(peer, None)
         link.established = False  # the core has dropped it already
         if link.incarnation:

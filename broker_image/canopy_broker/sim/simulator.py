@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from canopy_broker.core.broker import BrokerCore
+from canopy_broker.core.errors import ProtocolError
 from canopy_broker.core.events import Event, Value
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
@@ -52,6 +53,7 @@ from canopy_broker.core.messages import (
     OpenLink,
     Ordering,
     PeerFailed,
+    PeerGone,
     Publish,
     Relay,
     RemoveLink,
@@ -527,7 +529,20 @@ class Simulator:
         core = self.cores[broker]
         ex = core.exchange
         queued = {id(q): q for _, q in ex.queue} if ex is not None and ex.queue else {}
-        effects = core.handle(inp, self.now)
+        try:
+            effects = core.handle(inp, self.now)
+        except ProtocolError:
+            if not isinstance(inp, PeerFailed) or core.exchange is None:
+                raise
+            # As the runtime's detector does (LinkSessions._declare_dead): a verdict on a
+            # member of the cycle of an exchange past its grant settles the exchange first, as
+            # its lease's end would (PeerGone), and the repair follows at once; if settling
+            # took the link away (rolled back), there is nothing to repair.
+            self._carry_out(broker, core.handle(PeerGone(inp.peer), self.now))
+            if not core.routing.has_link(inp.peer):
+                self._repaired_at(broker, inp.peer)
+                return
+            effects = core.handle(inp, self.now)
         if queued:
             # Notifications that waited in the new link's ordering queue live until released.
             still = {id(q) for _, q in ex.queue} if ex is not None else set()
@@ -946,11 +961,15 @@ class Simulator:
                 rec.attempts = eff.attempts
                 self._active_exchanges.discard(eff.xid)
             elif isinstance(eff, RepairFinished):
-                waiting = self._repairing.get(eff.dead)
-                if waiting is not None:
-                    waiting.discard(broker)
-                    if not waiting:
-                        self._repair_complete(eff.dead)
+                self._repaired_at(broker, eff.dead)
+
+    def _repaired_at(self, broker: str, dead: str) -> None:
+        """``broker``'s part of the repair around ``dead`` is done (or it had none)."""
+        waiting = self._repairing.get(dead)
+        if waiting is not None:
+            waiting.discard(broker)
+            if not waiting:
+                self._repair_complete(dead)
 
     def _link_repair(self, broker: str, eff: LinkRepair) -> None:
         """A failed link's end decided its repair: an exchange is owed from now on (as one the

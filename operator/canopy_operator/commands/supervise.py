@@ -41,6 +41,7 @@ from typing import Any
 import aiohttp
 
 from canopy_broker import logs
+from canopy_broker.admin_client import AdminError
 from canopy_operator.backends.local import BrokerDownError, LocalBackend
 from canopy_operator.commands.local import overlay_dir, run_own_plan
 from canopy_operator.executor import StepError
@@ -181,8 +182,12 @@ async def restore_once(
         backend.save()
     for holder, other in stuck:
         log(f"link {holder}-{other} is known at {holder} only for too long: removing it there")
-        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+        try:
             await backend.admin(holder).remove_link(other)
+        except AdminError as exc:  # e.g. 409: the link is on the cycle of a running exchange
+            log(f"{holder} keeps its link to {other} for now: {exc.message}")
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            pass  # not answering: the next tick looks again
     if one_sided:
         a, b = min(one_sided)
         log(f"waiting: link {a}-{b} is known at one end only (being set up or closed)")
