@@ -143,8 +143,10 @@ def test_what_the_broker_cannot_vouch_for_is_named() -> None:
     assert gaps_of(core, "a", previous="x", since=11.0) == []  # a neighbour, within the window
     [why] = gaps_of(core, "b", previous="y", since=11.0)  # back at the same broker
     assert "not what it delivered to its own clients" in why
-    [why] = gaps_of(core, "c", previous="x", since=9.0)  # lost before this broker started
-    assert "retention does not reach back" in why
+    # Lost before this broker started (and so before it was linked to x):
+    retention, linked = gaps_of(core, "c", previous="x", since=9.0)
+    assert "retention does not reach back" in retention
+    assert "linked to x only after the client lost it" in linked
     [why] = gaps_of(core, "d", previous="far", since=11.0)
     assert "not a neighbour of far" in why
     core.now = 30.0
@@ -180,8 +182,27 @@ def test_a_repair_around_an_earlier_incarnation_hides_no_gap() -> None:
     core.now = 20.0
     [why] = gaps_of(core, "c", previous="x", since=19.0)
     assert "not a neighbour of x" in why
-    core.handle(AddLink("x"), 20.0)  # x's new incarnation linked here: y vouches again
-    assert gaps_of(core, "d", previous="x", since=19.5) == []
+    core.handle(AddLink("x"), 20.0)  # x's new incarnation linked here
+    core.now = 21.0
+    assert gaps_of(core, "d", previous="x", since=20.5) == []  # lost after: y vouches again
+
+
+def test_a_broker_linked_to_the_lost_one_only_after_the_loss_vouches_for_nothing() -> None:
+    """A client loses x; x's name is linked here only later (its restored process, added as
+    a leaf, or a reshape). What went to the x the client lost did not pass here, so the
+    interval is named (chaos: b1 and b4 killed together, both restored, b4's subscribers
+    failed over to the new b1, already linked to the new b4: nothing was named, and 281
+    events were lost untold)."""
+    core = broker(window=30.0)
+    core.now = 19.0
+    [why] = gaps_of(core, "c", previous="v", since=18.0)  # not linked at all
+    assert "not a neighbour of v" in why
+    core.handle(AddLink("v"), 20.0)
+    core.now = 21.0
+    [gap] = resumed(core.handle(ClientResume("c", previous="v", since=19.5), core.now)).gaps
+    assert "linked to v only after the client lost it" in gap.reason
+    assert (gap.since, gap.until) == (19.5, 21.0)
+    assert gaps_of(core, "d", previous="v", since=20.5) == []  # lost after the link
 
 
 def test_a_resume_while_the_repair_is_under_way_here_is_a_gap() -> None:

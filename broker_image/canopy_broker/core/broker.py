@@ -191,6 +191,10 @@ class BrokerCore:
         # Dead neighbours whose routes stay until their repair has the new routes: withdrawing
         # them at once would cut this broker's side off from the far side meanwhile.
         self._ghosts: set[str] = set()
+        # Since when each neighbour has been one (the clock handle() is given), in name order:
+        # a client that lost a broker before this one was linked to it is not covered by what
+        # this one forwarded to it (see _resume_gaps).
+        self._linked_at: dict[str, float] = {}
         self._last_seen: dict[str, int] = {}
         self.replay_duplicates = 0
         # Clients that failed over to this broker lately (until when): a replayed notification
@@ -265,9 +269,13 @@ class BrokerCore:
         self.now = now
         try:
             self._dispatch(inp, out)
-            if self.announce_neighbours and not _leaves_neighbours(inp):
-                live = [n for n in self.routing.neighbours if not self._unlisted(n)]
-                self.neighbour_lists.announce(live, out, self._withholds_list)
+            if not _leaves_neighbours(inp):
+                neighbours = self.routing.neighbours
+                if neighbours != list(self._linked_at):
+                    self._linked_at = {n: self._linked_at.get(n, now) for n in neighbours}
+                if self.announce_neighbours:
+                    live = [n for n in neighbours if not self._unlisted(n)]
+                    self.neighbour_lists.announce(live, out, self._withholds_list)
         except ProtocolError:
             raise
         except Exception as exc:
@@ -535,13 +543,29 @@ class BrokerCore:
             # neighbour of, and was told nothing (chaos soak: 92 events lost untold).
             run = None
         if run is None:
-            if not self.routing.has_link(prev):
+            linked_at = self._linked_at.get(prev)
+            if linked_at is None:
                 gaps.append(
                     Gap(
                         since,
                         now,
                         f"{self.name} is not a neighbour of {prev}: notifications that were on "
                         f"their way to {prev} from other sides may be missing",
+                    )
+                )
+            elif linked_at > since:
+                # Linked since the loss: to a new process of that name (restored and linked
+                # here meanwhile), or by a reshape. What went to the one the client lost
+                # did not pass here (chaos: a subscriber of a broker killed with its
+                # neighbour failed over to the neighbour's restored process, already linked
+                # to the victim's restored one; 281 events lost untold).
+                gaps.append(
+                    Gap(
+                        since,
+                        now,
+                        f"{self.name} was linked to {prev} only after the client lost it: "
+                        f"notifications that were on their way to {prev} from other sides "
+                        "may be missing",
                     )
                 )
         else:
