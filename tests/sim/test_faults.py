@@ -149,7 +149,7 @@ def test_a_pause_past_detection_is_a_death_and_the_broker_is_fenced() -> None:
     assert judge_overlay(sim) == []
 
 
-@pytest.mark.parametrize(("dead", "at"), [("b1", 201), ("b2", 209), ("b3", 201)])
+@pytest.mark.parametrize(("dead", "at"), [("b1", 201), ("b2", 209), ("b3", 201), ("b4", 201)])
 def test_a_death_on_a_locking_exchange_path_is_repaired_at_once(dead: str, at: float) -> None:
     """A broker on the path dies while the exchange is still locking (no grant yet): its
     neighbours give the try up as a refusal would and repair at once, instead of waiting for the

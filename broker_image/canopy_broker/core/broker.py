@@ -139,6 +139,13 @@ _LEAVES_NEIGHBOURS = frozenset({ClientPublish, ClientSubscribe, ClientUnsubscrib
 _LEAVES_NEIGHBOURS_FROM_LINK = frozenset({Publish, Subscribe, Unsubscribe})
 
 
+def _rolls_forward(ex: Exchange) -> bool:
+    """Whether this broker would finish ``ex`` rather than undo it, were it to settle now (by
+    its lease, or a cycle member's death): phase 1 has begun here, or the separator passed
+    (``coordinated.lease_expired``). From then on an A end lists the added link."""
+    return ex.granted or ex.gray
+
+
 def _leaves_neighbours(inp: Input) -> bool:
     """An input that cannot change the neighbour list, placements or frozen links: a
     publication or a route update (over a link or from a client). The neighbour list is then
@@ -553,7 +560,7 @@ class BrokerCore:
                         f"their way to {prev} from other sides may be missing",
                     )
                 )
-            elif linked_at > since:
+            elif linked_at > inp.since:
                 # Linked since the loss: to a new process of that name (restored and linked
                 # here meanwhile), or by a reshape. What went to the one the client lost
                 # did not pass here (chaos: a subscriber of a broker killed with its
@@ -650,6 +657,13 @@ class BrokerCore:
             # A1 reports it failed), or the repair about to hold here must not have the tree
             # reshaped under it (as lock_problem refuses a new lock meanwhile; A1 tries again).
             coordinated.abandon_lock(self, ex, peer, out, final=peer in ex.cycle_peers())
+            if not self.routing.has_link(peer):
+                # It was the other end of the link this exchange added (A1 whose A2 died):
+                # letting the try go took the link away, and it never carried the tree.
+                # Going on froze and ghosted a link that was gone, and the repair's end
+                # failed on removing it, the abandoned try's report with it (review: newly
+                # reachable once an unconnected added link is suspected).
+                return
         elif ex is not None and peer in ex.cycle_peers():
             # Phase 1 has begun, or is about to (Granted passed here): the exchange's lease
             # rolls it forward first (the runtime defers the repair until then).
@@ -708,7 +722,7 @@ class BrokerCore:
     def _unlisted(self, peer: str) -> bool:
         """Whether ``peer`` stays out of the neighbour list this broker announces: a ghost, or
         the other end of the link an exchange adds here before phase 1 has begun here (until
-        then the exchange may still roll back and take the link away).
+        then the exchange may still roll back and take the link away: see _rolls_forward).
 
         A repair around a dead broker links up its neighbours along its last list, and every
         one of them must read the same list. The added link used to be listed from the lock
@@ -724,7 +738,7 @@ class BrokerCore:
         if peer in self._ghosts:
             return True
         ex = self.ex
-        return ex is not None and peer == ex.a_peer and not ex.granted
+        return ex is not None and peer == ex.a_peer and not _rolls_forward(ex)
 
     def _withholds_list(self, peer: str) -> bool:
         """Whether this broker's neighbour list may not go to ``peer`` yet: not over a frozen
@@ -734,7 +748,7 @@ class BrokerCore:
         if not self.routing.is_frozen(peer):
             return False
         ex = self.ex
-        return ex is None or peer != ex.a_peer or not ex.granted
+        return ex is None or peer != ex.a_peer or not _rolls_forward(ex)
 
     def _tree_links(self) -> list[str]:
         """The settled tree links cycle probes travel (not a dead one, nor one an exchange is

@@ -57,6 +57,7 @@ from canopy_broker.core.messages import (
     Publish,
     Relay,
     RemoveLink,
+    Repaired,
     RepairFinished,
     RoutingMode,
     SendToLink,
@@ -539,10 +540,11 @@ class Simulator:
             # its lease's end would (PeerGone), and the repair follows at once; if settling
             # took the link away (rolled back), there is nothing to repair.
             self._carry_out(broker, core.handle(PeerGone(inp.peer), self.now))
-            if not core.routing.has_link(inp.peer):
-                self._repaired_at(broker, inp.peer)
-                return
-            effects = core.handle(inp, self.now)
+            effects = core.handle(inp, self.now) if core.routing.has_link(inp.peer) else []
+        if isinstance(inp, PeerFailed) and not any(isinstance(e, Repaired) for e in effects):
+            # No repair here: the link went with the exchange it was added by (an A end whose
+            # other end died, or a settle that rolled it back).
+            self._repaired_at(broker, inp.peer)
         if queued:
             # Notifications that waited in the new link's ordering queue live until released.
             still = {id(q) for _, q in ex.queue} if ex is not None else set()
