@@ -721,8 +721,8 @@ class BrokerCore:
 
     def _unlisted(self, peer: str) -> bool:
         """Whether ``peer`` stays out of the neighbour list this broker announces: a ghost, or
-        the other end of the link an exchange adds here before phase 1 has begun here (until
-        then the exchange may still roll back and take the link away: see _rolls_forward).
+        the other end of the link an exchange adds here until this end would roll the
+        exchange forward (until then it may still roll back and take the link away).
 
         A repair around a dead broker links up its neighbours along its last list, and every
         one of them must read the same list. The added link used to be listed from the lock
@@ -732,9 +732,9 @@ class BrokerCore:
         one end only and the overlay stayed split until the supervisor's restore joined it
         (on real processes: an initiator killed 18 ms into a six-broker exchange, a 12 s
         split, 3,610 events lost, told, at one subscriber). Both ends now list the link, and
-        tell each other, once phase 1 has begun at each. What is left: A1 dies after its Go
-        but before Go reaches A2, which then rolls back while A1's other neighbours heard the
-        link listed (Go's way along the cycle, a few milliseconds)."""
+        tell each other, once each would roll the exchange forward. What is left: an A end
+        dying while Go is on its way between them (a few milliseconds; see
+        docs/reconfiguration.md, "A death on the cycle")."""
         if peer in self._ghosts:
             return True
         ex = self.ex
@@ -743,8 +743,8 @@ class BrokerCore:
     def _withholds_list(self, peer: str) -> bool:
         """Whether this broker's neighbour list may not go to ``peer`` yet: not over a frozen
         link (a reconfiguration's new link carries nothing before both its ends have it),
-        except the added link of an exchange once phase 1 has begun here (both ends have it
-        then, and the exchange only rolls forward; see :meth:`_unlisted`)."""
+        except the added link of an exchange once this end would roll it forward (both ends
+        have the link then; see :meth:`_unlisted`)."""
         if not self.routing.is_frozen(peer):
             return False
         ex = self.ex
