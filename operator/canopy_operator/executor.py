@@ -265,9 +265,8 @@ class Executor:
             # subscriber, which would otherwise never know (it did not fail over).
             until = time.time()
             reason = (
-                f"the overlay was split from {time.strftime('%H:%M:%S', time.gmtime(apart))} "
-                f"UTC until the restore joined it ({a}-{b}): events published in another part "
-                "meanwhile were not delivered"
+                f"the overlay was split from {_utc(apart)} until the restore joined it "
+                f"({a}-{b}): events published in another part meanwhile were not delivered"
             )
             since = apart
             resent = resent_since(statuses, apart)
@@ -275,7 +274,7 @@ class Executor:
                 since = resent
                 reason += (
                     ", nor those a publisher that failed over meanwhile sent again there, "
-                    f"published from {time.strftime('%H:%M:%S', time.gmtime(resent))} UTC on"
+                    f"published from {_utc(resent)} on"
                 )
             told = await asyncio.gather(
                 *(
@@ -370,6 +369,11 @@ async def replace_broker(
         "exchanges": len(out.exchanges) + len(back.exchanges),
         "seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def _utc(at: float) -> str:
+    """A time in a gap's reason, as every subscriber reads it: "HH:MM:SS UTC"."""
+    return time.strftime("%H:%M:%S UTC", time.gmtime(at))
 
 
 def resent_since(statuses: dict[str, dict[str, Any]], apart: float) -> float | None:
