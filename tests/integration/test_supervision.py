@@ -6,11 +6,14 @@ subscribers (none on the killed broker) get every notification once and in order
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import os
 import signal
 import socket
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -323,7 +326,7 @@ async def test_a_restarted_broker_comes_back_at_its_addresses_or_free_ones_if_ta
 
         await kill_and_wait(int(second["pid"]))
         host, _, port = str(second["listen"]).rpartition(":")
-        with socket.create_server((host, int(port))):  # a stranger took the client port
+        async with taken(host, int(port)):  # a stranger took the client port
             await backend.create_broker("b")
         third = dict(backend.brokers["b"])
         assert third["listen"] != second["listen"]
@@ -333,7 +336,7 @@ async def test_a_restarted_broker_comes_back_at_its_addresses_or_free_ones_if_ta
         await kill_and_wait(int(third["pid"]))
         monkeypatch.setattr(local, "_free", lambda host, ports: dict(ports))  # the race
         host, _, port = str(third["link"]).rpartition(":")
-        with socket.create_server((host, int(port))):
+        async with taken(host, int(port)):
             await backend.create_broker("b")
         fourth = dict(backend.brokers["b"])
         assert all(fourth[k] != third[k] for k in keys), (third, fourth)
@@ -475,6 +478,25 @@ async def test_a_restarted_broker_takes_clients_only_once_linked_into_the_overla
     finally:
         await sub.close()
         await backend.down()  # reaps the process it started
+
+
+@contextlib.asynccontextmanager
+async def taken(host: str, port: int) -> AsyncIterator[None]:
+    """Listen on ``port`` (a stranger's server) for as long as the block runs. The port of a
+    process just killed is in the kernel's range for outgoing connections: another process's
+    dial may hold it for a moment (CI: 'address already in use' at the test's own bind), so
+    try for a few seconds before failing."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            server = socket.create_server((host, port))
+            break
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+    with server:
+        yield
 
 
 async def kill_and_wait(pid: int) -> None:
