@@ -16,7 +16,13 @@ from cryptography import x509
 from canopy_broker.client import connect
 from canopy_broker.pki import Authority
 from canopy_broker.runtime.security import Identity
-from canopy_operator.backends.certs import SCRAPE_NAME, b64, needs_renewal, secret_bytes
+from canopy_operator.backends.certs import (
+    SCRAPE_NAME,
+    b64,
+    certificates_path,
+    needs_renewal,
+    secret_bytes,
+)
 from canopy_operator.backends.kube import overlay_path
 from canopy_operator.backends.manifests import security_of
 from canopy_operator.model.topology import SpecError
@@ -62,6 +68,14 @@ async def cert_manager(cluster: Cluster, ca: Authority) -> AsyncIterator[list[st
                     "data": data,
                 }
                 await cluster.api.create(path, body)
+                name = cert["metadata"]["name"]
+                if await cluster.api.get(certificates_path(ns, name)) is None:
+                    # Deleted while issued (the list above is a moment old; the operator
+                    # deletes a removed broker's Certificate, then its Secret): the Secret
+                    # goes too, as cert-manager's owner reference on it would have it. CI once
+                    # found the removed broker's Secret made anew after the operator was done.
+                    await cluster.api.delete(f"{path}/{spec['secretName']}")
+                    continue
                 issued.append(spec["secretName"])
             await asyncio.sleep(0.05)
 
