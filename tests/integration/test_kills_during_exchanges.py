@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -111,22 +114,48 @@ async def test_an_inner_broker_and_a_leaf_killed_while_exchanges_run(tmp_path: P
 
 CHAIN = [f"b{i}" for i in range(6)]
 # The exchange's lease, shorter than the default 30 s: the cycle members away from the dead
-# broker (b2, b3, b4) hear nothing of its death and stay locked until then, and a locked broker
-# acknowledges no publication (its publisher waits).
+# broker (b2, b3, b4) that Go had not reached when it died stay locked until then, and a locked
+# broker acknowledges no publication (its publisher waits).
 LEASE = 10.0
 
 
-@pytest.mark.parametrize("locked", ["b1", "b5"])
-async def test_the_initiator_killed_during_its_exchange(tmp_path: Path, locked: str) -> None:
-    """The chain b0 .. b5 exchanges b4-b5 for b0-b5 (a cycle of all six); b0, which started it,
-    is SIGKILLed as soon as ``locked`` is locked: b1 early in the locking, b5 (A2) last, after
-    which b0 commits. Its neighbours, b1 and (if the exchange got that far) b5 over the new
-    link, must agree on the repair at once. Found on `canopy up` with a kill during an apply:
-    b1 chained up with b5 from b0's list, which named the new link from b0's lock on, while b5
-    had heard no list from b0 (or had rolled back and had no link to it) and linked to nobody:
-    b1's repair link came up at one end only and the survivors stayed split until a restore
-    joined them (12 s; 3,610 events missed, told, by b5's subscriber). The survivors must be
-    one tree well within the lease, and their subscribers miss nothing of b3's publisher."""
+@dataclasses.dataclass
+class ChainRun:
+    """The chain b0 .. b5 under traffic: b3's publisher, subscribers on b1 and b5."""
+
+    ov: Overlay
+    publisher: Publisher
+    received: dict[str, list[Notification]]
+    gaps: list[Gap]
+
+    async def exchange(self) -> None:
+        """b0 starts exchanging b4-b5 for b0-b5 (a cycle of all six)."""
+        started = await self.ov["b0"].admin.start_exchange(CHAIN, ("b4", "b5"), lease=LEASE)
+        assert started["state"] == "running", started
+
+    async def links(self) -> tuple[set[tuple[str, str]], set[tuple[str, ...]], bool]:
+        """The links each broker reports (as (broker, peer)), those both ends report, and
+        whether no broker is in an exchange."""
+        statuses = {n: await b.admin.status() for n, b in self.ov.brokers.items()}
+        told = {(n, p["peer"]) for n, st in statuses.items() for p in st["neighbours"]}
+        mutual = {tuple(sorted(e)) for e in told if (e[1], e[0]) in told}
+        return told, mutual, all(st["exchange"] is None for st in statuses.values())
+
+    async def nothing_missed(self) -> None:
+        """Stop publishing; every subscriber gets everything, once, in order, untold."""
+        last = await self.publisher.stop()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(20):
+                while any(not r or r[-1].seq < last for r in self.received.values()):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        for sub, got in self.received.items():
+            missed, exact = verdict(got, last)
+            assert not missed and exact, (sub, len(missed), exact)
+        assert self.gaps == [], [str(g) for g in self.gaps]
+
+
+@contextlib.asynccontextmanager
+async def chain_under_traffic(tmp_path: Path) -> AsyncIterator[ChainRun]:
     async with Overlay(
         CHAIN, list(itertools.pairwise(CHAIN)), log_dir=tmp_path, extra_args=ARGS
     ) as ov:
@@ -146,48 +175,81 @@ async def test_the_initiator_killed_during_its_exchange(tmp_path: Path, locked: 
         publisher = Publisher(pub)
         try:
             await asyncio.sleep(0.5)
-            started = await ov["b0"].admin.start_exchange(CHAIN, ("b4", "b5"), lease=LEASE)
-            assert started["state"] == "running", started
-            while (await ov[locked].admin.status())["exchange"] is None:  # noqa: ASYNC110
-                await asyncio.sleep(0.001)
-            await kill(ov.brokers, "b0")
-
-            async def one_tree(one_sided: bool) -> bool:
-                """The links both ends report span the survivors (a tree: four of them); with
-                ``one_sided``, a link only one end reports may remain: the removed link b4-b5,
-                which b5 closed as it settled, while b4, away from the dead broker, waits for
-                the lease."""
-                statuses = {n: await b.admin.status() for n, b in ov.brokers.items()}
-                told = {(n, p["peer"]) for n, st in statuses.items() for p in st["neighbours"]}
-                mutual = {tuple(sorted(e)) for e in told if (e[1], e[0]) in told}
-                joined = {"b1"}
-                for _ in range(len(CHAIN)):
-                    joined |= {x for e in mutual if joined & set(e) for x in e}
-                whole = len(mutual) == 4 and joined == set(ov.brokers)
-                return whole and (one_sided or len(told) == 2 * len(mutual))
-
-            async with asyncio.timeout(LEASE - 4):  # waiting for the lease fails
-                while not await one_tree(one_sided=True):  # noqa: ASYNC110 - polling
-                    await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)
-            last = await publisher.stop()
-            assert await pub.wait_acknowledged(LEASE + 5)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(20):
-                    while any(not r or r[-1].seq < last for r in received.values()):  # noqa: ASYNC110
-                        await asyncio.sleep(0.05)
-            # The lease has run out (publications are acknowledged again): no link is left
-            # known at one end only (b1's repair link to a b5 that linked to nobody was).
-            async with asyncio.timeout(5):
-                while not await one_tree(one_sided=False):  # noqa: ASYNC110 - polling
-                    await asyncio.sleep(0.05)
+            yield ChainRun(ov, publisher, received, gaps)
         finally:
             await publisher.stop()
             for c in clients:
                 await c.close()
             for t in tasks:
                 await t
-        for sub, got in received.items():
-            missed, exact = verdict(got, last)
-            assert not missed and exact, (sub, len(missed), exact)
-        assert gaps == [], [str(g) for g in gaps]
+
+
+@pytest.mark.parametrize("locked", ["b1", "b5"])
+async def test_the_initiator_killed_during_its_exchange(tmp_path: Path, locked: str) -> None:
+    """The chain b0 .. b5 exchanges b4-b5 for b0-b5 (a cycle of all six); b0, which started it,
+    is SIGKILLed as soon as ``locked`` is locked: b1 early in the locking, b5 (A2) last, after
+    which b0 commits. Its neighbours, b1 and (if the exchange got that far) b5 over the new
+    link, must agree on the repair at once. Found on `canopy up` with a kill during an apply:
+    b1 chained up with b5 from b0's list, which named the new link from b0's lock on, while b5
+    had heard no list from b0 (or had rolled back and had no link to it) and linked to nobody:
+    b1's repair link came up at one end only and the survivors stayed split until a restore
+    joined them (12 s; 3,610 events missed, told, by b5's subscriber). The survivors must be
+    one tree well within the lease, and their subscribers miss nothing of b3's publisher."""
+    async with chain_under_traffic(tmp_path) as run:
+        await run.exchange()
+        while (await run.ov[locked].admin.status())["exchange"] is None:  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+        await kill(run.ov.brokers, "b0")
+
+        async def one_tree(one_sided: bool) -> bool:
+            """The links both ends report span the survivors (a tree: four of them); with
+            ``one_sided``, a link only one end reports may remain: the removed link b4-b5,
+            which b5 closed as it settled, while b4, away from the dead broker, waits for
+            the lease if Go had not reached it (else a Settle from b1 settles it too)."""
+            told, mutual, _free = await run.links()
+            joined = {"b1"}
+            for _ in range(len(CHAIN)):
+                joined |= {x for e in mutual if joined & set(e) for x in e}
+            whole = len(mutual) == 4 and joined == set(run.ov.brokers)
+            return whole and (one_sided or len(told) == 2 * len(mutual))
+
+        async with asyncio.timeout(LEASE - 4):  # waiting for the lease fails
+            while not await one_tree(one_sided=True):  # noqa: ASYNC110 - polling
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        await run.publisher.stop()
+        assert await run.publisher.client.wait_acknowledged(LEASE + 5)
+        # The lease has run out (publications are acknowledged again): no link is left
+        # known at one end only (b1's repair link to a b5 that linked to nobody was).
+        async with asyncio.timeout(5):
+            while not await one_tree(one_sided=False):  # noqa: ASYNC110 - polling
+                await asyncio.sleep(0.05)
+        await run.nothing_missed()
+
+
+async def test_the_cycle_settles_at_once_when_the_initiator_dies_after_go(tmp_path: Path) -> None:
+    """As above, with b0 SIGKILLed once Go has reached b5 (on `canopy up`: a kill 6-12 ms
+    into an apply). b1 and b5, its neighbours, settle at once; b2, b3 and b4 hear it from the
+    Settle b1 sends away from b0. They used to stay locked until the lease ran out: no
+    acknowledgement for b3's publisher, b4 alone knowing the removed link b4-b5, the restore
+    waiting (31-33 s with the default lease). Well within the lease (10 s here), no broker is
+    in the exchange, every link is known at both ends, and b3's publications are
+    acknowledged; the subscribers miss nothing."""
+    async with chain_under_traffic(tmp_path) as run:
+        await run.exchange()
+        while (await run.ov["b5"].admin.status())["exchange_phase"] in (None, "locked"):  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+        await kill(run.ov.brokers, "b0")
+        killed = time.monotonic()
+
+        async def settled() -> bool:
+            told, mutual, free = await run.links()
+            return free and len(mutual) == 4 and len(told) == 8
+
+        async with asyncio.timeout(LEASE - 4):  # waiting for the lease fails
+            while not await settled():  # noqa: ASYNC110 - polling
+                await asyncio.sleep(0.05)
+        await run.publisher.stop()
+        left = LEASE - 4 - (time.monotonic() - killed)
+        assert await run.publisher.client.wait_acknowledged(max(0.5, left))
+        await run.nothing_missed()

@@ -23,6 +23,7 @@ from canopy_broker.core.messages import (
     CtrlMsg,
     Done,
     Echo,
+    Effect,
     End,
     ExchangeFinished,
     FlushMsg,
@@ -35,12 +36,14 @@ from canopy_broker.core.messages import (
     Lock,
     LockRefused,
     PeerFailed,
+    PeerFeatures,
     PeerGone,
     RecMsg,
     RouteKey,
     RoutingMode,
     SendToLink,
     Separator,
+    Settle,
     StartExchange,
     StartTimer,
     TimerFired,
@@ -228,6 +231,58 @@ def test_a_broker_of_the_cycle_that_fenced_this_one_settles_the_exchange_as_its_
     by_lease.handle(TimerFired("lease:x1"))
     assert by_fence.exchange is None and state_of(by_fence) == state_of(by_lease)
     assert by_fence.handle(TimerFired("lease:x1")) == []
+
+
+def in_phase_1(*, settle_r1: bool = True) -> BrokerCore:
+    """``m`` in phase 1 (Go passed), ``r1`` knowing Settle unless told otherwise."""
+    core = locked_middle()
+    core.handle(PeerFeatures("r1", placement=True, settle=settle_r1))
+    core.handle(FromLink("r1", Granted("x1")))
+    core.handle(FromLink("a", Go("x1")))
+    assert core.exchange is not None and core.exchange.phase is Phase.BLACK
+    return core
+
+
+def sent(out: list[Effect]) -> list[tuple[str, object]]:
+    return [(e.peer, e.message) for e in out if isinstance(e, SendToLink)]
+
+
+def test_a_settle_walks_on_away_from_the_dead_member_and_settles_as_the_lease_would() -> None:
+    """A cycle member died after Go: the broker next to it settles (its detector or a fence:
+    PeerGone) and sends a Settle on along the path, away from the dead one, ahead of what
+    settling sends; each broker that takes it settles the same way as at its lease's end and
+    passes it on. It never crosses the added link, goes only to a peer whose hello said it
+    knows Settle, and does nothing before Go (a roll back is the lease's, or the refusal's)."""
+    by_lease = in_phase_1()
+    by_lease.handle(TimerFired("lease:x1"))
+    dead_a = in_phase_1()
+    out = dead_a.handle(PeerGone("a"))
+    assert sent(out)[0] == ("r1", Settle("x1", 0, "a"))
+    assert dead_a.exchange is None and state_of(dead_a) == state_of(by_lease)
+    # Taken from either side, it goes on to the other.
+    for source, onward, gone in (("a", "r1", "z"), ("r1", "a", "r2")):
+        core = in_phase_1()
+        out = core.handle(FromLink(source, Settle("x1", 0, gone)))
+        assert sent(out)[0] == (onward, Settle("x1", 0, gone))
+        assert core.exchange is None and state_of(core) == state_of(by_lease)
+        assert core.handle(FromLink(source, Settle("x1", 0, gone))) == []  # late: nothing
+    # An older broker next on the path would refuse it: it hears the lease instead.
+    old_r1 = in_phase_1(settle_r1=False)
+    assert all(not isinstance(m, Settle) for _p, m in sent(old_r1.handle(PeerGone("a"))))
+    assert old_r1.exchange is None
+    # Before Go, or for another try: nothing here.
+    locked = locked_middle()
+    before = state_of(locked)
+    assert locked.handle(FromLink("a", Settle("x1", 0, "z"))) == [] and state_of(locked) == before
+    assert all(not isinstance(m, Settle) for _p, m in sent(locked.handle(PeerGone("a"))))
+    other_try = in_phase_1()
+    before = state_of(other_try)
+    assert other_try.handle(FromLink("a", Settle("x1", 1, "z"))) == []
+    assert state_of(other_try) == before
+    # From a broker that is not its neighbour on the path: refused.
+    stranger = in_phase_1()
+    stranger.handle(AddLink("q"))
+    refused(stranger, FromLink("q", Settle("x1", 0, "z")), "not a path neighbour")
 
 
 def test_a1_gives_up_at_once_on_a_final_refusal() -> None:

@@ -24,6 +24,7 @@ from canopy_broker.core.messages import (
     RepairSweep,
     SendToLink,
 )
+from canopy_broker.runtime import link_sessions, server
 from canopy_broker.runtime.framing import decode_link_message, encode_generic
 from canopy_broker.runtime.placement import Placement, PlacementSource, parse_downward
 from tests.unit.test_runtime_broker import MakeBroker, eventually, link, make_broker
@@ -95,6 +96,7 @@ async def test_a_broker_picks_up_its_zone_from_the_downward_api_and_tells_its_ne
     await eventually(lambda: b.core.neighbour_lists.where.get("a") == ("", "n1"))
     assert a.core.neighbour_lists.where["b"] == ("z2", "n2")
     assert not a.core.neighbour_lists.legacy and not b.core.neighbour_lists.legacy  # hellos
+    assert not a.core.unsettled and not b.core.unsettled
     write_downward(tmp_path, {}, {"canopy.dev/zone": "z1"})
     await eventually(lambda: b.core.neighbour_lists.where.get("a") == ("z1", "n1"))
     assert a.status()["placement"] == {"zone": "z1", "node": "n1"}
@@ -141,6 +143,19 @@ def test_a_neighbour_of_an_older_version_gets_the_list_by_name_and_without_place
     out = core.handle(PeerFeatures("old", placement=True))
     names = {e.message.names for e in out if isinstance(e, SendToLink)}  # type: ignore[union-attr]
     assert names == {("old", "c", "a")}  # old (placement unknown) and c apart from n, a last
+
+
+async def test_a_peer_whose_hello_does_not_say_settle_is_never_sent_one(
+    make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Brokers from before the exchange's Settle (a roll-out) would close the link on it: a
+    hello without the feature puts the peer among those the core does not send it to."""
+    for module in (link_sessions, server):  # the dialer's hello, the answer: as before
+        monkeypatch.setattr(module, "FEATURES", ("placement",))
+    a, b = await make_broker("a"), await make_broker("b")
+    await link(a, b)
+    await eventually(lambda: "b" in a.core.unsettled and "a" in b.core.unsettled)
+    assert not a.core.neighbour_lists.legacy  # placement was said
 
 
 def test_fields_a_newer_broker_adds_are_ignored_not_refused() -> None:

@@ -87,6 +87,7 @@ from canopy_broker.core.messages import (
     SendToLink,
     SendToPeer,
     Separator,
+    Settle,
     StandbyLinks,
     StartExchange,
     StartTimer,
@@ -215,6 +216,8 @@ class BrokerCore:
         self.attempts: dict[str, tuple[StartExchange, int]] = {}  # initiator's requests
         # Exchanges this broker left on lease expiry: their late messages are expected.
         self.left: deque[str] = deque(maxlen=64)
+        # Peers whose software would refuse a Settle (from before it: a roll-out).
+        self.unsettled: set[str] = set()
         # Path algorithm: this broker's role per reconfiguration, and the (un)subscriptions
         # from a neighbour to ignore while its RECMSG travels.
         self.path_roles: dict[str, tuple[Role, str]] = {}
@@ -345,7 +348,7 @@ class BrokerCore:
         elif isinstance(inp, PeerGone):
             ex = self.ex
             if ex is not None and inp.peer in ex.path and inp.peer != self.name:
-                coordinated.lease_expired(self, ex, out)
+                coordinated.settle(self, ex, inp.peer, inp.peer, out)
         elif isinstance(inp, LinkFailed):
             self._link_failed(inp.peer, out)
         elif isinstance(inp, StandbyLinks):
@@ -357,6 +360,10 @@ class BrokerCore:
                 self.neighbour_lists.legacy.discard(inp.peer)
             else:
                 self.neighbour_lists.legacy.add(inp.peer)
+            if inp.settle:
+                self.unsettled.discard(inp.peer)
+            else:
+                self.unsettled.add(inp.peer)
         elif isinstance(inp, FindCycles):
             for peer, probe in self.cycles.start(inp.round, inp.bound, self._tree_links()):
                 self.to_peer(peer, probe, out)
@@ -720,9 +727,12 @@ class BrokerCore:
         out.append(TellGap(gap.publisher, gap.since, gap.until))
 
     def _unlisted(self, peer: str) -> bool:
-        """Whether ``peer`` stays out of the neighbour list this broker announces: a ghost, or
-        the other end of the link an exchange adds here until this end would roll the
-        exchange forward (until then it may still roll back and take the link away).
+        """Whether ``peer`` stays out of the neighbour list this broker announces: a ghost, the
+        other end of the link an exchange adds here until this end would roll the exchange
+        forward (until then it may still roll back and take the link away), or the other end
+        of the link it removes from then on (settled, it goes). Listed, the removed link led a
+        repair around a dead R end to link its other neighbour with the other R end while the
+        exchange rolled forward: the overlay was left with a cycle (simulator).
 
         A repair around a dead broker links up its neighbours along its last list, and every
         one of them must read the same list. The added link used to be listed from the lock
@@ -738,7 +748,11 @@ class BrokerCore:
         if peer in self._ghosts:
             return True
         ex = self.ex
-        return ex is not None and peer == ex.a_peer and not _rolls_forward(ex)
+        if ex is None:
+            return False
+        if peer == ex.a_peer:
+            return not _rolls_forward(ex)
+        return peer == ex.r_peer and _rolls_forward(ex)
 
     def _withholds_list(self, peer: str) -> bool:
         """Whether this broker's neighbour list may not go to ``peer`` yet: not over a frozen
@@ -857,6 +871,8 @@ class BrokerCore:
             path_algorithm.on_link_ready(self, peer, msg, out)
         elif isinstance(msg, Neighbours):
             self.neighbour_lists.heard(peer, msg)
+        elif isinstance(msg, Settle):
+            coordinated.on_settle(self, peer, msg, out)
         elif isinstance(msg, RepairSweep):
             self._repair_msg(peer, msg, out)
         elif isinstance(msg, PublisherGap):

@@ -77,6 +77,7 @@ from canopy_broker.core.messages import (
     RouteKey,
     SendToLink,
     Separator,
+    Settle,
     StartExchange,
     StartTimer,
     Tag,
@@ -113,6 +114,7 @@ class BrokerCore(Protocol):
     ex: Exchange | None  # the exchange this broker is locked for (at most one)
     attempts: dict[str, tuple[StartExchange, int]]  # at A1: requests not finished, and tries
     left: deque[str]  # exchanges this broker left on lease expiry: late messages are expected
+    unsettled: set[str]  # peers that would refuse a Settle (older software)
     now: float
 
     def to_peer(self, peer: str, msg: PeerMessage, out: list[Effect]) -> None: ...
@@ -456,6 +458,57 @@ def lease_expired(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
         _req, attempt = core.attempts.pop(ex.xid)
         reason = "lease expired after phase 1 began: rolled forward"
         out.append(ExchangeFinished(ex.xid, False, reason, attempt + 1))
+
+
+def settle(core: BrokerCore, ex: Exchange, gone: str, away_from: str, out: list[Effect]) -> None:
+    """``gone``, a member of the cycle, is dead (this broker's detector or its fence said so, or
+    a :class:`Settle` came from ``away_from``): settle this broker's part now, as at the
+    lease's end, and, when that rolls it forward, tell the next broker away from ``away_from``
+    first (the Settle goes out ahead of the removed link's close).
+
+    Only a roll forward walks on. Go passed every broker the walk reaches before this one (it
+    runs from A1 towards A2 and the walk follows it, or it passed them on its way here), so each
+    rolls forward too, as its lease would have made it. A roll back is left to the lease and the
+    final refusal: a Settle walking back towards A1 could meet Granted on its way and roll back
+    brokers that A1's Go is about to begin.
+
+    Before it, the brokers away from the dead one stayed locked for the whole lease (30 s by
+    default): no acknowledgement for their publishers, the removed link known at one end only,
+    the supervisor's restore waiting on them. Worse, with R1 dead, R2 and the A ends still
+    locked took what the other side published for black (sent before the sender locked), which
+    crosses only the removed link, gone with R1: in the simulator, everything from side 2 to
+    side 1 from the death to the lease's end was lost."""
+    if ex.granted or ex.gray:
+        onward = _away(ex, away_from)
+        if onward is not None and onward not in core.unsettled and core.routing.has_link(onward):
+            out.append(SendToLink(onward, Settle(ex.xid, ex.attempt, gone)))
+    lease_expired(core, ex, out)
+
+
+def _away(ex: Exchange, source: str) -> str | None:
+    """The next broker of the path away from ``source`` (a neighbour on the cycle), never
+    across the added link: None at the path's end."""
+    path, i = ex.path, ex.me
+    before = path[i - 1] if i > 0 else None
+    after = path[i + 1] if i + 1 < len(path) else None
+    if source == before or (i == len(path) - 1 and source == path[0]):
+        return after
+    if source == after or (i == 0 and source == path[-1]):
+        return before
+    return None
+
+
+def on_settle(core: BrokerCore, peer: str, msg: Settle, out: list[Effect]) -> None:
+    """A path neighbour settled its part of an exchange after a member died (see
+    :func:`settle`). A Settle of an exchange or try this broker no longer holds is late; one
+    that finds phase 1 not begun here (it cannot, see :func:`settle`) is left to the lease."""
+    ex = core.ex
+    if ex is None or ex.xid != msg.xid or ex.attempt != msg.attempt:
+        return
+    if peer not in ex.path or abs(ex.path.index(peer) - ex.me) != 1:
+        raise ProtocolError(f"{core.name}: Settle of {ex.xid} from {peer}, not a path neighbour")
+    if ex.granted or ex.gray:
+        settle(core, ex, msg.gone, peer, out)
 
 
 def lock_problem(core: BrokerCore, path: tuple[str, ...], i: int) -> tuple[str, bool] | None:

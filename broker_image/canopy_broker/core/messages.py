@@ -209,6 +209,19 @@ class End:
     side: int
 
 
+@message
+class Settle:
+    """A member of the cycle, ``gone``, is dead, and the sender has rolled its part of try
+    ``attempt`` forward (Go had passed it). Walks along the path away from ``gone``, each
+    broker settling its part as its lease's end would, up to the path's end (never across the
+    added link). Without it the brokers away from the dead one heard nothing of the death and
+    stayed locked for the whole lease (see ``exchange.settle``)."""
+
+    xid: str
+    attempt: int
+    gone: str
+
+
 # Reconfiguration-path algorithm (paper 002). Head path: R1 → ... → A1; the new link A1 → A2;
 # tail path: A2 → ... → R2 (our path lists are A1 ... R1 R2 ... A2, so the head path runs down
 # the indices from k to 0 and the tail path from the end down to k + 1).
@@ -367,6 +380,7 @@ LinkMessage = (
     | Separator
     | Echo
     | End
+    | Settle
     | Done
     | RecMsg
     | CtrlMsg
@@ -467,10 +481,12 @@ class PeerFeatures:
     """What a peer broker's software understands, from its hello. ``placement``: neighbour
     lists in chain order with the sender's zone and node. A peer without it (an older version,
     met during a roll-out) sorts the lists it hears by name and refuses fields it does not
-    know, so while one is a neighbour this broker announces in name order, without them."""
+    know, so while one is a neighbour this broker announces in name order, without them.
+    ``settle``: it understands :class:`Settle` (an older peer would close the link on it)."""
 
     peer: str
     placement: bool
+    settle: bool = True
 
 
 @message

@@ -791,9 +791,13 @@ class LinkSessions:
         link.connects += 1
         if "v" in hello:  # a peer's own hello (not a standby link's, taken over)
             features = hello.get("features")
-            placement = isinstance(features, list) and "placement" in features
-            if (link.peer in host.core.neighbour_lists.legacy) == placement:  # news
-                host.apply(host.core.handle(PeerFeatures(link.peer, placement), host.now()))
+            known = features if isinstance(features, list) else []
+            told = PeerFeatures(link.peer, "placement" in known, "settle" in known)
+            core = host.core
+            if (link.peer in core.neighbour_lists.legacy) == told.placement or (
+                link.peer in core.unsettled
+            ) == told.settle:  # news
+                host.apply(core.handle(told, host.now()))
         if link.kind == "link":
             self._checks.pop(link.peer, None)  # it answered for itself
             if not link.detoured:

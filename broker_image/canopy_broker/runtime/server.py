@@ -1556,6 +1556,7 @@ class Broker:
                 "in": [ch.status() for _, ch in sorted(self.sessions.channels_in.items())],
             },
             "exchange": ex.xid if (ex := self.core.exchange) is not None else None,
+            "exchange_phase": ex.phase.value if ex is not None else None,
             "pending_exchanges": self.core.pending_exchanges,
             "ordering_delay": self.ordering_delay_status(),
             "drain": self.drain_status(),
