@@ -266,6 +266,15 @@ def test_a_settle_walks_on_away_from_the_dead_member_and_settles_as_the_lease_wo
         assert sent(out)[0] == (onward, Settle("x1", 0, gone))
         assert core.exchange is None and state_of(core) == state_of(by_lease)
         assert core.handle(FromLink(source, Settle("x1", 0, gone))) == []  # late: nothing
+    # An A end that lost the other over the added link sends it into the path (A2 first
+    # was the case on real processes: b5 heard of b0's death 0.5 s before b1 did, and the
+    # brokers between, still locked, lost what b4 sent over the link b5 had closed).
+    a2 = BrokerCore("z")
+    a2.handle(AddLink("r2"))
+    a2.handle(FromLink("r2", Lock("x1", PATH, K)))
+    a2.handle(FromLink("r2", Go("x1")))
+    assert a2.exchange is not None and a2.exchange.granted
+    assert sent(a2.handle(PeerGone("a")))[0] == ("r2", Settle("x1", 0, "a"))
     # An older broker next on the path would refuse it: it hears the lease instead.
     old_r1 = in_phase_1(settle_r1=False)
     assert all(not isinstance(m, Settle) for _p, m in sent(old_r1.handle(PeerGone("a"))))

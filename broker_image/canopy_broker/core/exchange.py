@@ -491,9 +491,9 @@ def _away(ex: Exchange, source: str) -> str | None:
     path, i = ex.path, ex.me
     before = path[i - 1] if i > 0 else None
     after = path[i + 1] if i + 1 < len(path) else None
-    if source == before or (i == len(path) - 1 and source == path[0]):
+    if source == before or (i == 0 and source == path[-1]):  # A1 lost A2: into the path
         return after
-    if source == after or (i == 0 and source == path[-1]):
+    if source == after or (i == len(path) - 1 and source == path[0]):  # A2 lost A1
         return before
     return None
 
