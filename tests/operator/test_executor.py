@@ -168,3 +168,47 @@ async def test_a_dead_leaf_is_removed_without_draining_it() -> None:
     leaf = Plan((Step("remove-leaf", 0, broker="c", remove=("a", "c")),), ())
     await ex.run(leaf, generation=1)
     assert backend.deleted == ["c"]
+
+
+class _LeafAdmin:
+    """The new leaf's admin API: its link to the anchor never comes up."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    async def add_link(self, peer: str, address: str) -> dict[str, Any]:
+        self.calls.append(f"add {peer}")
+        return {"up": False}
+
+    async def remove_link(self, peer: str) -> bool:
+        self.calls.append(f"remove {peer}")
+        return True
+
+
+class _LeafBackend(_Backend):
+    def __init__(self, dead: set[str]) -> None:
+        super().__init__(dead)
+        self.calls: list[str] = []
+
+    def admin(self, name: str) -> Any:
+        return _LeafAdmin(self.calls) if name == "x" else _Unreachable()
+
+    async def create_broker(self, name: str) -> None:
+        self.calls.append(f"create {name}")
+
+    async def wait_ready(self, name: str, within: float) -> None:
+        pass
+
+
+@pytest.mark.looptime
+async def test_a_leaf_whose_link_did_not_come_up_is_not_left_dialling() -> None:
+    """The anchor died while its new leaf dialled it: the step fails, and the leaf's link
+    to it goes first. Left in place, the leaf dialled on; when the supervisor brought the
+    anchor back at its address, the old link came up beside the one the next plan gave the
+    leaf, and closed a cycle (chaos seed 28: 12,355 duplicates, the restore stuck)."""
+    backend = _LeafBackend({"b"})
+    ex = Executor(backend=backend, store=Store(), overlay="ov")  # type: ignore[arg-type]
+    leaf = Plan((Step("add-leaf", 0, broker="x", add=("b", "x")),), ())
+    with pytest.raises(StepError, match="is gone"):
+        await ex.run(leaf, generation=1)
+    assert backend.calls == ["create x", "add b", "remove b"]
