@@ -221,15 +221,23 @@ class Executor:
         anchor = step.add[0] if step.add[1] == new else step.add[1]
         await self.backend.create_broker(new)
         await self.backend.wait_ready(new, 30.0)
-        result = await self.backend.admin(new).add_link(anchor, self.backend.link_address(anchor))
+        admin = self.backend.admin(new)
+        # Not left half-added, as a join is not: the new broker would keep dialling, and once
+        # the anchor was back (restarted at its address) the link would come up by itself,
+        # beside whatever the next plan linked the new broker to: a cycle (chaos seed 28: x0
+        # linked to b5 by a join, then to a restarted b3 by its old try; 12,355 notifications
+        # duplicated at one subscriber, the restore stuck).
+        try:
+            result = await admin.add_link(anchor, self.backend.link_address(anchor))
+        except asyncio.CancelledError:
+            # A sibling step failed (the anchor's death fails those too): the plan is given up.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(admin.remove_link(anchor))
+            raise
         if not result.get("up"):
-            # Not left half-added, as a join is not: the new broker would keep dialling, and
-            # once the anchor was back (restarted at its address) the link would come up by
-            # itself, beside whatever the next plan linked the new broker to: a cycle (chaos
-            # seed 28: x0 linked to b5 by a join, then to a restarted b3 by its old try;
-            # 12,355 notifications duplicated at one subscriber, the restore stuck).
-            with contextlib.suppress(AdminError):  # refused: the failure below still stands
-                await self.backend.admin(new).remove_link(anchor)
+            if result.get("created"):  # not one that was up before this try (a step run again)
+                with contextlib.suppress(AdminError):  # refused: the failure below stands
+                    await admin.remove_link(anchor)
             raise aiohttp.ClientError(f"link {new}-{anchor} did not come up")
         return {"broker": new, "attached_to": anchor}
 

@@ -197,8 +197,9 @@ async def test_the_initiator_killed_during_its_exchange(tmp_path: Path, locked: 
     one tree well within the lease, and their subscribers miss nothing of b3's publisher."""
     async with chain_under_traffic(tmp_path) as run:
         await run.exchange()
-        while (await run.ov[locked].admin.status())["exchange"] is None:  # noqa: ASYNC110
-            await asyncio.sleep(0.001)
+        async with asyncio.timeout(10):
+            while (await run.ov[locked].admin.status())["exchange"] is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.001)
         await kill(run.ov.brokers, "b0")
 
         async def one_tree(one_sided: bool) -> bool:
@@ -237,8 +238,9 @@ async def test_the_cycle_settles_at_once_when_the_initiator_dies_after_go(tmp_pa
     acknowledged; the subscribers miss nothing."""
     async with chain_under_traffic(tmp_path) as run:
         await run.exchange()
-        while (await run.ov["b5"].admin.status())["exchange_phase"] in (None, "locked"):  # noqa: ASYNC110
-            await asyncio.sleep(0.001)
+        async with asyncio.timeout(10):
+            while (await run.ov["b5"].admin.status())["exchange_phase"] in (None, "locked"):  # noqa: ASYNC110
+                await asyncio.sleep(0.001)
         await kill(run.ov.brokers, "b0")
         killed = time.monotonic()
 

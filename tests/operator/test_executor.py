@@ -171,14 +171,17 @@ async def test_a_dead_leaf_is_removed_without_draining_it() -> None:
 
 
 class _LeafAdmin:
-    """The new leaf's admin API: its link to the anchor never comes up."""
+    """The new leaf's admin API: its link to the anchor never comes up (``created``: by this
+    call; ``hang``: the call never returns)."""
 
-    def __init__(self, calls: list[str]) -> None:
-        self.calls = calls
+    def __init__(self, calls: list[str], created: bool, hang: bool) -> None:
+        self.calls, self.created, self.hang = calls, created, hang
 
     async def add_link(self, peer: str, address: str) -> dict[str, Any]:
         self.calls.append(f"add {peer}")
-        return {"up": False}
+        if self.hang:
+            await asyncio.sleep(3600)
+        return {"up": False, "created": self.created}
 
     async def remove_link(self, peer: str) -> bool:
         self.calls.append(f"remove {peer}")
@@ -186,12 +189,13 @@ class _LeafAdmin:
 
 
 class _LeafBackend(_Backend):
-    def __init__(self, dead: set[str]) -> None:
+    def __init__(self, dead: set[str], created: bool = True, hang: bool = False) -> None:
         super().__init__(dead)
         self.calls: list[str] = []
+        self.created, self.hang = created, hang
 
     def admin(self, name: str) -> Any:
-        return _LeafAdmin(self.calls) if name == "x" else _Unreachable()
+        return _LeafAdmin(self.calls, self.created, self.hang) if name == "x" else _Unreachable()
 
     async def create_broker(self, name: str) -> None:
         self.calls.append(f"create {name}")
@@ -211,4 +215,27 @@ async def test_a_leaf_whose_link_did_not_come_up_is_not_left_dialling() -> None:
     leaf = Plan((Step("add-leaf", 0, broker="x", add=("b", "x")),), ())
     with pytest.raises(StepError, match="is gone"):
         await ex.run(leaf, generation=1)
+    assert backend.calls == ["create x", "add b", "remove b"]
+    # A link this try did not create (the step run again, the leaf attached before and its
+    # anchor out of reach for a moment) stays: removing it would split the overlay.
+    again = _LeafBackend({"b"}, created=False)
+    ex = Executor(backend=again, store=Store(), overlay="ov")  # type: ignore[arg-type]
+    with pytest.raises(StepError, match="is gone"):
+        await ex.run(leaf, generation=1)
+    assert again.calls == ["create x", "add b"]
+
+
+@pytest.mark.looptime
+async def test_a_cancelled_add_leaf_does_not_leave_its_link_dialling() -> None:
+    """A sibling step failed while the leaf dialled (an anchor's death fails those too): the
+    plan is given up, and the leaf's link goes with it."""
+    backend = _LeafBackend(set(), hang=True)
+    ex = Executor(backend=backend, store=Store(), overlay="ov")  # type: ignore[arg-type]
+    leaf = Plan((Step("add-leaf", 0, broker="x", add=("b", "x")),), ())
+    run = asyncio.create_task(ex.run(leaf, generation=1))
+    await asyncio.sleep(1)
+    assert backend.calls == ["create x", "add b"]
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
     assert backend.calls == ["create x", "add b", "remove b"]

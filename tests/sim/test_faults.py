@@ -257,6 +257,7 @@ def test_the_cycle_away_from_a_dead_member_settles_at_once(
     sim.exchange(path, removed, at=200, lease=3000.0)
     sim.run(until=200)
     while not (sim.cores["b5"].exchange and sim.cores["b5"].exchange.granted):
+        assert sim.now < 400, "Go never reached b5"
         sim.run(until=sim.now + 0.25)
     dead_at = sim.now
     sim.crash(dead, at=dead_at)

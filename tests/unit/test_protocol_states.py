@@ -288,10 +288,23 @@ def test_a_settle_walks_on_away_from_the_dead_member_and_settles_as_the_lease_wo
     before = state_of(other_try)
     assert other_try.handle(FromLink("a", Settle("x1", 1, "z"))) == []
     assert state_of(other_try) == before
-    # From a broker that is not its neighbour on the path: refused.
+    # From a broker that is not its neighbour on the path, or naming a broker that is not
+    # behind the sender as the walk goes (nor the far A end): refused.
     stranger = in_phase_1()
     stranger.handle(AddLink("q"))
     refused(stranger, FromLink("q", Settle("x1", 0, "z")), "not a path neighbour")
+    for source, gone in (("a", "r1"), ("a", "m"), ("r1", "nobody"), ("r1", "m")):
+        refused(in_phase_1(), FromLink(source, Settle("x1", 0, gone)), "names")
+    # The walk an A end begins when it lost the other ends before it: never sent to the dead.
+    a1 = BrokerCore("a")
+    a1.handle(AddLink("m"))
+    a1.handle(StartExchange("x1", PATH, ("r1", "r2")))
+    a1.handle(FromLink("m", Granted("x1")))
+    assert a1.exchange is not None and a1.exchange.granted
+    assert sent(a1.handle(PeerGone("z")))[0] == ("m", Settle("x1", 0, "z"))
+    end = in_phase_1()  # m, next to A1: that walk (z's) ends here, a is the dead one
+    out = end.handle(FromLink("r1", Settle("x1", 0, "a")))
+    assert not any(isinstance(m, Settle) for _p, m in sent(out)) and end.exchange is None
 
 
 def test_a1_gives_up_at_once_on_a_final_refusal() -> None:

@@ -467,8 +467,9 @@ def settle(core: BrokerCore, ex: Exchange, gone: str, away_from: str, out: list[
     first (the Settle goes out ahead of the removed link's close).
 
     Only a roll forward walks on. Go passed every broker the walk reaches before this one (it
-    runs from A1 towards A2 and the walk follows it, or it passed them on its way here), so each
-    rolls forward too, as its lease would have made it. A roll back is left to the lease and the
+    runs from A1 towards A2 and the walk follows it, or it passed them on its way here), or on
+    side 2 the separator that can overtake it did, so each rolls forward too, as its lease
+    would have made it. A roll back is left to the lease and the
     final refusal: a Settle walking back towards A1 could meet Granted on its way and roll back
     brokers that A1's Go is about to begin.
 
@@ -480,7 +481,12 @@ def settle(core: BrokerCore, ex: Exchange, gone: str, away_from: str, out: list[
     side 1 from the death to the lease's end was lost."""
     if ex.granted or ex.gray:
         onward = _away(ex, away_from)
-        if onward is not None and onward not in core.unsettled and core.routing.has_link(onward):
+        if (
+            onward is not None
+            and onward != gone  # the walk from an A end that lost the other: its last hop
+            and onward not in core.unsettled
+            and core.routing.has_link(onward)
+        ):
             out.append(SendToLink(onward, Settle(ex.xid, ex.attempt, gone)))
     lease_expired(core, ex, out)
 
@@ -505,8 +511,19 @@ def on_settle(core: BrokerCore, peer: str, msg: Settle, out: list[Effect]) -> No
     ex = core.ex
     if ex is None or ex.xid != msg.xid or ex.attempt != msg.attempt:
         return
-    if peer not in ex.path or abs(ex.path.index(peer) - ex.me) != 1:
+    path, me = ex.path, ex.me
+    if peer not in path or abs(path.index(peer) - me) != 1:
         raise ProtocolError(f"{core.name}: Settle of {ex.xid} from {peer}, not a path neighbour")
+    # The dead member is behind the sender, as the walk goes (or, for a walk an A end began
+    # when it lost the other, that other A end at the path's far end): a Settle naming anybody
+    # else is not one a death started, and must not settle the rest of the path early.
+    up = path.index(peer) < me
+    dead = path.index(msg.gone) if msg.gone in path else None
+    behind = dead is not None and (
+        (up and (dead < me or dead == len(path) - 1)) or (not up and (dead > me or dead == 0))
+    )
+    if not behind or msg.gone == core.name:
+        raise ProtocolError(f"{core.name}: Settle of {ex.xid} from {peer} names {msg.gone!r}")
     if ex.granted or ex.gray:
         settle(core, ex, msg.gone, peer, out)
 
