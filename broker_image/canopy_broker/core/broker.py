@@ -140,13 +140,6 @@ _LEAVES_NEIGHBOURS = frozenset({ClientPublish, ClientSubscribe, ClientUnsubscrib
 _LEAVES_NEIGHBOURS_FROM_LINK = frozenset({Publish, Subscribe, Unsubscribe})
 
 
-def _rolls_forward(ex: Exchange) -> bool:
-    """Whether this broker would finish ``ex`` rather than undo it, were it to settle now (by
-    its lease, or a cycle member's death): phase 1 has begun here, or the separator passed
-    (``coordinated.lease_expired``). From then on an A end lists the added link."""
-    return ex.granted or ex.gray
-
-
 def _leaves_neighbours(inp: Input) -> bool:
     """An input that cannot change the neighbour list, placements or frozen links: a
     publication or a route update (over a link or from a client). The neighbour list is then
@@ -751,8 +744,8 @@ class BrokerCore:
         if ex is None:
             return False
         if peer == ex.a_peer:
-            return not _rolls_forward(ex)
-        return peer == ex.r_peer and _rolls_forward(ex)
+            return not ex.rolls_forward
+        return peer == ex.r_peer and ex.rolls_forward
 
     def _withholds_list(self, peer: str) -> bool:
         """Whether this broker's neighbour list may not go to ``peer`` yet: not over a frozen
@@ -762,7 +755,7 @@ class BrokerCore:
         if not self.routing.is_frozen(peer):
             return False
         ex = self.ex
-        return ex is None or peer != ex.a_peer or not _rolls_forward(ex)
+        return ex is None or peer != ex.a_peer or not ex.rolls_forward
 
     def _tree_links(self) -> list[str]:
         """The settled tree links cycle probes travel (not a dead one, nor one an exchange is

@@ -250,11 +250,19 @@ class Exchange:
         """Whether this broker can no longer let the try go: phase 1 has begun here, or
         Granted passed here towards A1, which commits on it (a refusal sent back after it
         would meet brokers that Go has turned black already)."""
-        return self.granted or self.gray or Mark.GRANTED in self.marks
+        return self.rolls_forward or Mark.GRANTED in self.marks
 
     @property
     def gray(self) -> bool:
         return self.phase in (Phase.LOCKED_GRAY, Phase.GRAY, Phase.CLOSING)
+
+    @property
+    def rolls_forward(self) -> bool:
+        """Whether this broker would finish the exchange rather than undo it, were it to settle
+        now (its lease, a cycle member's death, a Settle): phase 1 has begun here, or the
+        separator passed. It also decides when an A end lists the added link and an R end
+        stops listing the removed one."""
+        return self.granted or self.gray
 
     @property
     def queue_released(self) -> bool:
@@ -434,7 +442,7 @@ def lease_expired(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     """Nothing heard from the exchange for a whole lease: a participant or the initiator is
     gone. Before phase 1 nothing has changed, so roll back; after it the new link may carry
     traffic, so roll forward — finish this broker's part without the missing messages."""
-    if not ex.granted and not ex.gray:
+    if not ex.rolls_forward:
         undo_lock(core, ex, out, by_lease=True)
         if ex.me == 0:
             retry_later(core, ex.xid, "lease expired while locking", False, out)
@@ -479,7 +487,7 @@ def settle(core: BrokerCore, ex: Exchange, gone: str, away_from: str, out: list[
     locked took what the other side published for black (sent before the sender locked), which
     crosses only the removed link, gone with R1: in the simulator, everything from side 2 to
     side 1 from the death to the lease's end was lost."""
-    if ex.granted or ex.gray:
+    if ex.rolls_forward:
         onward = _away(ex, away_from)
         if (
             onward is not None
@@ -524,7 +532,7 @@ def on_settle(core: BrokerCore, peer: str, msg: Settle, out: list[Effect]) -> No
     )
     if not behind or msg.gone == core.name:
         raise ProtocolError(f"{core.name}: Settle of {ex.xid} from {peer} names {msg.gone!r}")
-    if ex.granted or ex.gray:
+    if ex.rolls_forward:
         settle(core, ex, msg.gone, peer, out)
 
 
