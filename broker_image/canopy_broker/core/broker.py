@@ -192,6 +192,8 @@ class BrokerCore:
         # Dead neighbours whose routes stay until their repair has the new routes: withdrawing
         # them at once would cut this broker's side off from the far side meanwhile.
         self._ghosts: set[str] = set()
+        # Links whose publications count as replays: an exchange's bridge (exchange._end_bridge).
+        self.deduped: set[str] = set()
         # Since when each neighbour has been one (the clock handle() is given), in name order:
         # a client that lost a broker before this one was linked to it is not covered by what
         # this one forwarded to it (see _resume_gaps).
@@ -278,7 +280,7 @@ class BrokerCore:
                     self._linked_at = {n: self._linked_at.get(n, now) for n in neighbours}
                 if self.announce_neighbours:
                     live = [n for n in neighbours if not self._unlisted(n)]
-                    self.neighbour_lists.announce(live, out, self._withholds_list)
+                    self.neighbour_lists.announce(live, out, self._withholds_list, neighbours)
         except ProtocolError:
             raise
         except Exception as exc:
@@ -340,7 +342,12 @@ class BrokerCore:
             self._peer_failed(inp.peer, out)
         elif isinstance(inp, PeerGone):
             ex = self.ex
-            if ex is not None and inp.peer in ex.path and inp.peer != self.name:
+            if (
+                ex is not None
+                and inp.peer in ex.path
+                and inp.peer != self.name
+                and not coordinated.defer_settle(ex, inp.peer)
+            ):
                 coordinated.settle(self, ex, inp.peer, inp.peer, out)
         elif isinstance(inp, LinkFailed):
             self._link_failed(inp.peer, out)
@@ -382,13 +389,24 @@ class BrokerCore:
             raise ProtocolError(f"{self.name}: message from {inp.peer!r}, which is not a neighbour")
         msg = inp.message
         ex = self.ex
-        if ex is not None and inp.peer == ex.a_peer and not ex.queue_released:
-            # Everything crossing the new link waits until the old path has drained.
+        if ex is not None and ex.bridge is not None and inp.peer in ex.bridge_peers:
+            ex.bridged.append(inp)  # until the removed link has done (see defer_settle)
+            return
+        if (
+            ex is not None
+            and inp.peer == ex.a_peer
+            and not ex.queue_released
+            and not isinstance(msg, Neighbours)
+        ):
+            # Everything crossing the new link waits until the old path has drained; not the
+            # other A end's neighbour list, which a repair around it needs before that (A2,
+            # bridging when A1 died, heard none and linked to nobody; see defer_settle).
             ex.queue.append((self.now, inp))
             ex.queued_total += 1
             return
         if isinstance(msg, Publish):
-            self._route(msg.event, inp.peer, out, msg.tag, replay=msg.replay)
+            replay = msg.replay or inp.peer in self.deduped
+            self._route(msg.event, inp.peer, out, msg.tag, replay=replay)
         elif isinstance(msg, Subscribe | Unsubscribe):
             self._route_update(inp.peer, msg, out)
         else:
@@ -608,6 +626,7 @@ class BrokerCore:
                 f"{self.name}: link to {peer!r} is on the cycle of exchange {self.ex.xid}"
             )
         self.routing.remove_link(peer, out)
+        self.deduped.discard(peer)
         # A migrating publisher's old broker is gone: nothing can overtake its held events now.
         for client in [c for c, (source, _) in self._held.items() if source == peer]:
             self._release_held(client, out)
@@ -664,9 +683,10 @@ class BrokerCore:
                 # failed on removing it, the abandoned try's report with it (review: newly
                 # reachable once an unconnected added link is suspected).
                 return
-        elif ex is not None and peer in ex.cycle_peers():
+        elif ex is not None and peer in ex.cycle_peers() and peer not in ex.waits_on:
             # Phase 1 has begun, or is about to (Granted passed here): the exchange's lease
-            # rolls it forward first (the runtime defers the repair until then).
+            # rolls it forward first (the runtime defers the repair until then). Unless the
+            # exchange waits on this very repair (A1's death, see exchange.defer_settle).
             raise ProtocolError(
                 f"{self.name}: link to {peer!r} is on the cycle of exchange {ex.xid}"
             )
@@ -686,6 +706,8 @@ class BrokerCore:
                 self.routing.add_link(t, out)
                 opened.append(t)
         out.append(Repaired(peer, chain, tuple(opened)))
+        if ex is not None and ex.bridge == peer:
+            ex.bridge_peers.update(opened)
         me = chain.index(self.name) if self.name in chain else -1
 
         def chain_end(i: int) -> str | None:
@@ -787,6 +809,12 @@ class BrokerCore:
             del self.repairs[dead]
 
     def _finish_repair(self, run: RepairRun, out: list[Effect], *, timed_out: bool = False) -> None:
+        ex = self.ex
+        if ex is not None and run.dead in ex.waits_on:
+            # The exchange's settling waited on this repair (see exchange.defer_settle): A1's
+            # other path neighbour has the repair's routes now, and its Settle walks behind
+            # them; at A2 (its repair gave up waiting, or lost its chain end) the bridge ends.
+            coordinated.settle(self, ex, run.dead, run.dead, out)
         holding = self._holding
         shared: list[str] = []  # this run's chain ends another repair still holds
         for peer in [p for p, runs in holding.items() if run in runs]:

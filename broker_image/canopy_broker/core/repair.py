@@ -171,7 +171,11 @@ class NeighbourLists:
         self.where[peer] = (msg.zone, msg.node)
 
     def announce(
-        self, neighbours: Sequence[str], out: list[Effect], frozen: Callable[[str], bool]
+        self,
+        neighbours: Sequence[str],
+        out: list[Effect],
+        frozen: Callable[[str], bool],
+        linked: Collection[str] = (),
     ) -> None:
         """Tell every neighbour the current list (in :func:`chain_order`) and this broker's
         placement if it has not heard them yet. Not over a ``frozen`` link: a reconfiguration's
@@ -184,8 +188,10 @@ class NeighbourLists:
         it said its new list: this broker chained up with brokers that were no longer that
         broker's neighbours, held notifications for one of them for a sweep that never came,
         and replayed them 10 s later behind newer ones, where they were dropped as had
-        (chaos soak: 457 events lost untold at a subscriber)."""
-        for peer in [p for p in self.lists if p not in neighbours]:
+        (chaos soak: 457 events lost untold at a subscriber). Not those still ``linked``
+        and left out of the list for now: the other A end of an exchange, whose list a
+        repair needs if it dies before this end lists it (see exchange.defer_settle)."""
+        for peer in [p for p in self.lists if p not in neighbours and p not in linked]:
             # The list and placement it said over that link; not ``legacy``, which says
             # what software it runs (a link back over a standby takes no new hello).
             self.lists.pop(peer, None)
