@@ -14,6 +14,14 @@ Three scenarios, every figure measured on this run:
   same run with custody off.
 * **custody cost**: the chain-of-3 data-plane benchmark (``canopy bench dataplane``'s scenario,
   flat out) with custody on and off: delivered notifications/s and broker CPU per event.
+* **initiator** (only with ``--only initiator``): the chain b0-b1-b2-b3-b4-b5 under
+  ``--rate`` events/s from a publisher on b3, subscribers on b1 and b5; b0 starts exchanging
+  b4-b5 for b0-b5 (a cycle of all six, the broker's default 30 s lease) and is SIGKILLed
+  each of ``--delays`` ms later, ``--tries`` times each. Reported per run: which of b0's two
+  neighbours declared it dead first, the time from the kill to every broker out of the
+  exchange with every link known at both ends, and per subscriber what was lost, how many
+  gaps it was told of, and what was duplicated or reordered (all must be 0: neither
+  subscriber is on b0).
 
 Progress goes to stderr; with ``--json`` the last stdout line is one JSON object.
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -33,7 +42,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from canopy_broker.bench import done, progress, run_dataplane
-from canopy_broker.client import Client, ConnectionLostError, Notification, connect
+from canopy_broker.client import Client, ConnectionLostError, Gap, Notification, connect
 from canopy_broker.procs import Overlay, wait_settled
 from canopy_broker.progress import showing
 from canopy_broker.runtime import eventloop
@@ -97,18 +106,7 @@ async def kill_scenario(
         first = pub.last_seq + 1  # its numbering starts from the clock
         await wait_settled(ov.brokers.values())
         stop = asyncio.Event()
-
-        async def publish() -> None:
-            n, start = 0, time.monotonic()
-            while not stop.is_set():
-                due = int((time.monotonic() - start) * rate)
-                while n < due:
-                    n += 1
-                    pub.publish_nowait({"n": n})
-                await pub.flush()
-                await asyncio.sleep(0.005)
-
-        publisher = asyncio.create_task(publish())
+        publisher = asyncio.create_task(_paced(pub, rate, stop))
         await asyncio.sleep(2.0)
         kept = await _retained(ov, "b1")
         victim = ov.brokers.pop("b3")
@@ -136,22 +134,9 @@ async def kill_scenario(
             f"{promoted}, dialed {dialed}"
         )
         await asyncio.sleep(2.0)
-        stop.set()
-        await publisher
-        await pub.flush()
-        last = pub.last_seq
-        async with asyncio.timeout(30):
-            while any(not r or r[-1].seq < last for r in received.values()):  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
-        per_sub = {}
-        for sub, got in received.items():
-            seqs = [n.seq for n in got]
-            per_sub[sub] = {
-                "lost": len(set(range(first, last + 1)) - set(seqs)),
-                "duplicated": len(seqs) - len(set(seqs)),
-                "reordered": sum(1 for a, b in itertools.pairwise(seqs) if b < a),
-                "broker": SUBSCRIBERS[sub],
-            }
+        last, per_sub = await _stop_and_count(pub, publisher, stop, received, first)
+        for sub, counts in per_sub.items():
+            counts["broker"] = SUBSCRIBERS[sub]
         replayed = sum(
             [await _metric(ov, b, "canopy_replayed_notifications_total") for b in ov.brokers]
         )
@@ -172,6 +157,127 @@ async def kill_scenario(
         "replayed": int(replayed),
         "subscribers": per_sub,
     }
+
+
+CHAIN6 = [f"b{i}" for i in range(6)]
+
+
+async def initiator_run(
+    rate: float, heartbeat: float, dead_after: int, delay_ms: float
+) -> dict[str, Any]:
+    """One kill of an exchange's initiator ``delay_ms`` after it started (see the module)."""
+    args = ["--heartbeat", str(heartbeat), "--dead-after", str(dead_after)]
+    async with Overlay(CHAIN6, list(itertools.pairwise(CHAIN6)), extra_args=args) as ov:
+        received: dict[str, list[Notification]] = {"s1": [], "s5": []}
+        gaps: dict[str, list[Gap]] = {"s1": [], "s5": []}
+        clients, drains = [], []
+        for sub, into in received.items():
+            c = await connect(
+                ov[f"b{sub[1]}"].listen,
+                client_id=sub,
+                credentials=ov.credentials,
+                on_gap=gaps[sub].append,
+            )
+            await c.subscribe("n >= 0")
+            clients.append(c)
+            drains.append(asyncio.create_task(drain_into(c, into)))
+        pub = await connect(ov["b3"].listen, client_id="p", credentials=ov.credentials)
+        first = pub.last_seq + 1
+        await wait_settled(ov.brokers.values())
+        stop = asyncio.Event()
+        publisher = asyncio.create_task(_paced(pub, rate, stop))
+        await asyncio.sleep(1.0)
+        started = await ov["b0"].admin.start_exchange(CHAIN6, ("b4", "b5"))
+        await asyncio.sleep(delay_ms / 1000)
+        victim = ov.brokers.pop("b0")
+        killed, killed_wall = time.monotonic(), time.time()
+        os.kill(victim.pid, signal.SIGKILL)
+        await victim.stop()
+        ov.edges = []
+        settled_s = None
+        async with asyncio.timeout(60):
+            while settled_s is None:
+                statuses = await ov.statuses()
+                told = {(n, str(p["peer"])) for n, st in statuses.items() for p in st["neighbours"]}
+                mutual = {e for e in told if (e[1], e[0]) in told}
+                free = all(st["exchange"] is None for st in statuses.values())
+                if free and len(mutual) == 8 and len(told) == 8:
+                    settled_s = time.monotonic() - killed
+                else:
+                    await asyncio.sleep(0.02)
+        verdicts = {}
+        for n in ("b1", "b5"):
+            recs = [r for r in (await ov[n].admin.status())["repairs"] if r["dead"] == "b0"]
+            if recs:
+                verdicts[n] = recs[-1]["at"] - killed_wall
+        await asyncio.sleep(1.0)
+        last, per_sub = await _stop_and_count(pub, publisher, stop, received, first)
+        for sub, counts in per_sub.items():
+            counts["gaps_told"] = len(gaps[sub])
+        for c in [pub, *clients]:
+            await c.close()
+        for d in drains:
+            await d
+    first_verdict = min(verdicts, key=verdicts.__getitem__) if verdicts else None
+    return {
+        "delay_ms": delay_ms,
+        "exchange": started.get("state"),
+        "first_verdict": first_verdict,
+        "verdicts_s": {n: round(t, 3) for n, t in verdicts.items()},
+        "settled_s": round(settled_s, 3),
+        "published": last - first + 1,
+        "subscribers": per_sub,
+    }
+
+
+async def _stop_and_count(
+    pub: Client,
+    publisher: asyncio.Task[None],
+    stop: asyncio.Event,
+    received: dict[str, list[Notification]],
+    first: int,
+) -> tuple[int, dict[str, dict[str, Any]]]:
+    """Stop publishing; the last sequence number, and per subscriber what it lost (after up
+    to 30 s for the rest to arrive), got twice, or got out of order."""
+    stop.set()
+    await publisher
+    await pub.flush()
+    last = pub.last_seq
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(30):
+            while any(not r or r[-1].seq < last for r in received.values()):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+    per_sub: dict[str, dict[str, Any]] = {}
+    for sub, got in received.items():
+        seqs = [n.seq for n in got]
+        per_sub[sub] = {
+            "lost": len(set(range(first, last + 1)) - set(seqs)),
+            "duplicated": len(seqs) - len(set(seqs)),
+            "reordered": sum(1 for a, b in itertools.pairwise(seqs) if b < a),
+        }
+    return last, per_sub
+
+
+async def _paced(pub: Client, rate: float, stop: asyncio.Event) -> None:
+    n, start = 0, time.monotonic()
+    while not stop.is_set():
+        due = int((time.monotonic() - start) * rate)
+        while n < due:
+            n += 1
+            pub.publish_nowait({"n": n})
+        await pub.flush()
+        await asyncio.sleep(0.005)
+
+
+async def initiator_scenario(
+    rate: float, heartbeat: float, dead_after: int, delays: Sequence[float], tries: int
+) -> list[dict[str, Any]]:
+    runs = []
+    for delay in delays:
+        for i in range(tries):
+            progress(f"initiator: SIGKILL b0 {delay:g} ms into its exchange (try {i + 1})")
+            runs.append(await initiator_run(rate, heartbeat, dead_after, delay))
+    return runs
 
 
 async def _metric(ov: Overlay, broker: str, name: str) -> float:
@@ -256,11 +362,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if "custody" in only:
         out["custody"] = await custody_cost(args.duration, args.rounds)
         done("custody")
+    if "initiator" in only:
+        out["initiator"] = await initiator_scenario(
+            args.rate, args.heartbeat, args.dead_after, args.delays, args.tries
+        )
+        done("initiator")
     return out
 
 
 def scenarios(args: argparse.Namespace) -> set[str]:
-    return set(args.only or ("kill", "retention", "custody"))
+    return set(args.only or ("kill", "retention", "custody"))  # initiator: only when asked
 
 
 def report(r: dict[str, Any]) -> str:
@@ -271,6 +382,17 @@ def report(r: dict[str, Any]) -> str:
         lines.append(
             f"retention at {ret['rate']:,.0f} events/s, {ret['window_s']:.0f} s window: "
             f"{ret['on']['kept']} kept, +{ret['extra_rss_mb']} MB RSS on the middle broker"
+        )
+    for run in r.get("initiator", ()):
+        subs = ", ".join(
+            f"{sub}: lost {x['lost']} (gaps told {x['gaps_told']}), duplicated "
+            f"{x['duplicated']}, reordered {x['reordered']}"
+            for sub, x in run["subscribers"].items()
+        )
+        lines.append(
+            f"initiator killed {run['delay_ms']:g} ms in: {run['first_verdict']} declared it "
+            f"dead first {run['verdicts_s']}; settled {run['settled_s']:.2f} s after the kill; "
+            + subs
         )
     if "custody" in r:
         c = r["custody"]
@@ -317,9 +439,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["kill", "retention", "custody"],
-        help="run only this scenario (repeatable; default: all three)",
+        choices=["kill", "retention", "custody", "initiator"],
+        help="run only this scenario (repeatable; default: kill, retention and custody)",
     )
+    parser.add_argument(
+        "--delays",
+        type=lambda v: [float(x) for x in v.split(",")],
+        default=[0.0, 6.0, 9.0, 12.0, 18.0, 24.0, 40.0, 100.0],
+        help="initiator: ms from the exchange's start to the kill, comma-separated",
+    )
+    parser.add_argument("--tries", type=int, default=2, help="initiator: kills per delay")
     parser.add_argument("--window", type=float, default=5.0, help="retention window measured, s")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per flat-out phase")
     parser.add_argument(
@@ -335,6 +464,12 @@ def run_args(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     kill = result.get("kill", {"subscribers": {}})
     bad = [s for s in kill["subscribers"].values() if s["lost"] or s["duplicated"]]
+    bad += [
+        s
+        for run in result.get("initiator", ())
+        for s in run["subscribers"].values()
+        if s["lost"] or s["duplicated"] or s["reordered"]
+    ]
     return 1 if bad else 0
 
 

@@ -435,6 +435,35 @@ def test_bench_faults_reports_repair_time_and_no_losses() -> None:
     assert isinstance(custody, dict) and custody["throughput_ratio"] > 0
 
 
+def test_bench_faults_initiator_kills_settle_without_the_lease_and_lose_nothing() -> None:
+    """The initiator of an exchange SIGKILLed 0 and 12 ms after it started (while it locks
+    the path, and about when its Go is out): the survivors settle well within the exchange's
+    30 s lease, which they used to wait for, and the subscribers next to it lose, double and
+    reorder nothing."""
+    result = canopy(
+        "bench",
+        "faults",
+        "--only",
+        "initiator",
+        "--delays",
+        "0,12",
+        "--tries",
+        "1",
+        "--rate",
+        "500",
+        "--heartbeat",
+        "0.2",
+        "--json",
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    runs = last_json(result.stdout)["initiator"]
+    assert isinstance(runs, list) and [r["delay_ms"] for r in runs] == [0.0, 12.0], runs
+    for run in runs:
+        assert run["first_verdict"] in ("b1", "b5") and run["settled_s"] < 10, run
+        for sub in run["subscribers"].values():
+            assert (sub["lost"], sub["duplicated"], sub["reordered"]) == (0, 0, 0), run
+
+
 @pytest.mark.integration
 def test_bench_peers_quick_delivers_everything_on_all_three_brokers() -> None:
     """A small run of the real benchmark against a Canopy broker, nats-server and Mosquitto:

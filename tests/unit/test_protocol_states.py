@@ -282,7 +282,7 @@ def test_a_settle_walks_on_away_from_the_dead_member_and_settles_as_the_lease_wo
     locked = locked_middle()
     before = state_of(locked)
     assert locked.handle(FromLink("a", Settle("x1", 0, "z"))) == [] and state_of(locked) == before
-    assert all(not isinstance(m, Settle) for _p, m in sent(locked.handle(PeerGone("a"))))
+    assert all(not isinstance(m, Settle) for _p, m in sent(locked.handle(PeerGone("r1"))))
     other_try = in_phase_1()
     before = state_of(other_try)
     assert other_try.handle(FromLink("a", Settle("x1", 1, "z"))) == []
@@ -365,6 +365,38 @@ def test_a1_dead_waits_at_its_neighbour_for_the_repair_and_a2_bridges_until_the_
     done.exchange.marks.add(Mark.END)
     done.handle(PeerGone("a"))
     assert done.exchange is None
+
+
+def test_a_death_before_go_passed_rolls_the_path_beyond_it_back_at_once() -> None:
+    """A broker dies before Go passed it (here A1, while it locked the path): Go can no longer
+    reach anybody beyond it, so its neighbour there rolls back and walks a Settle on, and each
+    broker it reaches rolls back and passes it on. They used to wait for their lease (30 s by
+    default), their publishers unacknowledged. Towards A1 the final refusal does it, and a
+    death beyond this broker changes nothing here but this broker's own part."""
+    for verdict in (PeerFailed("a"), PeerGone("a")):  # the detector, or a fence
+        m = locked_middle()
+        m.handle(PeerFeatures("r1", placement=True, settle=True))
+        out = m.handle(verdict)
+        assert ("r1", Settle("x1", 0, "a")) in sent(out) and m.exchange is None
+
+    def locked_r1() -> BrokerCore:
+        core = BrokerCore("r1")
+        core.handle(AddLink("m"))
+        core.handle(AddLink("r2"))
+        core.handle(PeerFeatures("r2", placement=True, settle=True))
+        core.handle(FromLink("m", Lock("x1", PATH, K)))
+        assert core.exchange is not None and not core.exchange.rolls_forward
+        return core
+
+    by_lease = locked_r1()
+    by_lease.handle(TimerFired("lease:x1"))
+    r1 = locked_r1()
+    out = r1.handle(FromLink("m", Settle("x1", 0, "a")))
+    assert ("r2", Settle("x1", 0, "a")) in sent(out) and r1.exchange is None
+    assert state_of(r1) == state_of(by_lease)
+    # The dead broker beyond this one: Go may still come from A1, so no walk on from here.
+    m = locked_middle()
+    assert not any(isinstance(x, Settle) for _p, x in sent(m.handle(PeerFailed("r1"))))
 
 
 def test_a1_gives_up_at_once_on_a_final_refusal() -> None:

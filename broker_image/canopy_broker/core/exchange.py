@@ -505,17 +505,37 @@ def settle(core: BrokerCore, ex: Exchange, gone: str, away_from: str, out: list[
     the supervisor's restore waiting on them. Worse, with R1 dead, R2 and the A ends still
     locked took what the other side published for black (sent before the sender locked), which
     crosses only the removed link, gone with R1: in the simulator, everything from side 2 to
-    side 1 from the death to the lease's end was lost."""
-    if ex.rolls_forward:
-        onward = _away(ex, away_from)
-        if (
-            onward is not None
-            and onward != gone  # the walk from an A end that lost the other: its last hop
-            and onward not in core.unsettled
-            and core.routing.has_link(onward)
-        ):
-            out.append(SendToLink(onward, Settle(ex.xid, ex.attempt, gone)))
+    side 1 from the death to the lease's end was lost.
+
+    A roll back walks on too where Go can no longer come: the dead broker is before this one
+    on the path (Go runs through it, and one it passed on before it died is here first), and
+    the walk comes from there (see :func:`_go_cut_off`)."""
+    if ex.rolls_forward or _go_cut_off(ex, gone, away_from):
+        _walk_on(core, ex, gone, _away(ex, away_from), out)
     lease_expired(core, ex, out)
+
+
+def _go_cut_off(ex: Exchange, gone: str, away_from: str) -> bool:
+    """Whether Go can no longer reach this broker, which has not begun phase 1: ``gone`` is
+    before it on the path, and what says so comes from that side (its own verdict on its
+    neighbour there, or a walk from it). Then nobody on from here can be committed any more,
+    and they all roll back now. They used to wait for their lease (30 s by default) when A1
+    died while it locked the path, its publishers unacknowledged meanwhile (`canopy bench
+    faults --only initiator`: 1 kill of 16, 30 s)."""
+    me = ex.me
+    return me > 0 and away_from == ex.path[me - 1] and ex.path.index(gone) < me
+
+
+def _walk_on(
+    core: BrokerCore, ex: Exchange, gone: str, onward: str | None, out: list[Effect]
+) -> None:
+    if (
+        onward is not None
+        and onward != gone  # the walk from an A end that lost the other: its last hop
+        and onward not in core.unsettled
+        and core.routing.has_link(onward)
+    ):
+        out.append(SendToLink(onward, Settle(ex.xid, ex.attempt, gone)))
 
 
 def defer_settle(ex: Exchange, gone: str) -> bool:
@@ -579,8 +599,10 @@ def _away(ex: Exchange, source: str) -> str | None:
 
 def on_settle(core: BrokerCore, peer: str, msg: Settle, out: list[Effect]) -> None:
     """A path neighbour settled its part of an exchange after a member died (see
-    :func:`settle`). A Settle of an exchange or try this broker no longer holds is late; one
-    that finds phase 1 not begun here (it cannot, see :func:`settle`) is left to the lease."""
+    :func:`settle`). A Settle of an exchange or try this broker no longer holds is late. One
+    that finds phase 1 not begun here rolls it back if the dead broker is before this one and
+    the walk comes from there (Go can no longer come, see :func:`_go_cut_off`); any other is
+    left to the lease."""
     ex = core.ex
     if ex is None or ex.xid != msg.xid or ex.attempt != msg.attempt:
         return
@@ -597,7 +619,7 @@ def on_settle(core: BrokerCore, peer: str, msg: Settle, out: list[Effect]) -> No
     )
     if not behind or msg.gone == core.name:
         raise ProtocolError(f"{core.name}: Settle of {ex.xid} from {peer} names {msg.gone!r}")
-    if ex.rolls_forward:
+    if ex.rolls_forward or _go_cut_off(ex, msg.gone, peer):
         settle(core, ex, msg.gone, peer, out)
 
 
@@ -714,6 +736,8 @@ def abandon_lock(
     final (it was off the cycle): this broker's repair is busy, and A1 tries again after a
     backoff. Answers to the try that still come are dropped (see ``Lock.attempt``)."""
     reason = f"{dead} died on the path" if final else f"{core.name} is repairing around {dead}"
+    if final and _go_cut_off(ex, dead, dead):
+        _walk_on(core, ex, dead, _away(ex, dead), out)
     undo_lock(core, ex, out, by_lease=True)
     if ex.me == 0:
         if final:
