@@ -14,14 +14,15 @@ Three scenarios, every figure measured on this run:
   same run with custody off.
 * **custody cost**: the chain-of-3 data-plane benchmark (``canopy bench dataplane``'s scenario,
   flat out) with custody on and off: delivered notifications/s and broker CPU per event.
-* **initiator** (only with ``--only initiator``): the chain b0-b1-b2-b3-b4-b5 under
+* **exchange** (only with ``--only exchange``): the chain b0-b1-b2-b3-b4-b5 under
   ``--rate`` events/s from a publisher on b3, subscribers on b1 and b5; b0 starts exchanging
-  b4-b5 for b0-b5 (a cycle of all six, the broker's default 30 s lease) and is SIGKILLed
-  each of ``--delays`` ms later, ``--tries`` times each. Reported per run: which of b0's two
-  neighbours declared it dead first, the time from the kill to every broker out of the
+  b4-b5 for b0-b5 (a cycle of all six, the broker's default 30 s lease) and ``--victim`` (b0,
+  the initiator, by default) is SIGKILLed each of ``--delays`` ms later, ``--tries`` times
+  each. Reported per run: which of its neighbours declared it dead first, the time from the
+  kill to every broker out of the
   exchange with every link known at both ends, and per subscriber what was lost, how many
   gaps it was told of, and what was duplicated or reordered (all must be 0: neither
-  subscriber is on b0).
+  subscriber is on the victim; b1 and b5 are not victims here).
 
 Progress goes to stderr; with ``--json`` the last stdout line is one JSON object.
 """
@@ -162,10 +163,10 @@ async def kill_scenario(
 CHAIN6 = [f"b{i}" for i in range(6)]
 
 
-async def initiator_run(
-    rate: float, heartbeat: float, dead_after: int, delay_ms: float
+async def exchange_kill_run(
+    rate: float, heartbeat: float, dead_after: int, delay_ms: float, victim: str
 ) -> dict[str, Any]:
-    """One kill of an exchange's initiator ``delay_ms`` after it started (see the module)."""
+    """One kill of ``victim`` ``delay_ms`` after b0 started its exchange (see the module)."""
     args = ["--heartbeat", str(heartbeat), "--dead-after", str(dead_after)]
     async with Overlay(CHAIN6, list(itertools.pairwise(CHAIN6)), extra_args=args) as ov:
         received: dict[str, list[Notification]] = {"s1": [], "s5": []}
@@ -189,10 +190,10 @@ async def initiator_run(
         await asyncio.sleep(1.0)
         started = await ov["b0"].admin.start_exchange(CHAIN6, ("b4", "b5"))
         await asyncio.sleep(delay_ms / 1000)
-        victim = ov.brokers.pop("b0")
+        proc = ov.brokers.pop(victim)
         killed, killed_wall = time.monotonic(), time.time()
-        os.kill(victim.pid, signal.SIGKILL)
-        await victim.stop()
+        os.kill(proc.pid, signal.SIGKILL)
+        await proc.stop()
         ov.edges = []
         settled_s = None
         async with asyncio.timeout(60):
@@ -206,8 +207,8 @@ async def initiator_run(
                 else:
                     await asyncio.sleep(0.02)
         verdicts = {}
-        for n in ("b1", "b5"):
-            recs = [r for r in (await ov[n].admin.status())["repairs"] if r["dead"] == "b0"]
+        for n in ov.brokers:
+            recs = [r for r in (await ov[n].admin.status())["repairs"] if r["dead"] == victim]
             if recs:
                 verdicts[n] = recs[-1]["at"] - killed_wall
         await asyncio.sleep(1.0)
@@ -220,6 +221,7 @@ async def initiator_run(
             await d
     first_verdict = min(verdicts, key=verdicts.__getitem__) if verdicts else None
     return {
+        "victim": victim,
         "delay_ms": delay_ms,
         "exchange": started.get("state"),
         "first_verdict": first_verdict,
@@ -269,14 +271,20 @@ async def _paced(pub: Client, rate: float, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.005)
 
 
-async def initiator_scenario(
-    rate: float, heartbeat: float, dead_after: int, delays: Sequence[float], tries: int
+async def exchange_kill_scenario(
+    rate: float,
+    heartbeat: float,
+    dead_after: int,
+    delays: Sequence[float],
+    *,
+    tries: int,
+    victim: str,
 ) -> list[dict[str, Any]]:
     runs = []
     for delay in delays:
         for i in range(tries):
-            progress(f"initiator: SIGKILL b0 {delay:g} ms into its exchange (try {i + 1})")
-            runs.append(await initiator_run(rate, heartbeat, dead_after, delay))
+            progress(f"exchange: SIGKILL {victim} {delay:g} ms into b0's exchange (try {i + 1})")
+            runs.append(await exchange_kill_run(rate, heartbeat, dead_after, delay, victim))
     return runs
 
 
@@ -362,16 +370,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if "custody" in only:
         out["custody"] = await custody_cost(args.duration, args.rounds)
         done("custody")
-    if "initiator" in only:
-        out["initiator"] = await initiator_scenario(
-            args.rate, args.heartbeat, args.dead_after, args.delays, args.tries
+    if "exchange" in only:
+        out["exchange"] = await exchange_kill_scenario(
+            args.rate,
+            args.heartbeat,
+            args.dead_after,
+            args.delays,
+            tries=args.tries,
+            victim=args.victim,
         )
-        done("initiator")
+        done("exchange")
     return out
 
 
 def scenarios(args: argparse.Namespace) -> set[str]:
-    return set(args.only or ("kill", "retention", "custody"))  # initiator: only when asked
+    return set(args.only or ("kill", "retention", "custody"))  # exchange: only when asked
 
 
 def report(r: dict[str, Any]) -> str:
@@ -383,14 +396,15 @@ def report(r: dict[str, Any]) -> str:
             f"retention at {ret['rate']:,.0f} events/s, {ret['window_s']:.0f} s window: "
             f"{ret['on']['kept']} kept, +{ret['extra_rss_mb']} MB RSS on the middle broker"
         )
-    for run in r.get("initiator", ()):
+    for run in r.get("exchange", ()):
         subs = ", ".join(
             f"{sub}: lost {x['lost']} (gaps told {x['gaps_told']}), duplicated "
             f"{x['duplicated']}, reordered {x['reordered']}"
             for sub, x in run["subscribers"].items()
         )
         lines.append(
-            f"initiator killed {run['delay_ms']:g} ms in: {run['first_verdict']} declared it "
+            f"{run['victim']} killed {run['delay_ms']:g} ms into the exchange: "
+            f"{run['first_verdict']} declared it "
             f"dead first {run['verdicts_s']}; settled {run['settled_s']:.2f} s after the kill; "
             + subs
         )
@@ -439,16 +453,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["kill", "retention", "custody", "initiator"],
+        choices=["kill", "retention", "custody", "exchange"],
         help="run only this scenario (repeatable; default: kill, retention and custody)",
     )
     parser.add_argument(
         "--delays",
         type=lambda v: [float(x) for x in v.split(",")],
         default=[0.0, 6.0, 9.0, 12.0, 18.0, 24.0, 40.0, 100.0],
-        help="initiator: ms from the exchange's start to the kill, comma-separated",
+        help="exchange: ms from the exchange's start to the kill, comma-separated",
     )
-    parser.add_argument("--tries", type=int, default=2, help="initiator: kills per delay")
+    parser.add_argument("--tries", type=int, default=2, help="exchange: kills per delay")
+    parser.add_argument(
+        "--victim",
+        choices=["b0", "b2", "b4"],
+        default="b0",
+        help="exchange: the broker killed (b0 starts the exchange, b4 is the removed link's "
+        "end on its side, b2 is between them)",
+    )
     parser.add_argument("--window", type=float, default=5.0, help="retention window measured, s")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per flat-out phase")
     parser.add_argument(
@@ -466,7 +487,7 @@ def run_args(args: argparse.Namespace) -> int:
     bad = [s for s in kill["subscribers"].values() if s["lost"] or s["duplicated"]]
     bad += [
         s
-        for run in result.get("initiator", ())
+        for run in result.get("exchange", ())
         for s in run["subscribers"].values()
         if s["lost"] or s["duplicated"] or s["reordered"]
     ]

@@ -444,7 +444,7 @@ def test_bench_faults_initiator_kills_settle_without_the_lease_and_lose_nothing(
         "bench",
         "faults",
         "--only",
-        "initiator",
+        "exchange",
         "--delays",
         "0,12",
         "--tries",
@@ -456,7 +456,7 @@ def test_bench_faults_initiator_kills_settle_without_the_lease_and_lose_nothing(
         "--json",
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    runs = last_json(result.stdout)["initiator"]
+    runs = last_json(result.stdout)["exchange"]
     assert isinstance(runs, list) and [r["delay_ms"] for r in runs] == [0.0, 12.0], runs
     for run in runs:
         assert run["first_verdict"] in ("b1", "b5") and run["settled_s"] < 10, run

@@ -45,6 +45,7 @@ from canopy_broker.core.messages import (
     Publish,
     RecMsg,
     RepairSweep,
+    ReplayEnd,
     RouteKey,
     RoutingMode,
     SendToLink,
@@ -365,6 +366,51 @@ def test_a1_dead_waits_at_its_neighbour_for_the_repair_and_a2_bridges_until_the_
     done.exchange.marks.add(Mark.END)
     done.handle(PeerGone("a"))
     assert done.exchange is None
+
+
+def test_an_a_end_whose_neighbour_died_releases_its_queue_only_behind_the_repairs_replay() -> None:
+    """A1's neighbour on its side died in phase 1. A1 holds notifications that crossed the added
+    link (newer); the repair around the dead one replays what its chain partner had sent it
+    (older). A1 settles, releasing its queue, only once that partner's ReplayEnd is in: the
+    replay first, then the queue, each delivered. Released as it settled, the queue came first
+    and the replay was dropped as had (simulator: 20-30 events per subscriber). A partner whose
+    software sends no ReplayEnd is not waited for; a stranger's is refused."""
+
+    def a1_in_phase_1(*, replay_end: bool = True) -> BrokerCore:
+        core = BrokerCore("a")
+        core.handle(AddLink("m"))
+        core.handle(ClientAttach("c"))
+        core.handle(ClientSubscribe("c", "s", Filter.parse("x = 1")))
+        core.handle(StartExchange("x1", PATH, ("r1", "r2")))
+        core.handle(FromLink("m", Granted("x1")))
+        core.handle(FromLink("m", Neighbours(("a", "r1"))))
+        core.handle(PeerFeatures("r1", placement=True, settle=True, replay_end=replay_end))
+        assert core.exchange is not None and core.exchange.granted
+        gray = Publish(Event("p", 9, {"x": 1}), Tag("x1", gray=True))
+        assert delivered(core.handle(FromLink("z", gray))) == []  # queued behind the old way
+        return core
+
+    a = a1_in_phase_1()
+    assert a.handle(PeerGone("m")) == [] and a.exchange is not None
+    out = a.handle(PeerFailed("m"))
+    assert OpenLink("r1") in out and a.exchange is not None
+    out = a.handle(FromLink("r1", RepairSweep("m", forward=False)))
+    assert ("r1", ReplayEnd("m")) in sent(out) and a.exchange is not None  # its own replay end
+    replayed = Publish(Event("p", 5, {"x": 1}), replay=True)
+    assert delivered(a.handle(FromLink("r1", replayed))) == [5]
+    stranger = a1_in_phase_1()
+    stranger.handle(PeerGone("m"))
+    stranger.handle(PeerFailed("m"))
+    stranger.handle(AddLink("q"))
+    refused(stranger, FromLink("q", ReplayEnd("m")), "not in its chain")
+    out = a.handle(FromLink("r1", ReplayEnd("m")))
+    assert delivered(out) == [9] and a.exchange is None
+    old = a1_in_phase_1(replay_end=False)
+    old.handle(PeerGone("m"))
+    old.handle(PeerFailed("m"))
+    out = old.handle(FromLink("r1", RepairSweep("m", forward=False)))
+    assert delivered(out) == [9] and old.exchange is None
+    assert not any(isinstance(x, ReplayEnd) for _p, x in sent(out))
 
 
 def test_a_death_before_go_passed_rolls_the_path_beyond_it_back_at_once() -> None:

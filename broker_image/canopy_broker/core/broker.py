@@ -81,6 +81,7 @@ from canopy_broker.core.messages import (
     Repaired,
     RepairLink,
     RepairSweep,
+    ReplayEnd,
     Resumed,
     RouteKey,
     RoutingMode,
@@ -213,6 +214,8 @@ class BrokerCore:
         self.left: deque[str] = deque(maxlen=64)
         # Peers whose software would refuse a Settle (from before it: a roll-out).
         self.unsettled: set[str] = set()
+        # Peers whose software sends no ReplayEnd after a repair's replay: not waited for.
+        self.no_replay_end: set[str] = set()
         # Path algorithm: this broker's role per reconfiguration, and the (un)subscriptions
         # from a neighbour to ignore while its RECMSG travels.
         self.path_roles: dict[str, tuple[Role, str]] = {}
@@ -338,8 +341,10 @@ class BrokerCore:
             self._remove_link(inp.peer, out)
             self.neighbour_lists.forget(inp.peer)
             self._chain_end_gone(inp.peer, out)
+            self._partner_gone(out)
         elif isinstance(inp, PeerFailed):
             self._peer_failed(inp.peer, out)
+            self._partner_gone(out)
         elif isinstance(inp, PeerGone):
             ex = self.ex
             if (
@@ -364,6 +369,10 @@ class BrokerCore:
                 self.unsettled.discard(inp.peer)
             else:
                 self.unsettled.add(inp.peer)
+            if inp.replay_end:
+                self.no_replay_end.discard(inp.peer)
+            else:
+                self.no_replay_end.add(inp.peer)
         elif isinstance(inp, FindCycles):
             for peer, probe in self.cycles.start(inp.round, inp.bound, self._tree_links()):
                 self.to_peer(peer, probe, out)
@@ -621,9 +630,10 @@ class BrokerCore:
     def _remove_link(self, peer: str, out: list[Effect]) -> None:
         if not self.routing.has_link(peer):
             raise ProtocolError(f"{self.name}: no link to {peer!r}")
-        if self.ex is not None and peer in self.ex.cycle_peers():
+        ex = self.ex
+        if ex is not None and peer in ex.cycle_peers() and peer not in ex.waits_on:
             raise ProtocolError(
-                f"{self.name}: link to {peer!r} is on the cycle of exchange {self.ex.xid}"
+                f"{self.name}: link to {peer!r} is on the cycle of exchange {ex.xid}"
             )
         self.routing.remove_link(peer, out)
         self.deduped.discard(peer)
@@ -698,7 +708,12 @@ class BrokerCore:
         # It was in the chain of a repair still under way: what that one kept is replayed by
         # this one too (its own chain reaches the far side of the dead end).
         carried = self._chain_end_gone(peer, out)
-        chain, targets = self.neighbour_lists.chain_for(peer)
+        # Not a neighbour of the dead R end in the tree the exchange leaves: it dropped this
+        # broker from its list as it began to roll forward, but that list did not cross the
+        # frozen removed link, and from the one before, this broker linked to the dead one's
+        # other neighbour, which never linked back (its repair then waited for its timer).
+        gone_from = ex is not None and peer == ex.r_peer and ex.rolls_forward
+        chain, targets = self.neighbour_lists.chain_for(peer, without=gone_from)
         opened: list[str] = []
         for t in targets:
             if t != self.name and not self.routing.has_link(t):
@@ -810,10 +825,10 @@ class BrokerCore:
 
     def _finish_repair(self, run: RepairRun, out: list[Effect], *, timed_out: bool = False) -> None:
         ex = self.ex
-        if ex is not None and run.dead in ex.waits_on:
-            # The exchange's settling waited on this repair (see exchange.defer_settle): A1's
-            # other path neighbour has the repair's routes now, and its Settle walks behind
-            # them; at A2 (its repair gave up waiting, or lost its chain end) the bridge ends.
+        if ex is not None and ex.bridge == run.dead:
+            # A2's repair around A1 gave up waiting, or lost its chain end, before the walk
+            # came (see exchange.defer_settle): the bridge ends first, while A1's link, which
+            # its held notifications came over, is still there.
             coordinated.settle(self, ex, run.dead, run.dead, out)
         holding = self._holding
         shared: list[str] = []  # this run's chain ends another repair still holds
@@ -841,6 +856,41 @@ class BrokerCore:
             for eff in out[sent:]:
                 if isinstance(eff, SendToLink) and isinstance(eff.message, Publish):
                     self.retention.keep(eff.peer, self.now, eff.message.event)
+        for partner in (run.previous, run.next):
+            if partner and self.is_neighbour(partner) and partner not in self.no_replay_end:
+                out.append(SendToLink(partner, ReplayEnd(run.dead)))
+        self._settle_after(run, out, now=timed_out)
+
+    def _settle_after(self, run: RepairRun, out: list[Effect], *, now: bool = False) -> None:
+        """Settle the exchange that waits on ``run`` (see exchange.defer_settle) once it is
+        through: done, and (unless ``now``: it gave up waiting) the replay of each chain partner
+        that is still there and sends one has ended. Its Settle walks on behind all of it."""
+        ex = self.ex
+        if ex is None or ex.after_repair != run.dead or run.phase is not RepairPhase.DONE:
+            return
+        if ex.after_replay and not now:
+            partners = {p for p in (run.previous, run.next) if p is not None}
+            waiting = {p for p in partners if self.is_neighbour(p) and p not in self.no_replay_end}
+            if waiting - run.replay_ends:
+                return
+        coordinated.settle(self, ex, run.dead, run.dead, out)
+
+    def _replay_ended(self, peer: str, dead: str, out: list[Effect]) -> None:
+        run = self.repairs.get(dead)
+        if run is None:
+            return  # a repair this broker has forgotten (or was never in): nothing waits on it
+        if peer not in (run.previous, run.next):
+            raise ProtocolError(f"{self.name}: ReplayEnd of {dead} from {peer}, not in its chain")
+        run.replay_ends.add(peer)
+        self._settle_after(run, out)
+
+    def _partner_gone(self, out: list[Effect]) -> None:
+        """A link went: if it was a chain partner whose ReplayEnd the exchange waits for, it
+        will not come."""
+        ex = self.ex
+        run = self.repairs.get(ex.after_repair) if ex is not None and ex.after_repair else None
+        if run is not None:
+            self._settle_after(run, out)
 
     def _repair_msg(self, peer: str, msg: RepairSweep, out: list[Effect]) -> None:
         run = self.repairs.get(msg.dead)
@@ -896,6 +946,8 @@ class BrokerCore:
             coordinated.on_settle(self, peer, msg, out)
         elif isinstance(msg, RepairSweep):
             self._repair_msg(peer, msg, out)
+        elif isinstance(msg, ReplayEnd):
+            self._replay_ended(peer, msg.dead, out)
         elif isinstance(msg, PublisherGap):
             self._spread_gap(msg, peer, out)
         elif isinstance(msg, Marker):

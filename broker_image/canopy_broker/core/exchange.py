@@ -223,8 +223,10 @@ class Exchange:
     bridge: str | None = None
     bridge_peers: set[str] = field(default_factory=set)
     bridged: list[FromLink] = field(default_factory=list)
-    # At A1's other path neighbour: A1, whose repair's routes must be in before it settles.
+    # A dead cycle neighbour whose repair this broker settles after (see defer_settle), and
+    # whether after its chain partners' ReplayEnd too (not at A1's other path neighbour).
     after_repair: str | None = None
+    after_replay: bool = False
 
     def expect(self, step: Step) -> Phase:
         """The phase ``step`` leads to; raises (changing nothing) if it is not allowed now."""
@@ -521,7 +523,7 @@ def _go_cut_off(ex: Exchange, gone: str, away_from: str) -> bool:
     neighbour there, or a walk from it). Then nobody on from here can be committed any more,
     and they all roll back now. They used to wait for their lease (30 s by default) when A1
     died while it locked the path, its publishers unacknowledged meanwhile (`canopy bench
-    faults --only initiator`: 1 kill of 16, 30 s)."""
+    faults --only exchange`: 1 kill of 16, 30 s)."""
     me = ex.me
     return me > 0 and away_from == ex.path[me - 1] and ex.path.index(gone) < me
 
@@ -539,34 +541,48 @@ def _walk_on(
 
 
 def defer_settle(ex: Exchange, gone: str) -> bool:
-    """Whether this broker's own verdict that ``gone`` died waits instead of settling now:
-    ``gone`` is A1, phase 1 has begun here, the removed link does not touch A1, and this
-    broker is A2 or A1's other path neighbour (P). The repair around A1 links P's side of the
-    cycle to A2's (their chain), and the removed link is the only way between them until it
-    does. Settled at once, whichever of the two heard first started the walk that closes the
-    removed link, its R1 withdrew the routes over it from P's side, and the events published
-    there before the repair's routes came round went nowhere, untold: A2 (R2) declared b0
-    dead 26-150 ms before b1 in 3 of 16 kills on `canopy up` and in CI, 14-70 events lost.
+    """Whether this broker's own verdict that ``gone``, its neighbour on the cycle, died waits
+    instead of settling now (phase 1 has begun here). It settles once the repair around
+    ``gone`` is through (:meth:`BrokerCore._finish_repair`).
 
-    Instead P settles when its repair's routes are in (:meth:`BrokerCore._finish_repair`):
-    its Settle walks to R1 behind them, so every broker it passes can reach A2's side the new
-    way before R1 withdraws the old one. A2 *bridges*: it keeps the removed link and takes
-    what comes over it, and holds what comes over its repair links (``bridged``) until that
-    walk reaches it, behind the last of what R1 sent over the removed link; then it settles
-    and takes the held ones as replays, so that what came both ways is delivered once, and in
-    each publisher's order (the old way carried a prefix of each publisher's events, the new
-    way the rest and some of that prefix again)."""
-    if not ex.rolls_forward or gone != ex.path[0] or ex.k == 0:
+    **An A end's neighbour on its side.** The repair replays what its chain partners had sent
+    to the dead broker: older than what the A end holds in its queue (notifications that
+    crossed the added link). Released as the A end settled, the queue came first, and the
+    replay after it was dropped as had (simulator: b1 killed in phase 1 of an exchange on
+    b0-…-b5, 56 events lost). So the A end waits for its chain partners' :class:`ReplayEnd`.
+    Only the A ends: a middle broker or an R end that waited kept the removed link open while
+    replays came in over the repair's links, and they crossed it as well as the added link
+    (simulator: 240 duplicates with a broker between R2 and A2 dead).
+
+    **A1's death.** If ``gone`` is A1 and the removed link does not touch it, the removed link
+    is the only way between the two sides until the repair around A1 links A1's other path
+    neighbour P with A2. Settled at once, whichever of the two heard first started the walk
+    that closes the removed link, its R1 withdrew the routes over it from P's side, and the
+    events published there before the repair's routes came round went nowhere, untold: A2 (R2)
+    declared b0 dead 26-150 ms before b1 in 3 of 16 kills on `canopy up` and in CI, 14-70
+    events lost. Instead P settles once its repair's routes are in (not its replay: A2's comes
+    only after the walk), and its Settle walks to R1 behind them, so every broker it passes can
+    reach A2's side the new way before R1 withdraws the old one. A2 *bridges*: it keeps the
+    removed link and takes what comes over it, and holds what comes over its repair links
+    (``bridged``) until that walk reaches it, behind the last of what R1 sent over the removed
+    link; then it settles and takes the held ones as replays (see :func:`_end_bridge`).
+
+    Not when this broker already waits on another repair (the second death settles it now),
+    nor when A2 has had End (the removed link is gone: nothing to bridge)."""
+    if not ex.rolls_forward or ex.waits_on:
         return False
-    if ex.me == ex.last:
-        if ex.has(Mark.END):
-            return False  # the removed link is gone already: there is nothing to bridge
-        ex.bridge = gone
-    elif ex.me == 1:
-        ex.after_repair = gone
-    else:
-        return False
-    return True
+    if gone == ex.path[0] and ex.k > 0 and ex.me in (1, ex.last):  # A1, off the removed link
+        if ex.me == 1:
+            ex.after_repair = gone
+        elif ex.has(Mark.END):
+            return False
+        else:
+            ex.bridge = gone
+        return True
+    if ex.is_a and gone == ex.down:  # an A end's neighbour on its own side
+        ex.after_repair, ex.after_replay = gone, True
+        return True
+    return False
 
 
 def _end_bridge(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:

@@ -318,6 +318,17 @@ class Neighbours:
 
 
 @message
+class ReplayEnd:
+    """Sent after the replay of the repair around ``dead`` (its retained notifications, then
+    those it held): nothing more of that replay follows over this link. An exchange's A end
+    whose neighbour on its side, ``dead``, died waits for it from its chain partners before it
+    releases its queue of notifications that crossed the added link: newer than what the
+    replay brings, released first they made it be dropped as had (simulator: 56 events)."""
+
+    dead: str
+
+
+@message
 class RepairSweep:
     """Travels the repair chain of ``dead`` end to end, once in each direction (``forward``:
     from its first broker to its last). Behind it on each link are the routes of every broker
@@ -370,6 +381,7 @@ LinkMessage = (
     | Moved
     | Neighbours
     | RepairSweep
+    | ReplayEnd
     | Subscribe
     | Unsubscribe
     | Publish
@@ -482,11 +494,13 @@ class PeerFeatures:
     lists in chain order with the sender's zone and node. A peer without it (an older version,
     met during a roll-out) sorts the lists it hears by name and refuses fields it does not
     know, so while one is a neighbour this broker announces in name order, without them.
-    ``settle``: it understands :class:`Settle` (an older peer would close the link on it)."""
+    ``settle``: it understands :class:`Settle` (an older peer would close the link on it);
+    ``replay_end``: it understands and sends :class:`ReplayEnd`."""
 
     peer: str
     placement: bool
     settle: bool = True
+    replay_end: bool = True
 
 
 @message

@@ -219,10 +219,14 @@ class NeighbourLists:
             self._told[n] = msg
             out.append(SendToLink(n, msg))
 
-    def chain_for(self, dead: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    def chain_for(
+        self, dead: str, *, without: bool = False
+    ) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(the dead broker's last known neighbours in its order, the ones this broker links
-        to)."""
+        to); ``without`` this broker, which is not one of them any more."""
         chain = tuple(dict.fromkeys(self.lists.pop(dead, ())))
+        if without:
+            chain = tuple(n for n in chain if n != self.name)
         return chain, chain_links(chain, self.name)
 
     def forget(self, peer: str) -> None:
@@ -403,6 +407,7 @@ class RepairRun:
     phase: Phase = Phase.WAITING
     swept: set[Step] = field(default_factory=set)
     finished_at: float | None = None
+    replay_ends: set[str] = field(default_factory=set)  # chain partners whose ReplayEnd came
 
     def __post_init__(self) -> None:
         # An end of the chain needs no sweep from beyond it.

@@ -792,11 +792,15 @@ class LinkSessions:
         if "v" in hello:  # a peer's own hello (not a standby link's, taken over)
             features = hello.get("features")
             known = features if isinstance(features, list) else []
-            told = PeerFeatures(link.peer, "placement" in known, "settle" in known)
+            told = PeerFeatures(
+                link.peer, "placement" in known, "settle" in known, "replay-end" in known
+            )
             core = host.core
-            if (link.peer in core.neighbour_lists.legacy) == told.placement or (
-                link.peer in core.unsettled
-            ) == told.settle:  # news
+            if (
+                (link.peer in core.neighbour_lists.legacy) == told.placement
+                or (link.peer in core.unsettled) == told.settle
+                or (link.peer in core.no_replay_end) == told.replay_end
+            ):  # news
                 host.apply(core.handle(told, host.now()))
         if link.kind == "link":
             self._checks.pop(link.peer, None)  # it answered for itself
