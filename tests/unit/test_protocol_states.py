@@ -413,6 +413,43 @@ def test_an_a_end_whose_neighbour_died_releases_its_queue_only_behind_the_repair
     assert not any(isinstance(x, ReplayEnd) for _p, x in sent(out))
 
 
+def test_go_carries_a1s_list_to_the_two_brokers_that_would_repair_around_it() -> None:
+    """A1's neighbour list as it commits (naming A2) rides along with Go. Its path neighbour
+    takes it over whatever it had (A1's lists come over the same link, so nothing before Go is
+    newer); A2 takes it if it has heard none over the new link, which may not have carried one
+    yet when A1 died (CI: b5 linked to nobody, b1 linked to it). A list that does not name the
+    broker taking it is refused before anything changes."""
+    a = BrokerCore("a", announce_neighbours=True)
+    a.handle(AddLink("m"))
+    a.handle(StartExchange("x1", PATH, ("r1", "r2")))
+    out = a.handle(FromLink("m", Granted("x1")))
+    (go,) = [x for p, x in sent(out) if isinstance(x, Go)]
+    assert sorted(go.a1_list) == ["m", "z"]
+
+    def core(name: str, links: tuple[str, ...]) -> BrokerCore:
+        c = BrokerCore(name, announce_neighbours=True)
+        for peer in links:
+            c.handle(AddLink(peer))
+        return c
+
+    m = core("m", ("a", "r1"))
+    m.handle(FromLink("a", Neighbours(("m", "q"))))  # before the commit
+    m.handle(FromLink("a", Lock("x1", PATH, K)))
+    m.handle(FromLink("r1", Granted("x1")))
+    refused(m, FromLink("a", Go("x1", 0, ("r1", "z"))), "must name this broker")
+    out = m.handle(FromLink("a", Go("x1", 0, go.a1_list)))
+    assert m.neighbour_lists.lists["a"] == go.a1_list
+    assert ("r1", Go("x1", 0, go.a1_list)) in sent(out)  # passed on as it came
+    for heard_before in (False, True):
+        z = core("z", ("r2",))
+        z.handle(FromLink("r2", Lock("x1", PATH, K)))
+        if heard_before:
+            z.handle(FromLink("a", Neighbours(("z", "m", "q"))))  # over the new link: newer
+        z.handle(FromLink("r2", Go("x1", 0, go.a1_list)))
+        want = ("z", "m", "q") if heard_before else go.a1_list
+        assert z.neighbour_lists.lists["a"] == want
+
+
 def test_a_death_before_go_passed_rolls_the_path_beyond_it_back_at_once() -> None:
     """A broker dies before Go passed it (here A1, while it locked the path): Go can no longer
     reach anybody beyond it, so its neighbour there rolls back and walks a Settle on, and each

@@ -1014,7 +1014,7 @@ class BrokerCore:
         elif isinstance(msg, Granted):
             coordinated.on_granted(self, ex, out)
         elif isinstance(msg, Go):
-            coordinated.go(self, ex, out)
+            coordinated.go(self, ex, out, msg.a1_list)
         elif isinstance(msg, Separator):
             coordinated.on_separator(self, ex, msg.side, out)
         elif isinstance(msg, End):
@@ -1030,6 +1030,18 @@ class BrokerCore:
             self.ex = None
         if by_lease:
             self.left.append(ex.xid)
+
+    def own_list(self) -> tuple[str, ...]:
+        """The neighbour list this broker would announce now (empty with repair off)."""
+        if not self.announce_neighbours:
+            return ()
+        return self.neighbour_lists.order(
+            [n for n in self.routing.neighbours if not self._unlisted(n)]
+        )
+
+    def heard_with_go(self, peer: str, names: tuple[str, ...], *, newest: bool) -> None:
+        if self.announce_neighbours:
+            self.neighbour_lists.heard_with_go(peer, names, newest=newest)
 
     def record_ordering_delay(self, xid: str, delay: float) -> None:
         self.ordering_delays.append(delay)

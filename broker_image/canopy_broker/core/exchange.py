@@ -124,6 +124,10 @@ class BrokerCore(Protocol):
 
     def record_ordering_delay(self, xid: str, delay: float) -> None: ...
 
+    def own_list(self) -> tuple[str, ...]: ...
+
+    def heard_with_go(self, peer: str, names: tuple[str, ...], *, newest: bool) -> None: ...
+
     def leave_exchange(self, ex: Exchange, *, by_lease: bool) -> None: ...
 
     @property
@@ -790,13 +794,18 @@ def on_granted(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
         go(core, ex, out)
 
 
-def go(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
-    """A1's commit, or its Go passing: phase 1 starts here."""
+def go(core: BrokerCore, ex: Exchange, out: list[Effect], a1_list: tuple[str, ...] = ()) -> None:
+    """A1's commit, or its Go passing: phase 1 starts here. A1's list rides along (see
+    ``Go.a1_list``); A1's path neighbour and A2 take it (checked before anything changes)."""
+    if a1_list and (ex.me == ex.last or (ex.me == 1 and ex.k > 0)):  # not across the removed link
+        core.heard_with_go(ex.path[0], a1_list, newest=ex.me == 1)
     ex.fire(Step.GO)
+    if ex.me == 0:
+        a1_list = core.own_list()  # with A2 in it from now on
     # Go goes on before this broker's own phase-1 work, so the broker after it has begun phase
     # 1 before anything of phase 1 (e.g. this R end's separator over r) reaches it.
     if ex.me < ex.last:
-        out.append(SendToLink(ex.path[ex.me + 1], Go(ex.xid, ex.attempt)))
+        out.append(SendToLink(ex.path[ex.me + 1], Go(ex.xid, ex.attempt, a1_list)))
     if ex.is_r:
         r = ex.r_peer
         assert r is not None

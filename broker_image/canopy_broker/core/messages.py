@@ -179,10 +179,14 @@ class Granted:
 class Go:
     """Travels A1 → A2 once Granted reached A1: the commit point. Phase 1 starts at each broker
     as Go passes it (an R end starts its transfer), so no broker changes anything for a try
-    that A1 has given up on."""
+    that A1 has given up on. ``a1_list``: A1's neighbour list as it commits (naming A2 from
+    then on), for the two brokers that repair around A1 if it dies: its path neighbour and A2.
+    A2 hears A1's lists over the new link only, which may not have carried one yet (CI: b0
+    killed just after Go reached b5, which linked to nobody while b1 linked to it)."""
 
     xid: str
     attempt: int = 0
+    a1_list: tuple[str, ...] = ()
 
 
 @message

@@ -197,10 +197,7 @@ class NeighbourLists:
             self.lists.pop(peer, None)
             self.where.pop(peer, None)
         old = self.legacy.intersection(neighbours)
-        if old:  # they would sort it: everybody must read the same chain from it
-            names = tuple(sorted(set(neighbours)))
-        else:
-            names = chain_order(self.own, neighbours, self.where)
+        names = self.order(neighbours)
         key = (names, self.own, frozenset(old))
         if key == self._announced and not self._pending:
             return
@@ -218,6 +215,25 @@ class NeighbourLists:
                 continue
             self._told[n] = msg
             out.append(SendToLink(n, msg))
+
+    def order(self, neighbours: Sequence[str]) -> tuple[str, ...]:
+        """``neighbours`` as this broker announces them: in chain order, or by name while an
+        older broker that would sort them is among them (everybody must read the same chain)."""
+        if self.legacy.intersection(neighbours):
+            return tuple(sorted(set(neighbours)))
+        return chain_order(self.own, neighbours, self.where)
+
+    def heard_with_go(self, peer: str, names: tuple[str, ...], *, newest: bool) -> None:
+        """``peer``'s list as an exchange's Go carried it from there (see ``Go.a1_list``):
+        ``newest`` where Go came over the link the lists do (nothing it sent before Go is newer),
+        else only if no list from it is known (one over another link may be newer)."""
+        if self.name not in names or peer in names:
+            raise ProtocolError(
+                f"{self.name}: {peer}'s list {list(names)} in a Go must name this broker "
+                "and not itself"
+            )
+        if newest or peer not in self.lists:
+            self.lists[peer] = names
 
     def chain_for(
         self, dead: str, *, without: bool = False
