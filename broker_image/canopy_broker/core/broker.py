@@ -346,14 +346,7 @@ class BrokerCore:
             self._peer_failed(inp.peer, out)
             self._partner_gone(out)
         elif isinstance(inp, PeerGone):
-            ex = self.ex
-            if (
-                ex is not None
-                and inp.peer in ex.path
-                and inp.peer != self.name
-                and not coordinated.defer_settle(ex, inp.peer)
-            ):
-                coordinated.settle(self, ex, inp.peer, inp.peer, out)
+            self._peer_gone(inp.peer, out)
         elif isinstance(inp, LinkFailed):
             self._link_failed(inp.peer, out)
         elif isinstance(inp, StandbyLinks):
@@ -674,6 +667,19 @@ class BrokerCore:
                 self._finish_repair(run, out)
         return kept
 
+    def _peer_gone(self, peer: str, out: list[Effect]) -> None:
+        """Nothing more will come from ``peer``: if it is on the exchange's path, this broker's
+        part settles now, as at its lease's end, or once the repair around it is through
+        (exchange.defer_settle)."""
+        ex = self.ex
+        if (
+            ex is not None
+            and peer in ex.path
+            and peer != self.name
+            and not coordinated.defer_settle(ex, peer)
+        ):
+            coordinated.settle(self, ex, peer, peer, out)
+
     def _peer_failed(self, peer: str, out: list[Effect]) -> None:
         """Paper 001's repair: drop the dead link (its routes are withdrawn), then link to this
         broker's neighbours in the chain through the dead broker's former neighbours; each new
@@ -694,12 +700,15 @@ class BrokerCore:
                 # reachable once an unconnected added link is suspected).
                 return
         elif ex is not None and peer in ex.cycle_peers() and peer not in ex.waits_on:
-            # Phase 1 has begun, or is about to (Granted passed here): the exchange's lease
-            # rolls it forward first (the runtime defers the repair until then). Unless the
-            # exchange waits on this very repair (A1's death, see exchange.defer_settle).
-            raise ProtocolError(
-                f"{self.name}: link to {peer!r} is on the cycle of exchange {ex.xid}"
-            )
+            # Phase 1 has begun, or is about to (Granted passed here): the verdict is as strong
+            # as a fence, so this part settles first, as PeerGone would (now, or once this
+            # repair is through), and the repair follows. The drivers used to do this in three
+            # steps (this input refused, PeerGone, this input again), each in its own copy: the
+            # runtime's failure detector and the simulator.
+            self._peer_gone(peer, out)
+            if not self.routing.has_link(peer):
+                return  # settling took the link away (the added one rolled back, or r closed)
+            ex = self.ex
         # The dead link stays in the tables, frozen (nothing is sent to it), until the new
         # routes are in: its routes keep this side's traffic coming here, and the repair
         # collects it for the replay.

@@ -1146,22 +1146,14 @@ class LinkSessions:
             # at this end only and never brought the peer back (chaos soak reproduction).
             effects = []
         else:
+            # On the cycle of an exchange past its grant, the core settles its part first
+            # (BrokerCore._peer_failed), and the repair follows at once.
             try:
                 effects = core.handle(PeerFailed(peer), host.now())
-            except ProtocolError:
-                # On the cycle of an exchange past its grant: the verdict is as strong as a
-                # fence, so the exchange settles now, as at its lease's end (PeerGone), and
-                # the repair follows at once instead of after the lease.
-                host.apply(core.handle(PeerGone(peer), host.now()))
-                if not core.routing.has_link(peer):
-                    effects = []  # settling rolled the exchange back: its new link is gone
-                else:
-                    try:
-                        effects = core.handle(PeerFailed(peer), host.now())
-                    except ProtocolError as exc:
-                        self._defer(peer, "looks dead", exc)
-                        self._ask_link_fence(link)
-                        return
+            except ProtocolError as exc:
+                self._defer(peer, "looks dead", exc)
+                self._ask_link_fence(link)
+                return
         self._deferred.pop(peer, None)
         link.established = False  # the core has dropped it already
         if link.incarnation:

@@ -17,12 +17,13 @@ the final tree, and every exchange and repair finished.
 **What the schedule leaves out, and why** (combinations the core does not support today; a
 test that lifted a rule would fail for the reason given):
 
-* *A death on the cycle of a running exchange.* The brokers next to the dead one on the cycle
-  refuse the repair (``PeerFailed`` is a protocol error while the exchange holds that link) until
-  the exchange's lease ends; the runtime retries at every heartbeat, but the other neighbours
-  have built their part of the chain meanwhile, so the repair is not one simultaneous step. So
-  no broker on the path of an unfinished exchange dies, and no exchange starts while a repair
-  runs (its plan would be computed on a tree that is not one).
+* *A death on the cycle of a running exchange.* The brokers next to the dead one settle their
+  part first and then repair (``PeerFailed`` in the core), and the rest of the cycle follows
+  (Settle). What is in flight through the dead broker can still be lost when it is R1, R2 or a
+  broker between R2 and A2 (docs/reconfiguration.md, "What is left";
+  ``tests/sim/test_faults.py`` covers those deaths one by one). So no broker on the path of an
+  unfinished exchange dies here, and no exchange starts while a repair runs (its plan would be
+  computed on a tree that is not one).
 * *One death at a time.* The chain repair closes the tree around one dead broker; the next
   death waits until that repair is complete (paper 003's simultaneous failures are elsewhere).
 * *A death right after the victim's links changed.* Its neighbours must agree on its neighbour

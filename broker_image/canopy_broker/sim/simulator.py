@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from canopy_broker.core.broker import BrokerCore
-from canopy_broker.core.errors import ProtocolError
 from canopy_broker.core.events import Event, Value
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
@@ -53,7 +52,6 @@ from canopy_broker.core.messages import (
     OpenLink,
     Ordering,
     PeerFailed,
-    PeerGone,
     Publish,
     Relay,
     RemoveLink,
@@ -530,17 +528,7 @@ class Simulator:
         core = self.cores[broker]
         ex = core.exchange
         queued = {id(q): q for _, q in ex.queue} if ex is not None and ex.queue else {}
-        try:
-            effects = core.handle(inp, self.now)
-        except ProtocolError:
-            if not isinstance(inp, PeerFailed) or core.exchange is None:
-                raise
-            # As the runtime's detector does (LinkSessions._declare_dead): a verdict on a
-            # member of the cycle of an exchange past its grant settles the exchange first, as
-            # its lease's end would (PeerGone), and the repair follows at once; if settling
-            # took the link away (rolled back), there is nothing to repair.
-            self._carry_out(broker, core.handle(PeerGone(inp.peer), self.now))
-            effects = core.handle(inp, self.now) if core.routing.has_link(inp.peer) else []
+        effects = core.handle(inp, self.now)
         if isinstance(inp, PeerFailed) and not any(isinstance(e, Repaired) for e in effects):
             # No repair here: the link went with the exchange it was added by (an A end whose
             # other end died, or a settle that rolled it back).
