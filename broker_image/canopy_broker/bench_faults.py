@@ -196,16 +196,21 @@ async def exchange_kill_run(
         await proc.stop()
         ov.edges = []
         settled_s = None
-        async with asyncio.timeout(60):
-            while settled_s is None:
-                statuses = await ov.statuses()
-                told = {(n, str(p["peer"])) for n, st in statuses.items() for p in st["neighbours"]}
-                mutual = {e for e in told if (e[1], e[0]) in told}
-                free = all(st["exchange"] is None for st in statuses.values())
-                if free and len(mutual) == 8 and len(told) == 8:
-                    settled_s = time.monotonic() - killed
-                else:
-                    await asyncio.sleep(0.02)
+        unsettled: dict[str, Any] = {}
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(60):
+                while settled_s is None:
+                    statuses = await ov.statuses()
+                    told = {
+                        (n, str(p["peer"])) for n, st in statuses.items() for p in st["neighbours"]
+                    }
+                    mutual = {e for e in told if (e[1], e[0]) in told}
+                    locked = sorted(n for n, st in statuses.items() if st["exchange"] is not None)
+                    if not locked and len(mutual) == 8 and len(told) == 8:
+                        settled_s = time.monotonic() - killed
+                    else:
+                        unsettled = {"in_exchange": locked, "one_sided": sorted(told - mutual)}
+                        await asyncio.sleep(0.02)
         verdicts = {}
         for n in ov.brokers:
             recs = [r for r in (await ov[n].admin.status())["repairs"] if r["dead"] == victim]
@@ -226,7 +231,8 @@ async def exchange_kill_run(
         "exchange": started.get("state"),
         "first_verdict": first_verdict,
         "verdicts_s": {n: round(t, 3) for n, t in verdicts.items()},
-        "settled_s": round(settled_s, 3),
+        "settled_s": None if settled_s is None else round(settled_s, 3),
+        "unsettled_after_60s": unsettled if settled_s is None else None,
         "published": last - first + 1,
         "subscribers": per_sub,
     }
@@ -405,7 +411,12 @@ def report(r: dict[str, Any]) -> str:
         lines.append(
             f"{run['victim']} killed {run['delay_ms']:g} ms into the exchange: "
             f"{run['first_verdict']} declared it "
-            f"dead first {run['verdicts_s']}; settled {run['settled_s']:.2f} s after the kill; "
+            f"dead first {run['verdicts_s']}; "
+            + (
+                f"settled {run['settled_s']:.2f} s after the kill; "
+                if run["settled_s"] is not None
+                else f"not settled 60 s after the kill {run['unsettled_after_60s']}; "
+            )
             + subs
         )
     if "custody" in r:
@@ -489,7 +500,7 @@ def run_args(args: argparse.Namespace) -> int:
         s
         for run in result.get("exchange", ())
         for s in run["subscribers"].values()
-        if s["lost"] or s["duplicated"] or s["reordered"]
+        if s["lost"] or s["duplicated"] or s["reordered"] or run["settled_s"] is None
     ]
     return 1 if bad else 0
 
