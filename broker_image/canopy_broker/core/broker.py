@@ -886,10 +886,11 @@ class BrokerCore:
 
     def _replay_ended(self, peer: str, dead: str, out: list[Effect]) -> None:
         run = self.repairs.get(dead)
-        if run is None:
-            return  # a repair this broker has forgotten (or was never in): nothing waits on it
-        if peer not in (run.previous, run.next):
-            raise ProtocolError(f"{self.name}: ReplayEnd of {dead} from {peer}, not in its chain")
+        if run is None or peer not in (run.previous, run.next):
+            # A repair this broker has forgotten or was never in, or one from before a later
+            # repair around a broker of the same name (a restarted one died again): nothing
+            # waits on it here. Dropped, not refused: the link it came over is sound.
+            return
         run.replay_ends.add(peer)
         self._settle_after(run, out)
 
