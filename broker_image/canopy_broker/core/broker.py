@@ -282,7 +282,7 @@ class BrokerCore:
                 if neighbours != list(self._linked_at):
                     self._linked_at = {n: self._linked_at.get(n, now) for n in neighbours}
                 if self.announce_neighbours:
-                    live = [n for n in neighbours if not self._unlisted(n)]
+                    live = self._listed(neighbours)
                     self.neighbour_lists.announce(live, out, self._withholds_list, neighbours)
         except ProtocolError:
             raise
@@ -1045,9 +1045,11 @@ class BrokerCore:
         """The neighbour list this broker would announce now (empty with repair off)."""
         if not self.announce_neighbours:
             return ()
-        return self.neighbour_lists.order(
-            [n for n in self.routing.neighbours if not self._unlisted(n)]
-        )
+        return self.neighbour_lists.order(self._listed(self.routing.neighbours))
+
+    def _listed(self, neighbours: list[str]) -> list[str]:
+        """The ``neighbours`` this broker names in its list (see :meth:`_unlisted`)."""
+        return [n for n in neighbours if not self._unlisted(n)]
 
     def heard_with_go(self, peer: str, names: tuple[str, ...], *, newest: bool) -> None:
         if self.announce_neighbours:
