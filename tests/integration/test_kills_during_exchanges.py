@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -255,3 +257,54 @@ async def test_the_cycle_settles_at_once_when_the_initiator_dies_after_go(tmp_pa
         left = LEASE - 4 - (time.monotonic() - killed)
         assert await run.publisher.client.wait_acknowledged(max(0.5, left))
         await run.nothing_missed()
+
+
+async def test_a_retry_that_takes_a_paused_lock_over_keeps_the_added_link(tmp_path: Path) -> None:
+    """The chain b1-b0-b2; b1 exchanges b0-b2 for b1-b2 while b0 is paused (SIGSTOP) past half
+    the lease: b1 lets the first try go and tries again, opening its end of b1-b2 again at once
+    (b1 and b2 are connected already, by the standby link the cycle keeps, or by b1's dial),
+    long before b0, resumed, passes both tries' Locks on to b2. b2 locks for the first try and
+    then hands its lock to the second. It closed and opened the added link again as it did:
+    that closed b1's new instance of it with a goodbye, b2 then waited for a dial b1 never made,
+    and the exchange ran on without the link, b2 cut off with b2's subscriber until both
+    leases ran out (CI, in the test above: 30 s). Now the exchange finishes, the link is up at
+    both ends, and b2's subscriber misses nothing."""
+    names = ["b0", "b1", "b2"]
+    args = ("--heartbeat", "0.5", "--dead-after", "10")
+    async with Overlay(
+        names, [("b0", "b1"), ("b0", "b2")], log_dir=tmp_path, extra_args=args
+    ) as ov:
+        sub = await connect(ov["b2"].listen, client_id="s2")
+        await sub.subscribe("n >= 0", sub_id="all")
+        got: list[Notification] = []
+        drained = asyncio.create_task(drain(sub, got))
+        pub = await connect(ov["b1"].listen, client_id="p1")
+        await ov.settle()
+        publisher = Publisher(pub)
+        await asyncio.sleep(0.3)
+        os.kill(ov["b0"].pid, signal.SIGSTOP)
+        try:
+            started = await ov["b1"].admin.start_exchange(
+                ["b1", "b0", "b2"], ("b0", "b2"), lease=4.0
+            )
+            await asyncio.sleep(2.5)  # past the commit window (half the lease): a second try
+        finally:
+            os.kill(ov["b0"].pid, signal.SIGCONT)
+        result = await ov["b1"].admin.start_exchange(
+            ["b1", "b0", "b2"], ("b0", "b2"), xid=started["xid"], wait=15.0
+        )
+        assert result["state"] == "finished", result
+        assert result["attempts"] >= 2, result  # else the pause did not make a second try
+        statuses = {n: await ov[n].admin.status() for n in names}
+        told = {(n, p["peer"]) for n, st in statuses.items() for p in st["neighbours"]}
+        assert told == {("b1", "b0"), ("b0", "b1"), ("b1", "b2"), ("b2", "b1")}, told
+        last = await publisher.stop()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                while not got or got[-1].seq < last:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        missed, exact = verdict(got, last)
+        assert not missed and exact, (len(missed), exact)
+        await sub.close()
+        await pub.close()
+        await drained

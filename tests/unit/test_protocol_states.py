@@ -11,6 +11,7 @@ import copy
 
 import pytest
 
+from canopy_broker.core import exchange as exchange_module
 from canopy_broker.core import routing as routing_module
 from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.errors import CoreFailedError, ProtocolError
@@ -21,6 +22,7 @@ from canopy_broker.core.messages import (
     AddLink,
     ClientAttach,
     ClientSubscribe,
+    CloseLink,
     CtrlMsg,
     Deliver,
     Done,
@@ -209,6 +211,45 @@ def test_a_retry_takes_over_a_lock_that_granted_but_never_got_go() -> None:
     core.handle(FromLink("a", Lock("x1", PATH, K, attempt=1)))
     assert core.exchange is not None and core.exchange.attempt == 1
     assert core.exchange.phase is Phase.LOCKED and not core.exchange.marks
+
+
+def locked_a2() -> BrokerCore:
+    """``z``: A2, the last to lock, with the added link to ``a`` open (frozen)."""
+    core = BrokerCore("z")
+    core.handle(AddLink("r2"))
+    core.handle(FromLink("r2", Lock("x1", PATH, K)))
+    assert core.exchange is not None and core.routing.is_frozen("a")
+    return core
+
+
+def test_a2_keeps_the_added_link_when_a_retry_takes_its_lock_over() -> None:
+    """A1 let a try go (a neighbour off the cycle died) and opened its end of the added link
+    again for the next try before that try's Lock came round the path. A2 closing and opening
+    the link again in one turn closed it under A1's new try, and the exchange ran to its end
+    with the link down at both ends (CI, real processes: a 30 s split). The link is the same
+    for the new try: nothing crosses it before phase 1."""
+    core = locked_a2()
+    effects = core.handle(FromLink("r2", Lock("x1", PATH, K, attempt=1)))
+    assert core.exchange is not None and core.exchange.attempt == 1
+    assert not [e for e in effects if isinstance(e, OpenLink | CloseLink)], effects
+    assert core.routing.is_frozen("a")
+    granted = [e.message for e in effects if isinstance(e, SendToLink)]
+    assert granted == [Granted("x1", attempt=1)]
+
+
+def test_a2_refusing_the_retry_closes_the_old_tries_added_link(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Should the new try be refused (no case reaches this today: A2 has no next hop to
+    check, and a repair starting here lets the old try go first), nothing is left behind."""
+    core = locked_a2()
+    monkeypatch.setattr(exchange_module, "lock_problem", lambda *_a, **_k: ("busy", False))
+    effects = core.handle(FromLink("r2", Lock("x1", PATH, K, attempt=1)))
+    assert core.exchange is None and not core.routing.has_link("a")
+    assert CloseLink("a") in effects
+    assert [e.message for e in effects if isinstance(e, SendToLink)] == [
+        LockRefused("x1", "busy", 1)
+    ]
 
 
 def test_a1_drops_the_late_answer_to_a_try_its_lease_gave_up_on() -> None:

@@ -643,9 +643,13 @@ def on_settle(core: BrokerCore, peer: str, msg: Settle, out: list[Effect]) -> No
         settle(core, ex, msg.gone, peer, out)
 
 
-def lock_problem(core: BrokerCore, path: tuple[str, ...], i: int) -> tuple[str, bool] | None:
+def lock_problem(
+    core: BrokerCore, path: tuple[str, ...], i: int, *, renewed: bool = False
+) -> tuple[str, bool] | None:
     """Why this broker cannot lock for the exchange at position ``i`` (None if it can), and
-    whether that is because the path does not match the overlay (stale) rather than busy."""
+    whether that is because the path does not match the overlay (stale) rather than busy.
+    ``renewed``: a new try of the exchange this broker was locked for takes its place; A2
+    still has the added link, frozen, from the old try."""
     routing = core.routing
     if core.ex is not None:
         return f"{core.name} is locked by exchange {core.ex.xid}", False
@@ -665,7 +669,7 @@ def lock_problem(core: BrokerCore, path: tuple[str, ...], i: int) -> tuple[str, 
             return f"{core.name}'s link to {nxt} is held by another exchange", False
     if i in (0, len(path) - 1):
         other = path[-1] if i == 0 else path[0]
-        if routing.has_link(other):
+        if routing.has_link(other) and not (renewed and routing.is_frozen(other)):
             return f"{core.name} {LINKED_ALREADY} {other}", True
     return None
 
@@ -685,9 +689,16 @@ def lock_here(core: BrokerCore, lock: Lock, i: int, out: list[Effect]) -> None:
     if i == 0:
         out.append(StartTimer(f"commit:{ex.xid}", ex.lease / 2))
     a = ex.a_peer
-    if a is not None:  # an A end: the added link exists from now on, frozen
+    if a is not None and not core.routing.has_link(a):  # the added link from now on, frozen
         core.routing.open_frozen(a)
         out.append(OpenLink(a))
+    # Else A2 kept it from the try this one renews (see on_lock): nothing crosses it before
+    # phase 1, so it serves the new try as it is. Closed and opened again in one turn, it was
+    # closed under the new try: A1 had opened its end again (promoting a standby link, or
+    # dialing) before the new Lock came round the path, and this end had taken that connection
+    # for the old try's link. Told goodbye, A1 never dialed again; the exchange ran to its end
+    # without the link, and the two sides stayed apart until both leases ran out (CI, b1 and
+    # b2 of test_an_inner_broker_and_a_leaf_killed_while_exchanges_run: 30 s).
 
 
 def release(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
@@ -717,12 +728,23 @@ def on_lock(core: BrokerCore, peer: str, msg: Lock, out: list[Effect]) -> None:
     if i == 0 or path[i - 1] != peer:
         raise ProtocolError(f"{core.name}: lock {msg.xid} arrived from {peer}, not path[{i - 1}]")
     held = core.ex
-    if held is not None and held.xid == msg.xid and held.attempt < msg.attempt and not held.granted:
-        # A1 gave up on the try that locked us (its lease ran out first) and tries again: the
-        # old lock changed nothing yet (never granted), so the new one takes its place.
-        undo_lock(core, held, out)
-    problem = lock_problem(core, path, i)
+    renewed = (
+        held
+        if held is not None
+        and held.xid == msg.xid
+        and held.attempt < msg.attempt
+        and not held.granted
+        else None
+    )
+    if renewed is not None:
+        # A1 gave up on the try that locked us and tries again: the old lock changed nothing
+        # yet (never granted), so the new one takes its place. A2 keeps the added link (see
+        # :func:`lock_here`).
+        core.leave_exchange(renewed, by_lease=False)
+    problem = lock_problem(core, path, i, renewed=renewed is not None)
     if problem is not None:
+        if renewed is not None:
+            _close_added_link(core, renewed, out)
         reason, stale = problem
         out.append(SendToLink(peer, LockRefused(msg.xid, reason, msg.attempt, stale=stale)))
         return
@@ -737,12 +759,16 @@ def on_lock(core: BrokerCore, peer: str, msg: Lock, out: list[Effect]) -> None:
 def undo_lock(core: BrokerCore, ex: Exchange, out: list[Effect], *, by_lease: bool = False) -> None:
     """Leave an exchange that never started phase 1 (only an A end has changed anything);
     ``by_lease``: on the lease's word, so late answers to this try are expected and dropped."""
+    _close_added_link(core, ex, out)
+    core.leave_exchange(ex, by_lease=by_lease)
+
+
+def _close_added_link(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     a = ex.a_peer
     routing = core.routing
     if a is not None and routing.has_link(a) and routing.is_frozen(a):
         routing.remove_link(a, out)
         out.append(CloseLink(a))
-    core.leave_exchange(ex, by_lease=by_lease)
 
 
 def abandon_lock(
