@@ -133,3 +133,45 @@ async def test_refused_exchange_is_reported(make_broker: MakeBroker) -> None:
         brokers["a"].start_exchange(["a", "c"], ("a", "b"))  # not a tree path
     status: dict[str, Any] = brokers["a"].status()
     assert status["exchange"] is None and status["pending_exchanges"] == []
+
+
+def up(b: Broker, peer: str) -> bool:
+    link = b.links.get(peer)
+    return link is not None and link.conn is not None and link.established
+
+
+@pytest.mark.parametrize("keeper", ["a", "z"], ids=["keeper-dials", "keeper-waits"])
+async def test_a_link_the_core_keeps_is_connected_afresh_after_the_peer_closed_and_reopened_it(
+    make_broker: MakeBroker, keeper: str
+) -> None:
+    """A2 holds the added link of a try that A1 then let go: A1 closed its end (A2's end hears
+    the goodbye) and opened it again for the new try, on a new session. The new try's lock
+    reaches A2, whose core keeps its link (``OpenLink(kept=True)``). When A2's end is the one
+    that dials, its dialing stopped at the goodbye and A1's new end waits: the kept link must
+    be connected afresh, or the exchange runs without it until the leases end. When A1's end
+    dials, its new session is taken by A2's kept end either way. Driven through the sessions
+    (the cores are not asked): the race is too narrow to stage with a real exchange."""
+    # Heartbeats slow enough that neither declares the other dead while its end is down.
+    a = await make_broker("a", heartbeat_interval=2.0, standby=False)
+    z = await make_broker("z", heartbeat_interval=2.0, standby=False)
+    a.peers["z"], z.peers["a"] = addr(z), addr(a)
+    keeps, other = (a, z) if keeper == "a" else (z, a)
+    a.sessions.open("z")
+    z.sessions.open("a")
+    await eventually(lambda: up(a, "z") and up(z, "a"))
+    first = a.links["z"].session
+
+    other.sessions.close(keeps.name)  # A1 lets the old try go ...
+    await eventually(lambda: keeps.name not in other.links and keeps.links[other.name].peer_closed)
+    other.sessions.open(keeps.name)  # ... and opens its end again for the new one
+    await asyncio.sleep(1.0)
+    if keeps is a:  # the dialer's end heard the goodbye: nothing connects by itself
+        assert not up(z, "a") and a.links["z"].peer_closed
+    keeps.sessions.open(other.name, kept=True)  # the new try's lock reaches A2
+    await eventually(lambda: up(a, "z") and up(z, "a"))
+    assert a.links["z"].session == z.links["a"].session != first
+    assert not a.links["z"].peer_closed and not z.links["a"].peer_closed
+
+    live = keeps.links[other.name]
+    keeps.sessions.open(other.name, kept=True)  # kept while connected: left as it is
+    assert keeps.links[other.name] is live and up(keeps, other.name)

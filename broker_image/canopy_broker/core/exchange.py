@@ -689,16 +689,22 @@ def lock_here(core: BrokerCore, lock: Lock, i: int, out: list[Effect]) -> None:
     if i == 0:
         out.append(StartTimer(f"commit:{ex.xid}", ex.lease / 2))
     a = ex.a_peer
-    if a is not None and not core.routing.has_link(a):  # the added link from now on, frozen
+    if a is None:
+        return
+    if not core.routing.has_link(a):  # an A end: the added link from now on, frozen
         core.routing.open_frozen(a)
         out.append(OpenLink(a))
-    # Else A2 kept it from the try this one renews (see on_lock): nothing crosses it before
-    # phase 1, so it serves the new try as it is. Closed and opened again in one turn, it was
-    # closed under the new try: A1 had opened its end again (promoting a standby link, or
-    # dialing) before the new Lock came round the path, and this end had taken that connection
-    # for the old try's link. Told goodbye, A1 never dialed again; the exchange ran to its end
-    # without the link, and the two sides stayed apart until both leases ran out (CI, b1 and
-    # b2 of test_an_inner_broker_and_a_leaf_killed_while_exchanges_run: 30 s).
+        return
+    # A2 kept it from the try this one renews (see on_lock): nothing crosses it before phase 1,
+    # so it serves the new try as it is. Closed and opened again in one turn, it was closed
+    # under the new try: A1 had opened its end again (promoting a standby link, or dialing)
+    # before the new Lock came round the path, and this end had taken that connection for the
+    # old try's link. Told goodbye, A1 never dialed again; the exchange ran to its end without
+    # the link, and the two sides stayed apart until both leases ran out (CI, b1 and b2 of
+    # test_an_inner_broker_and_a_leaf_killed_while_exchanges_run: 30 s). The runtime is told
+    # all the same: if A1 closed its end of the old try's connection, this end must connect
+    # afresh (when it is the one that dials, nobody else will).
+    out.append(OpenLink(a, kept=True))
 
 
 def release(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:

@@ -726,9 +726,13 @@ class StartTimer:
 
 @message
 class OpenLink:
-    """A link to ``peer`` now exists in the core (added link of an exchange): connect it."""
+    """A link to ``peer`` now exists in the core (added link of an exchange): connect it.
+    ``kept``: the core had it already and keeps it for a new try of the exchange that took
+    its lock over (A2, see ``exchange.lock_here``): connect it again only if the peer's core
+    closed its end meanwhile (A1 let the old try go) and opened a new one."""
 
     peer: str
+    kept: bool = False
 
 
 @message

@@ -431,10 +431,23 @@ class LinkSessions:
 
     # ------------------------------------------------------------------ the core's links
 
-    def open(self, peer: str) -> None:
+    def open(self, peer: str, *, kept: bool = False) -> None:
         """The core added a link (an exchange's new link, frozen): connect it. The end whose
-        name sorts first dials; the other waits for it (or finds it already connected)."""
+        name sorts first dials; the other waits for it (or finds it already connected).
+        ``kept``: the core had the link and keeps it (A2, a new try of the exchange took its
+        lock over); it is connected afresh only if the peer closed its end meanwhile."""
         link = self.links.get(peer)
+        if link is not None and kept:
+            if not (link.established and link.peer_closed):
+                return  # as it is: connected, or being connected, to the peer's end
+            # A1 let the old try go and opened its end again for the new one, on a new session:
+            # when this end dials, nobody else will (its dialing stopped at the goodbye).
+            log.info(
+                "%s: %s closed the link and opened it again; connecting afresh", self.name, peer
+            )
+            link.established = False  # the core keeps its link: not a RemoveLink
+            self.drop(link, bye=None)
+            link = None
         if link is not None:
             if link.established:
                 log.error("%s: the core opened a link to %s, which exists", self.name, peer)

@@ -1202,7 +1202,7 @@ class Broker:
             elif isinstance(eff, StartTimer):
                 self._start_timer(eff.key, eff.delay)
             elif isinstance(eff, OpenLink):
-                self.sessions.open(eff.peer)
+                self.sessions.open(eff.peer, kept=eff.kept)
             elif isinstance(eff, CloseLink):
                 self.sessions.close(eff.peer)
             elif isinstance(eff, ExchangeFinished):
