@@ -31,15 +31,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from canopy_broker.bench import done, progress, run_dataplane
@@ -164,11 +167,19 @@ CHAIN6 = [f"b{i}" for i in range(6)]
 
 
 async def exchange_kill_run(
-    rate: float, heartbeat: float, dead_after: int, delay_ms: float, victim: str
+    rate: float,
+    heartbeat: float,
+    dead_after: int,
+    delay_ms: float,
+    victim: str,
+    *,
+    log_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """One kill of ``victim`` ``delay_ms`` after b0 started its exchange (see the module)."""
+    """One kill of ``victim`` ``delay_ms`` after b0 started its exchange (see the module);
+    ``log_dir``: where the brokers write their logs (else nowhere)."""
     args = ["--heartbeat", str(heartbeat), "--dead-after", str(dead_after)]
-    async with Overlay(CHAIN6, list(itertools.pairwise(CHAIN6)), extra_args=args) as ov:
+    edges = list(itertools.pairwise(CHAIN6))
+    async with Overlay(CHAIN6, edges, extra_args=args, log_dir=log_dir) as ov:
         received: dict[str, list[Notification]] = {"s1": [], "s5": []}
         gaps: dict[str, list[Gap]] = {"s1": [], "s5": []}
         clients, drains = [], []
@@ -258,10 +269,12 @@ async def _stop_and_count(
     per_sub: dict[str, dict[str, Any]] = {}
     for sub, got in received.items():
         seqs = [n.seq for n in got]
+        twice = sorted({q for q, n in collections.Counter(seqs).items() if n > 1})
         per_sub[sub] = {
             "lost": len(set(range(first, last + 1)) - set(seqs)),
             "duplicated": len(seqs) - len(set(seqs)),
             "reordered": sum(1 for a, b in itertools.pairwise(seqs) if b < a),
+            "duplicated_first": twice[:10],  # to look up in the brokers' logs
         }
     return last, per_sub
 
@@ -285,13 +298,30 @@ async def exchange_kill_scenario(
     *,
     tries: int,
     victim: str,
+    keep_logs: Path | None = None,
 ) -> list[dict[str, Any]]:
+    """Each kill in turn; ``keep_logs``: a directory where the brokers' logs of each run that
+    lost, duplicated or reordered anything, or did not settle, are kept (one folder a run)."""
     runs = []
     for delay in delays:
         for i in range(tries):
             progress(f"exchange: SIGKILL {victim} {delay:g} ms into b0's exchange (try {i + 1})")
-            runs.append(await exchange_kill_run(rate, heartbeat, dead_after, delay, victim))
+            logs = None if keep_logs is None else keep_logs / f"{victim}-{delay:g}ms-{i + 1}"
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+            run = await exchange_kill_run(rate, heartbeat, dead_after, delay, victim, log_dir=logs)
+            if logs is not None and _clean(run):
+                shutil.rmtree(logs)
+            elif logs is not None:
+                run["logs"] = str(logs)
+            runs.append(run)
     return runs
+
+
+def _clean(run: dict[str, Any]) -> bool:
+    return run["settled_s"] is not None and not any(
+        s["lost"] or s["duplicated"] or s["reordered"] for s in run["subscribers"].values()
+    )
 
 
 async def _metric(ov: Overlay, broker: str, name: str) -> float:
@@ -384,6 +414,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             args.delays,
             tries=args.tries,
             victim=args.victim,
+            keep_logs=args.keep_logs,
         )
         done("exchange")
     return out
@@ -418,6 +449,7 @@ def report(r: dict[str, Any]) -> str:
                 else f"not settled 60 s after the kill {run['unsettled_after_60s']}; "
             )
             + subs
+            + (f"; logs kept in {run['logs']}" if "logs" in run else "")
         )
     if "custody" in r:
         c = r["custody"]
@@ -481,6 +513,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exchange: the broker killed (b0 starts the exchange, b4 is the removed link's "
         "end on its side, b2 is between them)",
     )
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="exchange: keep the brokers' logs of each run that lost, duplicated or reordered "
+        "anything, or did not settle, in DIR/<victim>-<delay>ms-<try>",
+    )
     parser.add_argument("--window", type=float, default=5.0, help="retention window measured, s")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per flat-out phase")
     parser.add_argument(
@@ -496,12 +536,7 @@ def run_args(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     kill = result.get("kill", {"subscribers": {}})
     bad = [s for s in kill["subscribers"].values() if s["lost"] or s["duplicated"]]
-    bad += [
-        s
-        for run in result.get("exchange", ())
-        for s in run["subscribers"].values()
-        if s["lost"] or s["duplicated"] or s["reordered"] or run["settled_s"] is None
-    ]
+    bad += [run for run in result.get("exchange", ()) if not _clean(run)]
     return 1 if bad else 0
 
 

@@ -435,16 +435,20 @@ def test_bench_faults_reports_repair_time_and_no_losses() -> None:
     assert isinstance(custody, dict) and custody["throughput_ratio"] > 0
 
 
-def test_bench_faults_initiator_kills_settle_without_the_lease_and_lose_nothing() -> None:
+def test_bench_faults_initiator_kills_settle_without_the_lease_and_lose_nothing(
+    tmp_path: Path,
+) -> None:
     """The initiator of an exchange SIGKILLed 0 and 12 ms after it started (while it locks
     the path, and about when its Go is out): the survivors settle well within the exchange's
     30 s lease, which they used to wait for, and the subscribers next to it lose, double and
-    reorder nothing."""
+    reorder nothing. The brokers' logs of a run that does not are kept (in ``tmp_path``)."""
     result = canopy(
         "bench",
         "faults",
         "--only",
         "exchange",
+        "--keep-logs",
+        str(tmp_path),
         "--delays",
         "0,12",
         "--tries",
@@ -456,6 +460,7 @@ def test_bench_faults_initiator_kills_settle_without_the_lease_and_lose_nothing(
         "--json",
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []  # clean runs leave no logs
     runs = last_json(result.stdout)["exchange"]
     assert isinstance(runs, list) and [r["delay_ms"] for r in runs] == [0.0, 12.0], runs
     for run in runs:
