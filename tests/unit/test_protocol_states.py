@@ -21,6 +21,7 @@ from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
     AddLink,
     ClientAttach,
+    ClientPublish,
     ClientSubscribe,
     CloseLink,
     CtrlMsg,
@@ -55,6 +56,7 @@ from canopy_broker.core.messages import (
     Settle,
     StartExchange,
     StartTimer,
+    Subscribe,
     Tag,
     TimerFired,
     Transfer,
@@ -407,6 +409,43 @@ def test_a1_dead_waits_at_its_neighbour_for_the_repair_and_a2_bridges_until_the_
     done.exchange.marks.add(Mark.END)
     done.handle(PeerGone("a"))
     assert done.exchange is None
+
+
+def test_a2_bridging_replays_to_a1s_neighbour_only_what_would_have_crossed_the_added_link() -> None:
+    """A2 bridges (A1 died after Go): its repair around A1 collects, for the replay, what it
+    routes while the repair waits. What came black over the removed link is from A1's side,
+    and reaches A1's path neighbour ``m`` the old way, which is still open: replayed to ``m``
+    too, a copy could overtake that one, and ``m``'s subscriber got it twice, out of order
+    (`canopy bench faults --only exchange`, b0 killed 10 ms in: 3 duplicates and a reordering
+    in 1 run of 75; CI once). So is what A2 sent down black itself. What would have crossed
+    the added link (gray) is replayed."""
+    z = BrokerCore("z")  # A2; R2 is r2
+    z.handle(AddLink("r2"))
+    z.handle(ClientAttach("c"))
+    z.handle(ClientSubscribe("c", "s", Filter.parse("x = 1")))
+    z.handle(FromLink("r2", Lock("x1", PATH, K)))
+    z.handle(FromLink("r2", Go("x1")))
+    z.handle(FromLink("a", Neighbours(("m", "z"))))
+    z.handle(PeerGone("a"))
+    assert OpenLink("m") in z.handle(PeerFailed("a"))
+    z.handle(FromLink("m", Subscribe(RouteKey(Filter.parse("x = 1")))))  # held: bridging
+    z.handle(FromLink("m", RepairSweep("a", forward=True)))  # held too
+
+    def pub(seq: int, *, gray: bool) -> Publish:
+        return Publish(Event("p", seq, {"x": 1}), Tag("x1", gray=gray))
+
+    z.handle(FromLink("r2", pub(1, gray=False)))  # from A1's side, the old way
+    z.handle(FromLink("r2", pub(2, gray=False)))
+    z.handle(ClientPublish("c", Event("c", 1, {"x": 1})))  # black here: down, the old way
+    z.handle(FromLink("r2", pub(3, gray=True)))  # R2's side, gray: for the added link
+    out = z.handle(FromLink("r2", Settle("x1", 0, "a")))  # the walk: the bridge ends
+    assert z.exchange is None
+    replayed = [
+        (e.message.event.publisher, e.message.event.seq, e.message.replay)
+        for e in out
+        if isinstance(e, SendToLink) and e.peer == "m" and isinstance(e.message, Publish)
+    ]
+    assert replayed == [("p", 3, True)], replayed
 
 
 def test_an_a_end_whose_neighbour_died_releases_its_queue_only_behind_the_repairs_replay() -> None:

@@ -366,6 +366,19 @@ def backoff(xid: str, attempt: int, base: float = 0.05, cap: float = 5.0) -> flo
 # Functions over a BrokerCore's routing state; BrokerCore.handle() dispatches to them.
 
 
+def is_gray(ex: Exchange, source: str | None, tag: Tag | None) -> bool:
+    """The colour a notification from ``source`` (None: a client of this broker) takes here:
+    gray ones belong to the new tree and cross only the added link, black ones the old tree
+    and the removed link."""
+    if tag is not None and tag.xid == ex.xid:
+        return tag.gray
+    if source is not None and source in ex.cycle_peers():
+        # Untagged from a cycle neighbour: sent before it locked (old tree, black) — except
+        # at an A end that has seen End, whose down neighbour has released: new tree.
+        return ex.has(Mark.END) and source == ex.down
+    return ex.gray
+
+
 def route_on_cycle(
     ex: Exchange,
     copy: Publish,
@@ -377,14 +390,7 @@ def route_on_cycle(
 ) -> None:
     """Forward a notification on a reconfiguration cycle: colour it, and let black copies
     cross only the removed link and gray copies only the added one."""
-    if tag is not None and tag.xid == ex.xid:
-        gray = tag.gray
-    elif source is not None and source in ex.cycle_peers():
-        # Untagged from a cycle neighbour: sent before it locked (old tree, black) — except
-        # at an A end that has seen End, whose down neighbour has released: new tree.
-        gray = ex.has(Mark.END) and source == ex.down
-    else:
-        gray = ex.gray
+    gray = is_gray(ex, source, tag)
     tagged = Publish(copy.event, Tag(ex.xid, gray), replay=copy.replay)
     for peer in peers:
         if peer == ex.r_peer:
