@@ -203,6 +203,36 @@ def test_an_a_end_dead_in_phase_1_is_repaired_around_by_the_other_one_too(step: 
     assert problems == [], problems
 
 
+@pytest.mark.parametrize("reached", ["b1", "b3"])
+def test_a2_hearing_of_a1s_death_before_go_waits_for_go(reached: str) -> None:
+    """A1 dies after its Go passed ``reached`` but before Go reached A2 (b5), and A2 declares
+    it dead before Go comes (Go is slow on its way: detection here is 0.5 units). A2 used to
+    roll back at once: it kept the removed link, which R1 (b4), reached by Go, rolled forward
+    and closed, and b5's subscriber lost about 200 events untold, b5 believing itself linked
+    to b4. A2's verdict now waits for Go, and the death is then bridged as any after Go."""
+    sim = chain(6, detection_time=60.0)
+    publish_steadily(sim, "pb3", 150, 1500)
+    sim.exchange(("b0", "b1", "b2", "b3", "b4", "b5"), ("b4", "b5"), at=200, lease=3000.0)
+    sim.run(until=200)
+
+    def granted(b: str) -> bool:
+        ex = sim.cores[b].exchange
+        return ex is not None and ex.granted
+
+    while not granted(reached):
+        sim.run(until=sim.now + 0.05)
+    assert not granted("b5")
+    dead_at = sim.now
+    sim.crash("b0", at=dead_at)
+    sim.detect_failure("b0", at=dead_at + 0.5)
+    sim.run()
+    assert sim.edges == [("b1", "b2"), ("b1", "b5"), ("b2", "b3"), ("b3", "b4")]
+    report = judge_deliveries(sim)
+    assert report.survivors.ok and report.survivors.owed == 5 * 1350, str(report)
+    problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]
+    assert problems == [], problems
+
+
 @pytest.mark.parametrize("locked", ["b1", "b5"])
 def test_an_a_end_dead_before_phase_1_leaves_the_old_tree_whole(locked: str) -> None:
     """A1 dies while the exchange still locks: it has not committed, so A2 rolls back, and

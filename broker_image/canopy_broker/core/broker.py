@@ -711,6 +711,8 @@ class BrokerCore:
                 # failed on removing it, the abandoned try's report with it (review: newly
                 # reachable once an unconnected added link is suspected).
                 return
+        elif ex is not None and coordinated.a1_dead_before_go(ex, peer):
+            return  # until Go comes (then again, below), or the added link goes
         elif ex is not None and peer in ex.cycle_peers() and peer not in ex.waits_on:
             # Phase 1 has begun, or is about to (Granted passed here): the verdict is as strong
             # as a fence, so this part settles first, as PeerGone would (now, or once this
@@ -1037,6 +1039,8 @@ class BrokerCore:
             coordinated.on_granted(self, ex, out)
         elif isinstance(msg, Go):
             coordinated.go(self, ex, out, msg.a1_list)
+            if ex.a1_dead and self.ex is ex:  # its verdict waited for this (a1_dead_before_go)
+                self._peer_failed(ex.path[0], out)
         elif isinstance(msg, Separator):
             coordinated.on_separator(self, ex, msg.side, out)
         elif isinstance(msg, End):

@@ -231,6 +231,8 @@ class Exchange:
     # whether after its chain partners' ReplayEnd too (not at A1's other path neighbour).
     after_repair: str | None = None
     after_replay: bool = False
+    # At A2: A1, declared dead before Go reached this broker (see a1_dead_before_go).
+    a1_dead: bool = False
 
     def expect(self, step: Step) -> Phase:
         """The phase ``step`` leads to; raises (changing nothing) if it is not allowed now."""
@@ -591,6 +593,23 @@ def defer_settle(ex: Exchange, gone: str) -> bool:
         return True
     if ex.is_a and gone == ex.down:  # an A end's neighbour on its own side
         ex.after_repair, ex.after_replay = gone, True
+        return True
+    return False
+
+
+def a1_dead_before_go(ex: Exchange, gone: str) -> bool:
+    """Whether this broker's verdict that ``gone`` died waits for Go: this is A2, ``gone`` is
+    A1 (off the removed link), and phase 1 has not begun here. Go runs along the path, not
+    over the added link, so A1's death does not tell A2 that Go will not come: A1 may have
+    passed it on first. Rolled back at once, A2 kept the removed link while R1, which Go had
+    reached, rolled forward and closed it, and the events A2's side was owed until the repair
+    around A1 came round were lost (simulator: about 200 per kill, A2's view of its links
+    left wrong). So the verdict waits (``ex.a1_dead``): Go makes it the death after Go that
+    :func:`defer_settle` bridges, and a walk that rolls the path back (where Go never came,
+    see :func:`_go_cut_off`) or the lease takes the added link away, and A1 with it (it was
+    this broker's neighbour over that link only). Nothing crosses the link meanwhile."""
+    if ex.me == ex.last and gone == ex.path[0] and ex.k > 0 and not ex.rolls_forward:
+        ex.a1_dead = True
         return True
     return False
 

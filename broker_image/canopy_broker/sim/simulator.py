@@ -265,6 +265,11 @@ class Simulator:
         self._live_subs: dict[tuple[str, str], _Sub] = {}
         self._next_seq: dict[str, int] = {}
         self._edges: set[frozenset[str]] = set()
+        # When each end last opened and closed its end of a link, as (end, other end); and
+        # the messages that reached an end whose core has not opened the link yet.
+        self._opened_at: dict[tuple[str, str], float] = {}
+        self._closed_at: dict[tuple[str, str], float] = {}
+        self._unopened: dict[tuple[str, str], list[FromLink]] = {}
         for a, b in edges:
             self._link_now(a, b)
 
@@ -499,8 +504,38 @@ class Simulator:
         if until != math.inf:
             self.now = max(self.now, until)  # time passes even when nothing happens
 
+    def _waits_for_open(self, sender: str, receiver: str) -> bool:
+        """Whether a message over the link ``sender``-``receiver`` waits for the receiver's core
+        to open its end: the sender's core opened the link after the receiver last closed its
+        end, and still has it. The runtime holds such data (a promoted standby link) or refuses
+        it unacknowledged, to be sent again (a dialed one), until the core opens the link: a
+        repair link one end opens after the other, say. Before this, the simulator lost it,
+        and both ends had to open a repair link at the same moment."""
+        if receiver in self.crashed or sender in self.crashed:
+            return False
+        if self.cores[receiver].is_neighbour(sender):
+            return False
+        opened = self._opened_at.get((sender, receiver))
+        return (
+            opened is not None
+            and opened >= self._closed_at.get((receiver, sender), -math.inf)
+            and self.cores[sender].is_neighbour(receiver)
+        )
+
+    def _link_end(self, broker: str, peer: str, *, opened: bool) -> None:
+        """``broker``'s core opened or closed its end of the link to ``peer``: what waited for
+        the one goes in now, and what the other had sent to it is handed over again (to be
+        taken now, or lost with the link)."""
+        (self._opened_at if opened else self._closed_at)[(broker, peer)] = self.now
+        key = (peer, broker) if opened else (broker, peer)
+        for inp in self._unopened.pop(key, ()):
+            self._schedule(self.now, key[1], inp)
+
     def _apply(self, broker: str, inp: Input) -> None:
         self.stats.inputs += 1
+        if isinstance(inp, FromLink) and self._waits_for_open(inp.peer, broker):
+            self._unopened.setdefault((inp.peer, broker), []).append(inp)
+            return  # still on its way, as far as the counts go
         if isinstance(inp, FromLink):
             self._on_the_wire[(inp.peer, broker)] -= 1
             msg = inp.message
@@ -540,6 +575,10 @@ class Simulator:
                 if key not in still and isinstance(q.message, Publish):
                     self._copy_done(q.message.event)
         self._carry_out(broker, effects)
+        if isinstance(inp, AddLink):
+            self._link_end(broker, inp.peer, opened=True)
+        elif isinstance(inp, RemoveLink | PeerFailed):
+            self._link_end(broker, inp.peer, opened=False)
         if isinstance(inp, ClientDetach) and broker in self._leaving:
             self._maybe_remove_leaf(broker)
         elif isinstance(inp, FromLink) and inp.peer in self._leaving:
@@ -692,6 +731,9 @@ class Simulator:
         """The broker is dead to the overlay from now on; its clients (attached, or migrating
         to or from it) become victims, and a repair is owed until its neighbours finish it."""
         self.crashed.add(broker)
+        for key in [k for k in self._unopened if broker in k]:  # lost with it
+            for inp in self._unopened.pop(key):
+                self._schedule(self.now, key[1], inp)
         for client, b in self.client_broker.items():
             m = self._migrations.get(client)
             if b == broker or (m is not None and not m.marker and broker in (m.old, m.new)):
@@ -937,8 +979,10 @@ class Simulator:
                 )
             elif isinstance(eff, OpenLink):
                 self._edges.add(frozenset((broker, eff.peer)))
+                self._link_end(broker, eff.peer, opened=True)
             elif isinstance(eff, CloseLink):
                 self._edges.discard(frozenset((broker, eff.peer)))
+                self._link_end(broker, eff.peer, opened=False)
             elif isinstance(eff, DeliverMarker):
                 self._marker_arrives(eff.client, broker)
             elif isinstance(eff, DetourLink):
