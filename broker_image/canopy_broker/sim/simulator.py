@@ -628,9 +628,9 @@ class Simulator:
 
     def detect_failure(self, dead: str, at: float) -> None:
         """The failure detector fires at ``at`` at every neighbour of ``dead`` (the same moment
-        everywhere: the runtime refuses data on a repair link until both ends opened it, which
-        the simulator does not model, so both ends must open it before either sends). The
-        neighbours are those whose core has a live link to ``dead`` at that moment."""
+        everywhere; a repair link one end opens before the other holds what comes over it
+        until the other does, see _waits_for_open). The neighbours are those whose core has a
+        live link to ``dead`` at that moment."""
         self._client_action("\0sim", at, _BrokerFault("detect", dead))
 
     def drop_link(self, a: str, b: str, duration: float, at: float | None = None) -> None:
