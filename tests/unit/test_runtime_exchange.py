@@ -175,3 +175,13 @@ async def test_a_link_the_core_keeps_is_connected_afresh_after_the_peer_closed_a
     live = keeps.links[other.name]
     keeps.sessions.open(other.name, kept=True)  # kept while connected: left as it is
     assert keeps.links[other.name] is live and up(keeps, other.name)
+
+    # The other order: the new try's lock reaches A2 before A1's goodbye for the old try's
+    # connection (the goodbye was slower than the Lock round the path). The goodbye, on a link
+    # kept for a new try and quiet since, is the old try's: connected afresh all the same.
+    second = a.links["z"].session
+    other.sessions.close(keeps.name)
+    await eventually(lambda: keeps.name not in other.links)
+    other.sessions.open(keeps.name)
+    await eventually(lambda: up(a, "z") and up(z, "a") and a.links["z"].session != second)
+    assert a.links["z"].session == z.links["a"].session

@@ -439,15 +439,10 @@ class LinkSessions:
         link = self.links.get(peer)
         if link is not None and kept:
             if not (link.established and link.peer_closed):
+                link.kept = True  # the old try's goodbye may still be on its way
                 return  # as it is: connected, or being connected, to the peer's end
-            # A1 let the old try go and opened its end again for the new one, on a new session:
-            # when this end dials, nobody else will (its dialing stopped at the goodbye).
-            log.info(
-                "%s: %s closed the link and opened it again; connecting afresh", self.name, peer
-            )
-            link.established = False  # the core keeps its link: not a RemoveLink
-            self.drop(link, bye=None)
-            link = None
+            self._afresh(link)
+            return
         if link is not None:
             if link.established:
                 log.error("%s: the core opened a link to %s, which exists", self.name, peer)
@@ -490,6 +485,18 @@ class LinkSessions:
         # (30 s) at the end that does not dial, locked, its link known at this end only, when
         # the initiator was killed right after its lock (a kill during an apply).
         link.down_since = self.host.now()
+
+    def _afresh(self, link: Link) -> None:
+        """The core keeps ``link`` for a new try of an exchange, and the peer closed its end of
+        the old try's connection: A1 let the old try go and opened its end again for the new
+        one, on a new session. Connect it anew: when this end dials, nobody else will (its
+        dialing stopped at the goodbye)."""
+        log.info(
+            "%s: %s closed the link and opened it again; connecting afresh", self.name, link.peer
+        )
+        link.established = False  # the core keeps its link: not a RemoveLink
+        self.drop(link, bye=None)
+        self.open(link.peer)
 
     # ------------------------------------------------------------------ standby links
 
@@ -658,7 +665,9 @@ class LinkSessions:
             elif reason == "closed":  # the peer's core closed it (a link exchange)
                 if not link.peer_closed:
                     link.fire(LinkEvent.PEER_CLOSED)
-                if link.closing or not link.established:
+                if link.kept and link.established and not link.closing:
+                    self._afresh(link)  # late: from the old try's end (see open)
+                elif link.closing or not link.established:
                     self.drop(link, bye=None)
                 else:
                     conn.close()  # our core closes its end in its own time
@@ -696,6 +705,8 @@ class LinkSessions:
             items = items[skip:]
         if link.kind == "standby":
             raise FrameError(f"data on the standby link to {link.peer}", "standby")
+        if items:  # the peer's end talks to this one: a goodbye would be a real one now
+            link.kept = False
         if link.kind == "link" and not link.established and items:
             if link.promoted and link.conn is not None:
                 # The peer's repair took our standby link over before our core opened the

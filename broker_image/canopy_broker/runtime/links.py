@@ -94,6 +94,9 @@ class Link:
         # The peer refused data as ``not-open`` and has sent nothing since: its core has no
         # such link (a repair link to a broker that never saw the death, see repair_finished).
         self.refused_open = False
+        # The core kept this link for a new try of an exchange (LinkSessions.open, ``kept``);
+        # until data comes over it, a goodbye on it is from the old try's end of the peer.
+        self.kept = False
         self.dirty = False
         self.over = False  # above high water, counted in the broker's pressure set
         self.remote_pressure = False  # the peer says it (or a broker behind it) is congested
