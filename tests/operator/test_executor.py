@@ -239,3 +239,50 @@ async def test_a_cancelled_add_leaf_does_not_leave_its_link_dialling() -> None:
     with pytest.raises(asyncio.CancelledError):
         await run
     assert backend.calls == ["create x", "add b", "remove b"]
+
+
+class _DrainAdmin:
+    """A leaf ``c`` with clients, and its neighbour ``a``, which holds clients (it has just
+    been started) for the first ``held`` status calls."""
+
+    def __init__(self, name: str, calls: list[str], held: list[int]) -> None:
+        self.name, self.calls, self.held = name, calls, held
+
+    async def status(self) -> dict[str, Any]:
+        self.calls.append(f"status {self.name}")
+        self.held[0] -= 1
+        return {"clients_held": "not linked yet" if self.held[0] >= 0 else None}
+
+    async def set_peers(self, book: dict[str, str]) -> None:
+        pass
+
+    async def drain(self, target: str, address: str, *, wait: float) -> dict[str, Any]:
+        self.calls.append(f"drain {self.name} to {target}")
+        return {"drained": True}
+
+    async def remove_link(self, peer: str) -> bool:
+        return True
+
+
+class _DrainBackend(_Backend):
+    def __init__(self, held: int) -> None:
+        super().__init__(set())
+        self.calls: list[str] = []
+        self.held = [held]
+
+    def admin(self, name: str) -> Any:
+        return _DrainAdmin(name, self.calls, self.held)
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize("held", [0, 3])
+async def test_a_leaf_is_drained_only_to_a_neighbour_that_takes_clients(held: int) -> None:
+    """``a`` was just brought back (a restore, or a replacement): it turns clients away until
+    its first link has been up a heartbeat. The leaf's clients are moved to it only then; sent
+    before, they were refused and came back on their own retries (`canopy demo`: 5.15 s)."""
+    backend = _DrainBackend(held)
+    ex = Executor(backend=backend, store=Store(), overlay="ov")  # type: ignore[arg-type]
+    leaf = Plan((Step("remove-leaf", 0, broker="c", remove=("a", "c")),), ())
+    await ex.run(leaf, generation=1)
+    assert backend.calls == [*["status a"] * (held + 1), "drain c to a"]
+    assert backend.deleted == ["c"]
