@@ -354,6 +354,17 @@ def delivered(out: list[Effect]) -> list[int]:
     return [e.event.seq for e in out if isinstance(e, Deliver)]
 
 
+def a2_after_go() -> BrokerCore:
+    """``z``: A2 (R2 is ``r2``) in phase 1, with a client subscribed, and A1's list heard."""
+    z = locked_a2()
+    z.handle(ClientAttach("c"))
+    z.handle(ClientSubscribe("c", "s", Filter.parse("x = 1")))
+    z.handle(FromLink("r2", Go("x1")))
+    assert z.exchange is not None and z.exchange.granted and z.routing.has_link("a")
+    z.handle(FromLink("a", Neighbours(("m", "z"))))  # not queued behind the old path
+    return z
+
+
 def test_a1_dead_waits_at_its_neighbour_for_the_repair_and_a2_bridges_until_the_walk() -> None:
     """A1 died after Go. Its path neighbour ``m`` settles only once its repair around A1 has
     the routes (its Settle walks to R1 behind them), and A2 keeps the removed link's side
@@ -371,14 +382,7 @@ def test_a1_dead_waits_at_its_neighbour_for_the_repair_and_a2_bridges_until_the_
     out = m.handle(FromLink("z", RepairSweep("a", forward=False)))  # z's routes are in
     assert ("r1", Settle("x1", 0, "a")) in sent(out) and m.exchange is None
 
-    z = BrokerCore("z")  # A2; R2 is r2
-    z.handle(AddLink("r2"))
-    z.handle(ClientAttach("c"))
-    z.handle(ClientSubscribe("c", "s", Filter.parse("x = 1")))
-    z.handle(FromLink("r2", Lock("x1", PATH, K)))
-    z.handle(FromLink("r2", Go("x1")))
-    assert z.exchange is not None and z.exchange.granted and z.routing.has_link("a")
-    z.handle(FromLink("a", Neighbours(("m", "z"))))  # not queued behind the old path
+    z = a2_after_go()
     out = z.handle(PeerGone("a"))
     assert sent(out) == [] and z.exchange is not None  # no walk into the path: it bridges
     out = z.handle(PeerFailed("a"))
@@ -419,13 +423,7 @@ def test_a2_bridging_replays_to_a1s_neighbour_only_what_would_have_crossed_the_a
     (`canopy bench faults --only exchange`, b0 killed 10 ms in: 3 duplicates and a reordering
     in 1 run of 75; CI once). So is what A2 sent down black itself. What would have crossed
     the added link (gray) is replayed."""
-    z = BrokerCore("z")  # A2; R2 is r2
-    z.handle(AddLink("r2"))
-    z.handle(ClientAttach("c"))
-    z.handle(ClientSubscribe("c", "s", Filter.parse("x = 1")))
-    z.handle(FromLink("r2", Lock("x1", PATH, K)))
-    z.handle(FromLink("r2", Go("x1")))
-    z.handle(FromLink("a", Neighbours(("m", "z"))))
+    z = a2_after_go()
     z.handle(PeerGone("a"))
     assert OpenLink("m") in z.handle(PeerFailed("a"))
     z.handle(FromLink("m", Subscribe(RouteKey(Filter.parse("x = 1")))))  # held: bridging
