@@ -25,15 +25,19 @@ from canopy_broker.core.messages import (
     Algorithm,
     ClientAttach,
     ClientPublish,
+    Effect,
     FromLink,
+    Input,
     Lock,
     Neighbours,
     PeerFailed,
+    PeerFeatures,
     Publish,
     RepairSweep,
     RouteKey,
     RoutingMode,
     SendToLink,
+    SendToPeer,
     Subscribe,
 )
 from canopy_broker.sim.checker import (
@@ -233,6 +237,82 @@ def test_a2_hearing_of_a1s_death_before_go_waits_for_go(reached: str) -> None:
     assert problems == [], problems
 
 
+def _without_handover(sim: Simulator) -> None:
+    """Every broker as from before the hand-over (a hello without the feature, to all)."""
+    for b, core in sim.cores.items():
+        for other in sim.cores:
+            if other != b:
+                core.handle(PeerFeatures(other, placement=True, handover=False))
+
+
+def _out_of_band_lost_after_go(sim: Simulator, broker: str) -> None:
+    """What ``broker`` sends out of band once phase 1 has begun there never leaves it (its
+    peer connection to its A end was still being dialed when it died): its transfer."""
+    core = sim.cores[broker]
+    handle = core.handle
+
+    def lossy(inp: Input, now: float = 0.0) -> list[Effect]:
+        out = handle(inp, now)
+        ex = core.exchange
+        if ex is not None and ex.granted:
+            out = [e for e in out if not isinstance(e, SendToPeer)]
+        return out
+
+    core.handle = lossy  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    ("removed", "dead"),
+    [
+        (("b4", "b5"), "b4"),  # R1, its R2 the A2 (canopy bench faults --victim b4)
+        (("b2", "b3"), "b2"),  # R1 mid-path
+        (("b2", "b3"), "b3"),  # R2 mid-path
+        (("b1", "b2"), "b1"),  # R1 next to A1
+    ],
+)
+@pytest.mark.parametrize(("transfer", "after"), [("lost", 0.0), ("sent", 0.0), ("sent", 20.0)])
+@pytest.mark.parametrize("handover", [True, False])
+def test_an_r_end_dead_in_phase_1_hands_over_what_went_its_way(
+    removed: tuple[str, str], dead: str, transfer: str, after: float, handover: bool
+) -> None:
+    """An R end dies once Go has passed it (``after`` units later; ``lost``: its transfer
+    never reached its A end). What its side published for the other side went its way, black,
+    until its neighbours heard of the death, and what it had not passed on died with it. Its
+    neighbours on the cycle kept it, and hand it over to their A ends, which send it over the
+    added link, held-back newer ones behind it (core.handover). Without the hand-over (every
+    broker as from before it: the negative control), 26 to 600 notifications were lost here,
+    untold; on real processes 827 at 1,000 events/s (``canopy bench faults --only exchange
+    --victim b4``). ``after`` 20: the other R end has had this one's separator and would have
+    closed the removed link, so it no longer heard of the death, but for SeparatorSeen."""
+    sim = chain(6, detection_time=60.0)
+    publishers = [p for p in ("pb0", "pb1", "pb2", "pb3", "pb5") if p != f"p{dead}"]
+    for p in publishers:
+        publish_steadily(sim, p, 150, 1500)
+    if not handover:
+        _without_handover(sim)
+    if transfer == "lost":
+        _out_of_band_lost_after_go(sim, dead)
+    path = ("b0", "b1", "b2", "b3", "b4", "b5")
+    sim.exchange(path, removed, at=200, lease=3000.0)
+    sim.run(until=200)
+    while not ((ex := sim.cores[dead].exchange) is not None and ex.granted):
+        assert sim.now < 400, "Go never reached the R end"
+        sim.run(until=sim.now + 0.25)
+    dead_at = sim.now + after
+    sim.crash(dead, at=dead_at)
+    sim.detect_failure(dead, at=dead_at + 60)
+    sim.run()
+    report = judge_deliveries(sim)
+    assert report.survivors.owed == len(publishers) * 5 * 1350, str(report)
+    problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]
+    assert problems == [], problems
+    if handover:
+        assert report.survivors.ok, str(report)
+        assert not any(core.handovers for core in sim.cores.values())  # all through
+    else:
+        assert report.survivors.lost, str(report)
+
+
 @pytest.mark.parametrize("locked", ["b1", "b5"])
 def test_an_a_end_dead_before_phase_1_leaves_the_old_tree_whole(locked: str) -> None:
     """A1 dies while the exchange still locks: it has not committed, so A2 rolls back, and
@@ -277,11 +357,10 @@ def test_the_cycle_away_from_a_dead_member_settles_at_once(
     notifications the way round (black, and r gone) until their lease ended: here every
     notification from b3 and b5 to b0 and b1 after the death.
 
-    What a death here still loses (the planner spares it; see the module's docstring): with
-    R1 dead, notifications in flight through it, which R2's side has no repair link to replay
-    over. So the loss is only checked to end with the repair, and to be none with A1 or the
-    broker next to it dead (the A end releases what crossed the added link only behind the
-    repair's replay: ReplayEnd; before it, 56 events were lost with b1 dead)."""
+    Nothing is lost: with A1 or the broker next to it dead, the A end releases what crossed
+    the added link only behind the repair's replay (ReplayEnd; before it, 56 events were lost
+    with b1 dead); with R1 dead, what was in flight through it is handed over by its
+    neighbours on the cycle (core.handover; before it, 17-20 events per subscriber)."""
     sim = chain(6, detection_time=60.0)
     for p in ("pb3", "pb5"):
         publish_steadily(sim, p, 150, 1500)
@@ -301,10 +380,7 @@ def test_the_cycle_away_from_a_dead_member_settles_at_once(
     report = judge_deliveries(sim)
     assert report.survivors.owed == 2 * 5 * 1350, str(report)
     assert not (report.survivors.duplicated or report.survivors.reordered), str(report)
-    published = [149 + seq for _c, _p, seq in report.survivors.lost]  # one a unit from 150
-    assert all(dead_at - 40 < t < dead_at + 60 for t in published), (dead_at, published)
-    if dead in ("b0", "b1"):  # A1, and a broker next to an A end (see ReplayEnd)
-        assert report.survivors.ok, str(report)
+    assert report.survivors.ok, str(report)
     problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]
     assert problems == [], problems
 

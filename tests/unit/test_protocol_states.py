@@ -36,6 +36,7 @@ from canopy_broker.core.messages import (
     FromPeer,
     Go,
     Granted,
+    HandoverEnd,
     Input,
     LinkReady,
     Lock,
@@ -50,9 +51,11 @@ from canopy_broker.core.messages import (
     RepairSweep,
     ReplayEnd,
     RouteKey,
+    RoutesIn,
     RoutingMode,
     SendToLink,
     Separator,
+    SeparatorSeen,
     Settle,
     StartExchange,
     StartTimer,
@@ -491,6 +494,127 @@ def test_an_a_end_whose_neighbour_died_releases_its_queue_only_behind_the_repair
     out = old.handle(FromLink("r1", RepairSweep("m", forward=False)))
     assert delivered(out) == [9] and old.exchange is None
     assert not any(isinstance(x, ReplayEnd) for _p, x in sent(out))
+
+
+def r1_with_its_separator_sent(*, r2_hands_over: bool = True) -> BrokerCore:
+    """``r1`` in phase 1, its own side's separator come and sent on over the removed link."""
+    core = BrokerCore("r1")
+    core.handle(AddLink("m"))
+    core.handle(AddLink("r2"))
+    core.handle(PeerFeatures("r2", placement=True, handover=r2_hands_over))
+    core.handle(FromLink("m", Lock("x1", PATH, K)))
+    core.handle(FromLink("r2", Granted("x1")))
+    core.handle(FromLink("m", Go("x1")))
+    out = core.handle(FromLink("m", Separator("x1", 1)))
+    assert ("r2", Separator("x1", 1)) in sent(out)
+    return core
+
+
+def test_an_r_end_closes_the_removed_link_once_the_other_has_its_separator() -> None:
+    """Each R end tells the other it has its separator (SeparatorSeen), and closes the removed
+    link only with that and the other's separator in. Closed on the separator alone, it no
+    longer heard of the other R end's death a moment later, with what it had just sent over the
+    link still in that end's buffers (simulator: 26-89 events lost with R2 dead 20 units
+    after Go). A peer without the feature is not told, nor waited for."""
+    r1 = r1_with_its_separator_sent()
+    out = r1.handle(FromLink("r2", Separator("x1", 2)))
+    assert ("r2", SeparatorSeen("x1")) in sent(out)
+    assert not any(isinstance(e, CloseLink) for e in out) and r1.routing.has_link("r2")
+    refused(r1, FromLink("m", SeparatorSeen("x1")), "SeparatorSeen of x1 from m")
+    out = r1.handle(FromLink("r2", SeparatorSeen("x1")))
+    assert CloseLink("r2") in out and ("m", End("x1", 1)) in sent(out)
+    assert r1.exchange is None
+    old = r1_with_its_separator_sent(r2_hands_over=False)
+    out = old.handle(FromLink("r2", Separator("x1", 2)))
+    assert CloseLink("r2") in out and old.exchange is None
+    assert not any(isinstance(m, SeparatorSeen) for _p, m in sent(out))
+
+
+def m_next_to_r1(*, a_hands_over: bool = True) -> BrokerCore:
+    """``m`` (X: R1's neighbour on side 1) in phase 1, keeping custody, with a subscriber
+    ``c`` and R1 advertising side 2's subscription, both to ``x = 1``."""
+    core = BrokerCore("m", retention_window=10.0)
+    core.handle(AddLink("a"))
+    core.handle(AddLink("r1"))
+    core.handle(PeerFeatures("a", placement=True, handover=a_hands_over))
+    core.handle(ClientAttach("c"))
+    core.handle(ClientAttach("p"))
+    core.handle(ClientSubscribe("c", "s", Filter.parse("x = 1")))
+    core.handle(FromLink("r1", Subscribe(RouteKey(Filter.parse("x = 1")))))
+    core.handle(FromLink("a", Lock("x1", PATH, K)))
+    core.handle(FromLink("r1", Granted("x1")))
+    core.handle(FromLink("a", Go("x1")))
+    return core
+
+
+def test_r1s_neighbour_hands_over_what_it_kept_for_it_and_what_came_its_way() -> None:
+    """R1 died in phase 1. Its neighbour on the cycle, ``m``, kept what it had sent it and
+    keeps its routes (a ghost): what it routes there meanwhile is collected, not lost. Its
+    Settle tells A1 to hold what goes over the added link. Once A1 has the other side's
+    routes, its RoutesIn comes down behind them, and ``m`` replays the lot up, as replays,
+    then HandoverEnd; the dead one's routes go. Without the feature on the way up, none of it."""
+    m = m_next_to_r1()
+    early = Event("p", 1, {"x": 1})
+    assert ("r1", Publish(early.forwarded(), Tag("x1", gray=False))) in sent(
+        m.handle(ClientPublish("p", early))
+    )
+    out = m.handle(PeerFailed("r1"))
+    assert ("a", Settle("x1", 0, "r1", handover=True)) in sent(out)
+    assert m.exchange is None and "r1" in m.handovers and m.routing.has_link("r1")
+    late = Event("p", 2, {"x": 1})
+    out = m.handle(ClientPublish("p", late))
+    assert delivered(out) == [2] and sent(out) == []  # to the dead one's routes: kept
+    m.handle(FromLink("a", Subscribe(RouteKey(Filter.parse("x = 1")))))  # from A1, the new way
+    refused(m, FromLink("a", RoutesIn("x1", "r1", ("q",))), "RoutesIn routed")
+    out = m.handle(FromLink("a", RoutesIn("x1", "r1", ("m",))))
+    assert sent(out) == [
+        ("a", Publish(early.forwarded(), replay=True)),
+        ("a", Publish(late.forwarded(), replay=True)),
+        ("a", HandoverEnd("x1", "r1", ("a",))),
+    ]
+    assert not m.routing.has_link("r1") and not m.handovers
+    old = m_next_to_r1(a_hands_over=False)
+    out = old.handle(PeerFailed("r1"))
+    assert ("a", Settle("x1", 0, "r1")) in sent(out) and not old.handovers
+
+
+def test_an_a_end_sends_over_the_added_link_only_behind_the_handover() -> None:
+    """A1 heard from the walk that ``m`` hands over what it kept for the dead R1. It holds what
+    it would send over the added link until ``m``'s HandoverEnd (its replay is older), then
+    sends it all, each publisher's in order, as replays, and HandoverEnd. What comes over the
+    link it holds until A2's HandoverEnd: A2's side sent newer ones first, before the older
+    ones it handed over; taken first, they made those be dropped as had."""
+    a = BrokerCore("a")
+    a.handle(AddLink("m"))
+    a.handle(ClientAttach("c"))
+    a.handle(ClientAttach("q"))
+    a.handle(ClientSubscribe("c", "s", Filter.parse("x = 1")))
+    a.handle(StartExchange("x1", PATH, ("r1", "r2")))
+    a.handle(FromLink("m", Granted("x1")))
+    assert a.exchange is not None and a.exchange.granted
+    newer_there = Publish(Event("z", 9, {"x": 1}), Tag("x1", gray=True))
+    assert delivered(a.handle(FromLink("z", newer_there))) == []  # queued behind the old way
+    out = a.handle(FromLink("m", Settle("x1", 0, "r1", handover=True)))
+    assert delivered(out) == [] and ("z", Done("x1", (RouteKey(Filter.parse("x = 1")),))) in sent(
+        out
+    )
+    out = a.handle(FromLink("z", Done("x1", (RouteKey(Filter.parse("x = 1")),))))
+    assert ("m", RoutesIn("x1", "r1", ("m",))) in sent(out)  # behind the routes, down to m
+    newer_here = Event("q", 20, {"x": 1})
+    assert sent(a.handle(ClientPublish("q", newer_here))) == []  # held from the added link
+    older_here = Event("q", 10, {"x": 1}).forwarded()
+    assert sent(a.handle(FromLink("m", Publish(older_here, replay=True)))) == []
+    out = a.handle(FromLink("m", HandoverEnd("x1", "r1", ("a",))))
+    assert sent(out) == [
+        ("z", Publish(older_here.forwarded(), replay=True)),
+        ("z", Publish(newer_here.forwarded(), replay=True)),
+        ("z", HandoverEnd("x1", "r1", ("z",))),
+    ]
+    older_there = Publish(Event("z", 5, {"x": 1}), replay=True)
+    assert delivered(a.handle(FromLink("z", older_there))) == []  # held until z's end
+    assert delivered(a.handle(FromLink("z", HandoverEnd("x1", "r1", ("a",))))) == [5, 9]
+    assert not a.handovers
+    assert a.handle(FromLink("z", HandoverEnd("x1", "r1", ("a",)))) == []  # late: nothing
 
 
 def test_go_carries_a1s_list_to_the_two_brokers_that_would_repair_around_it() -> None:

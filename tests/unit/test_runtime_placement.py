@@ -158,19 +158,22 @@ async def test_a_peer_whose_hello_does_not_say_settle_is_never_sent_one(
     await link(a, b)
     await eventually(lambda: "b" in a.core.unsettled and "a" in b.core.unsettled)
     assert "b" in a.core.no_replay_end and "a" in b.core.no_replay_end
+    assert "b" in a.core.no_handover and "a" in b.core.no_handover
     assert not a.core.neighbour_lists.legacy  # placement was said
 
 
 async def test_a_peer_whose_hello_says_replay_end_is_waited_for(
     make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A hello with ``replay-end`` but without ``settle`` (features are told one by one)."""
+    """A hello with ``replay-end`` and ``handover`` but without ``settle`` (features are told
+    one by one)."""
     for module in (link_sessions, server):
-        monkeypatch.setattr(module, "FEATURES", ("placement", "replay-end"))
+        monkeypatch.setattr(module, "FEATURES", ("placement", "replay-end", "handover"))
     a, b = await make_broker("a"), await make_broker("b")
     await link(a, b)
     await eventually(lambda: "b" in a.core.unsettled and "a" in b.core.unsettled)
     assert not a.core.no_replay_end and not b.core.no_replay_end
+    assert not a.core.no_handover and not b.core.no_handover
 
 
 def test_fields_a_newer_broker_adds_are_ignored_not_refused() -> None:

@@ -28,7 +28,8 @@ from canopy_broker.core import path as path_algorithm
 from canopy_broker.core.cycles import CycleTable, plan_link_repair
 from canopy_broker.core.errors import CoreFailedError, ProtocolError
 from canopy_broker.core.events import Event
-from canopy_broker.core.exchange import Exchange, Step
+from canopy_broker.core.exchange import Exchange, Mark, Step
+from canopy_broker.core.handover import Handover, in_order, route_down, route_up
 from canopy_broker.core.messages import (
     AddLink,
     Algorithm,
@@ -58,6 +59,7 @@ from canopy_broker.core.messages import (
     Gap,
     Go,
     Granted,
+    HandoverEnd,
     Input,
     LinkFailed,
     LinkReady,
@@ -84,10 +86,12 @@ from canopy_broker.core.messages import (
     ReplayEnd,
     Resumed,
     RouteKey,
+    RoutesIn,
     RoutingMode,
     SendToLink,
     SendToPeer,
     Separator,
+    SeparatorSeen,
     Settle,
     StandbyLinks,
     StartExchange,
@@ -134,6 +138,7 @@ _EXCHANGE_STEPS: dict[type, Step] = {
     Echo: Step.ECHO,
     End: Step.END,
     Done: Step.DONE,
+    SeparatorSeen: Step.SEPARATOR_SEEN,
 }
 
 
@@ -216,6 +221,12 @@ class BrokerCore:
         self.unsettled: set[str] = set()
         # Peers whose software sends no ReplayEnd after a repair's replay: not waited for.
         self.no_replay_end: set[str] = set()
+        # Peers whose software knows nothing of handing over (core.handover): not sent its
+        # messages, not waited for.
+        self.no_handover: set[str] = set()
+        # This broker's parts in handing over what was kept for an R end dead in phase 1,
+        # by the dead one's name (core.handover).
+        self.handovers: dict[str, Handover] = {}
         # Path algorithm: this broker's role per reconfiguration, and the (un)subscriptions
         # from a neighbour to ignore while its RECMSG travels.
         self.path_roles: dict[str, tuple[Role, str]] = {}
@@ -366,6 +377,10 @@ class BrokerCore:
                 self.no_replay_end.discard(inp.peer)
             else:
                 self.no_replay_end.add(inp.peer)
+            if inp.handover:
+                self.no_handover.discard(inp.peer)
+            else:
+                self.no_handover.add(inp.peer)
         elif isinstance(inp, FindCycles):
             for peer, probe in self.cycles.start(inp.round, inp.bound, self._tree_links()):
                 self.to_peer(peer, probe, out)
@@ -380,6 +395,8 @@ class BrokerCore:
             kind, _, name = inp.key.partition(":")
             if kind == "repair":
                 self.repair_timer(name, out)
+            elif kind == "handover":
+                self._handover_timer(name, out)
             else:
                 coordinated.timer(self, inp.key, out)
         else:  # pragma: no cover - the type checker proves this unreachable
@@ -407,6 +424,8 @@ class BrokerCore:
             ex.queued_total += 1
             return
         if isinstance(msg, Publish):
+            if self.handovers and self._holds_in(inp):
+                return
             replay = msg.replay or inp.peer in self.deduped
             self._route(msg.event, inp.peer, out, msg.tag, replay=replay)
         elif isinstance(msg, Subscribe | Unsubscribe):
@@ -480,7 +499,9 @@ class BrokerCore:
             keep = self.retention.keep if self.retention.enabled else None
             holding = self._holding
             ghosts = self._ghosts
-            if holding or ghosts:
+            if holding or ghosts or self.handovers:
+                if self.handovers:  # collected for a handover, or held from the added link
+                    peers = self._handing(copy.event, peers)
                 # A repair's new link, or a dead one: sent with the replay (during an exchange
                 # too: the repair is not the exchange's business).
                 peers = tuple(p for p in peers if p not in holding and p not in ghosts)
@@ -652,6 +673,8 @@ class BrokerCore:
         routes towards its chain (waiting for the sweeps); None when none is."""
         for runs in self._holding.values():
             return runs[0].dead
+        for h in self.handovers.values():  # reshaped under it, its replay could go astray
+            return h.dead
         return None
 
     def _holding_runs(self) -> list[RepairRun]:
@@ -719,6 +742,7 @@ class BrokerCore:
             # repair is through), and the repair follows. The drivers used to do this in three
             # steps (this input refused, PeerGone, this input again), each in its own copy: the
             # runtime's failure detector and the simulator.
+            self._hand_over(ex, peer, out)  # before settling: it may take the link away
             self._peer_gone(peer, out)
             if not self.routing.has_link(peer):
                 return  # settling took the link away (the added one rolled back, or r closed)
@@ -866,7 +890,10 @@ class BrokerCore:
         # only the other run kept, which the end would then drop as had (review).
         for other in dict.fromkeys(r for peer in shared for r in holding[peer]):
             other.retained = merged(run.retained, other.retained)
-        if run.dead in self._ghosts:  # now its routes may go: the new links have theirs
+        collecting = run.dead in self.handovers and self.handovers[run.dead].collecting
+        if run.dead in self._ghosts and not collecting:
+            # Now its routes may go: the new links have theirs (a handover that still collects
+            # what they bring removes them when it is through).
             self._ghosts.discard(run.dead)
             self._remove_link(run.dead, out)
 
@@ -930,6 +957,181 @@ class BrokerCore:
             run.step(RepairStep.TIMEOUT, "the timer")
             self._finish_repair(run, out, timed_out=True)
 
+    # ------------------------------------------------------------------ handing over
+
+    def hands_over_for(self, gone: str) -> bool:
+        """Whether this broker hands over what it kept for ``gone`` (core.handover)."""
+        h = self.handovers.get(gone)
+        return h is not None and h.ghost
+
+    def _hand_over(self, ex: Exchange, dead: str, out: list[Effect]) -> None:
+        """The verdict on ``dead``, a cycle neighbour: if it was an R end in phase 1, this
+        broker is X and hands over what it kept for it, and, if it is also an A end, holds
+        what goes over the added link (core.handover). What it kept is read, not taken: the
+        repair around the dead one replays it to its chain as well."""
+        if not coordinated.hands_over(ex, dead) or dead in self.handovers:
+            return
+        up = route_up(ex)
+        if up and up[0] in self.no_handover:
+            return  # the way up knows nothing of it: as before, the repair alone
+        h = Handover(ex.xid, dead, ghost=True, up=up, kept=self.retention.kept_for(dead, self.now))
+        if ex.is_a:
+            self._hold_added_link(h, ex)
+        self._start_handover(h, ex, out)
+
+    def expect_handover(self, ex: Exchange, gone: str, out: list[Effect]) -> None:
+        """A Settle told this broker that the broker next to ``gone`` hands over: if this is
+        an A end, it holds what goes over the added link until that has come."""
+        if not ex.is_a or coordinated.dead_r_end(ex, gone) is None or gone in self.handovers:
+            return
+        h = Handover(ex.xid, gone, down=route_down(ex, gone))
+        self._hold_added_link(h, ex)
+        self._start_handover(h, ex, out)
+
+    def _hold_added_link(self, h: Handover, ex: Exchange) -> None:
+        a = ex.a_peer
+        assert a is not None
+        h.over = a
+        h.peer_ends = a not in self.no_handover
+
+    def _start_handover(self, h: Handover, ex: Exchange, out: list[Effect]) -> None:
+        self.handovers[h.dead] = h
+        out.append(StartTimer(f"handover:{h.dead}", self.repair_timeout))
+        a = h.over
+        if a is not None and (ex.has(Mark.PEER_DONE) or self.routing.held_from(a)):
+            self._routes_in(h, out)  # the transfer brought them
+
+    def _handover_routes(self, peer: str, out: list[Effect]) -> None:
+        """The other A end's Done is applied: its side's routes are in over the link."""
+        for h in list(self.handovers.values()):
+            if h.over == peer and not h.routes_in:
+                self._routes_in(h, out)
+
+    def _routes_in(self, h: Handover, out: list[Effect]) -> None:
+        h.routes_in = True
+        if h.down:  # behind the routes, which went down before this
+            out.append(SendToLink(h.down[0], RoutesIn(h.xid, h.dead, h.down)))
+        self._send_over(h, out)
+
+    def _handing(self, event: Event, peers: tuple[str, ...]) -> tuple[str, ...]:
+        """``event`` is routed to ``peers``: X collects it if it goes to the dead one, and an
+        A end holds it instead of sending it over the added link."""
+        for h in self.handovers.values():
+            if h.collecting and h.dead in peers:
+                h.kept.append(event)
+            over = h.over
+            if over is not None and h.holds_out and over in peers:
+                h.held.append(event)
+                peers = tuple(p for p in peers if p != over)
+        return peers
+
+    def _holds_in(self, inp: FromLink) -> bool:
+        for h in self.handovers.values():
+            if h.holds_in(inp.peer):
+                h.inbound.append(inp)
+                return True
+        return False
+
+    def _handover_msg(self, peer: str, msg: RoutesIn | HandoverEnd, out: list[Effect]) -> None:
+        """RoutesIn down a side, HandoverEnd up it or over the added link: passed on along
+        ``route``; at its end, a step of the handover around ``msg.dead``."""
+        route = msg.route
+        if not route or route[0] != self.name:
+            raise ProtocolError(f"{self.name}: {type(msg).__name__} routed {list(route)}")
+        if len(route) > 1:
+            onward = route[1]
+            if self.routing.has_link(onward) and onward not in self.no_handover:
+                out.append(SendToLink(onward, type(msg)(msg.xid, msg.dead, route[1:])))
+            return
+        h = self.handovers.get(msg.dead)
+        if h is None or h.xid != msg.xid:
+            return  # over already (its timer), or never begun here: nothing waits on it
+        if isinstance(msg, RoutesIn):
+            if h.collecting and not h.is_a and h.up and peer == h.up[0]:
+                self._replay_up(h, out)
+        elif peer == h.over:
+            self._release_inbound(h, out)
+        elif h.down and peer == h.down[0]:
+            h.handed = True
+            self._send_over(h, out)
+        self._handover_over(h)
+
+    def _replay_up(self, h: Handover, out: list[Effect]) -> None:
+        """X, its A end having the routes: what it kept goes up, as replays, then
+        HandoverEnd. The dead one's routes go now (the new way has them)."""
+        up = h.up[0]
+        kept, h.kept = in_order(h.kept), []
+        h.handed = True
+        if self.routing.has_link(up):
+            self._replay(kept, up, None, out)
+            out.append(SendToLink(up, HandoverEnd(h.xid, h.dead, h.up)))
+        self._ghost_gone(h.dead, out)
+
+    def _send_over(self, h: Handover, out: list[Effect]) -> None:
+        """The A end has the other side's routes and X's replay: send it and what it held over
+        the added link, each publisher's in order, as replays; then HandoverEnd."""
+        if not h.ready_to_send:
+            return
+        over = h.over
+        assert over is not None
+        events = h.outgoing()
+        h.kept, h.held = [], []
+        h.sent = h.handed = True
+        if self.routing.has_link(over):
+            ex = self.ex
+            tag = Tag(h.xid, True) if ex is not None and ex.xid == h.xid else None
+            self._replay(events, over, tag, out)
+            if h.peer_ends:
+                out.append(SendToLink(over, HandoverEnd(h.xid, h.dead, (over,))))
+        if h.ghost:
+            self._ghost_gone(h.dead, out)
+
+    def _replay(self, events: list[Event], peer: str, tag: Tag | None, out: list[Effect]) -> None:
+        """Send ``peer`` those of ``events`` its routes want, as replays, kept in custody."""
+        route = self.routing.route
+        keep = self.retention.keep if self.retention.enabled else None
+        for event in events:
+            if peer in route(event.attrs, None)[0]:
+                out.append(SendToLink(peer, Publish(event, tag, replay=True)))
+                if keep is not None:
+                    keep(peer, self.now, event)
+
+    def _release_inbound(self, h: Handover, out: list[Effect]) -> None:
+        """The other A end's replay is in: take what came over the added link meanwhile, each
+        publisher's in order, as replays (delivered only if newer than what this broker had)."""
+        h.peer_ended = True
+        for inp in h.take_inbound():
+            msg = inp.message
+            assert isinstance(msg, Publish)
+            if self.routing.has_link(inp.peer):
+                self._route(msg.event, inp.peer, out, msg.tag, replay=True)
+
+    def _ghost_gone(self, dead: str, out: list[Effect]) -> None:
+        """X is through collecting: the dead one's routes go, unless its repair still waits."""
+        run = self.repairs.get(dead)
+        if dead in self._ghosts and (run is None or run.phase is RepairPhase.DONE):
+            self._ghosts.discard(dead)
+            if self.routing.has_link(dead):  # an R end's settling closed it
+                self._remove_link(dead, out)
+
+    def _handover_over(self, h: Handover) -> None:
+        if h.over_and_done and self.handovers.get(h.dead) is h:
+            del self.handovers[h.dead]
+
+    def _handover_timer(self, dead: str, out: list[Effect]) -> None:
+        """A handover waited too long (a broker on the way died too, or runs software without
+        it): everything still held goes on with the routes there are."""
+        h = self.handovers.pop(dead, None)
+        if h is None:
+            return
+        if h.collecting and not h.is_a:
+            self._replay_up(h, out)
+        if h.holds_out:
+            h.routes_in = h.handed = True
+            self._send_over(h, out)
+        if h.inbound or not h.peer_ended:
+            self._release_inbound(h, out)
+
     # ------------------------------------------------------------------ protocol messages
 
     def to_peer(
@@ -972,6 +1174,8 @@ class BrokerCore:
             self._repair_msg(peer, msg, out)
         elif isinstance(msg, ReplayEnd):
             self._replay_ended(peer, msg.dead, out)
+        elif isinstance(msg, RoutesIn | HandoverEnd):
+            self._handover_msg(peer, msg, out)
         elif isinstance(msg, PublisherGap):
             self._spread_gap(msg, peer, out)
         elif isinstance(msg, Marker):
@@ -1018,6 +1222,7 @@ class BrokerCore:
                 # still says what it advertises over the added link: take it.
                 if isinstance(msg, Done) and self.routing.has_link(peer):
                     self.routing.sync_from(peer, msg.keys, out)
+                    self._handover_routes(peer, out)
                 return
             raise ProtocolError(
                 f"{self.name}: {type(msg).__name__} for exchange {xid} it is not in"
@@ -1047,8 +1252,14 @@ class BrokerCore:
             coordinated.on_end(self, ex, msg.side, out)
         elif isinstance(msg, Done):
             coordinated.on_done(self, peer, ex, msg, out)
+            self._handover_routes(peer, out)
         elif isinstance(msg, Echo):
             coordinated.on_echo(self, ex, out)
+        elif isinstance(msg, SeparatorSeen):
+            if peer != ex.r_peer:
+                raise ProtocolError(f"{self.name}: SeparatorSeen of {ex.xid} from {peer}")
+            ex.fire(Step.SEPARATOR_SEEN)
+            coordinated.maybe_finish_r(self, ex, out)
 
     def leave_exchange(self, ex: Exchange, *, by_lease: bool) -> None:
         """The exchange is over for this broker (``by_lease``: its late messages are expected)."""

@@ -77,6 +77,7 @@ from canopy_broker.core.messages import (
     RouteKey,
     SendToLink,
     Separator,
+    SeparatorSeen,
     Settle,
     StartExchange,
     StartTimer,
@@ -115,6 +116,7 @@ class BrokerCore(Protocol):
     attempts: dict[str, tuple[StartExchange, int]]  # at A1: requests not finished, and tries
     left: deque[str]  # exchanges this broker left on lease expiry: late messages are expected
     unsettled: set[str]  # peers that would refuse a Settle (older software)
+    no_handover: set[str]  # peers that would refuse RoutesIn and HandoverEnd (core.handover)
     deduped: set[str]  # links whose publications are taken as replays (see _end_bridge)
     now: float
 
@@ -129,6 +131,10 @@ class BrokerCore(Protocol):
     def heard_with_go(self, peer: str, names: tuple[str, ...], *, newest: bool) -> None: ...
 
     def leave_exchange(self, ex: Exchange, *, by_lease: bool) -> None: ...
+
+    def hands_over_for(self, gone: str) -> bool: ...
+
+    def expect_handover(self, ex: Exchange, gone: str, out: list[Effect]) -> None: ...
 
     @property
     def repair_holding(self) -> str | None: ...
@@ -153,6 +159,7 @@ class Step(Enum):
     OWN_SEPARATOR = "own Separator"  # over a link, from the A end's direction
     SEPARATOR_TO_A = "own Separator out of band"  # at an A end, from its R end
     OTHER_SEPARATOR = "other side's Separator"
+    SEPARATOR_SEEN = "SeparatorSeen"  # at an R end, over the removed link
     TRANSFER = "Transfer"
     RELAY = "Relay"
     RELAY_END = "RelayEnd"
@@ -167,6 +174,7 @@ class Mark(Enum):
 
     GRANTED = "Granted passed"
     OTHER_SEPARATOR = "other side's separator seen"
+    SEPARATOR_SEEN = "the other R end has this one's separator"
     RELAY_END = "RelayEnd seen"
     END = "End seen"
     ECHO = "Echo seen"
@@ -191,7 +199,7 @@ TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
     **{(ph, Step.OTHER_SEPARATOR): ph for ph in (_B, _G)},
     **{(ph, st): ph for ph in (_L, _B) for st in (Step.TRANSFER,)},
     **{(ph, st): ph for ph in (_L, _LG, _B, _G) for st in (Step.RELAY, Step.RELAY_END)},
-    **{(_G, st): _G for st in (Step.ECHO, Step.END, Step.DONE)},
+    **{(_G, st): _G for st in (Step.ECHO, Step.END, Step.DONE, Step.SEPARATOR_SEEN)},
     (_G, Step.SEND_DONE): _C,
     (_C, Step.DONE): _C,
 }
@@ -205,6 +213,7 @@ _MARKS = {
     Step.RELAY_END: Mark.RELAY_END,
     Step.ECHO: Mark.ECHO,
     Step.END: Mark.END,
+    Step.SEPARATOR_SEEN: Mark.SEPARATOR_SEEN,
     Step.DONE: Mark.PEER_DONE,
 }
 
@@ -381,6 +390,24 @@ def is_gray(ex: Exchange, source: str | None, tag: Tag | None) -> bool:
     return ex.gray
 
 
+def dead_r_end(ex: Exchange, gone: str) -> int | None:
+    """Where ``gone`` is on the path if it is an R end and not an A end: a death in phase 1
+    whose kept notifications are handed over (core.handover; an A end's death is bridged or
+    repaired around, see :func:`defer_settle`)."""
+    if gone not in ex.path:
+        return None
+    i = ex.path.index(gone)
+    return i if i in (ex.k, ex.k + 1) and i not in (0, ex.last) else None
+
+
+def hands_over(ex: Exchange, gone: str) -> bool:
+    """Whether this broker hands over what it kept for ``gone`` (core.handover): ``gone`` is a
+    dead R end, this broker its neighbour on the cycle, and phase 1 has begun here (before it,
+    the exchange rolls back and the old way stays)."""
+    i = dead_r_end(ex, gone)
+    return i is not None and ex.rolls_forward and abs(ex.me - i) == 1
+
+
 def route_on_cycle(
     ex: Exchange,
     copy: Publish,
@@ -501,7 +528,15 @@ def _finish_part(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
         out.append(ExchangeFinished(ex.xid, False, reason, attempt + 1))
 
 
-def settle(core: BrokerCore, ex: Exchange, gone: str, away_from: str, out: list[Effect]) -> None:
+def settle(
+    core: BrokerCore,
+    ex: Exchange,
+    gone: str,
+    away_from: str,
+    out: list[Effect],
+    *,
+    handover: bool = False,
+) -> None:
     """``gone``, a member of the cycle, is dead (this broker's detector or its fence said so, or
     a :class:`Settle` came from ``away_from``): settle this broker's part now, as at the
     lease's end, and, when that rolls it forward, tell the next broker away from ``away_from``
@@ -523,9 +558,14 @@ def settle(core: BrokerCore, ex: Exchange, gone: str, away_from: str, out: list[
 
     A roll back walks on too where Go can no longer come: the dead broker is before this one
     on the path (Go runs through it, and one it passed on before it died is here first), and
-    the walk comes from there (see :func:`_go_cut_off`)."""
+    the walk comes from there (see :func:`_go_cut_off`).
+
+    ``handover``: the walk says that the broker next to ``gone``, a dead R end, hands over
+    what it kept for it (core.handover); so does this broker's walk if it is that broker.
+    Passed on to every peer that understands it, up to the A end, which holds for it."""
     if ex.rolls_forward or _go_cut_off(ex, gone, away_from):
-        _walk_on(core, ex, gone, _away(ex, away_from), out)
+        tell = ex.rolls_forward and (handover or core.hands_over_for(gone))
+        _walk_on(core, ex, gone, _away(ex, away_from), out, handover=tell)
     lease_expired(core, ex, out)
 
 
@@ -541,7 +581,13 @@ def _go_cut_off(ex: Exchange, gone: str, away_from: str) -> bool:
 
 
 def _walk_on(
-    core: BrokerCore, ex: Exchange, gone: str, onward: str | None, out: list[Effect]
+    core: BrokerCore,
+    ex: Exchange,
+    gone: str,
+    onward: str | None,
+    out: list[Effect],
+    *,
+    handover: bool = False,
 ) -> None:
     if (
         onward is not None
@@ -549,7 +595,8 @@ def _walk_on(
         and onward not in core.unsettled
         and core.routing.has_link(onward)
     ):
-        out.append(SendToLink(onward, Settle(ex.xid, ex.attempt, gone)))
+        tell = handover and onward not in core.no_handover
+        out.append(SendToLink(onward, Settle(ex.xid, ex.attempt, gone, handover=tell)))
 
 
 def defer_settle(ex: Exchange, gone: str) -> bool:
@@ -665,7 +712,9 @@ def on_settle(core: BrokerCore, peer: str, msg: Settle, out: list[Effect]) -> No
     if not behind or msg.gone == core.name:
         raise ProtocolError(f"{core.name}: Settle of {ex.xid} from {peer} names {msg.gone!r}")
     if ex.rolls_forward or _go_cut_off(ex, msg.gone, peer):
-        settle(core, ex, msg.gone, peer, out)
+        if msg.handover and ex.rolls_forward:
+            core.expect_handover(ex, msg.gone, out)  # before the settling releases its queue
+        settle(core, ex, msg.gone, peer, out, handover=msg.handover)
 
 
 def lock_problem(
@@ -943,6 +992,10 @@ def on_separator(
     ex.fire(Step.OTHER_SEPARATOR)
     if ex.is_r:
         core.to_peer(ex.a_end_of_my_side, RelayEnd(ex.xid), out)
+        r = ex.r_peer
+        assert r is not None
+        if r not in core.no_handover:  # it closes the link on this (see SeparatorSeen)
+            out.append(SendToLink(r, SeparatorSeen(ex.xid)))
     if ex.is_a:
         maybe_release_queue(core, ex, out)
     else:
@@ -968,7 +1021,13 @@ def close_removed_link(core: BrokerCore, ex: Exchange, out: list[Effect]) -> Non
 
 
 def maybe_finish_r(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
-    if not (ex.has(Mark.PHASE2) and ex.has(Mark.OTHER_SEPARATOR)):
+    """Close the removed link once this end's separator has crossed it both ways: the other
+    R end has it (SeparatorSeen; a peer without the hand-over feature sends none) and its own
+    has come. Until then this end hears of the other's death, and hands over what it sent
+    over the link that the other end may not have passed on (core.handover)."""
+    r = ex.r_peer
+    seen = ex.has(Mark.SEPARATOR_SEEN) or r in core.no_handover
+    if not (ex.has(Mark.PHASE2) and ex.has(Mark.OTHER_SEPARATOR) and seen):
         return
     close_removed_link(core, ex, out)
     if ex.is_a:

@@ -214,6 +214,18 @@ class End:
 
 
 @message
+class SeparatorSeen:
+    """Over the removed link, from an R end that has taken the other R end's separator: all
+    that end sent over the link before it is here. An R end closes the link only once it has
+    this as well as the other separator. Closed on the separator alone, it could not hear of
+    the other R end's death a moment later, with what it had just sent over the link still
+    in that end's buffers, never passed on: the hand-over after such a death
+    (core.handover) starts at the dead end's neighbours that still have a link to it."""
+
+    xid: str
+
+
+@message
 class Settle:
     """A member of the cycle, ``gone``, is dead, and the sender has rolled its part of try
     ``attempt`` forward (Go had passed it). Walks along the path away from ``gone``, each
@@ -224,6 +236,10 @@ class Settle:
     xid: str
     attempt: int
     gone: str
+    # The sender's neighbour ``gone`` was an R end, dead in phase 1, and the broker next to it
+    # on this side hands what it kept for it over to this side's A end (see core.handover):
+    # the A end holds what it sends over the added link until that has come.
+    handover: bool = False
 
 
 # Reconfiguration-path algorithm (paper 002). Head path: R1 → ... → A1; the new link A1 → A2;
@@ -333,6 +349,30 @@ class ReplayEnd:
 
 
 @message
+class RoutesIn:
+    """An A end → down its side, to the broker that hands over what it kept for ``dead``, an R
+    end dead in phase 1 of exchange ``xid`` (see core.handover): the other side's routes are in
+    at the A end, and travel ahead of this on every link, so from here on that broker's replay
+    up its side finds its way over the added link. ``route``: the brokers it still goes to,
+    this receiver first, the one that hands over last."""
+
+    xid: str
+    dead: str
+    route: tuple[str, ...]
+
+
+@message
+class HandoverEnd:
+    """The replay of what was kept for ``dead`` (see :class:`RoutesIn`) has passed: up a side
+    to its A end (``route`` as in RoutesIn, the A end last), or over the added link to the other
+    A end (``route`` is that end alone), which then takes what it held from the link."""
+
+    xid: str
+    dead: str
+    route: tuple[str, ...]
+
+
+@message
 class RepairSweep:
     """Travels the repair chain of ``dead`` end to end, once in each direction (``forward``:
     from its first broker to its last). Behind it on each link are the routes of every broker
@@ -386,6 +426,8 @@ LinkMessage = (
     | Neighbours
     | RepairSweep
     | ReplayEnd
+    | RoutesIn
+    | HandoverEnd
     | Subscribe
     | Unsubscribe
     | Publish
@@ -396,6 +438,7 @@ LinkMessage = (
     | Separator
     | Echo
     | End
+    | SeparatorSeen
     | Settle
     | Done
     | RecMsg
@@ -499,12 +542,14 @@ class PeerFeatures:
     met during a roll-out) sorts the lists it hears by name and refuses fields it does not
     know, so while one is a neighbour this broker announces in name order, without them.
     ``settle``: it understands :class:`Settle` (an older peer would close the link on it);
-    ``replay_end``: it understands and sends :class:`ReplayEnd`."""
+    ``replay_end``: it understands and sends :class:`ReplayEnd`; ``handover``: it understands
+    :class:`RoutesIn`, :class:`HandoverEnd` and ``Settle.handover``."""
 
     peer: str
     placement: bool
     settle: bool = True
     replay_end: bool = True
+    handover: bool = True
 
 
 @message

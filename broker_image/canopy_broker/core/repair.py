@@ -313,6 +313,12 @@ class Retention:
                 full = True
         return full
 
+    def kept_for(self, peer: str, now: float) -> list[Event]:
+        """The notifications kept for ``peer`` within the window, oldest first, left kept (the
+        repair around it takes them after: see core.handover)."""
+        oldest = now - self.window
+        return [e for t, e in self.by_peer.get(peer, ()) if t >= oldest]
+
     def take(self, peer: str, now: float) -> list[Event]:
         """The notifications kept for ``peer`` within the window, oldest first, for its repair;
         no longer kept for the link (it is gone), still readable by :meth:`since`."""

@@ -817,13 +817,18 @@ class LinkSessions:
             features = hello.get("features")
             known = features if isinstance(features, list) else []
             told = PeerFeatures(
-                link.peer, "placement" in known, "settle" in known, "replay-end" in known
+                link.peer,
+                "placement" in known,
+                "settle" in known,
+                "replay-end" in known,
+                "handover" in known,
             )
             core = host.core
             if (
                 (link.peer in core.neighbour_lists.legacy) == told.placement
                 or (link.peer in core.unsettled) == told.settle
                 or (link.peer in core.no_replay_end) == told.replay_end
+                or (link.peer in core.no_handover) == told.handover
             ):  # news
                 host.apply(core.handle(told, host.now()))
         if link.kind == "link":
