@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import os
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -256,6 +257,41 @@ async def test_the_cycle_settles_at_once_when_the_initiator_dies_after_go(tmp_pa
         await run.publisher.stop()
         left = LEASE - 4 - (time.monotonic() - killed)
         assert await run.publisher.client.wait_acknowledged(max(0.5, left))
+        await run.nothing_missed()
+
+
+def closed_port() -> str:
+    """An address nobody listens on: a dial there is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_r1_killed_before_its_transfer_reached_a1_loses_nothing(tmp_path: Path) -> None:
+    """b4, R1 of the exchange (b4-b5 for b0-b5), is SIGKILLed once Go has reached it, before
+    its transfer reached A1 (b0): its address for b0 is wrong, as if its dial there had not
+    gone through yet when it died. b0's side stays black, so what b3's publisher sends to
+    b5's subscriber goes to b4 until b3 hears of the death (0.6 s here). That was lost,
+    untold (`canopy bench faults --only exchange --victim b4`: 827 events at 1,000 events/s),
+    and with it what b3 routed to b5 until the A ends' Done brought the new routes. Now b3
+    hands it all over to b0 (core.handover), which sends it over the new link behind
+    nothing newer; the survivors are one tree well within the lease and miss nothing."""
+    async with chain_under_traffic(tmp_path) as run:
+        await run.ov["b4"].admin.set_peers({"b0": closed_port()})
+        await run.exchange()
+        async with asyncio.timeout(10):
+            while (await run.ov["b4"].admin.status())["exchange_phase"] in (None, "locked"):  # noqa: ASYNC110
+                await asyncio.sleep(0.001)
+        await kill(run.ov.brokers, "b4")
+
+        async def settled() -> bool:
+            told, mutual, free = await run.links()
+            tree = {("b0", "b1"), ("b1", "b2"), ("b2", "b3"), ("b0", "b5")}
+            return free and mutual == tree and len(told) == 2 * len(tree)
+
+        async with asyncio.timeout(LEASE - 4):  # waiting for the lease fails
+            while not await settled():  # noqa: ASYNC110 - polling
+                await asyncio.sleep(0.05)
         await run.nothing_missed()
 
 

@@ -268,22 +268,35 @@ def _out_of_band_lost_after_go(sim: Simulator, broker: str) -> None:
         (("b2", "b3"), "b2"),  # R1 mid-path
         (("b2", "b3"), "b3"),  # R2 mid-path
         (("b1", "b2"), "b1"),  # R1 next to A1
+        (("b3", "b4"), "b2"),  # between A1 and R1
+        (("b1", "b2"), "b3"),  # between R2 and A2
     ],
 )
-@pytest.mark.parametrize(("transfer", "after"), [("lost", 0.0), ("sent", 0.0), ("sent", 20.0)])
-@pytest.mark.parametrize("handover", [True, False])
-def test_an_r_end_dead_in_phase_1_hands_over_what_went_its_way(
+@pytest.mark.parametrize(
+    ("transfer", "after", "handover"),
+    [
+        ("lost", 0.0, True),
+        ("sent", 0.0, True),
+        ("sent", 20.0, True),
+        ("lost", 0.0, False),  # the negative controls: each of these lost, before
+        ("sent", 0.0, False),
+    ],
+)
+def test_a_death_in_phase_1_hands_over_what_went_its_way(
     removed: tuple[str, str], dead: str, transfer: str, after: float, handover: bool
 ) -> None:
-    """An R end dies once Go has passed it (``after`` units later; ``lost``: its transfer
-    never reached its A end). What its side published for the other side went its way, black,
-    until its neighbours heard of the death, and what it had not passed on died with it. Its
-    neighbours on the cycle kept it, and hand it over to their A ends, which send it over the
-    added link, held-back newer ones behind it (core.handover). Without the hand-over (every
-    broker as from before it: the negative control), 26 to 600 notifications were lost here,
-    untold; on real processes 827 at 1,000 events/s (``canopy bench faults --only exchange
-    --victim b4``). ``after`` 20: the other R end has had this one's separator and would have
-    closed the removed link, so it no longer heard of the death, but for SeparatorSeen."""
+    """A member of the cycle dies once Go has passed it (``after`` units later; ``lost``: its
+    transfer, if it is an R end, never reached its A end). What its side published for the
+    other side went its way, black, until its neighbours heard of the death, and what it had
+    not passed on died with it. Its neighbour towards the A end kept it (and, if it was an R
+    end, the other R end kept what came the other way), and hands it over to its A end, which
+    sends it over the added link, newer ones held back behind it; each A end takes what came
+    over the link only behind both sides' replays (core.handover). Without the hand-over
+    (every broker as from before it: the negative control), 3 to 600 notifications were lost
+    here, untold; on real processes 827 at 1,000 events/s (``canopy bench faults --only
+    exchange --victim b4``). ``after`` 20: the other R end has had this one's separator and
+    would have closed the removed link, so it no longer heard of the death, but for
+    SeparatorSeen."""
     sim = chain(6, detection_time=60.0)
     publishers = [p for p in ("pb0", "pb1", "pb2", "pb3", "pb5") if p != f"p{dead}"]
     for p in publishers:

@@ -311,7 +311,7 @@ def test_a_settle_walks_on_away_from_the_dead_member_and_settles_as_the_lease_wo
     by_lease.handle(TimerFired("lease:x1"))
     dead_r1 = in_phase_1()
     out = dead_r1.handle(PeerGone("r1"))
-    assert sent(out)[0] == ("a", Settle("x1", 0, "r1"))
+    assert sent(out)[0] == ("a", Settle("x1", 0, "r1", handover=True))  # see core.handover
     assert dead_r1.exchange is None and state_of(dead_r1) == state_of(by_lease)
     # Taken from either side, it goes on to the other.
     for source, onward, gone in (("a", "r1", "z"), ("r1", "a", "r2")):

@@ -501,7 +501,7 @@ class BrokerCore:
             ghosts = self._ghosts
             if holding or ghosts or self.handovers:
                 if self.handovers:  # collected for a handover, or held from the added link
-                    peers = self._handing(copy.event, peers)
+                    peers = self._handing(copy.event, peers, source)
                 # A repair's new link, or a dead one: sent with the replay (during an exchange
                 # too: the repair is not the exchange's business).
                 peers = tuple(p for p in peers if p not in holding and p not in ghosts)
@@ -788,6 +788,9 @@ class BrokerCore:
         )
         self._forget_repairs()
         self.repairs[peer] = run
+        handing = self.handovers.get(peer)
+        if handing is not None and handing.ghost:
+            handing.repair = run  # it hands over only once this is through
         for end in (run.previous, run.next):
             if end is not None:
                 self._holding.setdefault(end, []).append(run)
@@ -910,6 +913,7 @@ class BrokerCore:
             if partner and self.is_neighbour(partner) and partner not in self.no_replay_end:
                 out.append(SendToLink(partner, ReplayEnd(run.dead)))
         self._settle_after(run, out, now=timed_out)
+        self._handover_repaired(run.dead, out)
 
     def _settle_after(self, run: RepairRun, out: list[Effect], *, now: bool = False) -> None:
         """Settle the exchange that waits on ``run`` (see exchange.defer_settle) once it is
@@ -918,12 +922,15 @@ class BrokerCore:
         ex = self.ex
         if ex is None or ex.after_repair != run.dead or run.phase is not RepairPhase.DONE:
             return
-        if ex.after_replay and not now:
-            partners = {p for p in (run.previous, run.next) if p is not None}
-            waiting = {p for p in partners if self.is_neighbour(p) and p not in self.no_replay_end}
-            if waiting - run.replay_ends:
-                return
+        if ex.after_replay and not now and set(self._replaying(run)) - run.replay_ends:
+            return
         coordinated.settle(self, ex, run.dead, run.dead, out)
+
+    def _replaying(self, run: RepairRun) -> list[str]:
+        """The chain partners of ``run`` whose ReplayEnd is to come: still linked, and sending
+        one."""
+        partners = (run.previous, run.next)
+        return [p for p in partners if p and self.is_neighbour(p) and p not in self.no_replay_end]
 
     def _replay_ended(self, peer: str, dead: str, out: list[Effect]) -> None:
         run = self.repairs.get(dead)
@@ -934,6 +941,7 @@ class BrokerCore:
             return
         run.replay_ends.add(peer)
         self._settle_after(run, out)
+        self._handover_repaired(dead, out)
 
     def _partner_gone(self, out: list[Effect]) -> None:
         """A link went: if it was a chain partner whose ReplayEnd the exchange waits for, it
@@ -942,6 +950,8 @@ class BrokerCore:
         run = self.repairs.get(ex.after_repair) if ex is not None and ex.after_repair else None
         if run is not None:
             self._settle_after(run, out)
+        for dead in list(self.handovers):
+            self._handover_repaired(dead, out)
 
     def _repair_msg(self, peer: str, msg: RepairSweep, out: list[Effect]) -> None:
         run = self.repairs.get(msg.dead)
@@ -959,32 +969,31 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ handing over
 
-    def hands_over_for(self, gone: str) -> bool:
-        """Whether this broker hands over what it kept for ``gone`` (core.handover)."""
-        h = self.handovers.get(gone)
-        return h is not None and h.ghost
-
     def _hand_over(self, ex: Exchange, dead: str, out: list[Effect]) -> None:
-        """The verdict on ``dead``, a cycle neighbour: if it was an R end in phase 1, this
-        broker is X and hands over what it kept for it, and, if it is also an A end, holds
-        what goes over the added link (core.handover). What it kept is read, not taken: the
-        repair around the dead one replays it to its chain as well."""
+        """The verdict on ``dead``, a cycle neighbour, in phase 1: if this broker is the one
+        that hands over what it kept for it (exchange.hands_over), it starts collecting, and,
+        if it is also an A end, holds what crosses the added link (core.handover). What it
+        kept is read, not taken: the repair around the dead one replays it to its chain too."""
         if not coordinated.hands_over(ex, dead) or dead in self.handovers:
             return
         up = route_up(ex)
         if up and up[0] in self.no_handover:
             return  # the way up knows nothing of it: as before, the repair alone
-        h = Handover(ex.xid, dead, ghost=True, up=up, kept=self.retention.kept_for(dead, self.now))
+        kept = self.retention.kept_for(dead, self.now)
+        beyond = ex.path[2 * ex.path.index(dead) - ex.me]  # the dead one's other path neighbour
+        h = Handover(ex.xid, dead, ghost=True, up=up, kept=kept, beyond=beyond)
         if ex.is_a:
             self._hold_added_link(h, ex)
         self._start_handover(h, ex, out)
 
     def expect_handover(self, ex: Exchange, gone: str, out: list[Effect]) -> None:
-        """A Settle told this broker that the broker next to ``gone`` hands over: if this is
-        an A end, it holds what goes over the added link until that has come."""
-        if not ex.is_a or coordinated.dead_r_end(ex, gone) is None or gone in self.handovers:
+        """A Settle told this broker that ``gone`` died in phase 1 and is handed over: if this
+        is an A end, it holds what crosses the added link until its side's replay (if a
+        broker of its side hands over) and the other A end's are through."""
+        if not ex.is_a or not coordinated.handed_over(ex, gone) or gone in self.handovers:
             return
-        h = Handover(ex.xid, gone, down=route_down(ex, gone))
+        x = coordinated.hander(ex, gone)
+        h = Handover(ex.xid, gone, down=() if x is None else route_down(ex, x), handed=x is None)
         self._hold_added_link(h, ex)
         self._start_handover(h, ex, out)
 
@@ -1011,13 +1020,31 @@ class BrokerCore:
         h.routes_in = True
         if h.down:  # behind the routes, which went down before this
             out.append(SendToLink(h.down[0], RoutesIn(h.xid, h.dead, h.down)))
-        self._send_over(h, out)
+        self._handover_step(h, out)
 
-    def _handing(self, event: Event, peers: tuple[str, ...]) -> tuple[str, ...]:
-        """``event`` is routed to ``peers``: X collects it if it goes to the dead one, and an
-        A end holds it instead of sending it over the added link."""
+    def _repair_through(self, h: Handover) -> bool:
+        return h.repair_through(() if h.repair is None else self._replaying(h.repair))
+
+    def _handover_step(self, h: Handover, out: list[Effect]) -> None:
+        """Whatever the handover can do now: X replays up once its A end has the routes and
+        its repair is through; an A end sends over the added link once it has the routes and
+        its side's replay, and takes what it held from the link once both replays are in."""
+        through = not h.ghost or h.handed or self._repair_through(h)
+        if h.collecting and not h.is_a and h.routes_in and through:
+            self._replay_up(h, out)
+        if h.holds_out and h.routes_in and (h.handed or (h.x_here and through)):
+            self._send_over(h, out)
+        if h.inbound_due:
+            self._release_inbound(h, out)
+        if h.over_and_done and self.handovers.get(h.dead) is h:
+            del self.handovers[h.dead]
+
+    def _handing(self, event: Event, peers: tuple[str, ...], source: str | None) -> tuple[str, ...]:
+        """``event``, from ``source``, is routed to ``peers``: X collects it if it goes to the
+        dead one (unless it came from beyond it), and an A end holds it instead of sending it
+        over the added link."""
         for h in self.handovers.values():
-            if h.collecting and h.dead in peers:
+            if h.collecting and h.dead in peers and source != h.beyond:
                 h.kept.append(event)
             over = h.over
             if over is not None and h.holds_out and over in peers:
@@ -1047,14 +1074,19 @@ class BrokerCore:
         if h is None or h.xid != msg.xid:
             return  # over already (its timer), or never begun here: nothing waits on it
         if isinstance(msg, RoutesIn):
-            if h.collecting and not h.is_a and h.up and peer == h.up[0]:
-                self._replay_up(h, out)
+            if h.ghost and not h.is_a and h.up and peer == h.up[0]:
+                h.routes_in = True
         elif peer == h.over:
-            self._release_inbound(h, out)
+            h.peer_ended = True
         elif h.down and peer == h.down[0]:
             h.handed = True
-            self._send_over(h, out)
-        self._handover_over(h)
+        self._handover_step(h, out)
+
+    def _handover_repaired(self, dead: str, out: list[Effect]) -> None:
+        """The repair around ``dead`` moved on (done, a partner's replay ended or it went)."""
+        h = self.handovers.get(dead)
+        if h is not None:
+            self._handover_step(h, out)
 
     def _replay_up(self, h: Handover, out: list[Effect]) -> None:
         """X, its A end having the routes: what it kept goes up, as replays, then
@@ -1068,10 +1100,8 @@ class BrokerCore:
         self._ghost_gone(h.dead, out)
 
     def _send_over(self, h: Handover, out: list[Effect]) -> None:
-        """The A end has the other side's routes and X's replay: send it and what it held over
-        the added link, each publisher's in order, as replays; then HandoverEnd."""
-        if not h.ready_to_send:
-            return
+        """Send what X kept (if it is here) and what this A end held over the added link, each
+        publisher's in order, as replays; then HandoverEnd."""
         over = h.over
         assert over is not None
         events = h.outgoing()
@@ -1097,9 +1127,9 @@ class BrokerCore:
                     keep(peer, self.now, event)
 
     def _release_inbound(self, h: Handover, out: list[Effect]) -> None:
-        """The other A end's replay is in: take what came over the added link meanwhile, each
-        publisher's in order, as replays (delivered only if newer than what this broker had)."""
-        h.peer_ended = True
+        """Both replays are in: take what came over the added link meanwhile, each publisher's
+        in order, as replays (delivered only if newer than what this broker had)."""
+        h.taken_in = True
         for inp in h.take_inbound():
             msg = inp.message
             assert isinstance(msg, Publish)
@@ -1114,23 +1144,17 @@ class BrokerCore:
             if self.routing.has_link(dead):  # an R end's settling closed it
                 self._remove_link(dead, out)
 
-    def _handover_over(self, h: Handover) -> None:
-        if h.over_and_done and self.handovers.get(h.dead) is h:
-            del self.handovers[h.dead]
-
     def _handover_timer(self, dead: str, out: list[Effect]) -> None:
         """A handover waited too long (a broker on the way died too, or runs software without
         it): everything still held goes on with the routes there are."""
-        h = self.handovers.pop(dead, None)
+        h = self.handovers.get(dead)
         if h is None:
             return
         if h.collecting and not h.is_a:
             self._replay_up(h, out)
-        if h.holds_out:
-            h.routes_in = h.handed = True
-            self._send_over(h, out)
-        if h.inbound or not h.peer_ended:
-            self._release_inbound(h, out)
+        h.routes_in = h.handed = h.peer_ended = True
+        self._handover_step(h, out)
+        self.handovers.pop(dead, None)
 
     # ------------------------------------------------------------------ protocol messages
 

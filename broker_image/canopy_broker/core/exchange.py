@@ -26,7 +26,8 @@ How the protocol runs (each step is a message handled by ``BrokerCore``):
 3. The separator walks its side down to its R end, turning each broker *gray*, crosses r, and
    walks the other side up to the other A end, where it is absorbed. When it returns to its R end,
    that end starts **phase 2**: it drops r's routing entries, which withdraws them up its side.
-   An R end that has done phase 2 and received the other side's separator closes r, says
+   An R end that has done phase 2, received the other side's separator and the other R end's
+   **SeparatorSeen** (it has this end's separator, and all that came before it) closes r, says
    **RelayEnd** to its A end and sends **End** up its side; each broker releases its lock as End
    passes.
 4. Notifications carry a colour (:class:`~canopy_broker.core.messages.Tag`) on the cycle: black
@@ -131,8 +132,6 @@ class BrokerCore(Protocol):
     def heard_with_go(self, peer: str, names: tuple[str, ...], *, newest: bool) -> None: ...
 
     def leave_exchange(self, ex: Exchange, *, by_lease: bool) -> None: ...
-
-    def hands_over_for(self, gone: str) -> bool: ...
 
     def expect_handover(self, ex: Exchange, gone: str, out: list[Effect]) -> None: ...
 
@@ -390,22 +389,33 @@ def is_gray(ex: Exchange, source: str | None, tag: Tag | None) -> bool:
     return ex.gray
 
 
-def dead_r_end(ex: Exchange, gone: str) -> int | None:
-    """Where ``gone`` is on the path if it is an R end and not an A end: a death in phase 1
-    whose kept notifications are handed over (core.handover; an A end's death is bridged or
-    repaired around, see :func:`defer_settle`)."""
-    if gone not in ex.path:
-        return None
-    i = ex.path.index(gone)
-    return i if i in (ex.k, ex.k + 1) and i not in (0, ex.last) else None
+def handed_over(ex: Exchange, gone: str) -> bool:
+    """Whether the death of ``gone`` is handed over (core.handover): it is on the path and not
+    an A end (an A end's death is bridged or repaired around, see :func:`defer_settle`), and
+    phase 1 has begun here (before it the exchange rolls back, and the old way stays)."""
+    return gone in ex.path and gone not in (ex.path[0], ex.path[-1]) and ex.rolls_forward
 
 
 def hands_over(ex: Exchange, gone: str) -> bool:
-    """Whether this broker hands over what it kept for ``gone`` (core.handover): ``gone`` is a
-    dead R end, this broker its neighbour on the cycle, and phase 1 has begun here (before it,
-    the exchange rolls back and the old way stays)."""
-    i = dead_r_end(ex, gone)
-    return i is not None and ex.rolls_forward and abs(ex.me - i) == 1
+    """Whether this broker hands over what it kept for ``gone`` (core.handover): it is the dead
+    one's neighbour towards the A end on the dead one's side, or, if the dead one is an R end,
+    the other R end. What went to ``gone`` from here went black, towards the removed link (and
+    below it), and has only the added link left to reach the other side by."""
+    if not handed_over(ex, gone):
+        return False
+    i = ex.path.index(gone)
+    up = i - 1 if i <= ex.k else i + 1
+    return ex.me == up or (i in (ex.k, ex.k + 1) and ex.me == (2 * ex.k + 1) - i)
+
+
+def hander(ex: Exchange, gone: str) -> int | None:
+    """At an A end: where on the path the broker is that hands over for ``gone`` on this side
+    (see :func:`hands_over`), or None when nobody does on this side (``gone`` was a middle
+    broker of the other side)."""
+    i = ex.path.index(gone)
+    if ex.side == 1:
+        return i - 1 if i <= ex.k + 1 else None
+    return i + 1 if i >= ex.k else None
 
 
 def route_on_cycle(
@@ -564,7 +574,7 @@ def settle(
     what it kept for it (core.handover); so does this broker's walk if it is that broker.
     Passed on to every peer that understands it, up to the A end, which holds for it."""
     if ex.rolls_forward or _go_cut_off(ex, gone, away_from):
-        tell = ex.rolls_forward and (handover or core.hands_over_for(gone))
+        tell = handover or (away_from == gone and handed_over(ex, gone))
         _walk_on(core, ex, gone, _away(ex, away_from), out, handover=tell)
     lease_expired(core, ex, out)
 
