@@ -36,6 +36,7 @@ from canopy_broker.core.messages import (
     FromPeer,
     Go,
     Granted,
+    HandoverBegin,
     HandoverEnd,
     Input,
     LinkReady,
@@ -595,6 +596,7 @@ def test_an_a_end_sends_over_the_added_link_only_behind_the_handover() -> None:
     newer_there = Publish(Event("z", 9, {"x": 1}), Tag("x1", gray=True))
     assert delivered(a.handle(FromLink("z", newer_there))) == []  # queued behind the old way
     out = a.handle(FromLink("m", Settle("x1", 0, "r1", handover=True)))
+    assert ("z", HandoverBegin("x1", "r1")) in sent(out)  # z may have heard of no death
     assert delivered(out) == [] and ("z", Done("x1", (RouteKey(Filter.parse("x = 1")),))) in sent(
         out
     )
@@ -615,6 +617,21 @@ def test_an_a_end_sends_over_the_added_link_only_behind_the_handover() -> None:
     assert delivered(a.handle(FromLink("z", HandoverEnd("x1", "r1", ("a",))))) == [5, 9]
     assert not a.handovers
     assert a.handle(FromLink("z", HandoverEnd("x1", "r1", ("a",)))) == []  # late: nothing
+
+
+def test_an_a_end_out_of_the_exchange_answers_handover_begin_at_once() -> None:
+    """The other A end may have closed the removed link before R1 died (SeparatorSeen in): it
+    hears of no death, and waits for no hand-over. Asked over the added link, it answers at
+    once: nothing of its side went the old way since. Still in the exchange, or handing over
+    itself, it answers in due course; a peer without the feature is not answered."""
+    z = BrokerCore("z")
+    z.handle(AddLink("a"))
+    out = z.handle(FromLink("a", HandoverBegin("x1", "r1")))
+    assert sent(out) == [("a", HandoverEnd("x1", "r1", ("a",)))]
+    locked = locked_a2()
+    assert sent(locked.handle(FromLink("a", HandoverBegin("x1", "r1")))) == []  # queued
+    z.handle(PeerFeatures("a", placement=True, handover=False))
+    assert sent(z.handle(FromLink("a", HandoverBegin("x1", "r1")))) == []
 
 
 def test_go_carries_a1s_list_to_the_two_brokers_that_would_repair_around_it() -> None:

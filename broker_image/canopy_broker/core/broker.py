@@ -59,6 +59,7 @@ from canopy_broker.core.messages import (
     Gap,
     Go,
     Granted,
+    HandoverBegin,
     HandoverEnd,
     Input,
     LinkFailed,
@@ -224,8 +225,9 @@ class BrokerCore:
         # Peers whose software knows nothing of handing over (core.handover): not sent its
         # messages, not waited for.
         self.no_handover: set[str] = set()
-        # This broker's parts in handing over what was kept for an R end dead in phase 1,
-        # by the dead one's name (core.handover).
+        # This broker's parts in handing over what went the way of a cycle member dead in
+        # phase 1 of an exchange, by the dead one's name (core.handover). Each holds for a
+        # few link round trips, and never past its timer (the repair timeout).
         self.handovers: dict[str, Handover] = {}
         # Path algorithm: this broker's role per reconfiguration, and the (un)subscriptions
         # from a neighbour to ignore while its RECMSG travels.
@@ -983,7 +985,7 @@ class BrokerCore:
         beyond = ex.path[2 * ex.path.index(dead) - ex.me]  # the dead one's other path neighbour
         h = Handover(ex.xid, dead, ghost=True, up=up, kept=kept, beyond=beyond)
         if ex.is_a:
-            self._hold_added_link(h, ex)
+            self._hold_added_link(h, ex, out)
         self._start_handover(h, ex, out)
 
     def expect_handover(self, ex: Exchange, gone: str, out: list[Effect]) -> None:
@@ -994,14 +996,16 @@ class BrokerCore:
             return
         x = coordinated.hander(ex, gone)
         h = Handover(ex.xid, gone, down=() if x is None else route_down(ex, x), handed=x is None)
-        self._hold_added_link(h, ex)
+        self._hold_added_link(h, ex, out)
         self._start_handover(h, ex, out)
 
-    def _hold_added_link(self, h: Handover, ex: Exchange) -> None:
+    def _hold_added_link(self, h: Handover, ex: Exchange, out: list[Effect]) -> None:
         a = ex.a_peer
         assert a is not None
         h.over = a
         h.peer_ends = a not in self.no_handover
+        if h.peer_ends:  # it may have no death to hear of: see HandoverBegin
+            out.append(SendToLink(a, HandoverBegin(h.xid, h.dead)))
 
     def _start_handover(self, h: Handover, ex: Exchange, out: list[Effect]) -> None:
         self.handovers[h.dead] = h
@@ -1200,6 +1204,11 @@ class BrokerCore:
             self._replay_ended(peer, msg.dead, out)
         elif isinstance(msg, RoutesIn | HandoverEnd):
             self._handover_msg(peer, msg, out)
+        elif isinstance(msg, HandoverBegin):
+            ex = self.ex
+            left = ex is None or ex.xid != msg.xid
+            if left and msg.dead not in self.handovers and peer not in self.no_handover:
+                out.append(SendToLink(peer, HandoverEnd(msg.xid, msg.dead, (peer,))))
         elif isinstance(msg, PublisherGap):
             self._spread_gap(msg, peer, out)
         elif isinstance(msg, Marker):

@@ -362,6 +362,18 @@ class RoutesIn:
 
 
 @message
+class HandoverBegin:
+    """From an A end over the added link, as it begins to hold for a hand-over around ``dead``
+    (see :class:`RoutesIn`): it waits for the other A end's HandoverEnd. An A end that is no
+    longer in exchange ``xid``, and hands nothing over for ``dead``, answers with HandoverEnd
+    at once: its side has nothing in flight the old way, and no death to hear of (it may have
+    closed the removed link before the other R end died, so no verdict or Settle reaches it)."""
+
+    xid: str
+    dead: str
+
+
+@message
 class HandoverEnd:
     """The replay of what was kept for ``dead`` (see :class:`RoutesIn`) has passed: up a side
     to its A end (``route`` as in RoutesIn, the A end last), or over the added link to the other
@@ -427,6 +439,7 @@ LinkMessage = (
     | RepairSweep
     | ReplayEnd
     | RoutesIn
+    | HandoverBegin
     | HandoverEnd
     | Subscribe
     | Unsubscribe
@@ -543,7 +556,8 @@ class PeerFeatures:
     know, so while one is a neighbour this broker announces in name order, without them.
     ``settle``: it understands :class:`Settle` (an older peer would close the link on it);
     ``replay_end``: it understands and sends :class:`ReplayEnd`; ``handover``: it understands
-    :class:`RoutesIn`, :class:`HandoverEnd` and ``Settle.handover``."""
+    :class:`RoutesIn`, :class:`HandoverBegin`, :class:`HandoverEnd`, :class:`SeparatorSeen`
+    and ``Settle.handover``."""
 
     peer: str
     placement: bool
