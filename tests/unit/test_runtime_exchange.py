@@ -18,9 +18,20 @@ import pytest
 from canopy_broker.client import Client, Notification, connect
 from canopy_broker.core.events import Value
 from canopy_broker.core.filters import Filter
+from canopy_broker.core.messages import ReplayEnd, SendToLink
+from canopy_broker.runtime.framing import F_HELLO, control_frame
 from canopy_broker.runtime.server import Broker
 from canopy_broker.sim.checker import check_routing
-from tests.unit.test_runtime_broker import MakeBroker, addr, eventually, link, make_broker, settled
+from tests.unit.test_runtime_broker import (
+    MakeBroker,
+    addr,
+    eventually,
+    hang_up,
+    link,
+    make_broker,
+    raw_connection,
+    settled,
+)
 
 pytestmark = pytest.mark.looptime  # timeouts and heartbeats on the loop's clock, faked
 
@@ -185,3 +196,28 @@ async def test_a_link_the_core_keeps_is_connected_afresh_after_the_peer_closed_a
     other.sessions.open(keeps.name)
     await eventually(lambda: up(a, "z") and up(z, "a") and a.links["z"].session != second)
     assert a.links["z"].session == z.links["a"].session
+
+
+async def test_a_closed_link_whose_peer_is_gone_is_dropped_within_the_detection_time(
+    make_broker: MakeBroker,
+) -> None:
+    """The core closed a link (R2 closing the removed link once R1 had its separator) whose
+    last messages the peer never acknowledged, and the peer is gone (R1 SIGKILLed just
+    after). The link is dropped once it has had no connection for a detection timeout: it was
+    kept until the repair timeout (10 s), reported as a neighbour all that while (`canopy
+    bench faults --victim b4`: 3 kills of 16 settled only after 10 s)."""
+    a = await make_broker("a")
+    await eventually(lambda: a.ready)
+    # A peer that completes its hello, then says nothing (acknowledges nothing).
+    _reader, writer = await raw_connection(a, as_broker="mute")
+    hello = {"v": 1, "role": "link", "name": "mute", "session": "s", "resume": False}
+    writer.write(control_frame(F_HELLO, {**hello, "last_rx": 0}))
+    await eventually(lambda: "mute" in a.links and a.links["mute"].conn is not None)
+    a.sessions.open("mute")  # the core's link
+    a.apply([SendToLink("mute", ReplayEnd("x"))])
+    assert a.links["mute"].out  # never acknowledged
+    a.sessions.close("mute")
+    await hang_up(writer)
+    closing = a.links["mute"]
+    assert closing.closing and closing.out
+    await eventually(lambda: "mute" not in a.links, within=3)  # 3 x 0.2 s, then the sweep

@@ -1743,6 +1743,27 @@ class LinkSessions:
         for link in list(self.links.values()) if cfg.repair else ():
             since = link.down_since
             if (
+                link.closing
+                and link.conn is None
+                and since is not None
+                and now - max(since, self._woke_at) > timeout
+            ):
+                # Closed by its core, its last messages not all acknowledged, and no
+                # connection for a detection timeout: the peer is gone, or dropped it. Kept
+                # on, it was reported as a neighbour until the repair timeout (`canopy bench
+                # faults --victim b4`: R1 died just after R2 closed the removed link, which
+                # stayed at R2 for 10 s). Nothing is lost with it: the core has done with it.
+                log.info(
+                    "%s: closed link to %s gone for %.1fs with %d message(s) unacknowledged; "
+                    "dropped",
+                    self.name,
+                    link.peer,
+                    now - since,
+                    len(link.out),
+                )
+                self.drop(link, bye=None)
+                continue
+            if (
                 not link.dialer
                 and not link.established
                 and link.conn is None
