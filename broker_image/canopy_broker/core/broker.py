@@ -24,12 +24,13 @@ from __future__ import annotations
 from collections import deque
 
 from canopy_broker.core import exchange as coordinated
+from canopy_broker.core import handover
 from canopy_broker.core import path as path_algorithm
 from canopy_broker.core.cycles import CycleTable, plan_link_repair
 from canopy_broker.core.errors import CoreFailedError, ProtocolError
 from canopy_broker.core.events import Event
-from canopy_broker.core.exchange import Exchange, Mark, Step
-from canopy_broker.core.handover import Handover, in_order, route_down, route_up
+from canopy_broker.core.exchange import Exchange, Step
+from canopy_broker.core.handover import Handover
 from canopy_broker.core.messages import (
     AddLink,
     Algorithm,
@@ -398,7 +399,7 @@ class BrokerCore:
             if kind == "repair":
                 self.repair_timer(name, out)
             elif kind == "handover":
-                self._handover_timer(name, out)
+                handover.timer(self, name, out)
             else:
                 coordinated.timer(self, inp.key, out)
         else:  # pragma: no cover - the type checker proves this unreachable
@@ -426,7 +427,7 @@ class BrokerCore:
             ex.queued_total += 1
             return
         if isinstance(msg, Publish):
-            if self.handovers and self._holds_in(inp):
+            if self.handovers and handover.holds_in(self, inp):
                 return
             replay = msg.replay or inp.peer in self.deduped
             self._route(msg.event, inp.peer, out, msg.tag, replay=replay)
@@ -503,7 +504,7 @@ class BrokerCore:
             ghosts = self._ghosts
             if holding or ghosts or self.handovers:
                 if self.handovers:  # collected for a handover, or held from the added link
-                    peers = self._handing(copy.event, peers, source)
+                    peers = handover.handing(self, copy.event, peers, source)
                 # A repair's new link, or a dead one: sent with the replay (during an exchange
                 # too: the repair is not the exchange's business).
                 peers = tuple(p for p in peers if p not in holding and p not in ghosts)
@@ -744,7 +745,7 @@ class BrokerCore:
             # repair is through), and the repair follows. The drivers used to do this in three
             # steps (this input refused, PeerGone, this input again), each in its own copy: the
             # runtime's failure detector and the simulator.
-            self._hand_over(ex, peer, out)  # before settling: it may take the link away
+            handover.begin(self, ex, peer, out)  # before settling: it may take the link away
             self._peer_gone(peer, out)
             if not self.routing.has_link(peer):
                 return  # settling took the link away (the added one rolled back, or r closed)
@@ -915,7 +916,7 @@ class BrokerCore:
             if partner and self.is_neighbour(partner) and partner not in self.no_replay_end:
                 out.append(SendToLink(partner, ReplayEnd(run.dead)))
         self._settle_after(run, out, now=timed_out)
-        self._handover_repaired(run.dead, out)
+        handover.repaired(self, run.dead, out)
 
     def _settle_after(self, run: RepairRun, out: list[Effect], *, now: bool = False) -> None:
         """Settle the exchange that waits on ``run`` (see exchange.defer_settle) once it is
@@ -924,15 +925,9 @@ class BrokerCore:
         ex = self.ex
         if ex is None or ex.after_repair != run.dead or run.phase is not RepairPhase.DONE:
             return
-        if ex.after_replay and not now and set(self._replaying(run)) - run.replay_ends:
+        if ex.after_replay and not now and set(self.replaying(run)) - run.replay_ends:
             return
         coordinated.settle(self, ex, run.dead, run.dead, out)
-
-    def _replaying(self, run: RepairRun) -> list[str]:
-        """The chain partners of ``run`` whose ReplayEnd is to come: still linked, and sending
-        one."""
-        partners = (run.previous, run.next)
-        return [p for p in partners if p and self.is_neighbour(p) and p not in self.no_replay_end]
 
     def _replay_ended(self, peer: str, dead: str, out: list[Effect]) -> None:
         run = self.repairs.get(dead)
@@ -943,7 +938,7 @@ class BrokerCore:
             return
         run.replay_ends.add(peer)
         self._settle_after(run, out)
-        self._handover_repaired(dead, out)
+        handover.repaired(self, dead, out)
 
     def _partner_gone(self, out: list[Effect]) -> None:
         """A link went: if it was a chain partner whose ReplayEnd the exchange waits for, it
@@ -953,7 +948,7 @@ class BrokerCore:
         if run is not None:
             self._settle_after(run, out)
         for dead in list(self.handovers):
-            self._handover_repaired(dead, out)
+            handover.repaired(self, dead, out)
 
     def _repair_msg(self, peer: str, msg: RepairSweep, out: list[Effect]) -> None:
         run = self.repairs.get(msg.dead)
@@ -970,195 +965,25 @@ class BrokerCore:
             self._finish_repair(run, out, timed_out=True)
 
     # ------------------------------------------------------------------ handing over
-
-    def _hand_over(self, ex: Exchange, dead: str, out: list[Effect]) -> None:
-        """The verdict on ``dead``, a cycle neighbour, in phase 1: if this broker is the one
-        that hands over what it kept for it (exchange.hands_over), it starts collecting, and,
-        if it is also an A end, holds what crosses the added link (core.handover). What it
-        kept is read, not taken: the repair around the dead one replays it to its chain too."""
-        if not coordinated.hands_over(ex, dead) or dead in self.handovers:
-            return
-        up = route_up(ex)
-        if up and up[0] in self.no_handover:
-            return  # the way up knows nothing of it: as before, the repair alone
-        kept = self.retention.kept_for(dead, self.now)
-        beyond = ex.path[2 * ex.path.index(dead) - ex.me]  # the dead one's other path neighbour
-        h = Handover(ex.xid, dead, ghost=True, up=up, kept=kept, beyond=beyond)
-        if ex.is_a:
-            self._hold_added_link(h, ex, out)
-        self._start_handover(h, ex, out)
+    # (the protocol is core.handover's; these are the hooks it needs from the broker)
 
     def expect_handover(self, ex: Exchange, gone: str, out: list[Effect]) -> None:
-        """A Settle told this broker that ``gone`` died in phase 1 and is handed over: if this
-        is an A end, it holds what crosses the added link until its side's replay (if a
-        broker of its side hands over) and the other A end's are through."""
-        if not ex.is_a or not coordinated.handed_over(ex, gone) or gone in self.handovers:
-            return
-        x = coordinated.hander(ex, gone)
-        h = Handover(ex.xid, gone, down=() if x is None else route_down(ex, x), handed=x is None)
-        self._hold_added_link(h, ex, out)
-        self._start_handover(h, ex, out)
+        handover.expect(self, ex, gone, out)
 
-    def _hold_added_link(self, h: Handover, ex: Exchange, out: list[Effect]) -> None:
-        a = ex.a_peer
-        assert a is not None
-        h.over = a
-        h.peer_ends = a not in self.no_handover
-        if h.peer_ends:  # it may have no death to hear of: see HandoverBegin
-            out.append(SendToLink(a, HandoverBegin(h.xid, h.dead)))
+    def replaying(self, run: RepairRun) -> list[str]:
+        """The chain partners of ``run`` whose ReplayEnd is to come: still linked, and sending
+        one."""
+        partners = (run.previous, run.next)
+        return [p for p in partners if p and self.is_neighbour(p) and p not in self.no_replay_end]
 
-    def _start_handover(self, h: Handover, ex: Exchange, out: list[Effect]) -> None:
-        self.handovers[h.dead] = h
-        out.append(StartTimer(f"handover:{h.dead}", self.repair_timeout))
-        a = h.over
-        if a is not None and (ex.has(Mark.PEER_DONE) or self.routing.held_from(a)):
-            self._routes_in(h, out)  # the transfer brought them
-
-    def _handover_routes(self, peer: str, out: list[Effect]) -> None:
-        """The other A end's Done is applied: its side's routes are in over the link."""
-        for h in list(self.handovers.values()):
-            if h.over == peer and not h.routes_in:
-                self._routes_in(h, out)
-
-    def _routes_in(self, h: Handover, out: list[Effect]) -> None:
-        h.routes_in = True
-        if h.down:  # behind the routes, which went down before this
-            out.append(SendToLink(h.down[0], RoutesIn(h.xid, h.dead, h.down)))
-        self._handover_step(h, out)
-
-    def _repair_through(self, h: Handover) -> bool:
-        return h.repair_through(() if h.repair is None else self._replaying(h.repair))
-
-    def _handover_step(self, h: Handover, out: list[Effect]) -> None:
-        """Whatever the handover can do now: X replays up once its A end has the routes and
-        its repair is through; an A end sends over the added link once it has the routes and
-        its side's replay, and takes what it held from the link once both replays are in."""
-        through = not h.ghost or h.handed or self._repair_through(h)
-        if h.collecting and not h.is_a and h.routes_in and through:
-            self._replay_up(h, out)
-        if h.holds_out and h.routes_in and (h.handed or (h.x_here and through)):
-            self._send_over(h, out)
-        if h.inbound_due:
-            self._release_inbound(h, out)
-        if h.over_and_done and self.handovers.get(h.dead) is h:
-            del self.handovers[h.dead]
-
-    def _handing(self, event: Event, peers: tuple[str, ...], source: str | None) -> tuple[str, ...]:
-        """``event``, from ``source``, is routed to ``peers``: X collects it if it goes to the
-        dead one (unless it came from beyond it), and an A end holds it instead of sending it
-        over the added link."""
-        for h in self.handovers.values():
-            if h.collecting and h.dead in peers and source != h.beyond:
-                h.kept.append(event)
-            over = h.over
-            if over is not None and h.holds_out and over in peers:
-                h.held.append(event)
-                peers = tuple(p for p in peers if p != over)
-        return peers
-
-    def _holds_in(self, inp: FromLink) -> bool:
-        for h in self.handovers.values():
-            if h.holds_in(inp.peer):
-                h.inbound.append(inp)
-                return True
-        return False
-
-    def _handover_msg(self, peer: str, msg: RoutesIn | HandoverEnd, out: list[Effect]) -> None:
-        """RoutesIn down a side, HandoverEnd up it or over the added link: passed on along
-        ``route``; at its end, a step of the handover around ``msg.dead``."""
-        route = msg.route
-        if not route or route[0] != self.name:
-            raise ProtocolError(f"{self.name}: {type(msg).__name__} routed {list(route)}")
-        if len(route) > 1:
-            onward = route[1]
-            if self.routing.has_link(onward) and onward not in self.no_handover:
-                out.append(SendToLink(onward, type(msg)(msg.xid, msg.dead, route[1:])))
-            return
-        h = self.handovers.get(msg.dead)
-        if h is None or h.xid != msg.xid:
-            return  # over already (its timer), or never begun here: nothing waits on it
-        if isinstance(msg, RoutesIn):
-            if h.ghost and not h.is_a and h.up and peer == h.up[0]:
-                h.routes_in = True
-        elif peer == h.over:
-            h.peer_ended = True
-        elif h.down and peer == h.down[0]:
-            h.handed = True
-        self._handover_step(h, out)
-
-    def _handover_repaired(self, dead: str, out: list[Effect]) -> None:
-        """The repair around ``dead`` moved on (done, a partner's replay ended or it went)."""
-        h = self.handovers.get(dead)
-        if h is not None:
-            self._handover_step(h, out)
-
-    def _replay_up(self, h: Handover, out: list[Effect]) -> None:
-        """X, its A end having the routes: what it kept goes up, as replays, then
-        HandoverEnd. The dead one's routes go now (the new way has them)."""
-        up = h.up[0]
-        kept, h.kept = in_order(h.kept), []
-        h.handed = True
-        if self.routing.has_link(up):
-            self._replay(kept, up, None, out)
-            out.append(SendToLink(up, HandoverEnd(h.xid, h.dead, h.up)))
-        self._ghost_gone(h.dead, out)
-
-    def _send_over(self, h: Handover, out: list[Effect]) -> None:
-        """Send what X kept (if it is here) and what this A end held over the added link, each
-        publisher's in order, as replays; then HandoverEnd."""
-        over = h.over
-        assert over is not None
-        events = h.outgoing()
-        h.kept, h.held = [], []
-        h.sent = h.handed = True
-        if self.routing.has_link(over):
-            ex = self.ex
-            tag = Tag(h.xid, True) if ex is not None and ex.xid == h.xid else None
-            self._replay(events, over, tag, out)
-            if h.peer_ends:
-                out.append(SendToLink(over, HandoverEnd(h.xid, h.dead, (over,))))
-        if h.ghost:
-            self._ghost_gone(h.dead, out)
-
-    def _replay(self, events: list[Event], peer: str, tag: Tag | None, out: list[Effect]) -> None:
-        """Send ``peer`` those of ``events`` its routes want, as replays, kept in custody."""
-        route = self.routing.route
-        keep = self.retention.keep if self.retention.enabled else None
-        for event in events:
-            if peer in route(event.attrs, None)[0]:
-                out.append(SendToLink(peer, Publish(event, tag, replay=True)))
-                if keep is not None:
-                    keep(peer, self.now, event)
-
-    def _release_inbound(self, h: Handover, out: list[Effect]) -> None:
-        """Both replays are in: take what came over the added link meanwhile, each publisher's
-        in order, as replays (delivered only if newer than what this broker had)."""
-        h.taken_in = True
-        for inp in h.take_inbound():
-            msg = inp.message
-            assert isinstance(msg, Publish)
-            if self.routing.has_link(inp.peer):
-                self._route(msg.event, inp.peer, out, msg.tag, replay=True)
-
-    def _ghost_gone(self, dead: str, out: list[Effect]) -> None:
-        """X is through collecting: the dead one's routes go, unless its repair still waits."""
+    def drop_ghost(self, dead: str, out: list[Effect]) -> None:
+        """A hand-over is through collecting at the ghost of ``dead``: its routes go, unless
+        the repair around it still waits (its end removes them then)."""
         run = self.repairs.get(dead)
         if dead in self._ghosts and (run is None or run.phase is RepairPhase.DONE):
             self._ghosts.discard(dead)
             if self.routing.has_link(dead):  # an R end's settling closed it
                 self._remove_link(dead, out)
-
-    def _handover_timer(self, dead: str, out: list[Effect]) -> None:
-        """A handover waited too long (a broker on the way died too, or runs software without
-        it): everything still held goes on with the routes there are."""
-        h = self.handovers.get(dead)
-        if h is None:
-            return
-        if h.collecting and not h.is_a:
-            self._replay_up(h, out)
-        h.routes_in = h.handed = h.peer_ended = True
-        self._handover_step(h, out)
-        self.handovers.pop(dead, None)
 
     # ------------------------------------------------------------------ protocol messages
 
@@ -1202,13 +1027,8 @@ class BrokerCore:
             self._repair_msg(peer, msg, out)
         elif isinstance(msg, ReplayEnd):
             self._replay_ended(peer, msg.dead, out)
-        elif isinstance(msg, RoutesIn | HandoverEnd):
-            self._handover_msg(peer, msg, out)
-        elif isinstance(msg, HandoverBegin):
-            ex = self.ex
-            left = ex is None or ex.xid != msg.xid
-            if left and msg.dead not in self.handovers and peer not in self.no_handover:
-                out.append(SendToLink(peer, HandoverEnd(msg.xid, msg.dead, (peer,))))
+        elif isinstance(msg, RoutesIn | HandoverBegin | HandoverEnd):
+            handover.on_message(self, peer, msg, out)
         elif isinstance(msg, PublisherGap):
             self._spread_gap(msg, peer, out)
         elif isinstance(msg, Marker):
@@ -1255,7 +1075,7 @@ class BrokerCore:
                 # still says what it advertises over the added link: take it.
                 if isinstance(msg, Done) and self.routing.has_link(peer):
                     self.routing.sync_from(peer, msg.keys, out)
-                    self._handover_routes(peer, out)
+                    handover.routes_arrived(self, peer, out)
                 return
             raise ProtocolError(
                 f"{self.name}: {type(msg).__name__} for exchange {xid} it is not in"
@@ -1285,7 +1105,7 @@ class BrokerCore:
             coordinated.on_end(self, ex, msg.side, out)
         elif isinstance(msg, Done):
             coordinated.on_done(self, peer, ex, msg, out)
-            self._handover_routes(peer, out)
+            handover.routes_arrived(self, peer, out)
         elif isinstance(msg, Echo):
             coordinated.on_echo(self, ex, out)
         elif isinstance(msg, SeparatorSeen):

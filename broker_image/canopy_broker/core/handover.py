@@ -42,12 +42,48 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
+from canopy_broker.core import exchange as coordinated
+from canopy_broker.core.errors import ProtocolError
 from canopy_broker.core.events import Event
-from canopy_broker.core.exchange import Exchange
-from canopy_broker.core.messages import FromLink, Publish
+from canopy_broker.core.exchange import Exchange, Mark
+from canopy_broker.core.messages import (
+    Effect,
+    FromLink,
+    HandoverBegin,
+    HandoverEnd,
+    Publish,
+    RoutesIn,
+    SendToLink,
+    StartTimer,
+    Tag,
+)
 from canopy_broker.core.repair import Phase as RepairPhase
-from canopy_broker.core.repair import RepairRun
+from canopy_broker.core.repair import RepairRun, Retention
+
+if TYPE_CHECKING:
+    from canopy_broker.core.routing import RoutingState
+
+
+class Host(Protocol):
+    """What the hand-over needs from the broker it runs in (``core.broker.BrokerCore``),
+    declared here so that this module depends on an interface: the broker imports it."""
+
+    name: str
+    routing: RoutingState
+    retention: Retention
+    handovers: dict[str, Handover]
+    no_handover: set[str]  # peers that would refuse its messages (older software)
+    ex: Exchange | None
+    now: float
+    repair_timeout: float
+
+    def from_link(self, inp: FromLink, out: list[Effect]) -> None: ...
+
+    def replaying(self, run: RepairRun) -> list[str]: ...
+
+    def drop_ghost(self, dead: str, out: list[Effect]) -> None: ...
 
 
 def in_order(events: Sequence[Event]) -> list[Event]:
@@ -185,3 +221,217 @@ def _event_of(inp: FromLink) -> Event:
 
 def _by_seq(inp: FromLink) -> tuple[int, str]:
     return _event_order(_event_of(inp))
+
+
+# --------------------------------------------------------------------------- the protocol
+# Functions over a Host; BrokerCore calls them at its verdicts, Settles, Dones and routing.
+
+
+def begin(host: Host, ex: Exchange, dead: str, out: list[Effect]) -> None:
+    """The verdict on ``dead``, a cycle neighbour, in phase 1: if this broker is the one that
+    hands over what it kept for it (exchange.hands_over), it starts collecting, and, if it is
+    also an A end, holds what crosses the added link. What it kept is read, not taken: the
+    repair around the dead one replays it to its chain too."""
+    if not coordinated.hands_over(ex, dead) or dead in host.handovers:
+        return
+    up = route_up(ex)
+    if up and up[0] in host.no_handover:
+        return  # the way up knows nothing of it: as before, the repair alone
+    kept = host.retention.kept_for(dead, host.now)
+    beyond = ex.path[2 * ex.path.index(dead) - ex.me]  # the dead one's other path neighbour
+    h = Handover(ex.xid, dead, ghost=True, up=up, kept=kept, beyond=beyond)
+    if ex.is_a:
+        _hold_added_link(host, h, ex, out)
+    _start(host, h, ex, out)
+
+
+def expect(host: Host, ex: Exchange, gone: str, out: list[Effect]) -> None:
+    """A Settle told this broker that ``gone`` died in phase 1 and is handed over: if this is
+    an A end, it holds what crosses the added link until its side's replay (if a broker of its
+    side hands over) and the other A end's are through."""
+    if not ex.is_a or not coordinated.handed_over(ex, gone) or gone in host.handovers:
+        return
+    x = coordinated.hander(ex, gone)
+    h = Handover(ex.xid, gone, down=() if x is None else route_down(ex, x), handed=x is None)
+    _hold_added_link(host, h, ex, out)
+    _start(host, h, ex, out)
+
+
+def _hold_added_link(host: Host, h: Handover, ex: Exchange, out: list[Effect]) -> None:
+    a = ex.a_peer
+    assert a is not None
+    h.over = a
+    h.peer_ends = a not in host.no_handover
+    if h.peer_ends:  # it may have no death to hear of: see HandoverBegin
+        out.append(SendToLink(a, HandoverBegin(h.xid, h.dead)))
+
+
+def _start(host: Host, h: Handover, ex: Exchange, out: list[Effect]) -> None:
+    host.handovers[h.dead] = h
+    out.append(StartTimer(f"handover:{h.dead}", host.repair_timeout))
+    a = h.over
+    if a is not None and (ex.has(Mark.PEER_DONE) or host.routing.held_from(a)):
+        _routes_in(host, h, out)  # the transfer brought them
+
+
+def routes_arrived(host: Host, peer: str, out: list[Effect]) -> None:
+    """The other A end's Done is applied: its side's routes are in over the link."""
+    for h in list(host.handovers.values()):
+        if h.over == peer and not h.routes_in:
+            _routes_in(host, h, out)
+
+
+def _routes_in(host: Host, h: Handover, out: list[Effect]) -> None:
+    h.routes_in = True
+    if h.down:  # behind the routes, which went down before this
+        out.append(SendToLink(h.down[0], RoutesIn(h.xid, h.dead, h.down)))
+    _step(host, h, out)
+
+
+def _step(host: Host, h: Handover, out: list[Effect]) -> None:
+    """Whatever the hand-over can do now: X replays up once its A end has the routes and its
+    repair is through; an A end sends over the added link once it has the routes and its
+    side's replay, and takes what it held from the link once both replays are in."""
+    run = h.repair
+    through = (
+        not h.ghost or h.handed or h.repair_through(() if run is None else host.replaying(run))
+    )
+    if h.collecting and not h.is_a and h.routes_in and through:
+        _replay_up(host, h, out)
+    if h.holds_out and h.routes_in and (h.handed or (h.x_here and through)):
+        _send_over(host, h, out)
+    if h.inbound_due:
+        _take_inbound(host, h, out)
+    if h.over_and_done and host.handovers.get(h.dead) is h:
+        del host.handovers[h.dead]
+
+
+def handing(
+    host: Host, event: Event, peers: tuple[str, ...], source: str | None
+) -> tuple[str, ...]:
+    """``event``, from ``source``, is routed to ``peers``: X collects it if it goes to the dead
+    one (unless it came from beyond it), and an A end holds it instead of sending it over the
+    added link. Returns the peers it still goes to now."""
+    for h in host.handovers.values():
+        if h.collecting and h.dead in peers and source != h.beyond:
+            h.kept.append(event)
+        over = h.over
+        if over is not None and h.holds_out and over in peers:
+            h.held.append(event)
+            peers = tuple(p for p in peers if p != over)
+    return peers
+
+
+def holds_in(host: Host, inp: FromLink) -> bool:
+    """A publication over the added link, held if an A end's hand-over holds it."""
+    for h in host.handovers.values():
+        if h.holds_in(inp.peer):
+            h.inbound.append(inp)
+            return True
+    return False
+
+
+def on_message(
+    host: Host, peer: str, msg: RoutesIn | HandoverBegin | HandoverEnd, out: list[Effect]
+) -> None:
+    """HandoverBegin over the added link; RoutesIn down a side; HandoverEnd up it or over the
+    added link. The last two are passed on along ``route``, and at its end are a step of the
+    hand-over around ``msg.dead``."""
+    if isinstance(msg, HandoverBegin):
+        ex = host.ex
+        left = ex is None or ex.xid != msg.xid
+        if left and msg.dead not in host.handovers and peer not in host.no_handover:
+            out.append(SendToLink(peer, HandoverEnd(msg.xid, msg.dead, (peer,))))
+        return
+    route = msg.route
+    if not route or route[0] != host.name:
+        raise ProtocolError(f"{host.name}: {type(msg).__name__} routed {list(route)}")
+    if len(route) > 1:
+        onward = route[1]
+        if host.routing.has_link(onward) and onward not in host.no_handover:
+            out.append(SendToLink(onward, type(msg)(msg.xid, msg.dead, route[1:])))
+        return
+    h = host.handovers.get(msg.dead)
+    if h is None or h.xid != msg.xid:
+        return  # over already (its timer), or never begun here: nothing waits on it
+    if isinstance(msg, RoutesIn):
+        if h.ghost and not h.is_a and h.up and peer == h.up[0]:
+            h.routes_in = True
+    elif peer == h.over:
+        h.peer_ended = True
+    elif h.down and peer == h.down[0]:
+        h.handed = True
+    _step(host, h, out)
+
+
+def repaired(host: Host, dead: str, out: list[Effect]) -> None:
+    """The repair around ``dead`` moved on (done, a partner's replay ended, or it went)."""
+    h = host.handovers.get(dead)
+    if h is not None:
+        _step(host, h, out)
+
+
+def _replay_up(host: Host, h: Handover, out: list[Effect]) -> None:
+    """X, its A end having the routes: what it kept goes up, as replays, then HandoverEnd.
+    The dead one's routes go now (the new way has them)."""
+    up = h.up[0]
+    kept, h.kept = in_order(h.kept), []
+    h.handed = True
+    if host.routing.has_link(up):
+        _replay(host, kept, up, None, out)
+        out.append(SendToLink(up, HandoverEnd(h.xid, h.dead, h.up)))
+    host.drop_ghost(h.dead, out)
+
+
+def _send_over(host: Host, h: Handover, out: list[Effect]) -> None:
+    """Send what X kept (if it is here) and what this A end held over the added link, each
+    publisher's in order, as replays; then HandoverEnd."""
+    over = h.over
+    assert over is not None
+    events = h.outgoing()
+    h.kept, h.held = [], []
+    h.sent = h.handed = True
+    if host.routing.has_link(over):
+        ex = host.ex
+        tag = Tag(h.xid, True) if ex is not None and ex.xid == h.xid else None
+        _replay(host, events, over, tag, out)
+        if h.peer_ends:
+            out.append(SendToLink(over, HandoverEnd(h.xid, h.dead, (over,))))
+    if h.ghost:
+        host.drop_ghost(h.dead, out)
+
+
+def _replay(host: Host, events: list[Event], peer: str, tag: Tag | None, out: list[Effect]) -> None:
+    """Send ``peer`` those of ``events`` its routes want, as replays, kept in custody."""
+    route = host.routing.route
+    keep = host.retention.keep if host.retention.enabled else None
+    for event in events:
+        if peer in route(event.attrs, None)[0]:
+            out.append(SendToLink(peer, Publish(event, tag, replay=True)))
+            if keep is not None:
+                keep(peer, host.now, event)
+
+
+def _take_inbound(host: Host, h: Handover, out: list[Effect]) -> None:
+    """Both replays are in: take what came over the added link meanwhile, each publisher's
+    in order, as replays (delivered only if newer than what this broker had)."""
+    h.taken_in = True
+    for inp in h.take_inbound():
+        msg = inp.message
+        assert isinstance(msg, Publish)
+        if host.routing.has_link(inp.peer):
+            again = Publish(msg.event, msg.tag, replay=True)
+            host.from_link(FromLink(inp.peer, again), out)
+
+
+def timer(host: Host, dead: str, out: list[Effect]) -> None:
+    """A hand-over waited too long (a broker on the way died too, or runs software without
+    it): everything still held goes on with the routes there are."""
+    h = host.handovers.get(dead)
+    if h is None:
+        return
+    if h.collecting and not h.is_a:
+        _replay_up(host, h, out)
+    h.routes_in = h.handed = h.peer_ended = True
+    _step(host, h, out)
+    host.handovers.pop(dead, None)
