@@ -372,18 +372,8 @@ class BrokerCore:
                 self.neighbour_lists.legacy.discard(inp.peer)
             else:
                 self.neighbour_lists.legacy.add(inp.peer)
-            if inp.settle:
-                self.unsettled.discard(inp.peer)
-            else:
-                self.unsettled.add(inp.peer)
-            if inp.replay_end:
-                self.no_replay_end.discard(inp.peer)
-            else:
-                self.no_replay_end.add(inp.peer)
-            if inp.handover:
-                self.no_handover.discard(inp.peer)
-            else:
-                self.no_handover.add(inp.peer)
+            for told, lacking in self._lacking(inp):
+                (lacking.discard if told else lacking.add)(inp.peer)
         elif isinstance(inp, FindCycles):
             for peer, probe in self.cycles.start(inp.round, inp.bound, self._tree_links()):
                 self.to_peer(peer, probe, out)
@@ -808,6 +798,22 @@ class BrokerCore:
         never back where it came from), and each tells its own subscribers."""
         out.extend(SendToLink(n, gap) for n in self._tree_links() if n != source)
         out.append(TellGap(gap.publisher, gap.since, gap.until))
+
+    def _lacking(self, told: PeerFeatures) -> list[tuple[bool, set[str]]]:
+        """Each feature a hello tells of, with the set of peers that lack it."""
+        return [
+            (told.settle, self.unsettled),
+            (told.replay_end, self.no_replay_end),
+            (told.handover, self.no_handover),
+        ]
+
+    def knows_features(self, told: PeerFeatures) -> bool:
+        """Whether the core already holds what ``told`` says of its peer (no news)."""
+        peer = told.peer
+        placement = peer not in self.neighbour_lists.legacy
+        return placement == told.placement and all(
+            (peer not in lacking) == has for has, lacking in self._lacking(told)
+        )
 
     def _unlisted(self, peer: str) -> bool:
         """Whether ``peer`` stays out of the neighbour list this broker announces: a ghost, the

@@ -824,12 +824,7 @@ class LinkSessions:
                 "handover" in known,
             )
             core = host.core
-            if (
-                (link.peer in core.neighbour_lists.legacy) == told.placement
-                or (link.peer in core.unsettled) == told.settle
-                or (link.peer in core.no_replay_end) == told.replay_end
-                or (link.peer in core.no_handover) == told.handover
-            ):  # news
+            if not core.knows_features(told):  # news
                 host.apply(core.handle(told, host.now()))
         if link.kind == "link":
             self._checks.pop(link.peer, None)  # it answered for itself
