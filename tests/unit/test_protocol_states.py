@@ -567,6 +567,8 @@ def test_r1s_neighbour_hands_over_what_it_kept_for_it_and_what_came_its_way() ->
     assert delivered(out) == [2] and sent(out) == []  # to the dead one's routes: kept
     m.handle(FromLink("a", Subscribe(RouteKey(Filter.parse("x = 1")))))  # from A1, the new way
     refused(m, FromLink("a", RoutesIn("x1", "r1", ("q",))), "RoutesIn routed")
+    looping = ("m", "a") * 5000  # would bounce between m and a, copying itself at each hop
+    refused(m, FromLink("a", HandoverEnd("x1", "r1", looping)), "HandoverEnd routed")
     out = m.handle(FromLink("a", RoutesIn("x1", "r1", ("m",))))
     assert sent(out) == [
         ("a", Publish(early.forwarded(), replay=True)),

@@ -344,8 +344,10 @@ def on_message(
             out.append(SendToLink(peer, HandoverEnd(msg.xid, msg.dead, (peer,))))
         return
     route = msg.route
-    if not route or route[0] != host.name:
-        raise ProtocolError(f"{host.name}: {type(msg).__name__} routed {list(route)}")
+    # A path never passes a broker twice: a route that does (a peer's bug, or a hostile one)
+    # would bounce between two honest brokers, copying itself at every hop.
+    if not route or route[0] != host.name or len(set(route)) != len(route):
+        raise ProtocolError(f"{host.name}: {type(msg).__name__} routed {list(route)[:8]}")
     if len(route) > 1:
         onward = route[1]
         if host.routing.has_link(onward) and onward not in host.no_handover:
