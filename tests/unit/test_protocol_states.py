@@ -49,6 +49,7 @@ from canopy_broker.core.messages import (
     PeerGone,
     Publish,
     RecMsg,
+    RelayEnd,
     RepairSweep,
     ReplayEnd,
     RouteKey,
@@ -632,6 +633,17 @@ def test_an_a_end_out_of_the_exchange_answers_handover_begin_at_once() -> None:
     assert sent(out) == [("a", HandoverEnd("x1", "r1", ("a",)))]
     locked = locked_a2()
     assert sent(locked.handle(FromLink("a", HandoverBegin("x1", "r1")))) == []  # queued
+    # Its side through (End in, Done sent, waiting for A1's): no Settle will ever reach it,
+    # and nobody of its side hands over. It used to answer nothing, and A1 held what came over
+    # the added link, and refused every lock, until its timer (review).
+    closing = a2_after_go()
+    closing.handle(FromPeer("r2", Separator("x1", 2)))  # its own, from its R end
+    closing.handle(FromLink("r2", Separator("x1", 1)))  # the other side's
+    closing.handle(FromPeer("r2", RelayEnd("x1")))
+    closing.handle(FromLink("r2", End("x1", 2)))
+    assert closing.exchange is not None and closing.exchange.phase is Phase.CLOSING
+    out = closing.handle(FromLink("a", HandoverBegin("x1", "r1")))
+    assert sent(out) == [("a", HandoverEnd("x1", "r1", ("a",)))]
     z.handle(PeerFeatures("a", placement=True, handover=False))
     assert sent(z.handle(FromLink("a", HandoverBegin("x1", "r1")))) == []
 

@@ -738,7 +738,10 @@ class BrokerCore:
             handover.begin(self, ex, peer, out)  # before settling: it may take the link away
             self._peer_gone(peer, out)
             if not self.routing.has_link(peer):
-                return  # settling took the link away (the added one rolled back, or r closed)
+                # Settling took the link away (the added one rolled back, or r closed): no
+                # repair runs here, and a hand-over need not wait for one.
+                handover.no_repair(self, peer, out)
+                return
             ex = self.ex
         # The dead link stays in the tables, frozen (nothing is sent to it), until the new
         # routes are in: its routes keep this side's traffic coming here, and the repair

@@ -570,9 +570,10 @@ def settle(
     on the path (Go runs through it, and one it passed on before it died is here first), and
     the walk comes from there (see :func:`_go_cut_off`).
 
-    ``handover``: the walk says that the broker next to ``gone``, a dead R end, hands over
-    what it kept for it (core.handover); so does this broker's walk if it is that broker.
-    Passed on to every peer that understands it, up to the A end, which holds for it."""
+    ``handover``: the walk says that what went the way of ``gone`` (a cycle member other than
+    an A end, dead in phase 1) is handed over (core.handover); so does this broker's walk if
+    it is one of the dead one's two neighbours. Passed on to every peer that understands it,
+    up to the A end, which holds for it."""
     if ex.rolls_forward or _go_cut_off(ex, gone, away_from):
         tell = handover or (away_from == gone and handed_over(ex, gone))
         _walk_on(core, ex, gone, _away(ex, away_from), out, handover=tell)

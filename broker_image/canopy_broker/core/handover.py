@@ -35,7 +35,9 @@ reached the far side before the death, or came both ways, is delivered once.
 
 The state here is one broker's part; :class:`~canopy_broker.core.broker.BrokerCore` carries it
 out. Every hold also ends on a timer (a broker further on died too, or runs software without
-the feature): what is held is then released; nothing is dropped, though a late replay may be.
+the feature): what is held is then released with the routes there are. What those do not lead
+anywhere yet is lost, and a late replay may be dropped as had: the timer is a last resort, not
+a path of the protocol.
 """
 
 from __future__ import annotations
@@ -147,7 +149,8 @@ class Handover:
     sent: bool = False  # A end: its replay and HandoverEnd went over a
     peer_ended: bool = False  # A end: the other A end's HandoverEnd came
     taken_in: bool = False  # A end: what it held from a is taken
-    repair: RepairRun | None = None  # X: its repair around the dead one, if it runs one
+    repair: RepairRun | None = None  # X: its repair around the dead one, once it runs
+    repairing: bool = True  # X: a repair around the dead one is to run here (its link stayed)
     # X: the dead one's other neighbour on the path. What comes from there (over the repair's
     # link) came from beyond the dead one and still goes the old way: not collected.
     beyond: str | None = None
@@ -193,7 +196,7 @@ class Handover:
         (the link went as the exchange settled here)."""
         run = self.repair
         if run is None:
-            return True
+            return not self.repairing
         return run.phase is RepairPhase.DONE and set(replay_ends_from) <= run.replay_ends
 
     def outgoing(self) -> list[Event]:
@@ -268,7 +271,9 @@ def _hold_added_link(host: Host, h: Handover, ex: Exchange, out: list[Effect]) -
 
 def _start(host: Host, h: Handover, ex: Exchange, out: list[Effect]) -> None:
     host.handovers[h.dead] = h
-    out.append(StartTimer(f"handover:{h.dead}", host.repair_timeout))
+    # By exchange too: a timer left from an earlier hand-over for a broker of the same name
+    # (restarted, dead again) must not end this one early.
+    out.append(StartTimer(f"handover:{h.dead}:{h.xid}", host.repair_timeout))
     a = h.over
     if a is not None and (ex.has(Mark.PEER_DONE) or host.routing.held_from(a)):
         _routes_in(host, h, out)  # the transfer brought them
@@ -283,7 +288,7 @@ def routes_arrived(host: Host, peer: str, out: list[Effect]) -> None:
 
 def _routes_in(host: Host, h: Handover, out: list[Effect]) -> None:
     h.routes_in = True
-    if h.down:  # behind the routes, which went down before this
+    if h.down and h.down[0] not in host.no_handover:  # behind the routes, which went first
         out.append(SendToLink(h.down[0], RoutesIn(h.xid, h.dead, h.down)))
     _step(host, h, out)
 
@@ -339,8 +344,8 @@ def on_message(
     hand-over around ``msg.dead``."""
     if isinstance(msg, HandoverBegin):
         ex = host.ex
-        left = ex is None or ex.xid != msg.xid
-        if left and msg.dead not in host.handovers and peer not in host.no_handover:
+        through = ex is None or ex.xid != msg.xid or ex.has(Mark.END)
+        if through and msg.dead not in host.handovers and peer not in host.no_handover:
             out.append(SendToLink(peer, HandoverEnd(msg.xid, msg.dead, (peer,))))
         return
     route = msg.route
@@ -426,14 +431,24 @@ def _take_inbound(host: Host, h: Handover, out: list[Effect]) -> None:
             host.from_link(FromLink(inp.peer, again), out)
 
 
-def timer(host: Host, dead: str, out: list[Effect]) -> None:
+def timer(host: Host, key: str, out: list[Effect]) -> None:
     """A hand-over waited too long (a broker on the way died too, or runs software without
-    it): everything still held goes on with the routes there are."""
+    it): everything still held goes on with the routes there are. What they lead nowhere yet
+    (X's routes up, if RoutesIn never came) is lost, untold: the timer is the last resort."""
+    dead, _, xid = key.partition(":")
     h = host.handovers.get(dead)
-    if h is None:
+    if h is None or h.xid != xid:
         return
     if h.collecting and not h.is_a:
         _replay_up(host, h, out)
     h.routes_in = h.handed = h.peer_ended = True
     _step(host, h, out)
     host.handovers.pop(dead, None)
+
+
+def no_repair(host: Host, dead: str, out: list[Effect]) -> None:
+    """No repair around ``dead`` runs here (settling closed its link): X need not wait for one."""
+    h = host.handovers.get(dead)
+    if h is not None and h.repair is None:
+        h.repairing = False
+        _step(host, h, out)

@@ -236,9 +236,10 @@ class Settle:
     xid: str
     attempt: int
     gone: str
-    # The sender's neighbour ``gone`` was an R end, dead in phase 1, and the broker next to it
-    # on this side hands what it kept for it over to this side's A end (see core.handover):
-    # the A end holds what it sends over the added link until that has come.
+    # ``gone``, a cycle member other than an A end, died in phase 1, and what went its way is
+    # handed over (see core.handover): the A end this walk reaches holds what crosses the
+    # added link until its side's replay (if a broker of its side hands over) and the other
+    # A end's have come.
     handover: bool = False
 
 
@@ -350,11 +351,11 @@ class ReplayEnd:
 
 @message
 class RoutesIn:
-    """An A end → down its side, to the broker that hands over what it kept for ``dead``, an R
-    end dead in phase 1 of exchange ``xid`` (see core.handover): the other side's routes are in
-    at the A end, and travel ahead of this on every link, so from here on that broker's replay
-    up its side finds its way over the added link. ``route``: the brokers it still goes to,
-    this receiver first, the one that hands over last."""
+    """An A end → down its side, to the broker that hands over what it kept for ``dead``, a
+    cycle member dead in phase 1 of exchange ``xid`` (see core.handover): the other side's
+    routes are in at the A end, and travel ahead of this on every link, so from here on that
+    broker's replay up its side finds its way over the added link. ``route``: the brokers it
+    still goes to, this receiver first, the one that hands over last."""
 
     xid: str
     dead: str
@@ -364,10 +365,12 @@ class RoutesIn:
 @message
 class HandoverBegin:
     """From an A end over the added link, as it begins to hold for a hand-over around ``dead``
-    (see :class:`RoutesIn`): it waits for the other A end's HandoverEnd. An A end that is no
-    longer in exchange ``xid``, and hands nothing over for ``dead``, answers with HandoverEnd
-    at once: its side has nothing in flight the old way, and no death to hear of (it may have
-    closed the removed link before the other R end died, so no verdict or Settle reaches it)."""
+    (see :class:`RoutesIn`): it waits for the other A end's HandoverEnd. An A end that hands
+    nothing over for ``dead`` and whose side is through with exchange ``xid`` (it has left it,
+    or has End: its side's R end closed the removed link and every broker of its side has
+    released) answers with HandoverEnd at once: its side has nothing in flight the old way,
+    and no death to hear of (its R end closed the removed link before the other R end died,
+    so no verdict or Settle reaches it)."""
 
     xid: str
     dead: str

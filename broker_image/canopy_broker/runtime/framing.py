@@ -66,7 +66,8 @@ FEATURES: Final = ("placement", "settle", "replay-end", "handover")
 without a feature is not sent what it would refuse): ``placement``, neighbour lists with the
 sender's zone and node, in chain order; ``settle``, the exchange's Settle after a member of its
 cycle died; ``replay-end``, a repair's ReplayEnd after its replay; ``handover``, handing over
-what was kept for an R end dead in phase 1 (RoutesIn, HandoverEnd, SeparatorSeen)."""
+what went the way of a cycle member dead in phase 1 (RoutesIn, HandoverBegin, HandoverEnd,
+SeparatorSeen, ``Settle.handover``)."""
 MAX_FRAME: Final = 8 * 1024 * 1024
 """Largest accepted payload; a bigger length prefix closes the connection before any is read."""
 # Frame types (first element of every frame's JSON array).
