@@ -492,8 +492,9 @@ class BrokerCore:
             keep = self.retention.keep if self.retention.enabled else None
             holding = self._holding
             ghosts = self._ghosts
-            if holding or ghosts or self.handovers:
-                if self.handovers:  # collected for a handover, or held from the added link
+            handovers = self.handovers
+            if holding or ghosts or handovers:
+                if handovers:  # collected for a handover, or held from the added link
                     peers = handover.handing(self, copy.event, peers, source)
                 # A repair's new link, or a dead one: sent with the replay (during an exchange
                 # too: the repair is not the exchange's business).

@@ -117,7 +117,7 @@ class BrokerCore(Protocol):
     attempts: dict[str, tuple[StartExchange, int]]  # at A1: requests not finished, and tries
     left: deque[str]  # exchanges this broker left on lease expiry: late messages are expected
     unsettled: set[str]  # peers that would refuse a Settle (older software)
-    no_handover: set[str]  # peers that would refuse RoutesIn and HandoverEnd (core.handover)
+    no_handover: set[str]  # peers without the hand-over (no SeparatorSeen, Settle.handover)
     deduped: set[str]  # links whose publications are taken as replays (see _end_bridge)
     now: float
 
@@ -396,26 +396,26 @@ def handed_over(ex: Exchange, gone: str) -> bool:
     return gone in ex.path and gone not in (ex.path[0], ex.path[-1]) and ex.rolls_forward
 
 
-def hands_over(ex: Exchange, gone: str) -> bool:
-    """Whether this broker hands over what it kept for ``gone`` (core.handover): it is the dead
-    one's neighbour towards the A end on the dead one's side, or, if the dead one is an R end,
-    the other R end. What went to ``gone`` from here went black, towards the removed link (and
-    below it), and has only the added link left to reach the other side by."""
-    if not handed_over(ex, gone):
-        return False
+def _handers(ex: Exchange, gone: str) -> tuple[int, ...]:
+    """Where on the path the brokers are that hand over for ``gone`` (core.handover): the dead
+    one's neighbour towards the A end on its own side, and, if it is an R end, the other R end.
+    What went to ``gone`` from them went black, towards the removed link (and below it), and
+    has only the added link left to reach the other side by."""
     i = ex.path.index(gone)
     up = i - 1 if i <= ex.k else i + 1
-    return ex.me == up or (i in (ex.k, ex.k + 1) and ex.me == (2 * ex.k + 1) - i)
+    return (up, 2 * ex.k + 1 - i) if i in (ex.k, ex.k + 1) else (up,)
+
+
+def hands_over(ex: Exchange, gone: str) -> bool:
+    """Whether this broker hands over what it kept for ``gone`` (see :func:`_handers`)."""
+    return handed_over(ex, gone) and ex.me in _handers(ex, gone)
 
 
 def hander(ex: Exchange, gone: str) -> int | None:
-    """At an A end: where on the path the broker is that hands over for ``gone`` on this side
-    (see :func:`hands_over`), or None when nobody does on this side (``gone`` was a middle
-    broker of the other side)."""
-    i = ex.path.index(gone)
-    if ex.side == 1:
-        return i - 1 if i <= ex.k + 1 else None
-    return i + 1 if i >= ex.k else None
+    """At an A end: where on the path the broker is that hands over for ``gone`` on this side,
+    or None when nobody does on this side (``gone`` was a middle broker of the other side)."""
+    mine = [x for x in _handers(ex, gone) if (x <= ex.k) == (ex.side == 1)]
+    return mine[0] if mine else None
 
 
 def route_on_cycle(

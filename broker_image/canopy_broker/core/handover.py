@@ -62,7 +62,7 @@ from canopy_broker.core.messages import (
     Tag,
 )
 from canopy_broker.core.repair import Phase as RepairPhase
-from canopy_broker.core.repair import RepairRun, Retention
+from canopy_broker.core.repair import RepairRun, Retention, event_order, in_order
 
 if TYPE_CHECKING:
     from canopy_broker.core.routing import RoutingState
@@ -86,25 +86,6 @@ class Host(Protocol):
     def replaying(self, run: RepairRun) -> list[str]: ...
 
     def drop_ghost(self, dead: str, out: list[Effect]) -> None: ...
-
-
-def in_order(events: Sequence[Event]) -> list[Event]:
-    """Each notification once, each publisher's in sequence order (a replay behind a newer one
-    of its publisher is dropped as had); across publishers by sequence number, as
-    :func:`~canopy_broker.core.repair.merged` orders a repair's replay."""
-    seen: set[tuple[str, int]] = set()
-    out: list[Event] = []
-    for event in events:
-        key = (event.publisher, event.seq)
-        if key not in seen:
-            seen.add(key)
-            out.append(event)
-    out.sort(key=_event_order)
-    return out
-
-
-def _event_order(event: Event) -> tuple[int, str]:
-    return (event.seq, event.publisher)
 
 
 def route_up(ex: Exchange) -> tuple[str, ...]:
@@ -192,8 +173,8 @@ class Handover:
     def repair_through(self, replay_ends_from: Sequence[str]) -> bool:
         """X's repair around the dead one is done, and the replay of each chain partner in
         ``replay_ends_from`` (those still linked that send one) has ended: what they had sent
-        the dead one has come, and passed on, before X's HandoverEnd. True without a repair
-        (the link went as the exchange settled here)."""
+        the dead one has come, and passed on, before X's HandoverEnd. Without a run: whether
+        none is to come (settling took the dead one's link, see :func:`no_repair`)."""
         run = self.repair
         if run is None:
             return not self.repairing
@@ -223,7 +204,7 @@ def _event_of(inp: FromLink) -> Event:
 
 
 def _by_seq(inp: FromLink) -> tuple[int, str]:
-    return _event_order(_event_of(inp))
+    return event_order(_event_of(inp))
 
 
 # --------------------------------------------------------------------------- the protocol

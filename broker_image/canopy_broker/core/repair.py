@@ -381,15 +381,26 @@ def merged(first: Sequence[Event], second: Sequence[Event]) -> list[Event]:
     Either empty: the other as it is."""
     if not first or not second:
         return list(first or second)
+    return in_order((*first, *second))
+
+
+def in_order(events: Sequence[Event]) -> list[Event]:
+    """``events`` each once, in the order :func:`merged` gives a replay: by sequence number,
+    so each publisher's in its own order (a replay behind a newer one of its publisher is
+    dropped as had)."""
     seen: set[tuple[str, int]] = set()
     out: list[Event] = []
-    for event in (*first, *second):
+    for event in events:
         key = (event.publisher, event.seq)
         if key not in seen:
             seen.add(key)
             out.append(event)
-    out.sort(key=lambda e: (e.seq, e.publisher))
+    out.sort(key=event_order)
     return out
+
+
+def event_order(event: Event) -> tuple[int, str]:
+    return (event.seq, event.publisher)
 
 
 def _forwarded_at(entry: tuple[float, Event]) -> float:
