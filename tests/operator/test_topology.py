@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canopy_broker.cli import build_parser as broker_parser
-from canopy_operator.model.topology import SpecError, find_cycle, parse_overlay, validate
+from canopy_operator.backends.local import BrokerDownError, LocalBackend, NotOneTreeError
+from canopy_operator.model.topology import (
+    SpecError,
+    find_cycle,
+    parse_overlay,
+    tree_problem,
+    validate,
+)
 from tests.strategies import json_values
 
 
@@ -237,3 +246,39 @@ def test_any_manifest_is_parsed_or_refused_by_name(
         assert "spec" in str(exc) or "must" in str(exc), exc
         return
     assert all(isinstance(p, str) and p for p in validate(parsed))
+
+
+def test_tree_problem_says_what_is_wrong_and_nothing_for_a_tree() -> None:
+    nodes = ["a", "b", "c", "d"]
+    assert tree_problem(nodes, [("a", "b"), ("c", "b"), ("c", "d")]) is None
+    assert tree_problem(nodes, [("a", "b"), ("b", "c")]) == "d linked to nobody (parts: a, b, c; d)"
+    assert tree_problem(nodes, [("a", "b"), ("c", "d")]) == "split in 2 parts: a, b; c, d"
+    cycle = tree_problem(nodes, [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")])
+    assert cycle is not None and cycle.startswith("a cycle: "), cycle
+    assert set(cycle.removeprefix("a cycle: ").split(" - ")) == {"a", "b", "c"}
+    assert tree_problem(["a"], [("a", "x")]) == "links to brokers it does not run: x"
+    assert tree_problem(["a"], []) is None
+
+
+async def test_apply_waits_for_a_whole_overlay_and_says_why_when_it_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`canopy apply` between a death and its repair (`canopy bench chaos --seed 37`, a
+    restored broker not yet linked) planned from links that were not one tree, and failed
+    with the planner's traceback. It waits for the overlay to be whole, then says what is
+    wrong."""
+    backend = LocalBackend(tmp_path / "o", insecure=True)
+    backend.state["brokers"] = {b: {"pid": 1} for b in ("b0", "b1", "b2")}
+    views = [[("b0", "b1")], [("b0", "b1")], [("b0", "b1"), ("b1", "b2")]]
+
+    async def live_links() -> list[tuple[str, str]]:
+        return views.pop(0) if len(views) > 1 else views[0]
+
+    monkeypatch.setattr(backend, "live_links", live_links)
+    assert await backend.live_tree(within=5.0) == [("b0", "b1"), ("b1", "b2")]
+    assert views == [[("b0", "b1"), ("b1", "b2")]]  # it asked again until the tree was whole
+
+    views[:] = [[("b0", "b1")]]
+    with pytest.raises(NotOneTreeError, match=r"not one tree after 0.3s: b2 linked to nobody"):
+        await backend.live_tree(within=0.3)
+    assert issubclass(NotOneTreeError, BrokerDownError)  # the CLI prints it as an error

@@ -32,7 +32,7 @@ from canopy_broker.client.credentials import Credentials
 from canopy_broker.pki import LocalPki
 from canopy_broker.procs import broker_env, process_alive, serve_command
 from canopy_operator.model.restore import status_neighbours
-from canopy_operator.model.topology import parse_overlay
+from canopy_operator.model.topology import parse_overlay, tree_problem
 
 
 class BrokerDownError(Exception):
@@ -41,6 +41,11 @@ class BrokerDownError(Exception):
     def __init__(self, message: str, *, dead: bool = False) -> None:
         super().__init__(message)
         self.dead = dead  # its process is gone (not merely silent)
+
+
+class NotOneTreeError(BrokerDownError):
+    """Every broker answers, but their links are not one tree over them: a death's repair, or
+    the supervisor's restore, is under way. A plan made from that view would be wrong."""
 
 
 BROKER_STATES = ("up", "failed", "unreachable", "dead")
@@ -352,6 +357,27 @@ class LocalBackend:
                 a, b = sorted((name, str(n["peer"])))
                 links.add((a, b))
         return sorted(links)
+
+    async def live_tree(self, within: float = 15.0) -> list[tuple[str, str]]:
+        """:meth:`live_links`, once they are one tree over the brokers. Between a broker's death
+        and its repair (a second at most by default), or while a restarted broker is not yet
+        linked, they are not; ``canopy apply`` then planned from that view and failed with the
+        planner's traceback (found by `canopy bench chaos --seed 37`). It waits ``within``
+        seconds for the overlay to be whole, then raises :class:`NotOneTreeError` saying
+        what is wrong."""
+        deadline = time.monotonic() + within
+        while True:
+            links = await self.live_links()
+            problem = tree_problem(self.brokers, links)
+            if problem is None:
+                return links
+            if time.monotonic() >= deadline:
+                raise NotOneTreeError(
+                    f"the live overlay is not one tree after {within:g}s: {problem}. A repair "
+                    "or the supervisor's restore is under way (see `canopy status`); apply "
+                    "again once every broker is linked"
+                )
+            await asyncio.sleep(0.25)
 
     async def _status_or_down(self, name: str, within: float = 5.0) -> dict[str, Any]:
         try:

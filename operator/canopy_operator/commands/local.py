@@ -116,7 +116,7 @@ async def apply(
         await backend.create_broker(first)
         await backend.wait_ready(first, 30.0)
         live = [first]
-    links = await backend.live_links()
+    links = await backend.live_tree()
     p = plan(LiveOverlay(tuple(live), tuple(links)), spec)
     generation = int(backend.state.get("generation", 0)) + 1
     total = len(p.steps)
@@ -162,7 +162,7 @@ async def _roll(
     backend.save()
 
     async def live() -> LiveOverlay:
-        return LiveOverlay(tuple(sorted(backend.brokers)), tuple(await backend.live_links()))
+        return LiveOverlay(tuple(sorted(backend.brokers)), tuple(await backend.live_tree()))
 
     async def run_plan(p: Plan) -> None:
         await run_own_plan(spec, backend, p, log, indent="    ")

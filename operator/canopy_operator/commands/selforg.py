@@ -119,7 +119,7 @@ async def apply_proposal(
 ) -> tuple[dict[str, Any], Plan, Executor, float]:
     """Move the live overlay to ``manifest`` with the proposal's changes applied; returns the
     new manifest, the plan, the executor (step results) and the wall time."""
-    live = await backend.live_links()
+    live = await backend.live_tree()  # the changes are to the whole tree, not a view of it
     target = copy.deepcopy(manifest)
     target["spec"]["links"] = [list(e) for e in apply_changes(live, proposal.changes)]
     the_plan, executor, wall = await apply(parse_overlay(target), target, backend, log=progress)

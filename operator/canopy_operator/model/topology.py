@@ -393,6 +393,26 @@ def components(nodes: set[str], edges: Iterable[Edge]) -> list[set[str]]:
     return out
 
 
+def tree_problem(nodes: Iterable[str], edges: Iterable[Edge]) -> str | None:
+    """Why ``edges`` are not one tree over ``nodes``, in words (None if they are). A plan
+    made from such a view would be wrong: the live overlay is between a death and its
+    repair, or a broker is still coming back (its links not yet made)."""
+    nodes, edges = set(nodes), sorted({norm(e) for e in edges})
+    stray = sorted({x for e in edges for x in e} - nodes)
+    if stray:
+        return f"links to brokers it does not run: {', '.join(stray)}"
+    parts = components(nodes, edges)
+    if len(parts) > 1:
+        alone = sorted(min(p) for p in parts if len(p) == 1)
+        shown = "; ".join(", ".join(sorted(p)) for p in sorted(parts, key=min))
+        if alone:
+            return f"{', '.join(alone)} linked to nobody (parts: {shown})"
+        return f"split in {len(parts)} parts: {shown}"
+    if len(edges) != len(nodes) - 1:
+        return f"a cycle: {' - '.join(find_cycle(edges))}"
+    return None
+
+
 def find_cycle(edges: Iterable[Edge]) -> list[str]:
     """One cycle in an undirected graph, as a list of brokers (empty if there is none)."""
     adj = adjacency(edges)
