@@ -467,6 +467,31 @@ def test_deaths_during_exchanges(seed: int) -> None:
     assert run.ok, str(run)
 
 
+def test_deaths_on_paths_are_left_out_unless_asked_for() -> None:
+    """The suite's schedule spares a running exchange's path (the windows of the module
+    docstring); ``on_paths`` lifts that for ``scripts/sim_on_paths.py``, which measures them."""
+
+    def on_path(run: FaultRun) -> int:
+        return sum(
+            f.victim[0] in run.sim.exchanges[d.removeprefix("exchange ")].path
+            for f in run.faults
+            if f.kind in DEATHS
+            for d in f.during
+            if d.startswith("exchange ")
+        )
+
+    def runs(on_paths: bool) -> list[FaultRun]:
+        return [
+            run_with_faults(
+                seed, kinds=DEATHS, activities=[Activity.EXCHANGE], rounds=5, on_paths=on_paths
+            )
+            for seed in range(4)
+        ]
+
+    assert sum(on_path(r) for r in runs(False)) == 0
+    assert sum(on_path(r) for r in runs(True)) > 0
+
+
 @settings(max_examples=40)  # ~0.15 s each; the profile gives no deadline
 @given(
     seed=st.integers(0, 2**32 - 1),

@@ -19,11 +19,13 @@ test that lifted a rule would fail for the reason given):
 
 * *A death on the cycle of a running exchange.* The brokers next to the dead one settle their
   part first and then repair (``PeerFailed`` in the core), and the rest of the cycle follows
-  (Settle). What is in flight through the dead broker can still be lost when it is R1, R2 or a
-  broker between R2 and A2 (docs/reconfiguration.md, "What is left";
-  ``tests/sim/test_faults.py`` covers those deaths one by one). So no broker on the path of an
-  unfinished exchange dies here, and no exchange starts while a repair runs (its plan would be
-  computed on a tree that is not one).
+  (Settle), and what went the dead one's way is handed over. Deaths in the windows left
+  (docs/reconfiguration.md, "What is left": between Granted and Go, when the two ends of the
+  added link decide differently, or a settled R end closes the removed link under the other's
+  traffic) still lose or split; ``tests/sim/test_faults.py`` covers the closed ones one by one.
+  So no broker on the path of an unfinished exchange dies here (``on_paths=True`` lifts this;
+  ``scripts/sim_on_paths.py`` sweeps seeds that way), and no exchange starts while a repair
+  runs (its plan would be computed on a tree that is not one).
 * *One death at a time.* The chain repair closes the tree around one dead broker; the next
   death waits until that repair is complete (paper 003's simultaneous failures are elsewhere).
 * *A death right after the victim's links changed.* Its neighbours must agree on its neighbour
@@ -107,9 +109,15 @@ class FaultPlanner:
     """Chooses a fault kind, a victim and a duration, at random but within what the core
     supports (see the module docstring); the moment is the caller's."""
 
-    def __init__(self, rng: random.Random, kinds: Sequence[FaultKind]) -> None:
+    def __init__(
+        self, rng: random.Random, kinds: Sequence[FaultKind], *, on_paths: bool = False
+    ) -> None:
+        """``on_paths``: deaths may also strike the path of a running exchange, which the
+        schedule otherwise leaves out (see the module docstring; ``scripts/sim_on_paths.py``
+        sweeps seeds that way and counts what goes wrong)."""
         self.rng = rng
         self.kinds = list(kinds)
+        self.on_paths = on_paths
 
     def pick(self, sim: Simulator) -> Fault | None:
         kinds = list(self.kinds)
@@ -133,7 +141,7 @@ class FaultPlanner:
         if kind in DEATHS:
             if sim.repairing or sim.paused or len(live) <= 3:  # keep survivors to judge
                 return []
-            return [(b,) for b in live if can_die(sim, b)]
+            return [(b,) for b in live if can_die(sim, b, on_paths=self.on_paths)]
         if kind is FaultKind.PAUSE:
             return [] if sim.repairing else [(b,) for b in live if b not in sim.paused]
         if kind is FaultKind.LINK_DROP:
@@ -155,13 +163,15 @@ def running(sim: Simulator) -> tuple[str, ...]:
     return tuple(out)
 
 
-def can_die(sim: Simulator, broker: str) -> bool:
-    """Whether ``broker`` may die now (see the module docstring's list)."""
+def can_die(sim: Simulator, broker: str, *, on_paths: bool = False) -> bool:
+    """Whether ``broker`` may die now (see the module docstring's list; ``on_paths``: also on
+    the path of a running exchange)."""
     if broker in sim.leaving:
         return False
-    for rec in sim.exchanges.values():
-        if rec.finished_at is None and broker in rec.path:
-            return False
+    if not on_paths and any(
+        rec.finished_at is None and broker in rec.path for rec in sim.exchanges.values()
+    ):
+        return False
     core = sim.cores[broker]
     mine = {n for n in core.neighbours if core.is_neighbour(n)}
     return all(
@@ -262,8 +272,9 @@ def run_with_faults(
     round_length: float = 300.0,
     publish_interval: float = 2.0,
     fault_chance: float = 0.9,
+    on_paths: bool = False,
 ) -> FaultRun:
-    """One seeded run (see the module docstring)."""
+    """One seeded run (see the module docstring; ``on_paths``: see :class:`FaultPlanner`)."""
     rng = random.Random(seed)
     names = [f"b{i}" for i in range(brokers)]
     tree = random_tree(brokers, rng)
@@ -281,7 +292,7 @@ def run_with_faults(
         sim.publish(f"p{rng.choice(names)}", {"x": k % 4}, at=t)
         t += publish_interval * rng.uniform(0.5, 1.5)
         k += 1
-    planner = FaultPlanner(rng, kinds)
+    planner = FaultPlanner(rng, kinds, on_paths=on_paths)
     faults: list[Fault] = []
     done: list[tuple[float, Activity, str]] = []
     for r in range(rounds):
