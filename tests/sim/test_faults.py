@@ -177,6 +177,39 @@ def test_a_death_on_a_locking_exchange_path_is_repaired_at_once(dead: str, at: f
     assert problems == [], problems
 
 
+@pytest.mark.parametrize("late", [0, 5, 20])
+def test_a_settled_r_end_closes_the_removed_link_only_behind_the_other_ones_traffic(
+    late: int,
+) -> None:
+    """b4, between R2 (b3) and A2 (b5), dies after Granted passed it and before Go reached
+    it. b3 settles on its verdict while b2 (R1), alive, still sends black notifications over
+    the removed link: its side's separator has not crossed yet. b3 used to close the link at
+    once, and they were dropped on arrival, untold (22 of A1's side's events lost at b3's and
+    b5's subscribers). Now each R end sends the other its separator and closes behind the
+    other's; what comes meanwhile is passed on as replays (untagged, it went round through the
+    added link and was delivered twice on the side it came from: 15). ``late``: how many
+    steps of 0.02 units after Go passed b3 the crash comes."""
+    sim = chain(6, detection_time=60.0)
+    for p in ("pb0", "pb2", "pb5"):
+        publish_steadily(sim, p, 150, 1500)
+    sim.exchange(("b0", "b1", "b2", "b3", "b4", "b5"), ("b2", "b3"), at=200, lease=3000.0)
+    sim.run(until=200)
+    while not (sim.cores["b3"].exchange and sim.cores["b3"].exchange.promised):
+        sim.run(until=sim.now + 0.02)
+    for _ in range(late):
+        sim.run(until=sim.now + 0.02)
+    ex = sim.cores["b4"].exchange
+    assert ex is not None and not ex.granted  # Go has not reached b4
+    sim.crash("b4", at=sim.now)
+    sim.detect_failure("b4", at=sim.now + 60)
+    sim.run()
+    report = judge_deliveries(sim)
+    assert report.survivors.ok, str(report)
+    problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]
+    assert problems == [], problems
+    assert sorted(sim.edges) == [("b0", "b1"), ("b0", "b5"), ("b1", "b2"), ("b3", "b5")]
+
+
 @pytest.mark.parametrize("step", [0, 1, 2, 3])
 def test_an_a_end_dead_in_phase_1_is_repaired_around_by_the_other_one_too(step: int) -> None:
     """The initiator (A1) dies after phase 1 began, while the exchange runs (on real

@@ -532,6 +532,49 @@ def test_an_r_end_closes_the_removed_link_once_the_other_has_its_separator() -> 
     assert not any(isinstance(m, SeparatorSeen) for _p, m in sent(out))
 
 
+def r1_in_phase_1(*, r2_hands_over: bool = True) -> BrokerCore:
+    """``r1`` in phase 1, its own side's separator not come yet."""
+    core = BrokerCore("r1")
+    core.handle(AddLink("m"))
+    core.handle(AddLink("r2"))
+    core.handle(PeerFeatures("r2", placement=True, settle=True, handover=r2_hands_over))
+    core.handle(FromLink("m", Lock("x1", PATH, K)))
+    core.handle(FromLink("r2", Granted("x1")))
+    core.handle(FromLink("m", Go("x1")))
+    assert core.exchange is not None and core.exchange.phase is Phase.BLACK
+    return core
+
+
+def test_an_r_end_settled_by_a_death_on_its_side_closes_the_removed_link_behind_the_other() -> None:
+    """``m`` (on r1's side) is dead: r1 settles, and the other R end, alive, may still be
+    sending black notifications over the removed link. r1 sends its Settle there, then its own
+    separator (nothing black follows it), and closes the link only behind r2's separator, or
+    after a repair timeout (r2 rolled back: Go never reached it). Closed at once, the link
+    dropped r2's traffic on arrival (simulator: 22 events lost). What comes over it meanwhile
+    is taken as replays. The other R end's own death, the lease, or an older peer: closed at
+    once, as before."""
+    r1 = r1_in_phase_1()
+    out = r1.handle(PeerGone("m"))
+    assert sent(out)[:2] == [("r2", Settle("x1", 0, "m", True)), ("r2", Separator("x1", 1))]
+    assert StartTimer("drain:x1", r1.repair_timeout) in out
+    assert not any(isinstance(e, CloseLink) for e in out) and r1.routing.has_link("r2")
+    assert r1.exchange is not None and "r2" in r1.deduped
+    out = r1.handle(FromLink("r2", Separator("x1", 2)))
+    assert CloseLink("r2") in out and r1.exchange is None and "r2" not in r1.deduped
+    assert not any(isinstance(m, SeparatorSeen) for _p, m in sent(out))  # r2 closes on ours
+
+    timed = r1_in_phase_1()
+    timed.handle(PeerGone("m"))
+    assert CloseLink("r2") in timed.handle(TimerFired("drain:x1")) and timed.exchange is None
+
+    for core, gone in ((r1_in_phase_1(), "r2"), (r1_in_phase_1(r2_hands_over=False), "m")):
+        out = core.handle(PeerGone(gone))
+        assert CloseLink("r2") in out and core.exchange is None, gone
+        assert ("r2", Separator("x1", 1)) not in sent(out)
+    leased = r1_in_phase_1()
+    assert CloseLink("r2") in leased.handle(TimerFired("lease:x1")) and leased.exchange is None
+
+
 def m_next_to_r1(*, a_hands_over: bool = True) -> BrokerCore:
     """``m`` (X: R1's neighbour on side 1) in phase 1, keeping custody, with a subscriber
     ``c`` and R1 advertising side 2's subscription, both to ``x = 1``."""

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from canopy_broker.client import connect
+from canopy_broker.core.exchange import Mark
 from canopy_broker.core.messages import (
     CycleFound,
     CycleProbe,
@@ -303,14 +304,17 @@ async def test_a_death_on_a_running_exchanges_cycle_settles_it_and_repairs_at_on
         ("z", Go("x1")),
     ):
         a.core.handle(FromLink(peer, msg), a.now())  # its effects are not sent: a test of a
+    for msg in (Lock("x1", ("z", "a", "q"), 1), Go("x1")):  # and q, as Go left it (R2)
+        q.core.handle(FromLink("a", msg), q.now())
     assert a.core.exchange is not None and a.core.exchange.granted
     a.sessions._declare_dead(a.sessions.links["z"], 1.0)
-    assert a.core.exchange is None  # settled
+    assert a.core.exchange is None or a.core.exchange.has(Mark.BY_LEASE)  # settled
     assert "z" in a.core.repairs and "z" in a.sessions.fenced  # repaired around, fenced
     assert "z" not in a.sessions._deferred
-    # Settled, a (an R end here) closed the removed link to q behind the Settle it sent q:
-    # the close waits for q's acknowledgement. Let it end before the brokers stop (q, whose
-    # core this test did not lock, then redials a, which refuses it).
+    # Settled, a (an R end here) closes the removed link to q once q's separator is in: q
+    # settles on the Settle a sent it first, and sends its own. The close then waits for q's
+    # acknowledgement. Let it end before the brokers stop.
     async with asyncio.timeout(5):
-        while "q" in a.sessions.links:  # noqa: ASYNC110 - polling
+        while "q" in a.sessions.links or a.core.exchange is not None:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
+    assert q.core.exchange is None

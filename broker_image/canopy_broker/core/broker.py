@@ -29,7 +29,7 @@ from canopy_broker.core import path as path_algorithm
 from canopy_broker.core.cycles import CycleTable, plan_link_repair
 from canopy_broker.core.errors import CoreFailedError, ProtocolError
 from canopy_broker.core.events import Event
-from canopy_broker.core.exchange import Exchange, Step
+from canopy_broker.core.exchange import Exchange, Mark, Step
 from canopy_broker.core.handover import Handover
 from canopy_broker.core.messages import (
     AddLink,
@@ -651,7 +651,12 @@ class BrokerCore:
         if not self.routing.has_link(peer):
             raise ProtocolError(f"{self.name}: no link to {peer!r}")
         ex = self.ex
-        if ex is not None and peer in ex.cycle_peers() and peer not in ex.waits_on:
+        if (
+            ex is not None
+            and peer in ex.cycle_peers()
+            and peer not in ex.waits_on
+            and not ex.has(Mark.DRAINING)  # settled: only the removed link is left to close
+        ):
             raise ProtocolError(
                 f"{self.name}: link to {peer!r} is on the cycle of exchange {ex.xid}"
             )

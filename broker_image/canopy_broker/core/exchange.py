@@ -118,6 +118,7 @@ class BrokerCore(Protocol):
     left: deque[str]  # exchanges this broker left on lease expiry: late messages are expected
     unsettled: set[str]  # peers that would refuse a Settle (older software)
     no_handover: set[str]  # peers without the hand-over (no SeparatorSeen, Settle.handover)
+    repair_timeout: float  # the longest a drain waits (see _drains)
     deduped: set[str]  # links whose publications are taken as replays (see _end_bridge)
     now: float
 
@@ -181,6 +182,7 @@ class Mark(Enum):
     PHASE2 = "phase 2 done"  # R end: the removed link's entries are dropped
     QUEUE_RELEASED = "queue released"  # A end: the added link's arrivals may be processed
     BY_LEASE = "finished by lease"
+    DRAINING = "settled; the removed link closes on the other R end's separator"
 
 
 _L, _LG, _B, _G, _C = Phase.LOCKED, Phase.LOCKED_GRAY, Phase.BLACK, Phase.GRAY, Phase.CLOSING
@@ -493,8 +495,8 @@ def timer(core: BrokerCore, key: str, out: list[Effect]) -> None:
     ex = core.ex
     if kind == "lock" and xid in core.attempts and (ex is None or ex.xid != xid):
         try_lock(core, xid, out)
-    elif kind == "lease" and ex is not None and ex.xid == xid:
-        lease_expired(core, ex, out)
+    elif kind in ("lease", "drain") and ex is not None and ex.xid == xid:
+        lease_expired(core, ex, out)  # a drain ends as the lease would (see _drains)
     elif kind == "commit" and ex is not None and ex.xid == xid and ex.me == 0 and not ex.granted:
         # Go would reach the far brokers about as long again after Granted came back, and their
         # leases (renewed as Granted passed them) might end first: they would roll back while
@@ -503,15 +505,21 @@ def timer(core: BrokerCore, key: str, out: list[Effect]) -> None:
         retry_later(core, xid, "Granted did not come back within half the lease", False, out)
 
 
-def lease_expired(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
+def lease_expired(
+    core: BrokerCore, ex: Exchange, out: list[Effect], gone: str | None = None
+) -> None:
     """Nothing heard from the exchange for a whole lease: a participant or the initiator is
     gone. Before phase 1 nothing has changed, so roll back; after it the new link may carry
-    traffic, so roll forward — finish this broker's part without the missing messages."""
-    _finish_part(core, ex, out)
+    traffic, so roll forward — finish this broker's part without the missing messages.
+    ``gone``: it is a member's death that settles this part, not the lease (see
+    :func:`_drains`)."""
+    _finish_part(core, ex, out, gone)
     _end_bridge(core, ex, out)
 
 
-def _finish_part(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
+def _finish_part(
+    core: BrokerCore, ex: Exchange, out: list[Effect], gone: str | None = None
+) -> None:
     if not ex.rolls_forward:
         undo_lock(core, ex, out, by_lease=True)
         if ex.me == 0:
@@ -522,6 +530,8 @@ def _finish_part(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     if r is not None and core.routing.has_link(r):
         if not ex.has(Mark.PHASE2):
             phase2(core, ex, out)
+        if _drains(core, ex, gone, out):
+            return  # on the other R end's separator (on_separator), or the lease
         ex.marks.add(Mark.OTHER_SEPARATOR)
         close_removed_link(core, ex, out)
     if ex.is_a and ex.phase is not Phase.CLOSING:
@@ -536,6 +546,37 @@ def _finish_part(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
         _req, attempt = core.attempts.pop(ex.xid)
         reason = "lease expired after phase 1 began: rolled forward"
         out.append(ExchangeFinished(ex.xid, False, reason, attempt + 1))
+
+
+def _drains(core: BrokerCore, ex: Exchange, gone: str | None, out: list[Effect]) -> bool:
+    """Whether this R end, settling because ``gone`` died (not the other R end, which lives),
+    keeps the removed link open until the other R end's separator has come over it.
+
+    The other R end may still be sending black notifications over the link: its side's
+    separator has not come (the death cut this side off before it, or before Go reached the
+    far side). Closed at once, the link dropped them on arrival, untold (simulator: b4, between
+    R2 and A2, dead after Granted passed it and before Go came: 22 events of A1's side lost at
+    A2's side). The other R end settles on this one's Settle, which went over the link first,
+    and each sends the other its own separator, if it has not yet: nothing black follows it
+    from there. So each closes once it has the other's, or after a repair timeout (the other
+    end rolled back: Go never reached it). Not on the lease (nothing is left to come then),
+    nor towards an older peer, which sends no separator on settling."""
+    r = ex.r_peer
+    if gone is None or r is None or gone == r or r in core.no_handover:
+        return False
+    if not ex.has(Mark.DRAINING):
+        ex.marks.add(Mark.DRAINING)
+        # What still comes over the link is black, and the tree here is the new one already:
+        # passed on untagged, it went round through the added link to the side it came from,
+        # and was delivered there twice (simulator: 15). As replays, each broker delivers it
+        # only if newer than what it had.
+        core.deduped.add(r)
+        if not ex.gray:  # an R end passes its own side's separator over the link as it turns
+            out.append(SendToLink(r, Separator(ex.xid, ex.side)))
+        # The other end may never send one: it rolled back (Go did not reach it), and keeps
+        # the link. What was on its way over the link has come within a repair timeout.
+        out.append(StartTimer(f"drain:{ex.xid}", core.repair_timeout))
+    return not ex.has(Mark.OTHER_SEPARATOR)
 
 
 def settle(
@@ -577,7 +618,7 @@ def settle(
     if ex.rolls_forward or _go_cut_off(ex, gone, away_from):
         tell = handover or (away_from == gone and handed_over(ex, gone))
         _walk_on(core, ex, gone, _away(ex, away_from), out, handover=tell)
-    lease_expired(core, ex, out)
+    lease_expired(core, ex, out, gone)
 
 
 def _go_cut_off(ex: Exchange, gone: str, away_from: str) -> bool:
@@ -987,6 +1028,8 @@ def on_separator(
         # Our side's separator walks down to our R end: everything the transfer changed
         # is in place above us, so notifications entering here may take the new link.
         ex.fire(step)
+        if ex.has(Mark.DRAINING):
+            return  # settled: this end's separator crossed the removed link as it did
         if ex.is_r:
             phase2(core, ex, out)
             if ex.ordering is Ordering.CAUSAL:
@@ -1001,6 +1044,11 @@ def on_separator(
     # The other side's separator walks up to our A end: no black message from that side
     # follows it.
     ex.fire(Step.OTHER_SEPARATOR)
+    if ex.has(Mark.DRAINING):
+        # Settled: the walk told this side's brokers, and the other R end closes on this
+        # end's separator, not on a SeparatorSeen. The link has done its part.
+        lease_expired(core, ex, out)
+        return
     if ex.is_r:
         core.to_peer(ex.a_end_of_my_side, RelayEnd(ex.xid), out)
         r = ex.r_peer
@@ -1028,6 +1076,7 @@ def close_removed_link(core: BrokerCore, ex: Exchange, out: list[Effect]) -> Non
     r = ex.r_peer
     assert r is not None
     core.routing.remove_link(r, out)  # its entries are gone since phase 2: nothing to withdraw
+    core.deduped.discard(r)  # it drained (see _drains)
     out.append(CloseLink(r))
 
 
@@ -1090,9 +1139,10 @@ def maybe_finish_a(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
         return
     if not (ex.has(Mark.END) and ex.queue_released):
         return
-    if ex.bridge is not None:
+    if ex.bridge is not None or not core.routing.has_link(ex.up):
         # The other A end is dead: nothing to reconcile over the link; finish as by lease
-        # (which comes back here, and leaves the exchange after).
+        # (which comes back here, and leaves the exchange after). Its link may be gone
+        # already, when this end was also an R end and drained first (see _drains).
         if not ex.has(Mark.BY_LEASE):
             lease_expired(core, ex, out)
         return
