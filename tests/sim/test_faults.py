@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from canopy_broker.core.broker import BrokerCore
 from canopy_broker.core.events import Event
+from canopy_broker.core.exchange import Exchange
 from canopy_broker.core.filters import Filter
 from canopy_broker.core.messages import (
     AddLink,
@@ -85,6 +87,24 @@ def publish_steadily(sim: Simulator, publisher: str, start: float, end: float) -
     while t < end:
         sim.publish(publisher, {"x": 1}, at=t)
         t += 1.0
+
+
+def exchange_until(
+    sim: Simulator,
+    removed: tuple[str, str],
+    at: str,
+    reached: Callable[[Exchange], bool],
+    more: int,
+    step: float,
+) -> None:
+    """Exchange ``removed`` for b0-b5 on the chain b0-...-b5 (from time 200), and run until
+    the exchange has ``reached`` a point at broker ``at``, then ``more`` steps of ``step``."""
+    sim.exchange(("b0", "b1", "b2", "b3", "b4", "b5"), removed, at=200, lease=3000.0)
+    sim.run(until=200)
+    while not ((ex := sim.cores[at].exchange) and reached(ex)):
+        sim.run(until=sim.now + step)
+    for _ in range(more):
+        sim.run(until=sim.now + step)
 
 
 def gap(sim: Simulator, client: str, publisher: str, after: float) -> float:
@@ -192,12 +212,7 @@ def test_a_settled_r_end_closes_the_removed_link_only_behind_the_other_ones_traf
     sim = chain(6, detection_time=60.0)
     for p in ("pb0", "pb2", "pb5"):
         publish_steadily(sim, p, 150, 1500)
-    sim.exchange(("b0", "b1", "b2", "b3", "b4", "b5"), ("b2", "b3"), at=200, lease=3000.0)
-    sim.run(until=200)
-    while not (sim.cores["b3"].exchange and sim.cores["b3"].exchange.promised):
-        sim.run(until=sim.now + 0.02)
-    for _ in range(late):
-        sim.run(until=sim.now + 0.02)
+    exchange_until(sim, ("b2", "b3"), "b3", lambda ex: ex.promised, late, 0.02)
     ex = sim.cores["b4"].exchange
     assert ex is not None and not ex.granted  # Go has not reached b4
     sim.crash("b4", at=sim.now)
@@ -222,12 +237,7 @@ def test_an_a_end_dead_in_phase_1_is_repaired_around_by_the_other_one_too(step: 
     sim = chain(6, detection_time=60.0)
     for p in ("pb1", "pb5"):
         publish_steadily(sim, p, 150, 1500)
-    sim.exchange(("b0", "b1", "b2", "b3", "b4", "b5"), ("b4", "b5"), at=200, lease=3000.0)
-    sim.run(until=200)
-    while not (sim.cores["b5"].exchange and sim.cores["b5"].exchange.granted):
-        sim.run(until=sim.now + 0.25)
-    for _ in range(step):
-        sim.run(until=sim.now + 0.25)
+    exchange_until(sim, ("b4", "b5"), "b5", lambda ex: ex.granted, step, 0.25)
     dead_at = sim.now
     sim.crash("b0", at=dead_at)
     sim.detect_failure("b0", at=dead_at + 60)
