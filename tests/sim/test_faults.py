@@ -107,6 +107,19 @@ def exchange_until(
         sim.run(until=sim.now + step)
 
 
+def crash_and_judge(sim: Simulator, victim: str) -> None:
+    """Crash ``victim`` now, have it declared dead 60 units later, run to the end: the
+    survivors lose, duplicate and reorder nothing, and the overlay is one tree with every
+    link known at both ends and canonical routing tables."""
+    sim.crash(victim, at=sim.now)
+    sim.detect_failure(victim, at=sim.now + 60)
+    sim.run()
+    report = judge_deliveries(sim)
+    assert report.survivors.ok, str(report)
+    problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]
+    assert problems == [], problems
+
+
 def gap(sim: Simulator, client: str, publisher: str, after: float) -> float:
     """The longest time without a delivery from ``publisher`` to ``client`` after ``after``."""
     times = sorted(d.at for d in sim.deliveries if d.client == client and d.publisher == publisher)
@@ -215,14 +228,48 @@ def test_a_settled_r_end_closes_the_removed_link_only_behind_the_other_ones_traf
     exchange_until(sim, ("b2", "b3"), "b3", lambda ex: ex.promised, late, 0.02)
     ex = sim.cores["b4"].exchange
     assert ex is not None and not ex.granted  # Go has not reached b4
-    sim.crash("b4", at=sim.now)
-    sim.detect_failure("b4", at=sim.now + 60)
-    sim.run()
-    report = judge_deliveries(sim)
-    assert report.survivors.ok, str(report)
-    problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]
-    assert problems == [], problems
+    crash_and_judge(sim, "b4")
     assert sorted(sim.edges) == [("b0", "b1"), ("b0", "b5"), ("b1", "b2"), ("b3", "b5")]
+
+
+@pytest.mark.parametrize("victim", ["b2", "b4"])
+def test_a1_rolls_back_with_a2_when_a_death_kept_go_from_r1(victim: str) -> None:
+    """A1 (b0) committed, and ``victim`` (between A1 and R1, or R1 itself) died before Go
+    reached it: b3 to b5 roll back, Go being cut off, and A1's side rolled forward, keeping
+    its end of the added link b0-b5. The link was known at b0's end only until the
+    supervisor's restore (on real processes, `canopy bench faults --only exchange`: 1 to 3
+    kills of b2 or b4 in 16). A2 now tells A1 over the link as it rolls back, and A1, R1's
+    transfer not in (nothing crossed the link), drops its end too."""
+    sim = chain(6, detection_time=60.0)
+    for p in ("pb0", "pb3", "pb5"):
+        publish_steadily(sim, p, 150, 1500)
+    prev = f"b{int(victim[1:]) - 1}"
+    exchange_until(sim, ("b4", "b5"), prev, lambda ex: ex.granted, 0, 0.02)
+    ex = sim.cores[victim].exchange
+    assert ex is not None and not ex.granted  # Go has not reached the victim
+    crash_and_judge(sim, victim)  # one tree, each link known at both ends
+    assert ("b0", "b5") not in sim.edges
+
+
+def test_a_rolled_back_a2_that_repairs_over_the_added_link_takes_a1_with_it() -> None:
+    """The path b0-b1-b2 exchanges b1-b2 for b0-b2, and R1 (b1) dies after Granted passed
+    it, before Go: b2 rolls back and, in the repair around b1 (whose neighbours were b0 and
+    b2), links to b0 over what was the added link. b0 repaired over its frozen end of it: its
+    sweep went before its routes, b2's replay without them was lost (45 events in the fault
+    simulator), and b0 waited in the exchange, b2's repair messages queued, for its lease.
+    b0 now holds that sweep until the exchange is decided: told that b2 rolled back, it
+    rolls back too, and the link is the repair's."""
+    sim = chain(3, detection_time=60.0)
+    for p in ("pb0", "pb2"):
+        publish_steadily(sim, p, 150, 1500)
+    sim.exchange(("b0", "b1", "b2"), ("b1", "b2"), at=200, lease=3000.0)
+    sim.run(until=200)
+    while not ((ex := sim.cores["b0"].exchange) and ex.granted):
+        sim.run(until=sim.now + 0.02)
+    crash_and_judge(sim, "b1")
+    assert sorted(sim.edges) == [("b0", "b2")]
+    record = sim.exchanges[next(iter(sim.exchanges))]
+    assert record.finished_at is not None and record.finished_at < 400  # not by lease (3000)
 
 
 @pytest.mark.parametrize("step", [0, 1, 2, 3])

@@ -813,6 +813,50 @@ def a1_locked() -> BrokerCore:
     return core
 
 
+def a1_after_go() -> BrokerCore:
+    core = a1_locked()
+    core.handle(FromLink("m", Granted("x1")))
+    assert core.exchange is not None and core.exchange.granted and core.routing.has_link("z")
+    return core
+
+
+def test_a1_rolls_back_when_a2_did_before_r1_took_go() -> None:
+    """A2 rolling back on a death that cut Go off says so over the added link, ahead of its
+    close; A1, R1's transfer not in (nothing crossed the link), rolls back too, in the
+    exchange or after it rolled forward by a settle. Not once R1 has taken Go, nor for
+    another try."""
+    a2 = locked_a2()
+    out = a2.handle(FromLink("r2", Settle("x1", 0, "r1")))  # Go cut off at r1
+    refusal = LockRefused("x1", "r1 died before Go reached z: it rolled back", 0, final=True)
+    assert out.index(SendToLink("a", refusal)) < out.index(CloseLink("a"))  # ahead of it
+    assert sent(out) == [("a", refusal)] and a2.exchange is None
+
+    a1 = a1_after_go()
+    out = a1.handle(FromLink("z", refusal))
+    assert CloseLink("z") in out and a1.exchange is None and not a1.routing.has_link("z")
+    assert [e.ok for e in out if isinstance(e, ExchangeFinished)] == [False]
+
+    settled = a1_after_go()
+    settled.handle(FromLink("m", Settle("x1", 0, "r1")))  # rolled forward: the link kept
+    assert settled.exchange is None and settled.routing.has_link("z")
+    stranger = a1_after_go()
+    stranger.handle(FromLink("m", Settle("x1", 0, "r1")))
+    stranger.handle(AddLink("q"))
+    assert stranger.handle(FromLink("q", refusal)) == [] and stranger.routing.has_link("z")
+    out = settled.handle(FromLink("z", refusal))
+    assert CloseLink("z") in out and not settled.routing.has_link("z")
+    assert settled.handle(FromLink("m", refusal)) == []  # once only
+
+    gray = a1_after_go()
+    gray.handle(FromPeer("r1", Transfer("x1", ())))
+    gray.handle(FromPeer("r1", Separator("x1", 1)))
+    out = gray.handle(FromLink("z", refusal))
+    assert not any(isinstance(e, CloseLink) for e in out) and gray.exchange is not None
+    old_try = a1_after_go()
+    out = old_try.handle(FromLink("z", LockRefused("x1", "old", 1, final=True)))
+    assert not any(isinstance(e, CloseLink) for e in out) and old_try.exchange is not None
+
+
 def test_out_of_band_messages_only_from_this_sides_r_end() -> None:
     core = a1_locked()
     key = RouteKey(Filter.parse("x = 1"))

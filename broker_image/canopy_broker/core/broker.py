@@ -219,6 +219,7 @@ class BrokerCore:
         self.attempts: dict[str, tuple[StartExchange, int]] = {}  # initiator's requests
         # Exchanges this broker left on lease expiry: their late messages are expected.
         self.left: deque[str] = deque(maxlen=64)
+        self.unconfirmed: dict[str, str] = {}  # see exchange.other_a_end_rolled_back
         # Peers whose software would refuse a Settle (from before it: a roll-out).
         self.unsettled: set[str] = set()
         # Peers whose software sends no ReplayEnd after a repair's replay: not waited for.
@@ -408,7 +409,7 @@ class BrokerCore:
             ex is not None
             and inp.peer == ex.a_peer
             and not ex.queue_released
-            and not isinstance(msg, Neighbours)
+            and not isinstance(msg, Neighbours | LockRefused)
         ):
             # Everything crossing the new link waits until the old path has drained; not the
             # other A end's neighbour list, which a repair around it needs before that (A2,
@@ -666,6 +667,30 @@ class BrokerCore:
         for client in [c for c, (source, _) in self._held.items() if source == peer]:
             self._release_held(client, out)
 
+    def adopt_added_link(self, ex: Exchange, out: list[Effect]) -> None:
+        """A1 rolls back (see exchange.other_a_end_rolled_back), and the added link stays as
+        the link of its repair around R1 (``ex.sweep_held``), as the other end has taken it:
+        this end's routes go over it as over any repair link, then the sweep it held, then
+        what the other end sent meanwhile and the exchange queued. What this broker routed
+        to R1 the repair replays: nothing is handed over."""
+        a, dead = ex.a_peer, ex.sweep_held
+        assert a is not None and dead is not None
+        queued, ex.queue = ex.queue, []
+        self.leave_exchange(ex, by_lease=True)
+        for key in sorted(self.routing.unfreeze(a), key=RouteKey.sort_key):
+            out.append(SendToLink(a, Subscribe(key)))
+        self.handovers.pop(dead, None)
+        run = self.repairs.get(dead)
+        if run is not None:
+            out.extend(run.sweeps_to_start())
+        for _at, inp in queued:
+            if self.routing.has_link(inp.peer):
+                self.from_link(inp, out)
+
+    def repair_uses(self, peer: str) -> bool:
+        """Whether a repair under way here has ``peer`` as a chain partner."""
+        return any(peer in (run.previous, run.next) for run in self.repairs.values())
+
     @property
     def repair_holding(self) -> str | None:
         """The broker a repair under way here is around, while it holds what this broker
@@ -796,7 +821,23 @@ class BrokerCore:
         for end in (run.previous, run.next):
             if end is not None:
                 self._holding.setdefault(end, []).append(run)
-        out.extend(run.sweeps_to_start())  # behind this end's routes on the new link
+        if (
+            ex is not None
+            and ex.me == 0
+            and ex.granted
+            and not ex.gray
+            and ex.k > 0
+            and run.previous is None
+            and run.next == ex.a_peer
+        ):
+            # A1, before R1 took Go, repairs around R1 over the added link (R1's neighbours
+            # were the two A ends): A2 may have rolled back and taken the link up as this
+            # repair's, advertising over it. Swept now, before this end's routes (which the
+            # frozen link does not carry), A2's replay went out without them, and was lost
+            # (simulator: 45 events; and this end waited in the exchange for its lease).
+            ex.sweep_held = peer
+        else:
+            out.extend(run.sweeps_to_start())  # behind this end's routes on the new link
         if run.complete:
             self._finish_repair(run, out)
         else:
@@ -1063,6 +1104,12 @@ class BrokerCore:
         is in before anything changes."""
         ex = self.ex
         xid = getattr(msg, "xid", None)
+        if (
+            isinstance(msg, LockRefused)
+            and msg.final
+            and coordinated.other_a_end_rolled_back(self, peer, msg, out)
+        ):
+            return
         if (
             isinstance(msg, LockRefused)
             and msg.final

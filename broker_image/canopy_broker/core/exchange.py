@@ -116,6 +116,9 @@ class BrokerCore(Protocol):
     ex: Exchange | None  # the exchange this broker is locked for (at most one)
     attempts: dict[str, tuple[StartExchange, int]]  # at A1: requests not finished, and tries
     left: deque[str]  # exchanges this broker left on lease expiry: late messages are expected
+    # At A1: exchanges it rolled forward by a settle before R1 had taken Go, and their added
+    # link's other end (see :func:`other_a_end_rolled_back`).
+    unconfirmed: dict[str, str]
     unsettled: set[str]  # peers that would refuse a Settle (older software)
     no_handover: set[str]  # peers without the hand-over (no SeparatorSeen, Settle.handover)
     repair_timeout: float  # the longest a drain waits (see _drains)
@@ -138,6 +141,10 @@ class BrokerCore(Protocol):
 
     @property
     def repair_holding(self) -> str | None: ...
+
+    def repair_uses(self, peer: str) -> bool: ...
+
+    def adopt_added_link(self, ex: Exchange, out: list[Effect]) -> None: ...
 
 
 class Phase(Enum):
@@ -243,6 +250,10 @@ class Exchange:
     after_replay: bool = False
     # At A2: A1, declared dead before Go reached this broker (see a1_dead_before_go).
     a1_dead: bool = False
+    # At A1, before R1 took Go: the dead broker whose repair's sweep to the other A end waits
+    # (see BrokerCore.adopt_added_link): the added link is that repair's link, and whether the
+    # other end rolled back (then it is a repair link like any) is not known yet.
+    sweep_held: str | None = None
 
     def expect(self, step: Step) -> Phase:
         """The phase ``step`` leads to; raises (changing nothing) if it is not allowed now."""
@@ -521,10 +532,21 @@ def _finish_part(
     core: BrokerCore, ex: Exchange, out: list[Effect], gone: str | None = None
 ) -> None:
     if not ex.rolls_forward:
+        a = ex.a_peer
+        if gone is not None and ex.me == ex.last and a is not None and core.routing.has_link(a):
+            # A death cut Go off before it got here; A1 may have sent it (Granted passed
+            # here), and rolled forward, keeping its end of the added link (see
+            # other_a_end_rolled_back). Ahead of the close, so that it comes first.
+            why = f"{gone} died before Go reached {core.name}: it rolled back"
+            out.append(SendToLink(a, LockRefused(ex.xid, why, ex.attempt, final=True)))
         undo_lock(core, ex, out, by_lease=True)
         if ex.me == 0:
             retry_later(core, ex.xid, "lease expired while locking", False, out)
         return
+    if ex.me == 0 and not (ex.gray or ex.k == 0) and ex.a_peer is not None:
+        core.unconfirmed[ex.xid] = ex.a_peer  # R1 has not taken Go (its transfer is not here)
+        while len(core.unconfirmed) > 64:
+            del core.unconfirmed[next(iter(core.unconfirmed))]
     ex.marks.add(Mark.BY_LEASE)
     r = ex.r_peer
     if r is not None and core.routing.has_link(r):
@@ -895,10 +917,13 @@ def undo_lock(core: BrokerCore, ex: Exchange, out: list[Effect], *, by_lease: bo
     core.leave_exchange(ex, by_lease=by_lease)
 
 
-def _close_added_link(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
+def _close_added_link(
+    core: BrokerCore, ex: Exchange, out: list[Effect], *, frozen: bool = True
+) -> None:
+    """Drop the added link (``frozen``: only while nothing has crossed it yet)."""
     a = ex.a_peer
     routing = core.routing
-    if a is not None and routing.has_link(a) and routing.is_frozen(a):
+    if a is not None and routing.has_link(a) and (routing.is_frozen(a) or not frozen):
         routing.remove_link(a, out)
         out.append(CloseLink(a))
 
@@ -925,6 +950,47 @@ def abandon_lock(
     elif ex.path[ex.me - 1] != dead:
         refusal = LockRefused(ex.xid, reason, ex.attempt, final=final)
         out.append(SendToLink(ex.path[ex.me - 1], refusal))
+
+
+def other_a_end_rolled_back(
+    core: BrokerCore, peer: str, msg: LockRefused, out: list[Effect]
+) -> bool:
+    """A final refusal over the added link, from its other end: A2 rolled back, a death on
+    the path having cut Go off before it (see :func:`_finish_part`). Returns whether it is
+    that, and done with.
+
+    A1 may have committed (sent Go) and rolled its side forward meanwhile, keeping its end of
+    the added link: the link was known at one end only until the supervisor's restore (on real
+    processes, `canopy bench faults --only exchange`: 1-3 kills in 16 at 6-9 ms). If R1 has
+    not taken Go (its transfer and separator are not here; with A1 as R1, it has), no broker
+    of the path has turned anything: R1 and everything beyond the death rolled back, the
+    removed link stays, and nothing crossed the added one. So A1 rolls back too, and drops
+    it. If R1 has taken Go, the far side of the death should not have rolled back, and
+    nothing here can mend that: the link stays, as before. Nor when a repair has taken the
+    link up meanwhile (the dead one's neighbours were A1 and A2), unless it held its sweep for
+    this (``sweep_held``): then the link stays, as that repair's."""
+    ex = core.ex
+    if ex is not None and ex.xid == msg.xid and ex.me == 0 and peer == ex.a_peer:
+        if msg.attempt != ex.attempt or not ex.granted:
+            return msg.attempt != ex.attempt  # an old try's; or before Go: a plain refusal
+        if ex.gray or ex.k == 0:
+            return True
+        if ex.sweep_held is not None:
+            core.adopt_added_link(ex, out)  # the repair around R1 links the two A ends
+        elif core.repair_uses(peer):
+            return True
+        else:
+            _close_added_link(core, ex, out, frozen=False)
+            core.leave_exchange(ex, by_lease=True)
+        give_up(core, ex.xid, msg.reason, out)
+        return True
+    if core.unconfirmed.get(msg.xid) != peer:
+        return False
+    del core.unconfirmed[msg.xid]
+    if core.routing.has_link(peer) and not core.repair_uses(peer):
+        core.routing.remove_link(peer, out)
+        out.append(CloseLink(peer))
+    return True
 
 
 def on_refused(core: BrokerCore, ex: Exchange, msg: LockRefused, out: list[Effect]) -> None:
