@@ -251,6 +251,53 @@ def test_a1_rolls_back_with_a2_when_a_death_kept_go_from_r1(victim: str) -> None
     assert ("b0", "b5") not in sim.edges
 
 
+def test_a2_rolls_forward_with_a1_when_r2_died_before_go_reached_it() -> None:
+    """A1 (b0) committed, Go passed R1 (b1), and R2 (b2) died before it came: R1 rolled
+    forward, closing the removed link, while b3 to b5 rolled back, Go cut off, and A2 (b5)
+    dropped the added link: b0 and b1 were cut off from the rest for good (12,300 events
+    lost here, until a restore). A2 has A1's list, which names it from A1's commit on, and
+    rolls forward instead: one tree, with the added link.
+
+    Not closed yet: b3 and b4 rolled back, so nobody hands over what went R2's way, and what
+    crosses between the sides is lost until the A ends' Done (about 500 events here, all
+    published within a failure detection of the death; a gap of the known kind)."""
+    sim = chain(6, detection_time=60.0)
+    for p in ("pb0", "pb1", "pb4", "pb5"):
+        publish_steadily(sim, p, 150, 1500)
+    exchange_until(sim, ("b1", "b2"), "b1", lambda ex: ex.granted, 0, 0.02)
+    ex = sim.cores["b2"].exchange
+    assert ex is not None and not ex.granted  # Go has not reached R2
+    dead_at = sim.now
+    sim.crash("b2", at=dead_at)
+    sim.detect_failure("b2", at=dead_at + 60)
+    sim.run()
+    problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]
+    assert problems == [], problems
+    assert ("b0", "b5") in sim.edges
+    report = judge_deliveries(sim).survivors
+    published = {(p.publisher, p.seq): p.published_at for p in sim.publications()}
+    late = [x for x in report.lost if published[x[1], x[2]] > dead_at + 2 * 60]
+    assert report.lost and late == [], late[:5]
+    assert not report.duplicated and not report.reordered
+
+
+def test_r2_dead_before_go_leaves_r1_out_of_its_chain_at_every_neighbour() -> None:
+    """The path b0-b1-b2 exchanges b0-b1 (A1 is R1) for b0-b2, and R2 (b1) dies after
+    Granted passed it, before Go: b0, having taken Go itself, rolls forward and leaves itself
+    out of the chain around b1, as the removed link's other end. b2 read b1's list with b0 in
+    it, and swept towards b0, which was in no such repair: a protocol error (the fault
+    simulator's seed 30). R2 now stops listing R1 from Granted on."""
+    sim = chain(3, detection_time=60.0)
+    for p in ("pb0", "pb2"):
+        publish_steadily(sim, p, 150, 1500)
+    sim.exchange(("b0", "b1", "b2"), ("b0", "b1"), at=200, lease=3000.0)
+    sim.run(until=200)
+    while not ((ex := sim.cores["b0"].exchange) and ex.granted):
+        sim.run(until=sim.now + 0.02)
+    crash_and_judge(sim, "b1")
+    assert sorted(sim.edges) == [("b0", "b2")]
+
+
 def test_a_rolled_back_a2_that_repairs_over_the_added_link_takes_a1_with_it() -> None:
     """The path b0-b1-b2 exchanges b1-b2 for b0-b2, and R1 (b1) dies after Granted passed
     it, before Go: b2 rolls back and, in the repair around b1 (whose neighbours were b0 and

@@ -766,6 +766,7 @@ class BrokerCore:
             # repair is through), and the repair follows. The drivers used to do this in three
             # steps (this input refused, PeerGone, this input again), each in its own copy: the
             # runtime's failure detector and the simulator.
+            coordinated.go_implied(self, ex, peer, peer, out)
             handover.begin(self, ex, peer, out)  # before settling: it may take the link away
             self._peer_gone(peer, out)
             if not self.routing.has_link(peer):
@@ -891,6 +892,11 @@ class BrokerCore:
             return False
         if peer == ex.a_peer:
             return not ex.rolls_forward
+        if ex.me == ex.k + 1:
+            # R2, from Granted on: R1 leaves itself out of the chain around a dead R2 once it
+            # rolls forward, which it does only after Granted passed R2. Listed until Go
+            # came, R2's other neighbours chained up with R1, which did not link back.
+            return peer == ex.r_peer and ex.promised
         return peer == ex.r_peer and ex.rolls_forward
 
     def _withholds_list(self, peer: str) -> bool:
@@ -1022,6 +1028,10 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ handing over
     # (the protocol is core.handover's; these are the hooks it needs from the broker)
+
+    def heard_list(self, peer: str) -> tuple[str, ...]:
+        """The last neighbour list ``peer`` told this broker (empty if none came)."""
+        return self.neighbour_lists.lists.get(peer, ())
 
     def expect_handover(self, ex: Exchange, gone: str, out: list[Effect]) -> None:
         handover.expect(self, ex, gone, out)

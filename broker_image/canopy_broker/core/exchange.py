@@ -139,6 +139,8 @@ class BrokerCore(Protocol):
 
     def expect_handover(self, ex: Exchange, gone: str, out: list[Effect]) -> None: ...
 
+    def heard_list(self, peer: str) -> tuple[str, ...]: ...
+
     @property
     def repair_holding(self) -> str | None: ...
 
@@ -654,6 +656,31 @@ def _go_cut_off(ex: Exchange, gone: str, away_from: str) -> bool:
     return me > 0 and away_from == ex.path[me - 1] and ex.path.index(gone) < me
 
 
+def go_implied(
+    core: BrokerCore, ex: Exchange, gone: str, away_from: str, out: list[Effect]
+) -> None:
+    """At A2, not in phase 1, when a death before it on the path means Go can no longer come
+    (see :func:`_go_cut_off`): if A1 has committed, phase 1 begins here as if Go had come, so
+    that this end rolls forward with A1's side instead of taking the added link away under it.
+    A1 lists the added link (and sends that list over it, and with Go) only from its commit
+    on, so A1's list naming this broker says it committed. Only for a death at R2 or beyond:
+    Go then got past R1, which closes the removed link; one before R1 rolls everything back,
+    and A1 with it (:func:`other_a_end_rolled_back`).
+
+    Rolled back, A2 dropped the added link while R1 closed the removed one: A1's side was
+    cut off (simulator: 47 events lost, the overlay split until the restore). (Found and
+    first written by a helper's review of the fault simulator's seeds 30 and 43.)"""
+    if (
+        ex.me == ex.last
+        and not ex.rolls_forward
+        and ex.promised
+        and _go_cut_off(ex, gone, away_from)
+        and ex.path.index(gone) > ex.k  # R2 or beyond: Go reaches R1 (it closes r)
+        and core.name in core.heard_list(ex.path[0])
+    ):
+        go(core, ex, out)
+
+
 def _walk_on(
     core: BrokerCore,
     ex: Exchange,
@@ -785,6 +812,7 @@ def on_settle(core: BrokerCore, peer: str, msg: Settle, out: list[Effect]) -> No
     )
     if not behind or msg.gone == core.name:
         raise ProtocolError(f"{core.name}: Settle of {ex.xid} from {peer} names {msg.gone!r}")
+    go_implied(core, ex, msg.gone, peer, out)
     if ex.rolls_forward or _go_cut_off(ex, msg.gone, peer):
         if msg.handover and ex.rolls_forward:
             core.expect_handover(ex, msg.gone, out)  # before the settling releases its queue
