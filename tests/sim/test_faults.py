@@ -96,10 +96,12 @@ def exchange_until(
     reached: Callable[[Exchange], bool],
     more: int,
     step: float,
+    path: tuple[str, ...] = ("b0", "b1", "b2", "b3", "b4", "b5"),
 ) -> None:
-    """Exchange ``removed`` for b0-b5 on the chain b0-...-b5 (from time 200), and run until
-    the exchange has ``reached`` a point at broker ``at``, then ``more`` steps of ``step``."""
-    sim.exchange(("b0", "b1", "b2", "b3", "b4", "b5"), removed, at=200, lease=3000.0)
+    """Exchange ``removed`` for the link between ``path``'s ends (from time 200), and run
+    until the exchange has ``reached`` a point at broker ``at``, then ``more`` steps of
+    ``step``."""
+    sim.exchange(path, removed, at=200, lease=3000.0)
     sim.run(until=200)
     while not ((ex := sim.cores[at].exchange) and reached(ex)):
         sim.run(until=sim.now + step)
@@ -290,10 +292,7 @@ def test_r2_dead_before_go_leaves_r1_out_of_its_chain_at_every_neighbour() -> No
     sim = chain(3, detection_time=60.0)
     for p in ("pb0", "pb2"):
         publish_steadily(sim, p, 150, 1500)
-    sim.exchange(("b0", "b1", "b2"), ("b0", "b1"), at=200, lease=3000.0)
-    sim.run(until=200)
-    while not ((ex := sim.cores["b0"].exchange) and ex.granted):
-        sim.run(until=sim.now + 0.02)
+    exchange_until(sim, ("b0", "b1"), "b0", lambda ex: ex.granted, 0, 0.02, ("b0", "b1", "b2"))
     crash_and_judge(sim, "b1")
     assert sorted(sim.edges) == [("b0", "b2")]
 
@@ -309,10 +308,7 @@ def test_a_rolled_back_a2_that_repairs_over_the_added_link_takes_a1_with_it() ->
     sim = chain(3, detection_time=60.0)
     for p in ("pb0", "pb2"):
         publish_steadily(sim, p, 150, 1500)
-    sim.exchange(("b0", "b1", "b2"), ("b1", "b2"), at=200, lease=3000.0)
-    sim.run(until=200)
-    while not ((ex := sim.cores["b0"].exchange) and ex.granted):
-        sim.run(until=sim.now + 0.02)
+    exchange_until(sim, ("b1", "b2"), "b0", lambda ex: ex.granted, 0, 0.02, ("b0", "b1", "b2"))
     crash_and_judge(sim, "b1")
     assert sorted(sim.edges) == [("b0", "b2")]
     record = sim.exchanges[next(iter(sim.exchanges))]
