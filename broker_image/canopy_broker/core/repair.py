@@ -441,6 +441,7 @@ class RepairRun:
     swept: set[Step] = field(default_factory=set)
     finished_at: float | None = None
     replay_ends: set[str] = field(default_factory=set)  # chain partners whose ReplayEnd came
+    replay_ends_sent: set[str] = field(default_factory=set)  # chain partners told ReplayEnd
 
     def __post_init__(self) -> None:
         # An end of the chain needs no sweep from beyond it.
