@@ -258,6 +258,7 @@ def test_tree_problem_says_what_is_wrong_and_nothing_for_a_tree() -> None:
     assert set(cycle.removeprefix("a cycle: ").split(" - ")) == {"a", "b", "c"}
     assert tree_problem(["a"], [("a", "x")]) == "links to brokers it does not run: x"
     assert tree_problem(["a"], []) is None
+    assert tree_problem([], []) is None  # a new overlay: nothing runs yet
 
 
 async def test_apply_waits_for_a_whole_overlay_and_says_why_when_it_is_not(

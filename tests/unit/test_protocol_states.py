@@ -525,6 +525,16 @@ def test_a_middle_of_the_chain_says_replay_end_only_behind_the_far_sides_replay(
     assert sent(m.handle(FromLink("p", ReplayEnd("d")))) == []  # once
     _old, out = middle(n_sends=False)
     assert ("p", ReplayEnd("d")) in sent(out)  # n sends none: not waited for
+    # n's ReplayEnd before m's own repair began (its detector was slower): kept for it.
+    slow = BrokerCore("m")
+    slow.handle(AddLink("d"))
+    slow.handle(FromLink("d", Neighbours(("p", "m", "n"))))
+    slow.handle(AddLink("n"))
+    slow.handle(FromLink("n", ReplayEnd("d")))
+    slow.handle(PeerFailed("d"))
+    out = slow.handle(FromLink("p", RepairSweep("d", forward=True)))
+    out += slow.handle(FromLink("n", RepairSweep("d", forward=False)))
+    assert ("p", ReplayEnd("d")) in sent(out)
 
 
 def r1_with_its_separator_sent(*, r2_hands_over: bool = True) -> BrokerCore:
@@ -884,6 +894,18 @@ def test_a1_rolls_back_when_a2_did_before_r1_took_go() -> None:
     old_try = a1_after_go()
     out = old_try.handle(FromLink("z", LockRefused("x1", "old", 1, final=True)))
     assert not any(isinstance(e, CloseLink) for e in out) and old_try.exchange is not None
+    settled_try = a1_after_go()
+    settled_try.handle(FromLink("m", Settle("x1", 0, "r1")))
+    out = settled_try.handle(FromLink("z", LockRefused("x1", "old", 1, final=True)))
+    assert out == [] and settled_try.routing.has_link("z")  # another try's: not this link's
+
+    # Ahead of Granted, still on its way along the path (A1 has not committed): given up as
+    # by lease, so that the late Granted is dropped, not refused as a protocol error.
+    early = a1_locked()
+    out = early.handle(FromLink("z", refusal))
+    assert CloseLink("z") in out and early.exchange is None
+    assert [e.ok for e in out if isinstance(e, ExchangeFinished)] == [False]
+    assert early.handle(FromLink("m", Granted("x1"))) == []
 
 
 def test_out_of_band_messages_only_from_this_sides_r_end() -> None:

@@ -219,7 +219,9 @@ class BrokerCore:
         self.attempts: dict[str, tuple[StartExchange, int]] = {}  # initiator's requests
         # Exchanges this broker left on lease expiry: their late messages are expected.
         self.left: deque[str] = deque(maxlen=64)
-        self.unconfirmed: dict[str, str] = {}  # see exchange.other_a_end_rolled_back
+        self.unconfirmed: dict[str, tuple[str, int]] = {}  # exchange.other_a_end_rolled_back
+        # (partner, dead) -> when: ReplayEnds that came before this repair began here
+        self._early_replay_ends: dict[tuple[str, str], float] = {}
         # Peers whose software would refuse a Settle (from before it: a roll-out).
         self.unsettled: set[str] = set()
         # Peers whose software sends no ReplayEnd after a repair's replay: not waited for.
@@ -814,6 +816,10 @@ class BrokerCore:
             next=chain_end(me + 1),
             retained=merged(carried, self.retention.take(peer, self.now)),
         )
+        for partner in (run.previous, run.next):  # it came before this repair began here
+            at = self._early_replay_ends.pop((partner, peer), None) if partner else None
+            if partner and at is not None and at >= self.now - self.repair_timeout:
+                run.replay_ends.add(partner)
         self._forget_repairs()
         self.repairs[peer] = run
         handing = self.handovers.get(peer)
@@ -884,7 +890,11 @@ class BrokerCore:
         split, 3,610 events lost, told, at one subscriber). Both ends now list the link, and
         tell each other, once each would roll the exchange forward. What is left: an A end
         dying while Go is on its way between them (a few milliseconds; see
-        docs/reconfiguration.md, "A death on the cycle")."""
+        docs/reconfiguration.md, "A death on the cycle").
+
+        R2 stops listing R1 from Granted on, not from Go: R1 leaves itself out of the chain
+        around a dead R2 once it rolls forward, which it can do from then on (docs, "Deaths
+        between Granted and Go")."""
         if peer in self._ghosts:
             return True
         ex = self.ex
@@ -1018,10 +1028,22 @@ class BrokerCore:
 
     def _replay_ended(self, peer: str, dead: str, out: list[Effect]) -> None:
         run = self.repairs.get(dead)
-        if run is None or peer not in (run.previous, run.next):
-            # A repair this broker has forgotten or was never in, or one from before a later
-            # repair around a broker of the same name (a restarted one died again): nothing
-            # waits on it here. Dropped, not refused: the link it came over is sound.
+        if run is None:
+            # Its repair may not have begun here yet: this broker's detector is slower, and
+            # the partner's repair ended on its timer. A middle member of the chain says its
+            # own ReplayEnd only behind this one (see _send_replay_ends), so it is kept for a
+            # repair timeout; a stale one (an earlier repair around a broker of the same name)
+            # is dropped then.
+            early = self._early_replay_ends
+            for key in [k for k, at in early.items() if at < self.now - self.repair_timeout]:
+                del early[key]
+            if len(early) < 256:
+                early[(peer, dead)] = self.now
+            return
+        if peer not in (run.previous, run.next):
+            # One from before a later repair around a broker of the same name (a restarted one
+            # died again), or from outside the chain: nothing waits on it here. Dropped, not
+            # refused: the link it came over is sound.
             return
         run.replay_ends.add(peer)
         self._send_replay_ends(run, out)

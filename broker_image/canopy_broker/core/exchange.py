@@ -118,7 +118,7 @@ class BrokerCore(Protocol):
     left: deque[str]  # exchanges this broker left on lease expiry: late messages are expected
     # At A1: exchanges it rolled forward by a settle before R1 had taken Go, and their added
     # link's other end (see :func:`other_a_end_rolled_back`).
-    unconfirmed: dict[str, str]
+    unconfirmed: dict[str, tuple[str, int]]
     unsettled: set[str]  # peers that would refuse a Settle (older software)
     no_handover: set[str]  # peers without the hand-over (no SeparatorSeen, Settle.handover)
     repair_timeout: float  # the longest a drain waits (see _drains)
@@ -546,7 +546,7 @@ def _finish_part(
             retry_later(core, ex.xid, "lease expired while locking", False, out)
         return
     if ex.me == 0 and not (ex.gray or ex.k == 0) and ex.a_peer is not None:
-        core.unconfirmed[ex.xid] = ex.a_peer  # R1 has not taken Go (its transfer is not here)
+        core.unconfirmed[ex.xid] = (ex.a_peer, ex.attempt)  # R1 took no Go that reached here
         while len(core.unconfirmed) > 64:
             del core.unconfirmed[next(iter(core.unconfirmed))]
     ex.marks.add(Mark.BY_LEASE)
@@ -580,11 +580,12 @@ def _drains(core: BrokerCore, ex: Exchange, gone: str | None, out: list[Effect])
     separator has not come (the death cut this side off before it, or before Go reached the
     far side). Closed at once, the link dropped them on arrival, untold (simulator: b4, between
     R2 and A2, dead after Granted passed it and before Go came: 22 events of A1's side lost at
-    A2's side). The other R end settles on this one's Settle, which went over the link first,
-    and each sends the other its own separator, if it has not yet: nothing black follows it
-    from there. So each closes once it has the other's, or after a repair timeout (the other
-    end rolled back: Go never reached it). Not on the lease (nothing is left to come then),
-    nor towards an older peer, which sends no separator on settling."""
+    A2's side). When this end's Settle walks on over the link (the death was on its side),
+    the other R end settles on it, and drains too; when the Settle came over the link, the
+    other end drains already. Each sends the other its own separator, if it has not yet:
+    nothing black follows it from there. So each closes once it has the other's, or after a
+    repair timeout (the other end rolled back: Go never reached it). Not on the lease (nothing
+    is left to come then), nor towards an older peer, which sends no separator on settling."""
     r = ex.r_peer
     if gone is None or r is None or gone == r or r in core.no_handover:
         return False
@@ -668,8 +669,9 @@ def go_implied(
     and A1 with it (:func:`other_a_end_rolled_back`).
 
     Rolled back, A2 dropped the added link while R1 closed the removed one: A1's side was
-    cut off (simulator: 47 events lost, the overlay split until the restore). (Found and
-    first written by a helper's review of the fault simulator's seeds 30 and 43.)"""
+    cut off until a restore (simulator: 12,300 events lost on the chain b0-...-b5 with R2
+    dead, 47 in the fault simulator's seed 43). (Found and first written by a helper's review
+    of the fault simulator's seeds 30 and 43.)"""
     if (
         ex.me == ex.last
         and not ex.rolls_forward
@@ -999,8 +1001,15 @@ def other_a_end_rolled_back(
     this (``sweep_held``): then the link stays, as that repair's."""
     ex = core.ex
     if ex is not None and ex.xid == msg.xid and ex.me == 0 and peer == ex.a_peer:
-        if msg.attempt != ex.attempt or not ex.granted:
-            return msg.attempt != ex.attempt  # an old try's; or before Go: a plain refusal
+        if msg.attempt != ex.attempt:
+            return True  # an old try's
+        if not ex.granted:
+            # Before the commit: it came over the added link ahead of Granted, still on its
+            # way along the path. Given up as by lease, so that Granted is dropped when it
+            # comes, not refused as a protocol error (review).
+            undo_lock(core, ex, out, by_lease=True)
+            give_up(core, ex.xid, msg.reason, out)
+            return True
         if ex.gray or ex.k == 0:
             return True
         if ex.sweep_held is not None:
@@ -1012,8 +1021,8 @@ def other_a_end_rolled_back(
             core.leave_exchange(ex, by_lease=True)
         give_up(core, ex.xid, msg.reason, out)
         return True
-    if core.unconfirmed.get(msg.xid) != peer:
-        return False
+    if core.unconfirmed.get(msg.xid) != (peer, msg.attempt):
+        return False  # not this try's end of the link (a link can be kept across tries)
     del core.unconfirmed[msg.xid]
     if core.routing.has_link(peer) and not core.repair_uses(peer):
         core.routing.remove_link(peer, out)

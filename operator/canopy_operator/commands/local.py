@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -108,15 +109,18 @@ async def apply(
     manifest: dict[str, Any],
     backend: LocalBackend,
     log: Any = print,
+    settle_within: float = 15.0,
 ) -> tuple[Plan, Executor, float]:
-    """Plan from the live brokers to ``spec`` and execute; returns the plan and the executor."""
+    """Plan from the live brokers to ``spec`` and execute; returns the plan and the executor.
+    ``settle_within``: how long to wait for the live links to be one tree (see
+    :meth:`LocalBackend.live_tree`)."""
     live = sorted(backend.brokers)
     if not live:  # a new overlay: its first broker, then the rest join as leaves
         first = spec.broker_names[0]
         await backend.create_broker(first)
         await backend.wait_ready(first, 30.0)
         live = [first]
-    links = await backend.live_tree()
+    links = await backend.live_tree(within=settle_within)
     p = plan(LiveOverlay(tuple(live), tuple(links)), spec)
     generation = int(backend.state.get("generation", 0)) + 1
     total = len(p.steps)
@@ -245,12 +249,19 @@ def run_apply(args: argparse.Namespace) -> int:
         )
         try:
             rolled: list[dict[str, Any]] = []
+            if backend.brokers:
+                # Wait for a whole tree before the lock, not under it: what makes it whole may
+                # be the supervisor's restore, which takes the same lock (review). Under it,
+                # apply checks again, and says what is wrong (a dead broker, or not one tree).
+                with contextlib.suppress(BrokerDownError):
+                    await backend.live_tree()
             async with backend.locked():  # the supervisor may be restoring: after it
                 backend.reload()
                 if args.command == "up":
                     backend.state["supervised"] = not args.no_supervisor
                 try:
-                    p, _executor, wall = await apply(spec, manifest, backend)
+                    # Waited for outside the lock: a short look here, the restore being over.
+                    p, _executor, wall = await apply(spec, manifest, backend, settle_within=2.0)
                     configs = {n: b.get("config") for n, b in backend.brokers.items()}
                     changed = rollout.stale(configs, backend.config_of)
                     if changed:

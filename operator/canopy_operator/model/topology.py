@@ -398,6 +398,8 @@ def tree_problem(nodes: Iterable[str], edges: Iterable[Edge]) -> str | None:
     made from such a view would be wrong: the live overlay is between a death and its
     repair, or a broker is still coming back (its links not yet made)."""
     nodes, edges = set(nodes), sorted({norm(e) for e in edges})
+    if not nodes and not edges:
+        return None  # nothing runs yet: a new overlay
     stray = sorted({x for e in edges for x in e} - nodes)
     if stray:
         return f"links to brokers it does not run: {', '.join(stray)}"
