@@ -283,18 +283,26 @@ def test_a2_rolls_forward_with_a1_when_r2_died_before_go_reached_it() -> None:
     assert not report.duplicated and not report.reordered
 
 
+def b1_dead_before_go_on_a_path_of_three(removed: tuple[str, str]) -> Simulator:
+    """The chain b0-b1-b2 exchanges ``removed`` for b0-b2, and b1 dies once A1 (b0) has
+    committed, before Go reached it: judged (see :func:`crash_and_judge`), the overlay ends
+    as the link b0-b2 alone."""
+    sim = chain(3, detection_time=60.0)
+    for p in ("pb0", "pb2"):
+        publish_steadily(sim, p, 150, 1500)
+    exchange_until(sim, removed, "b0", lambda ex: ex.granted, 0, 0.02, ("b0", "b1", "b2"))
+    crash_and_judge(sim, "b1")
+    assert sorted(sim.edges) == [("b0", "b2")]
+    return sim
+
+
 def test_r2_dead_before_go_leaves_r1_out_of_its_chain_at_every_neighbour() -> None:
     """The path b0-b1-b2 exchanges b0-b1 (A1 is R1) for b0-b2, and R2 (b1) dies after
     Granted passed it, before Go: b0, having taken Go itself, rolls forward and leaves itself
     out of the chain around b1, as the removed link's other end. b2 read b1's list with b0 in
     it, and swept towards b0, which was in no such repair: a protocol error (the fault
     simulator's seed 30). R2 now stops listing R1 from Granted on."""
-    sim = chain(3, detection_time=60.0)
-    for p in ("pb0", "pb2"):
-        publish_steadily(sim, p, 150, 1500)
-    exchange_until(sim, ("b0", "b1"), "b0", lambda ex: ex.granted, 0, 0.02, ("b0", "b1", "b2"))
-    crash_and_judge(sim, "b1")
-    assert sorted(sim.edges) == [("b0", "b2")]
+    b1_dead_before_go_on_a_path_of_three(("b0", "b1"))
 
 
 def test_a_rolled_back_a2_that_repairs_over_the_added_link_takes_a1_with_it() -> None:
@@ -305,12 +313,7 @@ def test_a_rolled_back_a2_that_repairs_over_the_added_link_takes_a1_with_it() ->
     simulator), and b0 waited in the exchange, b2's repair messages queued, for its lease.
     b0 now holds that sweep until the exchange is decided: told that b2 rolled back, it
     rolls back too, and the link is the repair's."""
-    sim = chain(3, detection_time=60.0)
-    for p in ("pb0", "pb2"):
-        publish_steadily(sim, p, 150, 1500)
-    exchange_until(sim, ("b1", "b2"), "b0", lambda ex: ex.granted, 0, 0.02, ("b0", "b1", "b2"))
-    crash_and_judge(sim, "b1")
-    assert sorted(sim.edges) == [("b0", "b2")]
+    sim = b1_dead_before_go_on_a_path_of_three(("b1", "b2"))
     record = sim.exchanges[next(iter(sim.exchanges))]
     assert record.finished_at is not None and record.finished_at < 400  # not by lease (3000)
 

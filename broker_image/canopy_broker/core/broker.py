@@ -998,20 +998,11 @@ class BrokerCore:
         deaths on an exchange's path: 1-4 events lost in 5 seeds of 200)."""
         if run.phase is not RepairPhase.DONE:
             return
+        ends = self.replaying(run)  # the partners that take a ReplayEnd, and send one
         for partner, other in ((run.previous, run.next), (run.next, run.previous)):
-            if (
-                partner is None
-                or partner in run.replay_ends_sent
-                or not self.is_neighbour(partner)
-                or partner in self.no_replay_end
-            ):
+            if partner not in ends or partner in run.replay_ends_sent:
                 continue
-            if (
-                other is None
-                or other in run.replay_ends
-                or not self.is_neighbour(other)
-                or other in self.no_replay_end
-            ):
+            if other not in ends or other in run.replay_ends:
                 run.replay_ends_sent.add(partner)
                 out.append(SendToLink(partner, ReplayEnd(run.dead)))
 
