@@ -318,6 +318,47 @@ def test_a_rolled_back_a2_that_repairs_over_the_added_link_takes_a1_with_it() ->
     assert record.finished_at is not None and record.finished_at < 400  # not by lease (3000)
 
 
+@pytest.mark.parametrize("more", [0, 3, 6, 9, 12, 15, 18])
+def test_a1_dead_on_a_path_of_three_leaves_the_removed_link_as_the_repairs(more: int) -> None:
+    """The path b0-b1-b2 exchanges b1-b2 for b0-b2 (A2 is R2), and A1 (b0) dies after its
+    commit, before R1's transfer reached it: R1 waits for A1's separator, so the removed link
+    is still there when both R ends hear of the death. Once the exchange rolled forward, b0
+    was the neighbour of both: the repair around it links b1 and b2, and found them linked
+    already, over the removed link, which the exchange then closed. The overlay was split in
+    two (2,472 events lost here; the fault simulator's seed 55 of the sweep over deaths on an
+    exchange's path). Each R end now keeps the link as its repair's (KeepRemoved), and the
+    overlay is that link alone. ``more``: how many steps of 0.5 units after its commit A1
+    dies."""
+    sim = chain(3, detection_time=60.0)
+    for p in ("pb0", "pb1", "pb2"):
+        publish_steadily(sim, p, 150, 1500)
+    path = ("b0", "b1", "b2")
+    exchange_until(sim, ("b1", "b2"), "b0", lambda ex: ex.rolls_forward, more, 0.5, path)
+    crash_and_judge(sim, "b0")
+    assert sorted(sim.edges) == [("b1", "b2")]
+    assert sim.stats.messages["KeepRemoved"] == 2  # one from each R end
+
+
+def test_an_r_end_keeps_the_removed_link_only_if_the_other_says_it_understands_keep_removed() -> (
+    None
+):
+    """During a roll-out, an R end whose peer's hello does not say ``keep-removed`` closes
+    the removed link as before (an older broker would close the link on a KeepRemoved): the
+    overlay splits, as it did, until the supervisor's restore joins it."""
+    sim = chain(3, detection_time=60.0)
+    for b, core in sim.cores.items():
+        for other in sim.cores:
+            if other != b:
+                core.handle(PeerFeatures(other, placement=True, keep_removed=False))
+    path = ("b0", "b1", "b2")
+    exchange_until(sim, ("b1", "b2"), "b0", lambda ex: ex.rolls_forward, 0, 0.5, path)
+    sim.crash("b0", at=sim.now)
+    sim.detect_failure("b0", at=sim.now + 60)
+    sim.run()
+    assert sim.stats.messages["KeepRemoved"] == 0
+    assert sim.edges == []  # b1 and b2 apart
+
+
 @pytest.mark.parametrize("step", [0, 1, 2, 3])
 def test_an_a_end_dead_in_phase_1_is_repaired_around_by_the_other_one_too(step: int) -> None:
     """The initiator (A1) dies after phase 1 began, while the exchange runs (on real

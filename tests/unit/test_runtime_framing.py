@@ -368,6 +368,7 @@ def test_reconfiguration_messages_travel_in_the_generic_form() -> None:
     for msg in (
         m.Lock("x1", ("a", "b", "c"), 1, m.Ordering.CAUSAL, lease=2.5),  # the lease travels
         m.Done("x1", (key,)),  # with the A end's whole advertisement
+        m.KeepRemoved("x1", (key,)),  # with the R end's, over the removed link it keeps
         m.Marker("client-7"),  # client migration
         m.Moved("client-7"),
     ):

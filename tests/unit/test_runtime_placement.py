@@ -159,6 +159,7 @@ async def test_a_peer_whose_hello_does_not_say_settle_is_never_sent_one(
     await eventually(lambda: "b" in a.core.unsettled and "a" in b.core.unsettled)
     assert "b" in a.core.no_replay_end and "a" in b.core.no_replay_end
     assert "b" in a.core.no_handover and "a" in b.core.no_handover
+    assert "b" in a.core.no_keep_removed and "a" in b.core.no_keep_removed
     assert not a.core.neighbour_lists.legacy  # placement was said
 
 
@@ -174,6 +175,7 @@ async def test_a_peer_whose_hello_says_replay_end_is_waited_for(
     await eventually(lambda: "b" in a.core.unsettled and "a" in b.core.unsettled)
     assert not a.core.no_replay_end and not b.core.no_replay_end
     assert not a.core.no_handover and not b.core.no_handover
+    assert "b" in a.core.no_keep_removed and "a" in b.core.no_keep_removed  # not said either
 
 
 def test_fields_a_newer_broker_adds_are_ignored_not_refused() -> None:

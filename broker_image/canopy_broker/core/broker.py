@@ -63,6 +63,7 @@ from canopy_broker.core.messages import (
     HandoverBegin,
     HandoverEnd,
     Input,
+    KeepRemoved,
     LinkFailed,
     LinkReady,
     LinkRepair,
@@ -229,6 +230,8 @@ class BrokerCore:
         # Peers whose software knows nothing of handing over (core.handover): not sent its
         # messages, not waited for.
         self.no_handover: set[str] = set()
+        # Peers whose software would refuse a KeepRemoved: the removed link closes as before.
+        self.no_keep_removed: set[str] = set()
         # This broker's parts in handing over what went the way of a cycle member dead in
         # phase 1 of an exchange, by the dead one's name (core.handover). Each holds for a
         # few link round trips, and never past its timer (the repair timeout).
@@ -791,6 +794,8 @@ class BrokerCore:
         # other neighbour, which never linked back (its repair then waited for its timer).
         gone_from = ex is not None and peer == ex.r_peer and ex.rolls_forward
         chain, targets = self.neighbour_lists.chain_for(peer, without=gone_from)
+        if ex is not None and coordinated.keeps_removed(self, ex, targets):
+            coordinated.keep_removed(self, ex, out)  # first: the sweep follows it
         opened: list[str] = []
         for t in targets:
             if t != self.name and not self.routing.has_link(t):
@@ -862,6 +867,7 @@ class BrokerCore:
             (told.settle, self.unsettled),
             (told.replay_end, self.no_replay_end),
             (told.handover, self.no_handover),
+            (told.keep_removed, self.no_keep_removed),
         ]
 
     def knows_features(self, told: PeerFeatures) -> bool:
@@ -902,12 +908,14 @@ class BrokerCore:
             return False
         if peer == ex.a_peer:
             return not ex.rolls_forward
+        if peer != ex.r_peer or ex.has(Mark.KEPT):  # kept: a repair's link (keep_removed)
+            return False
         if ex.me == ex.k + 1:
             # R2, from Granted on: R1 leaves itself out of the chain around a dead R2 once it
             # rolls forward, which it does only after Granted passed R2. Listed until Go
             # came, R2's other neighbours chained up with R1, which did not link back.
-            return peer == ex.r_peer and ex.promised
-        return peer == ex.r_peer and ex.rolls_forward
+            return ex.promised
+        return ex.rolls_forward
 
     def _withholds_list(self, peer: str) -> bool:
         """Whether this broker's neighbour list may not go to ``peer`` yet: not over a frozen
@@ -1134,6 +1142,8 @@ class BrokerCore:
             self._repair_msg(peer, msg, out)
         elif isinstance(msg, ReplayEnd):
             self._replay_ended(peer, msg.dead, out)
+        elif isinstance(msg, KeepRemoved):
+            coordinated.on_keep_removed(self, peer, msg, out)
         elif isinstance(msg, RoutesIn | HandoverBegin | HandoverEnd):
             handover.on_message(self, peer, msg, out)
         elif isinstance(msg, PublisherGap):

@@ -291,6 +291,18 @@ class Done:
     keys: tuple[RouteKey, ...] = ()
 
 
+@message
+class KeepRemoved:
+    """Over the removed link of exchange ``xid``: the sender keeps the link, as the link of its
+    repair around a dead member of the cycle whose chain runs over it (a path of three: the
+    dead broker was the neighbour of both R ends once the exchange rolled forward), and
+    ``keys`` is exactly what it advertises over the link from now on (the receiver makes what
+    it holds from the sender exactly that, as a Done does)."""
+
+    xid: str
+    keys: tuple[RouteKey, ...] = ()
+
+
 # Client migration (make-before-break), used to empty a leaf broker before it is removed.
 
 
@@ -457,6 +469,7 @@ LinkMessage = (
     | SeparatorSeen
     | Settle
     | Done
+    | KeepRemoved
     | RecMsg
     | CtrlMsg
     | FlushMsg
@@ -560,13 +573,14 @@ class PeerFeatures:
     ``settle``: it understands :class:`Settle` (an older peer would close the link on it);
     ``replay_end``: it understands and sends :class:`ReplayEnd`; ``handover``: it understands
     :class:`RoutesIn`, :class:`HandoverBegin`, :class:`HandoverEnd`, :class:`SeparatorSeen`
-    and ``Settle.handover``."""
+    and ``Settle.handover``; ``keep_removed``: it understands :class:`KeepRemoved`."""
 
     peer: str
     placement: bool
     settle: bool = True
     replay_end: bool = True
     handover: bool = True
+    keep_removed: bool = True
 
 
 @message

@@ -61,13 +61,14 @@ from canopy_broker.runtime.outbox import (  # noqa: F401
 from canopy_broker.runtime.outbox import HEADER as _HEADER
 
 PROTOCOL_VERSION: Final = 1
-FEATURES: Final = ("placement", "settle", "replay-end", "handover")
+FEATURES: Final = ("placement", "settle", "replay-end", "handover", "keep-removed")
 """What this broker's link protocol understands beyond version 1, told in every hello (a peer
 without a feature is not sent what it would refuse): ``placement``, neighbour lists with the
 sender's zone and node, in chain order; ``settle``, the exchange's Settle after a member of its
 cycle died; ``replay-end``, a repair's ReplayEnd after its replay; ``handover``, handing over
 what went the way of a cycle member dead in phase 1 (RoutesIn, HandoverBegin, HandoverEnd,
-SeparatorSeen, ``Settle.handover``)."""
+SeparatorSeen, ``Settle.handover``); ``keep-removed``, KeepRemoved (an exchange's removed link
+kept as a repair's link)."""
 MAX_FRAME: Final = 8 * 1024 * 1024
 """Largest accepted payload; a bigger length prefix closes the connection before any is read."""
 # Frame types (first element of every frame's JSON array).

@@ -822,6 +822,7 @@ class LinkSessions:
                 "settle" in known,
                 "replay-end" in known,
                 "handover" in known,
+                "keep-removed" in known,
             )
             core = host.core
             if not core.knows_features(told):  # news
