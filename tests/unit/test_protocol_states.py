@@ -39,6 +39,7 @@ from canopy_broker.core.messages import (
     HandoverBegin,
     HandoverEnd,
     Input,
+    KeepRemoved,
     LinkReady,
     Lock,
     LockRefused,
@@ -612,6 +613,35 @@ def test_an_r_end_settled_by_a_death_on_its_side_closes_the_removed_link_behind_
         assert ("r2", Separator("x1", 1)) not in sent(out)
     leased = r1_in_phase_1()
     assert CloseLink("r2") in leased.handle(TimerFired("lease:x1")) and leased.exchange is None
+
+
+def test_an_r_end_told_that_the_other_keeps_the_removed_link_keeps_it_too() -> None:
+    """A KeepRemoved over the removed link (the other R end's repair runs over it, see
+    exchange.keep_removed): this end holds exactly the keys it names, whatever it held from
+    there before; phase 2 then drops none of them, and the exchange's end leaves the link
+    open, while the separators still do their work."""
+    r1 = r1_in_phase_1()
+    old, new = RouteKey(Filter.parse("x = 1")), RouteKey(Filter.parse("x = 2"))
+    assert set(r1.routing.held_from("r2")) == set()
+    r1.handle(FromLink("r2", Subscribe(old)))  # black: sent before r2 froze the link
+    r1.handle(FromLink("r2", KeepRemoved("x1", (new,))))
+    assert set(r1.routing.held_from("r2")) == {new}
+    ex = r1.exchange
+    assert ex is not None and ex.has(Mark.KEPT_THERE) and not ex.has(Mark.KEPT)
+    out = r1.handle(FromLink("m", Separator("x1", 1)))  # phase 2
+    assert ("r2", Separator("x1", 1)) in sent(out)
+    assert set(r1.routing.held_from("r2")) == {new}
+    r1.handle(FromLink("r2", Separator("x1", 2)))
+    assert r1.routing.is_frozen("r2")
+    out = r1.handle(FromLink("r2", SeparatorSeen("x1")))
+    assert not any(isinstance(e, CloseLink) for e in out) and r1.routing.has_link("r2")
+    assert ("m", End("x1", 1)) in sent(out) and r1.exchange is None
+    assert set(r1.routing.held_from("r2")) == {new}
+    # Its own repair never began here: it keeps the link too, advertising what it holds.
+    assert not r1.routing.is_frozen("r2")
+    assert [m for p, m in sent(out) if isinstance(m, KeepRemoved)] == [
+        KeepRemoved("x1", tuple(sorted(r1.routing.advertised_to("r2"), key=RouteKey.sort_key)))
+    ]
 
 
 def m_next_to_r1(*, a_hands_over: bool = True) -> BrokerCore:

@@ -1185,7 +1185,12 @@ def close_removed_link(core: BrokerCore, ex: Exchange, out: list[Effect]) -> Non
     r = ex.r_peer
     assert r is not None
     core.deduped.discard(r)  # it drained (see _drains)
-    if ex.has(Mark.KEPT) or ex.has(Mark.KEPT_THERE):
+    if ex.has(Mark.KEPT_THERE) and not ex.has(Mark.KEPT):
+        # The other end keeps it, and this end's repair has not begun (or never will: its
+        # verdict differs): a link of the tree at the other end is one here too, not a
+        # frozen one that never advertises again.
+        keep_removed(core, ex, out)
+    if ex.has(Mark.KEPT):
         return  # a repair's link now (see keep_removed): its part in the exchange is done
     core.routing.remove_link(r, out)  # its entries are gone since phase 2: nothing to withdraw
     out.append(CloseLink(r))
