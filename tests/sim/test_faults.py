@@ -339,6 +339,28 @@ def test_a1_dead_on_a_path_of_three_leaves_the_removed_link_as_the_repairs(more:
     assert sim.stats.messages["KeepRemoved"] == 2  # one from each R end
 
 
+@pytest.mark.parametrize("more", [0, 8, 16, 24])
+@pytest.mark.parametrize("n", [3, 6])
+def test_a2_dead_before_it_rolled_forward_leaves_the_removed_link_kept(n: int, more: int) -> None:
+    """A1 (b0) is R1 too: the chain b0-...-b(n-1) exchanges b0-b1 for b0-b(n-1), and A2 dies
+    after A1's commit, before Go reached it (``more`` steps of 0.5 units after Granted
+    reached A1). A2's last list does not name A1, so the repair around A2 left A1 out, and
+    the removed link closed as Go reached R2: A1 was cut off from the rest until a restore
+    (about 2,470 events lost on a path of three). A2's path neighbour now says so in its walk,
+    R2 keeps the removed link (KeepRemoved), and A1's verdict waits for that walk, then
+    replays what it sent A2 over the kept link."""
+    sim = chain(n, detection_time=60.0)
+    for p in sorted({"pb0", "pb1", f"pb{n - 2}"}):
+        publish_steadily(sim, p, 150, 1500)
+    path = tuple(f"b{i}" for i in range(n))
+    exchange_until(sim, ("b0", "b1"), "b0", lambda ex: ex.granted, more, 0.5, path)
+    ex = sim.cores[f"b{n - 1}"].exchange
+    assert ex is not None and not ex.rolls_forward  # Go has not reached A2
+    crash_and_judge(sim, f"b{n - 1}")
+    assert ("b0", "b1") in sim.edges
+    assert sim.stats.messages["KeepRemoved"] == 2  # one from each R end
+
+
 def test_an_r_end_keeps_the_removed_link_only_if_the_other_says_it_understands_keep_removed() -> (
     None
 ):

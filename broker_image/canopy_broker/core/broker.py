@@ -232,6 +232,8 @@ class BrokerCore:
         self.no_handover: set[str] = set()
         # Peers whose software would refuse a KeepRemoved: the removed link closes as before.
         self.no_keep_removed: set[str] = set()
+        # Verdicts on a dead neighbour that wait (exchange.a2_dead_unlisted), since when.
+        self._waiting_verdicts: dict[str, float] = {}
         # This broker's parts in handing over what went the way of a cycle member dead in
         # phase 1 of an exchange, by the dead one's name (core.handover). Each holds for a
         # few link round trips, and never past its timer (the repair timeout).
@@ -394,6 +396,8 @@ class BrokerCore:
             kind, _, name = inp.key.partition(":")
             if kind == "repair":
                 self.repair_timer(name, out)
+            elif kind == "verdict":
+                self._verdict_due(name, out)
             elif kind == "handover":
                 handover.timer(self, name, out)
             else:
@@ -744,7 +748,7 @@ class BrokerCore:
         ):
             coordinated.settle(self, ex, peer, peer, out)
 
-    def _peer_failed(self, peer: str, out: list[Effect]) -> None:
+    def _peer_failed(self, peer: str, out: list[Effect], *, via: str | None = None) -> None:
         """Paper 001's repair: drop the dead link (its routes are withdrawn), then link to this
         broker's neighbours in the chain through the dead broker's former neighbours; each new
         link advertises what this end holds, as an added link does."""
@@ -765,6 +769,10 @@ class BrokerCore:
                 return
         elif ex is not None and coordinated.a1_dead_before_go(ex, peer):
             return  # until Go comes (then again, below), or the added link goes
+        elif ex is not None and coordinated.a2_dead_unlisted(self, ex, peer):
+            self._waiting_verdicts[peer] = self.now
+            out.append(StartTimer(f"verdict:{peer}", self.repair_timeout))
+            return  # until the walk from the path comes (_verdict_due), or the timer
         elif ex is not None and peer in ex.cycle_peers() and peer not in ex.waits_on:
             # Phase 1 has begun, or is about to (Granted passed here): the verdict is as strong
             # as a fence, so this part settles first, as PeerGone would (now, or once this
@@ -820,6 +828,7 @@ class BrokerCore:
             previous=chain_end(me - 1),
             next=chain_end(me + 1),
             retained=merged(carried, self.retention.take(peer, self.now)),
+            replay_also=(via,) if via is not None and self.routing.has_link(via) else (),
         )
         for partner in (run.previous, run.next):  # it came before this repair began here
             at = self._early_replay_ends.pop((partner, peer), None) if partner else None
@@ -854,6 +863,17 @@ class BrokerCore:
             self._finish_repair(run, out)
         else:
             out.append(StartTimer(f"repair:{peer}", self.repair_timeout))
+
+    def _verdict_due(self, dead: str, out: list[Effect], via: str | None = None) -> None:
+        """A verdict that waited (exchange.a2_dead_unlisted) goes ahead: the walk from the
+        path has come (``via``, this broker's path neighbour), behind the kept link's routes,
+        or the wait timed out. The repair around the dead one leaves this broker out of its
+        chain, so what this broker sent it is replayed ``via`` the path, towards the kept
+        link."""
+        if self._waiting_verdicts.pop(dead, None) is None:
+            return
+        if self.routing.has_link(dead) and dead not in self._ghosts:
+            self._peer_failed(dead, out, via=via)
 
     def _spread_gap(self, gap: PublisherGap, source: str | None, out: list[Effect]) -> None:
         """A publisher's gap goes to every broker once (flooded over the settled tree links,
@@ -1138,6 +1158,7 @@ class BrokerCore:
             self.neighbour_lists.heard(peer, msg)
         elif isinstance(msg, Settle):
             coordinated.on_settle(self, peer, msg, out)
+            self._verdict_due(msg.gone, out, via=peer)
         elif isinstance(msg, RepairSweep):
             self._repair_msg(peer, msg, out)
         elif isinstance(msg, ReplayEnd):

@@ -256,6 +256,8 @@ class Exchange:
     after_replay: bool = False
     # At A2: A1, declared dead before Go reached this broker (see a1_dead_before_go).
     a1_dead: bool = False
+    # At A1: A2, declared dead before its list named this broker (see a2_dead_unlisted).
+    a2_dead: bool = False
     # At A1, before R1 took Go: the dead broker whose repair's sweep to the other A end waits
     # (see BrokerCore.adopt_added_link): the added link is that repair's link, and whether the
     # other end rolled back (then it is a repair link like any) is not known yet.
@@ -616,6 +618,7 @@ def settle(
     out: list[Effect],
     *,
     handover: bool = False,
+    keep: bool = False,
 ) -> None:
     """``gone``, a member of the cycle, is dead (this broker's detector or its fence said so, or
     a :class:`Settle` came from ``away_from``): settle this broker's part now, as at the
@@ -644,10 +647,39 @@ def settle(
     an A end, dead in phase 1) is handed over (core.handover); so does this broker's walk if
     it is one of the dead one's two neighbours. Passed on to every peer that understands it,
     up to the A end, which holds for it."""
+    if away_from == gone:
+        keep = a2_left_a1_out(core, ex, gone)
+    if keep and ex.is_r and not ex.has(Mark.KEPT) and keeps_removed(core, ex, (ex.r_peer or "",)):
+        keep_removed(core, ex, out)  # ahead of the walk over it: the other R end keeps it too
     if ex.rolls_forward or _go_cut_off(ex, gone, away_from):
         tell = handover or (away_from == gone and handed_over(ex, gone))
-        _walk_on(core, ex, gone, _away(ex, away_from), out, handover=tell)
+        _walk_on(core, ex, gone, _away(ex, away_from), out, handover=tell, keep=keep)
     lease_expired(core, ex, out, gone)
+
+
+def a2_left_a1_out(core: BrokerCore, ex: Exchange, gone: str) -> bool:
+    """Whether this broker, A2's neighbour on the path, rolling forward, finds that A2 died
+    before it rolled forward itself: A2's last list does not name A1 (it names the added link
+    only from its roll-forward on, see BrokerCore._unlisted). Then the repair around A2 leaves
+    A1 out; A1's added link went with A2, and the R ends, which roll forward as Go reaches
+    them, closed the removed link: A1's side was cut off until a restore (simulator: 2,470
+    events lost on a path of three, 7,180 on the chain b0-...-b5 exchanging b0-b1 for b0-b5).
+    The walk this broker starts says so (``Settle.keep``), and the R ends keep the removed
+    link instead (:func:`keep_removed`); A1 waits for that walk before it repairs around A2
+    (:func:`a2_dead_unlisted`), so that what it sent A2 is replayed over the kept link.
+
+    Only where A1 is R1 (k = 0): A1 then turns the link over itself, and its replay goes out
+    ahead of anything newer. With brokers between A1 and R1, what they sent towards A2 went
+    through A1, while what they send once R1 has the kept link's routes goes straight to it,
+    ahead of A1's replay, which is then dropped as had (simulator: 340-510 events lost); the
+    overlay splits there as before, until a restore (docs/reconfiguration.md)."""
+    return (
+        ex.rolls_forward
+        and ex.k == 0
+        and gone == ex.path[-1]
+        and ex.me == ex.last - 1
+        and ex.path[0] not in core.heard_list(gone)
+    )
 
 
 def _go_cut_off(ex: Exchange, gone: str, away_from: str) -> bool:
@@ -695,6 +727,7 @@ def _walk_on(
     out: list[Effect],
     *,
     handover: bool = False,
+    keep: bool = False,
 ) -> None:
     if (
         onward is not None
@@ -703,7 +736,8 @@ def _walk_on(
         and core.routing.has_link(onward)
     ):
         tell = handover and onward not in core.no_handover
-        out.append(SendToLink(onward, Settle(ex.xid, ex.attempt, gone, handover=tell)))
+        keep = keep and onward not in core.no_keep_removed
+        out.append(SendToLink(onward, Settle(ex.xid, ex.attempt, gone, handover=tell, keep=keep)))
 
 
 def defer_settle(ex: Exchange, gone: str) -> bool:
@@ -768,6 +802,26 @@ def a1_dead_before_go(ex: Exchange, gone: str) -> bool:
     return False
 
 
+def a2_dead_unlisted(core: BrokerCore, ex: Exchange, gone: str) -> bool:
+    """Whether A1's verdict that ``gone``, A2, died waits for the walk from its path (see
+    :func:`a2_left_a1_out`): A1 has committed, and no list of A2's named it yet, so A2 may have
+    died before it rolled forward. Settled at once, A1's own walk (which knows nothing of
+    A2's list) reached the R ends first, and they closed the removed link; repaired at once,
+    A1 replayed what it had sent A2 before the kept link's routes reached it, into nothing.
+    The walk from A2's path neighbour comes behind those routes. The caller times the wait
+    (a repair timeout), after which the verdict goes ahead as before."""
+    if (
+        ex.me == ex.k == 0
+        and gone == ex.path[-1]
+        and ex.rolls_forward
+        and not ex.a2_dead
+        and core.name not in core.heard_list(gone)
+    ):
+        ex.a2_dead = True
+        return True
+    return False
+
+
 def _end_bridge(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     """A2 settled while it bridged (see :func:`defer_settle`): take what its repair links
     brought meanwhile, and from now on take their publications as replays, delivered only if
@@ -822,7 +876,7 @@ def on_settle(core: BrokerCore, peer: str, msg: Settle, out: list[Effect]) -> No
     if ex.rolls_forward or _go_cut_off(ex, msg.gone, peer):
         if msg.handover and ex.rolls_forward:
             core.expect_handover(ex, msg.gone, out)  # before the settling releases its queue
-        settle(core, ex, msg.gone, peer, out, handover=msg.handover)
+        settle(core, ex, msg.gone, peer, out, handover=msg.handover, keep=msg.keep)
 
 
 def lock_problem(

@@ -241,6 +241,10 @@ class Settle:
     # added link until its side's replay (if a broker of its side hands over) and the other
     # A end's have come.
     handover: bool = False
+    # ``gone`` is A2, dead before it rolled forward: its last list does not name A1, so the
+    # repair around it leaves A1's side out, and the R ends keep the removed link (see
+    # exchange.a2_left_a1_out). Said by A2's path neighbour, which heard that list.
+    keep: bool = False
 
 
 # Reconfiguration-path algorithm (paper 002). Head path: R1 → ... → A1; the new link A1 → A2;

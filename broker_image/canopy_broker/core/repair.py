@@ -442,6 +442,9 @@ class RepairRun:
     finished_at: float | None = None
     replay_ends: set[str] = field(default_factory=set)  # chain partners whose ReplayEnd came
     replay_ends_sent: set[str] = field(default_factory=set)  # chain partners told ReplayEnd
+    # Links besides the chain's that the replay may take: the way to an exchange's removed
+    # link, kept because the chain left this broker out (exchange.a2_dead_unlisted).
+    replay_also: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # An end of the chain needs no sweep from beyond it.
@@ -521,7 +524,8 @@ class RepairRun:
         on the new links carry traffic as any link does."""
         self.phase = Phase.DONE
         self.finished_at = now
-        chain = {p for p in (self.previous, self.next) if p is not None} - set(skip)
+        chain = {p for p in (self.previous, self.next, *self.replay_also) if p is not None}
+        chain -= set(skip)
         replayed = 0
         for event in self.retained:
             for peer in sorted(chain.intersection(route(event))):
