@@ -221,8 +221,9 @@ def _add_broker_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--overlay",
-        metavar="STATE_DIR",
-        help="use every broker of the overlay `canopy up` started with this state directory",
+        metavar="STATE_DIR/NAME",
+        help="use every broker of the local overlay NAME that `canopy up` started with this "
+        "state directory (e.g. .canopy/trading)",
     )
     p.add_argument(
         "--failover-within",
@@ -274,7 +275,7 @@ def credentials_of(args: argparse.Namespace) -> Credentials:
         return Credentials.from_pki(found[0])
     where = f"{len(found)} overlays" if found else "no overlay"
     raise ValueError(
-        f"no credentials: {where} under {args.state_dir}; pass --overlay STATE_DIR, "
+        f"no credentials: {where} under {args.state_dir}; pass --overlay STATE_DIR/NAME, "
         "--ca with --cert/--key or --token, or --insecure"
     )
 

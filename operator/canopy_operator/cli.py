@@ -226,7 +226,7 @@ def _add_broker_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from canopy_operator.backends.local import BrokerDownError
+    from canopy_operator.backends.local import BrokerDownError, StateFileError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -237,9 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokerDownError as exc:  # a local overlay with a dead or hanging broker
+    except (BrokerDownError, StateFileError) as exc:  # a dead broker, an unreadable state
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `canopy status | head`: the reader has what it wanted
+        # Python flushes stdout again at exit, into the closed pipe: point it at /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return int(result or 0)
 
 

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from canopy_broker.progress import Progress
+from canopy_operator.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"  # a picture's first bytes
 
@@ -257,6 +258,60 @@ def test_local_up_apply_status_graph_down(tmp_path: Path) -> None:
     finally:
         down = canopy("down", "--state-dir", str(state))
     assert down.returncode == 0
+    # Forgotten: no longer listed (a new `up` of the name starts afresh); its logs stay.
+    gone = canopy("status", "--state-dir", str(state), "--overlay", "trading")
+    assert gone.returncode == 1 and "no overlay 'trading'" in gone.stderr, gone
+    assert list((state / "trading").glob("*.log"))
+
+
+def test_local_commands_refuse_an_overlay_that_is_not_there(tmp_path: Path) -> None:
+    """A mistyped ``--overlay`` used to make an empty directory, report a healthy overlay of 0
+    brokers (exit 0), and break the default overlay choice from then on; ``down`` said it
+    stopped it."""
+    state = tmp_path / "state"
+    (state / "real").mkdir(parents=True)
+    (state / "real" / "state.json").write_text('{"brokers": {}}')
+    for command in ("status", "down", "graph", "roll"):
+        done = canopy(command, "--state-dir", str(state), "--overlay", "nosuch")
+        assert done.returncode == 1, done
+        assert "no overlay 'nosuch'" in done.stderr and "overlays there: real" in done.stderr
+        assert "Traceback" not in done.stderr
+    for bad, said in (("g.txt", "must end in .png, .svg or .dot"), ("no/g.png", "no directory")):
+        drawn = canopy("graph", "--state-dir", str(state), "-o", str(tmp_path / bad))
+        assert drawn.returncode == 1 and said in drawn.stderr, drawn
+        assert "Traceback" not in drawn.stderr
+    escape = canopy("status", "--state-dir", str(state), "--overlay", "../state/real")
+    assert escape.returncode == 1 and "no overlay" in escape.stderr
+    assert sorted(p.name for p in state.iterdir()) == ["real"]  # nothing made
+
+
+def test_a_broken_state_file_is_named_not_a_traceback(tmp_path: Path) -> None:
+    """``state.json`` cut short (edited by hand, a full disk): every command says which file
+    and what to do; the supervisor goes on with what it read before (LocalBackend.reload)."""
+    state = tmp_path / "state"
+    (state / "t").mkdir(parents=True)
+    (state / "t" / "state.json").write_text('{"brok')
+    done = canopy("status", "--state-dir", str(state))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done
+    assert "state.json is not valid JSON" in done.stderr and "put back a good copy" in done.stderr
+
+
+def test_status_into_a_closed_pipe_ends_quietly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``canopy status | head -1``: the reader goes, and the rest of the output with it; a
+    BrokenPipeError traceback used to follow."""
+    state = tmp_path / "state"
+    (state / "t").mkdir(parents=True)
+    (state / "t" / "state.json").write_text('{"brokers": {}, "insecure": true}')
+    read, write = os.pipe()
+    os.close(read)  # nobody reads
+    out = os.fdopen(write, "w", buffering=1)
+    monkeypatch.setattr(sys, "stdout", out)
+    try:
+        assert main(["status", "--state-dir", str(state)]) == 0
+    finally:
+        out.close()
 
 
 @pytest.mark.parametrize("algorithm", ["coordinated", "path", "strawman"])

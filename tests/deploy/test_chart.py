@@ -450,6 +450,24 @@ def test_a_disabled_miner_renders_nothing_of_it(tmp_path: Path) -> None:
     assert not [d for d in docs if "miner" in d["metadata"]["name"]]
 
 
+@pytest.mark.parametrize("name", ["release", "fullnameOverride"])
+def test_every_name_fits_with_the_longest_release_name_helm_takes(
+    tmp_path: Path, name: str
+) -> None:
+    """Helm takes release names of up to 53 characters; a 40-character one rendered a Service
+    of 64 (``-operator-metrics``) and a CronJob of 53 (``-miner``), which the API server would
+    refuse (63 and 52 at most), and so did a long ``fullnameOverride``."""
+    long = "r" * 53
+    if name == "release":
+        docs = helm_template(ALL_ON, release=long)
+    else:
+        docs = helm_template(ALL_ON, values_file(tmp_path, {"fullnameOverride": "f" * 46}))
+    for doc in docs:
+        limit = 52 if doc["kind"] == "CronJob" else 63
+        assert len(doc["metadata"]["name"]) <= limit, (doc["kind"], doc["metadata"]["name"])
+    assert any(len(d["metadata"]["name"]) == 63 for d in docs)  # the longest fits exactly
+
+
 # -- RBAC ---------------------------------------------------------------------------------------
 
 

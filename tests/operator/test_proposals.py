@@ -535,18 +535,13 @@ def test_export_prints_the_overlay_with_the_proposal_applied(
     src = tmp_path / "p.json"
     src.write_text(json.dumps(example_proposal()))
     dest = tmp_path / "trading.yaml"
-    code, out, err = canopy(
-        capsys,
-        "proposal",
-        "export",
-        str(src),
-        "--overlay",
-        str(EXAMPLES / "overlay-explicit.yaml"),
-        "-o",
-        str(dest),
-    )
+    to_file = ["proposal", "export", str(src), "--overlay", str(EXAMPLES / "overlay-explicit.yaml")]
+    code, out, err = canopy(capsys, *to_file, "-o", str(dest))
     assert code == 0 and out == "", err
     assert yaml.safe_load(dest.read_text()) == manifest
+    nowhere = tmp_path / "no" / "such" / "dir.yaml"  # an error that says so, not a traceback
+    code, out, err = canopy(capsys, *to_file, "-o", str(nowhere))
+    assert code == 2 and f"cannot write {nowhere}: No such file or directory" in err, err
 
 
 def example_proposal() -> dict[str, Any]:

@@ -5,12 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canopy_broker.cli import build_parser as broker_parser
-from canopy_operator.backends.local import BrokerDownError, LocalBackend, NotOneTreeError
+from canopy_operator.backends.local import (
+    BrokerDownError,
+    LocalBackend,
+    NotOneTreeError,
+    StateFileError,
+)
 from canopy_operator.model.topology import (
+    FIELDS,
     SpecError,
     find_cycle,
     parse_overlay,
@@ -132,6 +139,64 @@ def test_problems_name_what_is_wrong(
 )
 def test_malformed_manifests_raise_with_the_field(doc: dict[str, object], message: str) -> None:
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_overlay(doc)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"maxFanout": 2},
+            "spec.maxFanout is not a field of a BrokerOverlay (did you mean 'maxFanOut'?)",
+        ),
+        ({"linkz": []}, "spec.linkz is not a field of a BrokerOverlay (did you mean 'links'?)"),
+        ({"brokers": [{"name": "a", "zon": "x"}]}, "spec.brokers[0].zon is not a field"),
+        ({"failureDetection": {"heartbeat": 1}}, "did you mean 'heartbeatSeconds'?"),
+        ({"security": {"issuerRef": {"nam": "ca"}}}, "spec.security.issuerRef.nam is not a field"),
+    ],
+)
+def test_a_misspelt_field_is_refused_with_the_one_it_likely_means(
+    spec: dict[str, object], message: str
+) -> None:
+    """``kubectl apply`` refuses a field the CRD does not declare; read from a file by the local
+    commands, a misspelt one was taken for its default without a word (``maxFanout: 2``), and
+    ``linkz`` made the links managed ones."""
+    doc = manifest(["a"], [])
+    doc["spec"] = {**doc["spec"], **spec}  # type: ignore[dict-item]
+    with pytest.raises(SpecError) as caught:
+        parse_overlay(doc)
+    assert message in str(caught.value)
+
+
+def test_the_fields_checked_are_the_crds() -> None:
+    """:data:`FIELDS` holds what the CRD's schema declares, no more and no less (a free-form
+    part of the schema, or one without properties, is not looked into)."""
+
+    def tree(node: dict[str, object]) -> object:
+        if node.get("type") == "array" and isinstance(node.get("items"), dict):
+            inner = tree(node["items"])  # type: ignore[arg-type]
+            return [inner] if inner is not None else None
+        props = node.get("properties")
+        if not isinstance(props, dict) or node.get("x-kubernetes-preserve-unknown-fields"):
+            return None
+        return {k: tree(v) for k, v in props.items()}
+
+    crd = yaml.safe_load(
+        (Path(__file__).parents[2] / "manifests/crds/brokeroverlays.canopy.dev.yaml").read_text()
+    )
+    schema = tree(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+    assert isinstance(schema, dict)
+    assert FIELDS["spec"] == schema["spec"]
+    assert set(FIELDS) == {"apiVersion", "kind", "metadata", *schema}
+
+
+@pytest.mark.parametrize("name", ["../../etc", "a/b", "..", "Trading", "x" * 64, "-a"])
+def test_an_overlay_name_that_is_not_a_dns_label_is_refused(name: str) -> None:
+    """It names the local overlay's directory and its Kubernetes objects: ``../../etc`` put a
+    local overlay's state, credentials and logs two directories up."""
+    doc = manifest(["a"], [])
+    doc["metadata"] = {"name": name}
+    with pytest.raises(SpecError, match="is not a DNS label"):
         parse_overlay(doc)
 
 
@@ -283,3 +348,36 @@ async def test_apply_waits_for_a_whole_overlay_and_says_why_when_it_is_not(
     with pytest.raises(NotOneTreeError, match=r"not one tree after 0.3s: b2 linked to nobody"):
         await backend.live_tree(within=0.3)
     assert issubclass(NotOneTreeError, BrokerDownError)  # the CLI prints it as an error
+
+
+def test_the_local_state_is_private_and_its_token_is_the_pki_one(tmp_path: Path) -> None:
+    """``state.json`` holds the admin token the brokers run with: it was world-readable
+    (0644 in a 0755 directory), and any local user could drive every broker's admin API. And
+    the token in ``pki/admin-token``, which the docs name, was not the one in use."""
+    backend = LocalBackend(tmp_path / "o")
+    backend.save()
+    assert (tmp_path / "o").stat().st_mode & 0o777 == 0o700
+    assert backend.state_file.stat().st_mode & 0o777 == 0o600
+    assert backend.pki is not None and backend.state["token"] == backend.pki.admin_token()
+    (tmp_path / "o").chmod(0o755)  # an overlay made before: mended on its next command
+    backend.state_file.chmod(0o644)
+    again = LocalBackend(tmp_path / "o")
+    again.save()
+    assert (tmp_path / "o").stat().st_mode & 0o777 == 0o700
+    assert again.state_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_state_file_gone_bad_is_named_and_the_supervisor_keeps_what_it_read(
+    tmp_path: Path,
+) -> None:
+    backend = LocalBackend(tmp_path / "o", insecure=True)
+    backend.state["generation"] = 7
+    backend.save()
+    backend.state_file.write_text('{"brok')
+    backend.reload()  # the supervisor's: a warning, and the state it had
+    assert backend.state["generation"] == 7
+    with pytest.raises(StateFileError, match=r"state.json is not valid JSON"):
+        LocalBackend(tmp_path / "o")
+    backend.state_file.write_text("[1, 2]")
+    with pytest.raises(StateFileError, match="not an overlay's state"):
+        LocalBackend(tmp_path / "o")

@@ -78,9 +78,14 @@ async def test_token_is_required_except_for_probes_and_metrics(
             async with http.get(good.url + path) as resp:
                 assert resp.status == 401
                 assert resp.headers["WWW-Authenticate"].startswith("Bearer")
-            headers = {"Authorization": "Bearer wrong"}
-            async with http.get(good.url + path, headers=headers) as resp:
-                assert resp.status == 401
+            for wrong in ("Bearer wrong", f"Basic {TOKEN}", TOKEN, f"Bearer{TOKEN}"):
+                async with http.get(good.url + path, headers={"Authorization": wrong}) as resp:
+                    assert resp.status == 401, wrong
+            # The scheme's name is case-insensitive (RFC 9110): curl users write "bearer".
+            for scheme in ("bearer", "BEARER"):
+                headers = {"Authorization": f"{scheme} {TOKEN}"}
+                async with http.get(good.url + path, headers=headers) as resp:
+                    assert resp.status == 200, scheme
         for path in ("/healthz", "/readyz", "/metrics"):
             async with http.get(good.url + path) as resp:
                 assert resp.status == 200

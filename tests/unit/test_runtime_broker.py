@@ -23,7 +23,7 @@ from canopy_broker.client import Client, ClientError, ConnectionLost, Notificati
 from canopy_broker.client.credentials import Credentials
 from canopy_broker.core.events import is_sampled
 from canopy_broker.procs import env_pki
-from canopy_broker.runtime import server
+from canopy_broker.runtime import heap, server
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import F_HELLO, control_frame, frame
 from canopy_broker.runtime.server import Broker
@@ -1623,6 +1623,41 @@ async def test_connections_per_source_and_subscriptions_per_client_are_bounded(
         await c2.subscribe("n = 1")  # the others are unaffected
         await hang_up(writer)
         del reader
+
+
+async def test_a_burst_of_connections_gives_its_memory_back(
+    make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Idle TLS connections cost about 50 KiB each from their accept on, and a flood of them
+    (closed by the handshake timeout) left the broker's heap at 770 MB for good: after a
+    burst the broker trims the heap (runtime.heap), once, at its next tick."""
+    monkeypatch.setattr(heap, "AFTER", 20)
+    b = await make_broker("b")
+    trims: list[float] = []
+    b.heap = heap.HeapTrim(lambda: trims.append(1.0))
+    await asyncio.sleep(0.5)
+    assert not trims  # no burst, no trim
+    strangers = [await asyncio.open_connection(*b.address) for _ in range(25)]  # type: ignore[misc]
+    for _reader, writer in strangers:
+        writer.close()
+    await eventually(lambda: bool(trims))
+    await asyncio.sleep(0.5)
+    assert len(trims) == 1 and b.heap.since == 0  # once, not at every tick
+
+
+def test_the_heap_is_trimmed_after_a_burst_and_at_most_so_often() -> None:
+    trims: list[int] = []
+    h = heap.HeapTrim(lambda: trims.append(1))
+    for _ in range(heap.AFTER - 1):
+        h.accepted()
+    assert not h.tick(100.0)
+    h.accepted()
+    assert h.tick(100.0) and trims == [1]
+    for _ in range(heap.AFTER):
+        h.accepted()
+    assert not h.tick(100.0 + heap.EVERY / 2)  # too soon
+    assert h.tick(100.0 + heap.EVERY) and trims == [1, 1]
+    assert not heap.HeapTrim(None, default=False).tick(1e9)  # no malloc_trim here: nothing
 
 
 async def test_a_broker_that_fails_ends_the_exchanges_it_started(make_broker: MakeBroker) -> None:

@@ -345,6 +345,8 @@ def test_parse_address() -> None:
     assert parse_address("[::1]:9") == ("::1", 9)
     with pytest.raises(ValueError):
         parse_address("nohost")
+    with pytest.raises(ValueError, match="up to 65535"):
+        parse_address("10.0.0.1:99999")  # POST /links took it, and the link dialed for ever
 
 
 def test_generic_form_round_trips_core_values() -> None:

@@ -34,14 +34,16 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def _auth_middleware(token: str | None) -> Middleware:
-    expected = f"Bearer {token}".encode() if token is not None else None
+    expected = token.encode() if token is not None else None
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         request.app[BROKER].wake()  # a request is work: stalls it causes are measured finely
         if expected is not None and request.path not in PUBLIC:
-            got = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
+            # The scheme's name is case-insensitive (RFC 9110, 11.1); the token is not, and is
+            # compared in constant time.
+            scheme, _, got = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(got.encode(), expected):
                 resp = _error(401, "missing or wrong bearer token")
                 resp.headers["WWW-Authenticate"] = 'Bearer realm="canopy-broker"'
                 return resp

@@ -513,8 +513,8 @@ def control_frame(*parts: object) -> bytes:
 def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
     """``HOST:PORT`` (or ``:PORT``, ``[v6]:PORT``) -> (host, port)."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT (a port up to 65535), got {address!r}")
     host = host.strip("[]") or default_host
     return host, int(port)
 

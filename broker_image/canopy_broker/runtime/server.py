@@ -93,6 +93,7 @@ from canopy_broker.runtime.framing import (
     loads_frame,
     parse_address,
 )
+from canopy_broker.runtime.heap import HeapTrim
 from canopy_broker.runtime.link_sessions import LinkSessions
 from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.metrics import BrokerMetrics, Gauges, LoopWatch
@@ -319,6 +320,7 @@ class Broker:
         self.client_sessions = ClientSessions(self, self._unacknowledged)
         self.clients = self.client_sessions.clients
         self.placement = PlacementSource(config.zone, config.node, config.placement_dir)
+        self.heap = HeapTrim()
         # Gray notifications' waits at the new link of an exchange, taken from the core.
         self._delays = [0, 0.0, 0.0]  # count, sum, max (seconds)
 
@@ -339,6 +341,7 @@ class Broker:
     def _accepted(self, listener: str) -> Conn:
         """A connection accepted (its TLS handshake, CPU of this loop, is still to come)."""
         self.wake()
+        self.heap.accepted()
         return Conn(self, listener=listener)
 
     async def start(self) -> None:
@@ -529,6 +532,7 @@ class Broker:
                 self._probing = self.tasks.spawn(self._probe_peers(), "rtt probes")
             self.sessions.heartbeat(now)
             self._check_conns(now)
+            self.heap.tick(now)  # after a burst of connections: their memory back
             self._reload_policy()
             self._reload_tls()
             self._update_placement()

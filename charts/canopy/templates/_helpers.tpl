@@ -1,17 +1,19 @@
-{{/* Names: "canopy" for a release named canopy (the plain install), else "<release>-canopy". */}}
+{{/* Names: "canopy" for a release named canopy (the plain install), else "<release>-canopy".
+     At most 46 characters, so that every name made from it fits: "-operator-metrics" (a
+     Service, 63 at most) is the longest suffix, and a CronJob's name ("-miner") may have 52. */}}
 {{- define "canopy.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
 {{- define "canopy.fullname" -}}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- .Values.fullnameOverride | trunc 46 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- .Release.Name | trunc 46 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 46 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 {{- end }}

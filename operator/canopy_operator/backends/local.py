@@ -43,6 +43,10 @@ class BrokerDownError(Exception):
         self.dead = dead  # its process is gone (not merely silent)
 
 
+class StateFileError(Exception):
+    """The overlay's ``state.json`` cannot be read (edited by hand, or a disk gone wrong)."""
+
+
 class NotOneTreeError(BrokerDownError):
     """Every broker answers, but their links are not one tree over them: a death's repair, or
     the supervisor's restore, is under way. A plan made from that view would be wrong."""
@@ -80,7 +84,10 @@ class LocalBackend:
         free port."""
         self.dir = state_dir
         self.host = host
-        self.dir.mkdir(parents=True, exist_ok=True)
+        # Private: state.json holds the admin token (anyone who reads it can drive the
+        # brokers' admin API), and the broker logs what its clients do.
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.dir, 0o700)
         self.state: dict[str, Any] = self._load()
         # How new brokers are started. Given: this overlay's from now on (apply, the demo).
         # Not given (status, the supervisor, roll): what the overlay was last configured with,
@@ -91,12 +98,15 @@ class LocalBackend:
         self.gateway = bool(gateway)
         self.mqtt = bool(mqtt)
         self._adopt_config()
-        self.state.setdefault("token", secrets.token_urlsafe(18))
         self.state.setdefault("brokers", {})
         self.state.setdefault("insecure", insecure)
         # The overlay's CA, certificates, admin token and client policy (canopy_broker.pki),
         # made on first use: security is on unless the overlay was created --insecure.
         self.pki = None if self.state["insecure"] else LocalPki(self.dir / "pki").ensure()
+        # The brokers' admin token: the one in pki/admin-token (an overlay created before it
+        # was used keeps the one its brokers run with).
+        token = self.pki.admin_token() if self.pki is not None else secrets.token_urlsafe(18)
+        self.state.setdefault("token", token)
         self._admins: dict[str, AdminClient] = {}
         # Brokers this object started: kept until stopped, so that no Popen is collected while
         # its process runs (the overlay may outlive us, but not our handles on it).
@@ -109,10 +119,20 @@ class LocalBackend:
         return self.dir / "state.json"
 
     def _load(self) -> dict[str, Any]:
-        if self.state_file.exists():
-            data: dict[str, Any] = json.loads(self.state_file.read_text())
-            return data
-        return {}
+        if not self.state_file.exists():
+            return {}
+        try:
+            data = json.loads(self.state_file.read_bytes())
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+            why = f"not valid JSON ({exc})"
+        else:
+            if isinstance(data, dict) and isinstance(data.get("brokers", {}), dict):
+                return data
+            why = "not an overlay's state (a JSON object with its brokers)"
+        raise StateFileError(
+            f"{self.state_file} is {why}: put back a good copy, or stop the overlay's "
+            f"processes by hand and remove {self.dir}"
+        )
 
     def configure(self, routing: str, broker_args: Sequence[str]) -> None:
         """Start new brokers with ``routing``, ``broker_args`` and the zones and gateway this
@@ -144,7 +164,13 @@ class LocalBackend:
     def reload(self) -> None:
         """Read ``state.json`` again: another process (the supervisor, an ``apply``) may have
         changed it since this object was made. Call it holding :meth:`locked`."""
-        fresh = self._load()
+        try:
+            fresh = self._load()
+        except StateFileError as exc:
+            # The supervisor lives on with the state it read last (its next save writes that
+            # back): it used to die here, and nothing restored dead brokers any more.
+            print(f"warning: {exc}; going on with the state read before", file=sys.stderr)
+            return
         if fresh:
             self.state = fresh
             self._adopt_config()
@@ -186,7 +212,10 @@ class LocalBackend:
 
     def save(self) -> None:
         tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1))
+        tmp.unlink(missing_ok=True)  # created afresh, so with the mode below
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # it holds the token
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.state, indent=1))
         tmp.replace(self.state_file)
 
     async def save_progress(self, progress: dict[str, Any]) -> None:

@@ -62,7 +62,7 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         p.set_defaults(func=run_apply)
     for name, helptext in (
         ("status", "show the local overlay's brokers and links"),
-        ("down", "stop the local overlay's brokers and forget it"),
+        ("down", "stop the local overlay's brokers and forget it (its logs stay)"),
         ("graph", "draw the live local topology (-o file.png|.svg|.dot)"),
     ):
         p = sub.add_parser(name, help=helptext)
@@ -95,11 +95,18 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def overlay_dir(state_dir: Path, name: str | None) -> Path:
-    if name:
-        return state_dir / name
+    """The directory of the running overlay ``name`` (by default the only one) in
+    ``state_dir``. A name with no overlay is an error that lists those there: it used to make
+    an empty directory and report a healthy overlay of 0 brokers, and from then on the
+    default refused, two overlays being there."""
     found = sorted(p for p in state_dir.glob("*") if (p / "state.json").exists())
+    names = ", ".join(p.name for p in found) or "none"
+    if name:
+        where = state_dir / name
+        if Path(name).name != name or name in (".", "..") or where not in found:
+            raise SystemExit(f"error: no overlay {name!r} in {state_dir} (overlays there: {names})")
+        return where
     if len(found) != 1:
-        names = ", ".join(p.name for p in found) or "none"
         raise SystemExit(f"error: pass --overlay (overlays in {state_dir}: {names})")
     return found[0]
 
@@ -440,6 +447,13 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_graph(args: argparse.Namespace) -> int:
+    if args.output.suffix not in (".png", ".svg", ".dot"):
+        raise SystemExit(f"error: -o must end in .png, .svg or .dot, got {str(args.output)!r}")
+    if not args.output.parent.is_dir():
+        raise SystemExit(
+            f"error: -o {str(args.output)!r}: no directory {str(args.output.parent)!r}"
+        )
+
     async def query(backend: LocalBackend) -> tuple[list[str], list[tuple[str, str]], str]:
         return sorted(backend.brokers), await backend.live_links(), backend.dir.name
 
@@ -480,7 +494,13 @@ def run_roll(args: argparse.Namespace) -> int:
 def run_down(args: argparse.Namespace) -> int:
     backend = LocalBackend(overlay_dir(args.state_dir, args.overlay))
     asyncio.run(backend.down())  # the supervisor first, then every broker
-    print(f"stopped overlay {backend.dir.name} (its supervisor and brokers)")
+    # Forgotten: no longer listed, and a new `up` of the same name starts afresh (not with
+    # the old one's restarts and repairs). Its logs and credentials stay.
+    backend.state_file.unlink(missing_ok=True)
+    print(
+        f"stopped overlay {backend.dir.name} (its supervisor and brokers) and forgot it; "
+        f"its logs and credentials stay in {backend.dir}"
+    )
     return 0
 
 

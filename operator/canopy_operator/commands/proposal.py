@@ -131,7 +131,11 @@ def run_export(args: argparse.Namespace) -> int:
         return 2
     text = yaml.safe_dump(manifest, sort_keys=False, default_flow_style=None)
     if args.output is not None:
-        args.output.write_text(text)
+        try:
+            args.output.write_text(text)
+        except OSError as exc:
+            print(f"error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)

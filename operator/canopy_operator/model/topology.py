@@ -8,6 +8,7 @@ the offending brokers and links — an invalid spec is never acted on.
 
 from __future__ import annotations
 
+import difflib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,86 @@ SELF_ORGANIZATION = ("off", "propose", "auto")
 
 class SpecError(ValueError):
     """A manifest that cannot be read as a BrokerOverlay at all (wrong shape or types)."""
+
+
+_ANY = None  # a field whose inside is not checked here (free-form, or checked below)
+FIELDS: dict[str, Any] = {
+    "apiVersion": _ANY,
+    "kind": _ANY,
+    "metadata": _ANY,
+    "status": _ANY,
+    "spec": {
+        "brokers": [{"name": _ANY, "zone": _ANY, "labels": _ANY, "resources": _ANY}],
+        "links": _ANY,
+        "maxFanOut": _ANY,
+        "routing": _ANY,
+        "reconfiguration": {
+            "algorithm": _ANY,
+            "leaseSeconds": _ANY,
+            "maxConcurrent": _ANY,
+            "ordering": _ANY,
+        },
+        "selfOrganization": {"maxDistance": _ANY, "mode": _ANY},
+        "broker": {
+            "image": _ANY,
+            "logFormat": _ANY,
+            "resources": _ANY,
+            "topologySpreadConstraints": _ANY,
+        },
+        "telemetry": {"history": _ANY, "sample": _ANY},
+        "failureDetection": {
+            "cycleBound": _ANY,
+            "cyclePeriodSeconds": _ANY,
+            "deadAfter": _ANY,
+            "heartbeatSeconds": _ANY,
+            "retentionLimit": _ANY,
+            "retentionSeconds": _ANY,
+            "standbyLinks": _ANY,
+        },
+        "clients": {
+            "maxConnectionsPerSource": _ANY,
+            "maxSubscriptions": _ANY,
+            "queueLimit": _ANY,
+            "slowConsumer": _ANY,
+            "writeIntervalMs": _ANY,
+        },
+        "gateway": {"enabled": _ANY, "mqtt": _ANY},
+        "security": {
+            "issuerRef": {"group": _ANY, "kind": _ANY, "name": _ANY},
+            "policy": _ANY,
+            "tls": _ANY,
+        },
+    },
+}
+"""The fields a BrokerOverlay has, as the CRD's schema declares them (a test holds the two
+together). The API server drops a field it does not know, and ``kubectl apply`` refuses it;
+read from a file, a misspelt one (``maxFanout``) was taken for its default without a word."""
+
+
+def unknown_field(manifest: Mapping[str, Any]) -> str | None:
+    """The first field of ``manifest`` that a BrokerOverlay does not declare (see
+    :data:`FIELDS`), with the declared one it most likely means; None if there is none."""
+    return _unknown(manifest, FIELDS, "")
+
+
+def _unknown(value: object, fields: object, where: str) -> str | None:
+    if isinstance(fields, dict) and isinstance(value, Mapping):
+        for key, inner in value.items():
+            path = f"{where}.{key}" if where else str(key)
+            if key not in fields:
+                close = difflib.get_close_matches(str(key), [str(k) for k in fields], 1, 0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                known = ", ".join(sorted(fields))
+                return f"{path} is not a field of a BrokerOverlay{hint}; known here: {known}"
+            found = _unknown(inner, fields[key], path)
+            if found:
+                return found
+    elif isinstance(fields, list) and isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _unknown(item, fields[0], f"{where}[{i}]")
+            if found:
+                return found
+    return None
 
 
 @dataclass(frozen=True)
@@ -166,6 +247,16 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
     name = _get(meta, "name", str, "", "metadata")
     if not name:
         raise SpecError("metadata.name is required")
+    if not _dns_label(name):
+        # It names the overlay's directory (canopy up) and its Kubernetes objects: a name
+        # such as "../../etc" put a local overlay's state two directories up.
+        raise SpecError(
+            f"metadata.name {name!r} is not a DNS label (lower-case letters, digits and '-', "
+            "at most 63 characters, starting and ending with a letter or digit)"
+        )
+    problem = unknown_field(manifest)
+    if problem:
+        raise SpecError(problem)
     spec = manifest.get("spec")
     if not isinstance(spec, Mapping):
         raise SpecError("spec is required and must be a mapping")
