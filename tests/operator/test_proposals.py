@@ -604,3 +604,8 @@ def test_list_shows_the_proposals_of_a_directory(
     code, out, _ = canopy(capsys, "proposal", "list", str(tmp_path), "-o", "yaml")
     assert yaml.safe_load(out)["items"] == listed["items"]
     assert canopy(capsys, "proposal", "list", str(tmp_path / "nowhere"))[0] == 2
+    # One file that cannot be read is named, and the others are still listed (exit 1).
+    (tmp_path / "proposals" / "broken.yaml").write_text("kind: [unclosed")
+    code, out, err = canopy(capsys, "proposal", "list", str(tmp_path))
+    assert code == 1 and len(out.splitlines()) == 3, out
+    assert "warning: skipped" in err and "broken.yaml" in err

@@ -163,22 +163,32 @@ def _row(obj: Mapping[str, Any]) -> list[str]:
 
 
 def run_list(args: argparse.Namespace) -> int:
+    """The proposals in a directory (or the cluster's). A file that cannot be read is named
+    on stderr and the rest are listed, exit 1 (as ``ls`` does); one such file used to end
+    the whole listing."""
+    unreadable: list[str] = []
     try:
         if args.dir is not None:
             if not args.dir.is_dir():
                 raise CommandError(f"{args.dir}: not a directory")
             files = sorted(p for p in args.dir.rglob("*") if p.suffix in (".yaml", ".yml", ".json"))
-            items = [
-                d
-                for p in files
-                for d in _documents(p)
-                if isinstance(d, dict) and d.get("kind") == "TopologyProposal"
-            ]
+            items = []
+            for p in files:
+                try:
+                    docs = _documents(p)
+                except CommandError as exc:
+                    unreadable.append(str(exc))
+                    continue
+                items += [
+                    d for d in docs if isinstance(d, dict) and d.get("kind") == "TopologyProposal"
+                ]
         else:
             items = asyncio.run(list_objects(args, "topologyproposals"))
     except CommandError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for why in unreadable:
+        print(f"warning: skipped {why}", file=sys.stderr)
     rows = [["NAMESPACE", "NAME", "OVERLAY", "GEN", "PHASE", "GAIN", "CHANGES"]]
     rows += sorted(_row(obj) for obj in items)
-    return show_list(items, args.output, rows, "no proposals")
+    return show_list(items, args.output, rows, "no proposals") or (1 if unreadable else 0)
