@@ -140,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="notifications queued for one client before it is cut off as a slow consumer",
     )
     s.add_argument(
+        "--client-queue-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        metavar="BYTES",
+        help="a client's queue this many bytes long counts as over high water, as 20,000 "
+        "notifications do (the grace before the cut and the queue limit scale alike); "
+        "0: count notifications only (default 64 MiB)",
+    )
+    s.add_argument(
         "--client-write-interval-ms",
         type=write_interval_ms,
         default=0.0,
@@ -347,6 +356,7 @@ async def serve(args: argparse.Namespace) -> int:
         probe_interval=args.probe_interval,
         slow_consumer_policy=args.slow_consumer,
         client_hard_cap=args.client_queue_limit,
+        high_water_bytes=args.client_queue_bytes,
         client_write_interval=args.client_write_interval_ms / 1000,
         max_subscriptions=args.max_subscriptions,
         max_connections_per_source=args.max_connections_per_source,

@@ -104,13 +104,13 @@ outlets = {f"c{i}": Outlet(f"c{i}", Conn(paused=i == 4)) for i in range(6)}  # c
 dirty, flushed = [], []
 for n, (peers, local) in enumerate(out["routes"][:100]):
     fan_out(b'"p",%d,0,{}' % n, local, outlets, dirty)
-    if n % 10 == 5:  # a flush: c4 is paused, limit 2, c1 marked
-        attention = flush_outlets(dirty, 2, {outlets["c1"]})
+    if n % 10 == 5:  # a flush: c4 is paused, limit 2, c1 marked; every other one by bytes too
+        attention = flush_outlets(dirty, 2, {outlets["c1"]}, slot=8 if n % 20 == 5 else 0)
         flushed.append([[o.client_id for o in dirty], [o.client_id for o in attention]])
         dirty = []
 out["fanout"] = [
-    sorted((c, [m.decode() for m in o.pending], o.conn.transport.written, o.dirty)
-           for c, o in outlets.items()),
+    sorted((c, [m.decode() for m in o.pending], o.pending_bytes, o.conn.transport.written,
+            o.dirty) for c, o in outlets.items()),
     [o.client_id for o in dirty],
     flushed,
 ]
@@ -177,9 +177,12 @@ def test_the_compiled_core_answers_as_the_pure_python_reference() -> None:
     # Fan-out and flush did something of each kind: queued, wrote, held a paused client's
     # queue, stopped writing to a closing transport, and handed clients back to decide about.
     outlets, _, flushes = pure["fanout"]  # type: ignore[misc]
-    written = {c: w for c, _, w, _ in outlets}
+    written = {c: w for c, _, _, w, _ in outlets}
     assert all(len(written[c]) == 3 for c in ("c0", "c1", "c2", "c3", "c5")), written
-    assert written["c4"] == [] and len(next(q for c, q, _, _ in outlets if c == "c4")) > 10
+    queued = next(q for c, q, _, _, _ in outlets if c == "c4")
+    assert written["c4"] == [] and len(queued) > 10
+    # The paused client's bytes are counted as its queue grows (what high water weighs too).
+    assert next(n for c, _, n, _, _ in outlets if c == "c4") == sum(len(m) for m in queued)
     assert all("c1" in attention and "c4" in attention for _, attention in flushes[1:])
 
 

@@ -1533,6 +1533,29 @@ async def test_a_lagging_consumer_that_catches_up_is_forgiven(make_broker: MakeB
     await hang_up(writer)
 
 
+async def test_a_queue_of_few_large_notifications_is_a_slow_consumer_too(
+    make_broker: MakeBroker,
+) -> None:
+    """High water counts bytes too: a subscriber that read nothing held 250 notifications of
+    2 MB (500 MB, the broker at 712 MB) and was never timed, 250 being far under a mark of
+    20,000 (an outside review). Here 64 KiB notifications against 2 MiB of high water: the
+    stuck subscriber is cut after its grace, long before the count would have."""
+    b = await make_broker(
+        "b", high_water=20_000, high_water_bytes=2 * 1024 * 1024, slow_consumer_grace=0.5
+    )
+    async with await connect(addr(b), "pub") as pub:
+        writer = await stuck_subscriber(b)
+        sent = 0
+        while "stuck" in b.clients:
+            for _ in range(10):
+                await pub.publish({"blob": "x" * 65536})
+            sent += 10
+            assert sent < 2000, "never cut"
+        assert b.metrics.slow_consumers._value.get() == 1
+        assert sent < 1000  # by its bytes: a few hundred, not 20,000
+        await hang_up(writer)
+
+
 async def test_a_slow_consumer_never_stalls_another_subscriber(make_broker: MakeBroker) -> None:
     """The issue's case: one subscriber never reads while 20,000 events of 1 KB flow to it;
     another subscriber on the same broker gets all of them at once, the publisher is never

@@ -94,6 +94,7 @@ class ClientHost(Protocol):
     """Seconds added to a resuming client's outage: what its broker may have swallowed before
     the client noticed it was gone."""
     max_subscriptions: int
+    queue_slot: int  # bytes of a client's queue counted as one message (BrokerConfig.slot)
     tasks: TaskSet
     work_budget: TurnBudget
     stopping: bool
@@ -221,7 +222,7 @@ class ClientSessions:
         if cid in self._leaving:  # defensive: a hello under a leaving id is held first
             self._withdrawn(cid)  # (held_until_withdrawn); were it not, the rest goes at once
         host.apply(host.core.handle(ClientAttach(cid), host.now()))
-        client = Client(cid, conn, principal)
+        client = Client(cid, conn, principal, slot=host.queue_slot)
         self.clients[cid] = client
         self.outlets[cid] = client.outlet
         conn.role = "client"
@@ -253,6 +254,7 @@ class ClientSessions:
         del self.clients[client.id]
         del self.outlets[client.id]
         client.pending.clear()
+        client.outlet.pending_bytes = 0
         host.unpressure(client)
         subs = host.core.routing.subscriptions(client.id)
         if (
@@ -328,6 +330,7 @@ class ClientSessions:
 
     def send(self, client: Client, msg: bytes) -> None:
         client.pending.append(msg)
+        client.outlet.pending_bytes += len(msg)
         self.host.mark_dirty(client)
 
     def tell_gap(self, since: float, until: float, reason: str) -> int:

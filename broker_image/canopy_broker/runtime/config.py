@@ -27,6 +27,11 @@ class BrokerConfig:
     high_water: int = 20_000
     low_water: int = 5_000
     client_hard_cap: int = 200_000
+    # A client's queue counts by its bytes too: this many bytes are as full as ``high_water``
+    # messages (and so on for the low mark and the hard cap); 0: by count only. An outside
+    # review's subscriber that read nothing held 500 MB of 250 notifications of 2 MB, far
+    # under 20,000, and was never timed as a slow consumer.
+    high_water_bytes: int = 64 * 1024 * 1024
     # Notifications to clients are written at most once per this many seconds (0: at the end of
     # every loop turn). The first after a quiet spell is written at once; under steady traffic
     # each client's notifications wait up to this long and leave together, one write (and one
@@ -73,6 +78,15 @@ class BrokerConfig:
     zone: str = ""
     node: str = ""
     placement_dir: str | None = None
+
+    @property
+    def slot(self) -> int:
+        """Bytes of a client's queue that count as one message against the marks (0: off)."""
+        return (
+            max(1, self.high_water_bytes // max(1, self.high_water))
+            if self.high_water_bytes > 0
+            else 0
+        )
 
     @property
     def detection_timeout(self) -> float:

@@ -278,9 +278,16 @@ class Client:
     """An attached client: its id, connection, publish sequence and outbound queue."""
 
     def __init__(
-        self, client_id: str, conn: FrameProtocol, principal: Principal | None = None
+        self,
+        client_id: str,
+        conn: FrameProtocol,
+        principal: Principal | None = None,
+        slot: int = 0,
     ) -> None:
         self.id = client_id
+        # Bytes its queue may hold per message of the high-water marks (0: not counted): its
+        # depth is the larger of its length and its bytes over this (see BrokerConfig).
+        self.slot = slot
         self.conn = conn
         # Who it proved to be and what that principal may do (security.py); the permissions
         # are looked up again when the policy is reloaded.
@@ -309,4 +316,7 @@ class Client:
 
     @property
     def depth(self) -> int:
-        return len(self.pending)
+        """How full its queue is, in messages: its length, or its bytes in ``slot``s if more
+        (a few large notifications fill memory as many small ones do)."""
+        n = len(self.pending)
+        return max(n, self.outlet.pending_bytes // self.slot) if self.slot else n

@@ -58,6 +58,10 @@ class Outlet:
         # ``transport``, read by flush_outlets.
         self.conn = conn
         self.pending: list[bytes] = []
+        # Their bytes, as queued by the fan-out (replies add theirs): a queue is over high water
+        # by its bytes too (``flush_outlets``' ``slot``), or 250 notifications of 2 MB to a
+        # subscriber that read nothing held 500 MB, far under a mark of 20,000.
+        self.pending_bytes = 0
         self.dirty = False
         # Write pacing (``flush_outlets``' ``pace``): the loop time before which this client is
         # not written again; 0.0 when a reply to it is waiting (replies are never held).
@@ -87,6 +91,7 @@ def fan_out(
             note = notify_message(body, sub_ids)
             last_ids = sub_ids
         outlet.pending.append(note)
+        outlet.pending_bytes += len(note)
         if not outlet.dirty:
             outlet.dirty = True
             dirty.append(outlet)
@@ -102,11 +107,13 @@ def flush_outlets(
     now: float = 0.0,
     pace: float = 0.0,
     held: list[Outlet] | None = None,
+    slot: int = 0,
 ) -> list[Outlet]:
     """Write what each of ``dirty`` holds as F_MSGS frame(s), unless its connection is paused
     for writing (or closing: the queue is then dropped with the connection); unmark them all.
-    Return those whose queue still holds more than ``limit`` messages, or that are in
-    ``marked``: the broker decides about them (pressure, a lagging or slow consumer).
+    Return those whose queue still holds more than ``limit`` messages, or more than ``limit``
+    times ``slot`` bytes (0: bytes not counted), or that are in ``marked``: the broker decides
+    about them (pressure, a lagging or slow consumer).
 
     Write pacing, when ``pace`` > 0 and ``held`` is given: an outlet whose ``due`` is after
     ``now`` (written less than ``pace`` ago, and no reply waiting) is not written but put on
@@ -129,6 +136,7 @@ def flush_outlets(
             if not conn.writing_paused:
                 data = msgs_frames(msgs)
                 msgs.clear()  # in place: Client.pending is the same list
+                outlet.pending_bytes = 0
                 transport = conn.transport
                 if transport is not None and not transport.is_closing():
                     try:
@@ -136,7 +144,11 @@ def flush_outlets(
                     except Exception:  # that connection broke, not the flush:
                         with contextlib.suppress(Exception):  # it goes, the others are written
                             transport.abort()
-        if len(msgs) > limit or (marked is not None and outlet in marked):
+        if (
+            len(msgs) > limit
+            or (slot > 0 and outlet.pending_bytes > limit * slot)
+            or (marked is not None and outlet in marked)
+        ):
             attention.append(outlet)
     return attention
 

@@ -234,6 +234,7 @@ class Broker:
         self.incarnation = uuid.uuid4().hex[:8]
         self.resume_slack = max(2.0, detection)
         self.max_subscriptions = config.max_subscriptions
+        self.queue_slot = config.slot
         self.peers: dict[str, str] = {}  # address book: broker name -> HOST:PORT (links)
         self.client_peers: dict[str, str] = {}  # ... and where their clients connect
         self.exchanges: dict[str, ExchangeRecord] = {}
@@ -799,6 +800,7 @@ class Broker:
                 now=now + TIMER_SLACK if timer else now,
                 pace=pace,
                 held=held,
+                slot=self.queue_slot,
             )
             if held:
                 # Written by a later flush, which the next read brings anyway, or by the timer
@@ -819,7 +821,7 @@ class Broker:
             for outlet in attention:
                 client = clients.get(outlet.client_id)
                 if client is not None and client.outlet is outlet:
-                    self._decide(client, len(outlet.pending), high, low)
+                    self._decide(client, client.depth, high, low)
                     decide.append(client)
             if over or lagging:
                 for client in decide:
@@ -920,6 +922,7 @@ class Broker:
         log.warning("%s: disconnecting slow consumer %s (%s)", self.name, client.id, why)
         self.metrics.slow_consumers.inc()
         client.pending.clear()
+        client.outlet.pending_bytes = 0
         self.unpressure(client)
         client.conn.write(control_frame(F_ERROR, "slow-consumer", why))
         client.conn.abort()
