@@ -240,10 +240,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BrokerDownError, StateFileError) as exc:  # a dead broker, an unreadable state
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except BrokenPipeError:  # `canopy status | head`: the reader has what it wanted
-        # Python flushes stdout again at exit, into the closed pipe: point it at /dev/null.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    except BrokenPipeError:
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:  # `canopy status | head`: the reader has what it wanted
+            # Python flushes stdout again at exit, into the closed pipe: point it at /dev/null.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        raise  # not our output's pipe (a socket to a broker, say): a real error
     return int(result or 0)
 
 

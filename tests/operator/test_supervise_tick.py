@@ -4,9 +4,11 @@ instead of run (tests/integration/test_supervision.py runs it on real processes)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -156,3 +158,18 @@ async def test_the_restore_waits_while_a_link_is_down() -> None:
     said: list[str] = []
     assert await supervise.restore_once(backend, [], log=said.append) is None  # type: ignore[arg-type]
     assert said[-1].startswith("waiting: link c-d is down"), said
+
+
+async def test_the_supervisor_lives_through_a_state_file_gone_bad(tmp_path: Path) -> None:
+    """A cut-short ``state.json`` used to end the supervisor at its next tick (its backend is
+    made anew each tick), and nothing restored dead brokers any more: now it says so and reads
+    the file again at the next tick."""
+    where = tmp_path / "o"
+    where.mkdir()
+    (where / "state.json").write_text('{"brok')
+    task = asyncio.ensure_future(supervise.supervise(where, 0.05))
+    await asyncio.sleep(0.4)  # several ticks
+    assert not task.done(), task
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -361,6 +361,28 @@ def test_a2_dead_before_it_rolled_forward_leaves_the_removed_link_kept(n: int, m
     assert sim.stats.messages["KeepRemoved"] == 2  # one from each R end
 
 
+@pytest.mark.parametrize("late", [5.0, 30.0])
+def test_a1_slower_to_declare_a2_dead_than_the_walk_replays_towards_it(late: float) -> None:
+    """As above (the chain b0-...-b5, A1 = R1), but A1's detector fires ``late`` units after
+    A2's path neighbour's, so the walk that keeps the removed link reaches A1 first (on real
+    processes the two verdicts differ by tens of milliseconds). A1's own verdict then waits
+    for no walk, and still replays what it sent A2 towards the walk's sender: without that,
+    those gray events were lost (an outside review of this session's change)."""
+    sim = chain(6, detection_time=60.0)
+    for p in ("pb0", "pb1", "pb4"):
+        publish_steadily(sim, p, 150, 1500)
+    path = tuple(f"b{i}" for i in range(6))
+    exchange_until(sim, ("b0", "b1"), "b0", lambda ex: ex.granted, 8, 0.5, path)
+    sim.crash("b5", at=sim.now)
+    sim.detect_failure("b5", at=sim.now + 60, late={"b0": late})
+    sim.run()
+    report = judge_deliveries(sim)
+    assert report.survivors.ok, str(report)
+    problems = [p for p in judge_overlay(sim) if "did not finish well" not in p]
+    assert problems == [], problems
+    assert ("b0", "b1") in sim.edges and sim.stats.messages["KeepRemoved"] == 2
+
+
 def test_an_r_end_keeps_the_removed_link_only_if_the_other_says_it_understands_keep_removed() -> (
     None
 ):

@@ -638,10 +638,33 @@ def test_an_r_end_told_that_the_other_keeps_the_removed_link_keeps_it_too() -> N
     assert ("m", End("x1", 1)) in sent(out) and r1.exchange is None
     assert set(r1.routing.held_from("r2")) == {new}
     # Its own repair never began here: it keeps the link too, advertising what it holds.
+    # (A KeepRemoved from anyone else, or for another exchange, would keep a replaced link:
+    # refused; see test_keep_removed_only_from_the_other_r_end.)
     assert not r1.routing.is_frozen("r2")
     assert [m for p, m in sent(out) if isinstance(m, KeepRemoved)] == [
         KeepRemoved("x1", tuple(sorted(r1.routing.advertised_to("r2"), key=RouteKey.sort_key)))
     ]
+
+
+def test_keep_removed_only_from_the_other_r_end() -> None:
+    """Only the other R end of this exchange, rolled forward (its Go crossed the link ahead),
+    keeps the removed link: from another neighbour, for another exchange, or before Go came
+    here, a KeepRemoved would have this end keep a link the exchange replaced (a cycle), and is
+    refused before it changes anything. One for an exchange this end left is dropped."""
+    key = RouteKey(Filter.parse("x = 2"))
+    r1 = r1_in_phase_1()
+    refused(r1, FromLink("m", KeepRemoved("x1", (key,))), "KeepRemoved of x1 from m")
+    refused(r1, FromLink("r2", KeepRemoved("x9", (key,))), "KeepRemoved of x9 from r2")
+    locked = BrokerCore("r1")
+    locked.handle(AddLink("m"))
+    locked.handle(AddLink("r2"))
+    locked.handle(FromLink("m", Lock("x1", PATH, K)))
+    refused(locked, FromLink("r2", KeepRemoved("x1", (key,))), "not the other end")
+    left = r1_in_phase_1()
+    left.handle(TimerFired("lease:x1"))  # by lease: out of it, the link closed here
+    left.handle(AddLink("r2"))  # (a new link to it since, say)
+    left.handle(FromLink("r2", KeepRemoved("x1", (key,))))
+    assert set(left.routing.held_from("r2")) == set()
 
 
 def m_next_to_r1(*, a_hands_over: bool = True) -> BrokerCore:

@@ -123,6 +123,7 @@ class BrokerCore(Protocol):
     unsettled: set[str]  # peers that would refuse a Settle (older software)
     no_handover: set[str]  # peers without the hand-over (no SeparatorSeen, Settle.handover)
     no_keep_removed: set[str]  # peers that would refuse a KeepRemoved (older software)
+    kept: dict[str, str]  # exchanges whose removed link this broker kept, and its other end
     repair_timeout: float  # the longest a drain waits (see _drains)
     deduped: set[str]  # links whose publications are taken as replays (see _end_bridge)
     now: float
@@ -649,6 +650,7 @@ def settle(
     up to the A end, which holds for it."""
     if away_from == gone:
         keep = a2_left_a1_out(core, ex, gone)
+    keep = keep and ex.k == 0 and gone == ex.path[-1]  # as a2_left_a1_out: from a walk, checked
     if keep and ex.is_r and not ex.has(Mark.KEPT) and keeps_removed(core, ex, (ex.r_peer or "",)):
         keep_removed(core, ex, out)  # ahead of the walk over it: the other R end keeps it too
     if ex.rolls_forward or _go_cut_off(ex, gone, away_from):
@@ -1270,6 +1272,11 @@ def keeps_removed(core: BrokerCore, ex: Exchange, targets: Iterable[str]) -> boo
         and r not in core.no_keep_removed
         and core.routing.has_link(r)
         and core.routing.is_frozen(r)
+        # Not once the other end may have closed it: it closes on this end's separator with
+        # its own separator seen here (this end has sent both, then). Kept here, the link
+        # was known at this end only. Before that, this end's KeepRemoved reaches the other
+        # ahead of what it waits for, and the other keeps it too (close_removed_link).
+        and not (ex.has(Mark.PHASE2) and ex.has(Mark.OTHER_SEPARATOR))
     )
 
 
@@ -1282,6 +1289,9 @@ def keep_removed(core: BrokerCore, ex: Exchange, out: list[Effect]) -> None:
     r = ex.r_peer
     assert r is not None
     ex.marks.add(Mark.KEPT)
+    core.kept[ex.xid] = r  # a late KeepRemoved from it is still taken (on_keep_removed)
+    while len(core.kept) > 64:
+        del core.kept[next(iter(core.kept))]
     want = core.routing.unfreeze(r)
     out.append(SendToLink(r, KeepRemoved(ex.xid, tuple(sorted(want, key=RouteKey.sort_key)))))
 
@@ -1292,8 +1302,17 @@ def on_keep_removed(core: BrokerCore, peer: str, msg: KeepRemoved, out: list[Eff
     This end keeps the link too once its own repair around the dead broker begins; until then
     it stays frozen here (nothing of this end's is advertised over it)."""
     ex = core.ex
-    if ex is not None and ex.xid == msg.xid and peer == ex.r_peer:
-        ex.marks.add(Mark.KEPT_THERE)
+    if ex is not None and ex.xid == msg.xid and peer == ex.r_peer and ex.rolls_forward:
+        ex.marks.add(Mark.KEPT_THERE)  # Go crossed the link ahead of it: rolling forward here
+    elif core.kept.get(msg.xid) != peer:
+        if msg.xid in core.left:
+            return  # late, for a link this end closed as the exchange ended: nothing to keep
+        # Only the other R end of this exchange, rolled forward, keeps the removed link: from
+        # anyone else it would make this end keep a link the exchange replaced, a cycle.
+        raise ProtocolError(
+            f"{core.name}: KeepRemoved of {msg.xid} from {peer}, not the other end of a link "
+            "this broker's exchange removes"
+        )
     core.routing.sync_from(peer, msg.keys, out)
 
 

@@ -256,6 +256,7 @@ class Simulator:
         self.repaired: dict[str, float] = {}  # dead broker -> when its repair was complete
         self._core_factory = core_factory
         self._active_exchanges: set[str] = set()
+        self._late_detection: dict[str, dict[str, float]] = {}  # see detect_failure
         self.exchanges: dict[str, ExchangeRecord] = {}
         self._timers: dict[tuple[str, str], int] = {}
         # Causality: each client's vector clock (what it has seen and published).
@@ -533,6 +534,13 @@ class Simulator:
 
     def _apply(self, broker: str, inp: Input) -> None:
         self.stats.inputs += 1
+        if isinstance(inp, PeerFailed) and not self.cores[broker].routing.has_link(inp.peer):
+            # The core has no such link any more (a walk repaired it first, see the core's
+            # Settle handling): as the runtime's detector, nothing to repair; the link is gone.
+            self._edges.discard(frozenset((broker, inp.peer)))
+            self._link_end(broker, inp.peer, opened=False)
+            self._repaired_at(broker, inp.peer)
+            return
         if isinstance(inp, FromLink) and self._waits_for_open(inp.peer, broker):
             self._unopened.setdefault((inp.peer, broker), []).append(inp)
             return  # still on its way, as far as the counts go
@@ -626,11 +634,15 @@ class Simulator:
         """The broker's process dies at ``at``: it handles nothing from then on."""
         self._client_action("\0sim", at, _BrokerFault("crash", broker))
 
-    def detect_failure(self, dead: str, at: float) -> None:
+    def detect_failure(self, dead: str, at: float, late: Mapping[str, float] | None = None) -> None:
         """The failure detector fires at ``at`` at every neighbour of ``dead`` (the same moment
-        everywhere; a repair link one end opens before the other holds what comes over it
-        until the other does, see _waits_for_open). The neighbours are those whose core has a
-        live link to ``dead`` at that moment."""
+        everywhere, unless ``late`` holds a later one for a neighbour: its detector is slower,
+        as on real processes, where they differ by tens of milliseconds; a repair link one end
+        opens before the other holds what comes over it until the other does, see
+        _waits_for_open). The neighbours are those whose core has a live link to ``dead`` at
+        that moment."""
+        if late:
+            self._late_detection[dead] = dict(late)
         self._client_action("\0sim", at, _BrokerFault("detect", dead))
 
     def drop_link(self, a: str, b: str, duration: float, at: float | None = None) -> None:
@@ -753,8 +765,9 @@ class Simulator:
         )
         waiting = self._repairing.setdefault(dead, set())
         waiting.update(neighbours)
+        late = self._late_detection.pop(dead, {})
         for b in neighbours:
-            self._schedule(self.now, b, PeerFailed(dead))
+            self._schedule(self.now + late.get(b, 0.0), b, PeerFailed(dead))
         if not waiting:  # nobody to repair (it had no links left)
             self._repair_complete(dead)
 

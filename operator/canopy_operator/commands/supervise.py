@@ -42,7 +42,7 @@ import aiohttp
 
 from canopy_broker import logs
 from canopy_broker.admin_client import AdminError
-from canopy_operator.backends.local import BrokerDownError, LocalBackend
+from canopy_operator.backends.local import BrokerDownError, LocalBackend, StateFileError
 from canopy_operator.commands.local import overlay_dir, run_own_plan
 from canopy_operator.executor import StepError
 from canopy_operator.model.restore import (
@@ -94,7 +94,15 @@ async def supervise(where: Path, interval: float) -> None:
         said[0] = line
 
     while not stop.is_set():
-        backend = LocalBackend(where)
+        try:
+            backend = LocalBackend(where)
+        except StateFileError as exc:
+            # Broken by hand or a full disk: told, and read again next tick (it used to end
+            # the supervisor, and nothing restored dead brokers any more).
+            say(f"cannot read the overlay's state: {exc}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            continue
         try:
             work = asyncio.ensure_future(tick(backend, say))
             stopping = asyncio.ensure_future(stop.wait())
