@@ -1680,7 +1680,7 @@ def test_the_heap_is_trimmed_after_a_burst_and_at_most_so_often() -> None:
         h.accepted()
     assert not h.tick(100.0 + heap.EVERY / 2)  # too soon
     assert h.tick(100.0 + heap.EVERY) and trims == [1, 1]
-    assert not heap.HeapTrim(None, default=False).tick(1e9)  # no malloc_trim here: nothing
+    assert not heap.HeapTrim(None).tick(1e9)  # no malloc_trim here: nothing
 
 
 async def test_a_broker_that_fails_ends_the_exchanges_it_started(make_broker: MakeBroker) -> None:

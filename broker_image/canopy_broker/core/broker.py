@@ -805,7 +805,7 @@ class BrokerCore:
         # other neighbour, which never linked back (its repair then waited for its timer).
         gone_from = ex is not None and peer == ex.r_peer and ex.rolls_forward
         chain, targets = self.neighbour_lists.chain_for(peer, without=gone_from)
-        if ex is not None and coordinated.keeps_removed(self, ex, targets):
+        if ex is not None and ex.r_peer in targets and coordinated.keeps_removed(self, ex):
             coordinated.keep_removed(self, ex, out)  # first: the sweep follows it
         opened: list[str] = []
         for t in targets:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import zlib
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
@@ -651,7 +651,7 @@ def settle(
     if away_from == gone:
         keep = a2_left_a1_out(core, ex, gone)
     keep = keep and ex.k == 0 and gone == ex.path[-1]  # as a2_left_a1_out: from a walk, checked
-    if keep and ex.is_r and not ex.has(Mark.KEPT) and keeps_removed(core, ex, (ex.r_peer or "",)):
+    if keep and keeps_removed(core, ex):
         keep_removed(core, ex, out)  # ahead of the walk over it: the other R end keeps it too
     if ex.rolls_forward or _go_cut_off(ex, gone, away_from):
         tell = handover or (away_from == gone and handed_over(ex, gone))
@@ -1252,10 +1252,11 @@ def close_removed_link(core: BrokerCore, ex: Exchange, out: list[Effect]) -> Non
     out.append(CloseLink(r))
 
 
-def keeps_removed(core: BrokerCore, ex: Exchange, targets: Iterable[str]) -> bool:
-    """Whether this R end, rolling forward, keeps the removed link as the link of the repair
-    it begins: ``targets``, its partners in the repair's chain, name the other R end, which
-    understands :class:`KeepRemoved`, and the link is still there, held by the exchange.
+def keeps_removed(core: BrokerCore, ex: Exchange) -> bool:
+    """Whether this R end, rolling forward, can keep the removed link (the caller knows it
+    should: the repair it begins has the other R end as a chain partner, or a walk said
+    ``keep``): the other R end understands :class:`KeepRemoved`, and the link is still there,
+    held by the exchange (frozen: not kept already).
 
     That happens on a path of three only: the dead broker was a neighbour of both R ends in
     the tree the exchange leaves (A1, with A2 the other R end; or A2, with A1 the other). The
@@ -1268,7 +1269,6 @@ def keeps_removed(core: BrokerCore, ex: Exchange, targets: Iterable[str]) -> boo
     return (
         r is not None
         and ex.rolls_forward
-        and r in targets
         and r not in core.no_keep_removed
         and core.routing.has_link(r)
         and core.routing.is_frozen(r)

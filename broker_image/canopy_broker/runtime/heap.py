@@ -26,7 +26,8 @@ EVERY = 10.0
 """Seconds between two trims at the most."""
 
 
-def _malloc_trim() -> Callable[[], object] | None:
+def malloc_trim() -> Callable[[], object] | None:
+    """glibc's ``malloc_trim(0)`` as a call; None where there is none."""
     if platform.libc_ver()[0] != "glibc":
         return None
     try:
@@ -40,11 +41,11 @@ def _malloc_trim() -> Callable[[], object] | None:
 
 class HeapTrim:
     """Counts accepted connections (:meth:`accepted`) and trims the heap when due
-    (:meth:`tick`, from the broker's periodic tick). ``trim``: the call (default glibc's
-    ``malloc_trim(0)``; None where there is none: then nothing happens)."""
+    (:meth:`tick`, from the broker's periodic tick). ``trim``: the call (the broker's is
+    :func:`malloc_trim`'s; None: nothing happens)."""
 
-    def __init__(self, trim: Callable[[], object] | None = None, *, default: bool = True):
-        self._trim = trim if trim is not None or not default else _malloc_trim()
+    def __init__(self, trim: Callable[[], object] | None) -> None:
+        self._trim = trim
         self.since = 0  # connections accepted since the last trim
         self._last = float("-inf")
         self.trims = 0

@@ -93,7 +93,7 @@ from canopy_broker.runtime.framing import (
     loads_frame,
     parse_address,
 )
-from canopy_broker.runtime.heap import HeapTrim
+from canopy_broker.runtime.heap import HeapTrim, malloc_trim
 from canopy_broker.runtime.link_sessions import LinkSessions
 from canopy_broker.runtime.links import Client, Link
 from canopy_broker.runtime.metrics import BrokerMetrics, Gauges, LoopWatch
@@ -321,7 +321,7 @@ class Broker:
         self.client_sessions = ClientSessions(self, self._unacknowledged)
         self.clients = self.client_sessions.clients
         self.placement = PlacementSource(config.zone, config.node, config.placement_dir)
-        self.heap = HeapTrim()
+        self.heap = HeapTrim(malloc_trim())
         # Gray notifications' waits at the new link of an exchange, taken from the core.
         self._delays = [0, 0.0, 0.0]  # count, sum, max (seconds)
 

@@ -250,10 +250,7 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
     if not _dns_label(name):
         # It names the overlay's directory (canopy up) and its Kubernetes objects: a name
         # such as "../../etc" put a local overlay's state two directories up.
-        raise SpecError(
-            f"metadata.name {name!r} is not a DNS label (lower-case letters, digits and '-', "
-            "at most 63 characters, starting and ending with a letter or digit)"
-        )
+        raise SpecError(f"metadata.name {name!r} is not {DNS_LABEL}")
     problem = unknown_field(manifest)
     if problem:
         raise SpecError(problem)
@@ -343,10 +340,7 @@ def validate(spec: OverlaySpec) -> list[str]:
         seen.add(n)
     for n in names:
         if not _dns_label(n):
-            problems.append(
-                f"broker name {n!r} is not a DNS label (lower-case letters, digits and '-', "
-                "at most 63 characters, starting and ending with a letter or digit)"
-            )
+            problems.append(f"broker name {n!r} is not {DNS_LABEL}")
     if spec.max_fan_out < 2:
         problems.append(f"maxFanOut must be at least 2, got {spec.max_fan_out}")
     if spec.max_concurrent < 1:
@@ -458,6 +452,12 @@ def validate_tree(brokers: set[str], links: Iterable[Edge], max_fan_out: int) ->
             f"{len(brokers) - 1} links, not {len(edges)}"
         )
     return problems
+
+
+DNS_LABEL = (
+    "a DNS label (lower-case letters, digits and '-', at most 63 characters, starting and "
+    "ending with a letter or digit)"
+)
 
 
 def _dns_label(name: str) -> bool:
