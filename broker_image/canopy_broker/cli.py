@@ -32,6 +32,7 @@ from canopy_broker.core.messages import RoutingMode
 from canopy_broker.gateway import make_gateway_app
 from canopy_broker.mqtt import MqttGateway, start_mqtt
 from canopy_broker.runtime import eventloop, httpsite
+from canopy_broker.runtime.accept import Serving
 from canopy_broker.runtime.admin import make_admin_app
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import parse_address
@@ -162,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections-per-source",
         type=int,
         default=256,
-        help="accepted connections per remote address (more are refused)",
+        help="accepted connections per remote address, and as many TLS handshakes in progress"
+        " (more are refused)",
     )
     s.add_argument(
         "--hold-clients",
@@ -373,7 +375,7 @@ async def serve(args: argparse.Namespace) -> int:
     except SecurityError as exc:
         sys.exit(f"canopy-broker: {exc}")
     runners: list[web.AppRunner] = []
-    mqtt: tuple[asyncio.Server, MqttGateway] | None = None
+    mqtt: tuple[Serving, MqttGateway] | None = None
     code = 0
     try:
         await broker.start()

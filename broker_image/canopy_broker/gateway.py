@@ -40,7 +40,7 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from canopy_broker.client import Client, ClientError, Credentials, Gap, Notification, connect
-from canopy_broker.runtime.conn import SourceCounts
+from canopy_broker.runtime.accept import SourceCounts
 from canopy_broker.runtime.framing import FrameError, check_wire_attributes
 
 log = logging.getLogger("canopy.gateway")

@@ -48,7 +48,8 @@ import orjson
 
 from canopy_broker.client import Client, ClientError, Credentials, Notification, connect
 from canopy_broker.core.filters import Filter, FilterError
-from canopy_broker.runtime.conn import SourceCounts, source_of
+from canopy_broker.runtime.accept import Admission, Serving, SourceCounts, listen, source_of
+from canopy_broker.runtime.tasks import TaskSet
 
 log = logging.getLogger("canopy.mqtt")
 
@@ -572,6 +573,7 @@ class MqttGateway:
         # the broker does not count by address (it is its own loopback): this listener bounds
         # them by their remote addresses, so that one of them cannot take every slot.
         self._sources = SourceCounts(max_per_source)
+        self.handshakes = TaskSet("mqtt")  # TLS handshakes, counted apart (runtime.accept)
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -654,6 +656,7 @@ class MqttGateway:
             await client.close()
 
     async def close(self) -> None:
+        await self.handshakes.stop()
         for task in list(self.sessions):
             task.cancel()
         for task in list(self.sessions):
@@ -669,17 +672,20 @@ async def start_mqtt(
     tls: ssl.SSLContext | None,
     *,
     max_per_source: int = MAX_PER_SOURCE,
-) -> tuple[asyncio.Server, MqttGateway]:
+) -> tuple[Serving, MqttGateway]:
     """Listen for MQTT clients on ``host:port`` (TLS with ``tls``), for the broker at
     ``broker`` reached with ``ca`` (None: plaintext)."""
     gateway = MqttGateway(broker, ca, max_per_source)
-    server = await asyncio.start_server(
-        gateway.handle,
+
+    def session() -> asyncio.Protocol:  # what asyncio.start_server makes for each connection
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(), gateway.handle)
+
+    server = await listen(
+        session,
         host,
         port,
-        ssl=tls,
-        # A stranger's TLS handshake is not counted per address yet (the connection is seen
-        # once it is done): give it CONNECT's time, not asyncio's 60 s.
-        ssl_handshake_timeout=CONNECT_TIMEOUT if tls is not None else None,
+        tls=tls,
+        # CONNECT's time, not asyncio's 60 s
+        admission=Admission(CONNECT_TIMEOUT, max_per_source, gateway.handshakes, "mqtt"),
     )
     return server, gateway

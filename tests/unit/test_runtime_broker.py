@@ -1648,6 +1648,27 @@ async def test_connections_per_source_and_subscriptions_per_client_are_bounded(
         del reader
 
 
+async def test_tls_handshakes_from_one_remote_address_are_bounded_before_they_start(
+    make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each handshake costs about 50 KiB from its accept on, for up to the handshake timeout:
+    an address is counted before it (runtime.accept), not only once it is done. With three
+    sockets in their handshake, a fourth is closed at once (not after the 5 s timeout) and
+    counted, while a client connected before goes on working."""
+    monkeypatch.setattr(server, "is_loopback", lambda source: False)  # a remote address now
+    b = await make_broker("b", max_connections_per_source=3)
+    assert b.address is not None and b.config.tls is not None
+    async with await connect(addr(b)) as client:  # handshake done: counted as open, not here
+        idle = [await asyncio.open_connection(*b.address) for _ in range(3)]
+        reader, writer = await asyncio.open_connection(*b.address)
+        async with asyncio.timeout(1.0):
+            assert await reader.read() == b""
+        await client.subscribe("n = 1")  # unaffected
+        for _, w in [*idle, (reader, writer)]:
+            w.close()
+    assert 'code="too-many-handshakes"' in b.metrics.render().decode()
+
+
 async def test_a_burst_of_connections_gives_its_memory_back(
     make_broker: MakeBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:

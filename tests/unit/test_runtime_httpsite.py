@@ -1,6 +1,6 @@
 """The broker's HTTP ports against strangers: a bound per remote address, a deadline for each
 request head, and refusals told in the log without flooding it (:mod:`runtime.httpsite`,
-:class:`runtime.conn.SourceCounts`)."""
+:class:`runtime.accept.SourceCounts`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from canopy_broker.runtime import conn, httpsite
+from canopy_broker.runtime import accept, httpsite
 
 
 @contextlib.asynccontextmanager
@@ -108,7 +108,7 @@ async def test_refusals_are_told_once_per_address_per_interval(
     """A stranger retrying in a loop got a warning line per attempt: now one line per
     address per interval, then how many were refused since."""
     now = [100.0]
-    monkeypatch.setattr(conn.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(accept.time, "monotonic", lambda: now[0])
     async with _serving(per_source=1) as (port, _):
         _, held = await asyncio.open_connection("127.0.0.1", port)
         with caplog.at_level(logging.WARNING, logger="canopy.http"):
@@ -116,7 +116,7 @@ async def test_refusals_are_told_once_per_address_per_interval(
                 r, w = await asyncio.open_connection("127.0.0.1", port)
                 assert await _closed(r, within=2.0)
                 w.close()
-            now[0] += conn.SourceCounts.TELL_EVERY
+            now[0] += accept.SourceCounts.TELL_EVERY
             r, w = await asyncio.open_connection("127.0.0.1", port)
             assert await _closed(r, within=2.0)
             w.close()
@@ -131,7 +131,7 @@ def test_source_counts_forget_an_address_with_nothing_open(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     log = logging.getLogger("canopy.test")
-    counts = conn.SourceCounts(1)
+    counts = accept.SourceCounts(1)
     with caplog.at_level(logging.WARNING, logger="canopy.test"):
         assert counts.take("a") and not counts.take("a")
         counts.refused("a", log, "t")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, Protocol
 
 from canopy_broker.core.broker import CoreFailedError, ProtocolError
@@ -20,70 +19,6 @@ from canopy_broker.runtime.linkstate import LinkStateError
 from canopy_broker.runtime.security import Identity, transport_identity
 
 log = logging.getLogger("canopy.broker")
-
-
-def source_of(transport: asyncio.BaseTransport | None) -> str:
-    """The remote address a transport is from, as :class:`SourceCounts` counts it ("?"
-    without one)."""
-    peer = transport.get_extra_info("peername") if transport is not None else None
-    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-
-
-class SourceCounts:
-    """What is open from each remote address (connections, streams), at most ``limit`` each:
-    a listener takes one before it spends anything on a stranger, and gives it back when that
-    ends. Shared by the broker's listeners and its gateways, which each count their own.
-
-    Refusals are told in the log at most once per address per :attr:`TELL_EVERY` seconds
-    (:meth:`refused`): a stranger retrying in a loop got one warning line per attempt, a
-    flood of the log from one address."""
-
-    TELL_EVERY = 10.0
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._open: dict[str, int] = {}
-        self._told: dict[str, tuple[float, int]] = {}  # when last told, refused since
-
-    def count(self, source: str) -> int:
-        return self._open.get(source, 0)
-
-    def take(self, source: str) -> bool:
-        """One more from ``source``; False, and nothing counted, when it has ``limit`` open."""
-        n = self._open.get(source, 0)
-        if n >= self.limit:
-            return False
-        self._open[source] = n + 1
-        return True
-
-    def refused(
-        self, source: str, logger: logging.Logger, who: str, what: str = "connection(s)"
-    ) -> None:
-        """After a refused :meth:`take`: log it, with those not logged yet, unless ``source``
-        was told about less than :attr:`TELL_EVERY` s ago (a caller retrying in a loop would
-        write a line per attempt). Kept only while ``source`` has ``what`` open, so bounded by
-        the addresses at their limit."""
-        now = time.monotonic()
-        told, since = self._told.get(source, (-self.TELL_EVERY, 0))
-        if now - told < self.TELL_EVERY:
-            self._told[source] = (told, since + 1)
-            return
-        self._told[source] = (now, 0)
-        logger.warning(
-            "%s: refused %d %s from %s: %d open (the limit)",
-            who,
-            since + 1,
-            what,
-            source,
-            self.limit,
-        )
-
-    def give_back(self, source: str) -> None:
-        left = self._open.pop(source, 0) - 1
-        if left > 0:
-            self._open[source] = left
-        else:
-            self._told.pop(source, None)
 
 
 class ConnOwner(Protocol):

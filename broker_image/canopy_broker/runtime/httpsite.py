@@ -17,7 +17,8 @@ listener and the MQTT gateway already have:
   (aiohttp's keep-alive timer, which closes a connection whose next request head is not
   complete by then; a request being handled, such as a stream, is not cut).
 
-A TLS handshake comes before the count: asyncio hands a connection over once it is done.
+Over TLS, the address is counted before the handshake too (:mod:`runtime.accept`): at most
+``per_source`` handshakes in progress from one address, apart from the open connections.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import Any
 
 from aiohttp import web
 
-from canopy_broker.runtime.conn import SourceCounts, source_of
+from canopy_broker.runtime.accept import Admission, SourceCounts, listen, source_of
+from canopy_broker.runtime.tasks import TaskSet
 
 log = logging.getLogger("canopy.http")
 
@@ -95,6 +97,7 @@ class BoundedSite(web.BaseSite):
         super().__init__(runner, ssl_context=ssl_context)
         self._host, self._port = host, port
         self.counts = SourceCounts(per_source)
+        self.handshakes = TaskSet("http")
 
     @property
     def name(self) -> str:
@@ -105,13 +108,16 @@ class BoundedSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert server is not None
-        self._server = await asyncio.get_running_loop().create_server(
-            lambda: _Counted(server(), self.counts),
+        counts = self.counts
+        self._server = await listen(
+            lambda: _Counted(server(), counts),
             self._host,
             self._port,
-            ssl=self._ssl_context,
-            # A TLS handshake comes before the count (the connection is seen once it is
-            # done): the head's time, not asyncio's 60 s.
-            ssl_handshake_timeout=HEAD_TIMEOUT if self._ssl_context is not None else None,
-            reuse_address=True,
+            tls=self._ssl_context,
+            # the head's time, not asyncio's 60 s
+            admission=Admission(HEAD_TIMEOUT, counts.limit, self.handshakes, "http"),
         )
+
+    async def stop(self) -> None:
+        await super().stop()
+        await self.handshakes.stop()

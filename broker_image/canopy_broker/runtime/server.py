@@ -67,9 +67,10 @@ from canopy_broker.core.messages import (
     TellGap,
     TimerFired,
 )
+from canopy_broker.runtime.accept import Admission, Serving, SourceCounts, listen, source_of
 from canopy_broker.runtime.client_sessions import ClientSessions
 from canopy_broker.runtime.config import BrokerConfig
-from canopy_broker.runtime.conn import Conn, SourceCounts, source_of
+from canopy_broker.runtime.conn import Conn
 from canopy_broker.runtime.eventloop import loop_name
 from canopy_broker.runtime.framing import (
     B_CUT_OFF,
@@ -270,8 +271,8 @@ class Broker:
         self.client_advertised = ""  # HOST:PORT clients are sent to (failover, drains)
         self.stopping = False
         self._loop = asyncio.get_running_loop()
-        self._server: asyncio.Server | None = None
-        self._link_server: asyncio.Server | None = None
+        self._server: Serving | None = None
+        self._link_server: Serving | None = None
         self._conns: set[Conn] = set()
         self._dirty: list[Link] = []  # links to flush; clients wait on their outlets:
         self._outlets: list[Outlet] = []  # runtime/outbox.py (compiled fan-out and flush)
@@ -329,20 +330,36 @@ class Broker:
 
     async def _listen(
         self, host: str, port: int, listener: str, tls: ssl.SSLContext | None
-    ) -> asyncio.Server:
-        return await self._loop.create_server(
+    ) -> Serving:
+        return await listen(
             lambda: self._accepted(listener),
             host,
             port,
-            reuse_address=True,
-            ssl=tls,
-            ssl_handshake_timeout=self.config.handshake_timeout if tls else None,
+            tls=tls,
+            admission=Admission(
+                handshake_timeout=self.config.handshake_timeout,
+                limit=self.config.max_connections_per_source,
+                tasks=self.tasks,
+                who=self.name,
+                exempt=self._uncounted,
+                on_accept=self._socket_accepted,
+                on_refused=self.metrics.refused.labels("unknown", "too-many-handshakes").inc,
+            ),
         )
 
-    def _accepted(self, listener: str) -> Conn:
-        """A connection accepted (its TLS handshake, CPU of this loop, is still to come)."""
+    def _uncounted(self, source: str) -> bool:
+        """This host's own connections are not counted per address (see :meth:`conn_made`)."""
+        return is_loopback(source)
+
+    def _socket_accepted(self) -> None:
+        """A socket accepted, its TLS handshake (on this loop's CPU) still to come: work, and
+        memory the heap trim counts."""
         self.wake()
         self.heap.accepted()
+
+    def _accepted(self, listener: str) -> Conn:
+        """A connection accepted, and its TLS handshake done (``runtime.accept``)."""
+        self.wake()
         return Conn(self, listener=listener)
 
     async def start(self) -> None:
