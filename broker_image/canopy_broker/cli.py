@@ -63,6 +63,17 @@ def write_interval_ms(text: str) -> float:
     return value
 
 
+def byte_count(text: str) -> int:
+    """``--queue-bytes``: a whole number of bytes, 0 or more (0: off)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or more, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="canopy-broker", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--retention-limit", type=int, default=100_000, help="see --retention")
     s.add_argument(
+        "--retention-bytes",
+        type=byte_count,
+        default=128 * 1024 * 1024,
+        metavar="BYTES",
+        help="about this many bytes kept per link at most, as --retention-limit counts "
+        "notifications (0: no such bound; default 128 MiB)",
+    )
+    s.add_argument(
         "--no-repair",
         dest="repair",
         action="store_false",
@@ -141,13 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="notifications queued for one client before it is cut off as a slow consumer",
     )
     s.add_argument(
-        "--client-queue-bytes",
-        type=int,
+        "--queue-bytes",
+        "--client-queue-bytes",  # its name when it counted clients' queues only
+        dest="queue_bytes",
+        type=byte_count,
         default=64 * 1024 * 1024,
         metavar="BYTES",
-        help="a client's queue this many bytes long counts as over high water, as 20,000 "
-        "notifications do (the grace before the cut and the queue limit scale alike); "
-        "0: count notifications only (default 64 MiB)",
+        help="a client's or link's queue this many bytes long counts as over high water, as "
+        "20,000 messages do (the grace before the cut and the queue limit scale alike); "
+        "0: count messages only (default 64 MiB)",
     )
     s.add_argument(
         "--client-write-interval-ms",
@@ -350,6 +371,7 @@ async def serve(args: argparse.Namespace) -> int:
         cycle_period=args.cycle_period,
         retention_seconds=args.retention,
         retention_limit=args.retention_limit,
+        retention_bytes=args.retention_bytes,
         telemetry_sample=args.telemetry_sample,
         history=args.history,
         telemetry_dir=args.telemetry_dir,
@@ -358,7 +380,7 @@ async def serve(args: argparse.Namespace) -> int:
         probe_interval=args.probe_interval,
         slow_consumer_policy=args.slow_consumer,
         client_hard_cap=args.client_queue_limit,
-        high_water_bytes=args.client_queue_bytes,
+        high_water_bytes=args.queue_bytes,
         client_write_interval=args.client_write_interval_ms / 1000,
         max_subscriptions=args.max_subscriptions,
         max_connections_per_source=args.max_connections_per_source,

@@ -236,6 +236,25 @@ def test_retention_at_its_limit_drops_only_what_is_past_the_horizon() -> None:
     assert not r.pressing(20.0) and r.depth() == 0  # past the window: all aged out
 
 
+def test_retention_is_bounded_by_bytes_as_by_count() -> None:
+    """A few large notifications fill memory as many small ones do: at ``limit_bytes`` a link
+    presses while what it holds is young, and drops what is past the horizon."""
+    big = "x" * 4000
+    r = Retention(window=10.0, limit=1000, horizon=2.0, limit_bytes=10_000)
+    for i in range(5):  # about 20 KB, all young: kept beyond the bound, and pressing
+        r.keep("x", 1.0 + i * 0.25, Event("p", i + 1, {"blob": big}))
+    assert r.depth() == 5 and r.dropped == 0 and r.pressing(1.5)
+    assert 20_000 <= r.size() < 21_000  # counted about as the strings' lengths
+    r.keep("x", 3.6, Event("p", 6, {"blob": big}))  # 1.0 to 1.5 are past the horizon now
+    assert r.dropped == 3 and r.depth() == 3 and r.size() < 13_000  # the young ones stay
+    assert r.pressing(3.6)  # still over, by what is young
+    unbounded = Retention(window=10.0, limit=1000, horizon=2.0)  # limit_bytes 0: by count
+    for i in range(5):
+        unbounded.keep("x", 1.0, Event("p", i + 1, {"blob": big}))
+    assert not unbounded.pressing(1.5)
+    assert not r.pressing(20.0) and r.size() == 0  # aged out: nothing counted
+
+
 def test_retention_counts_what_is_younger_than_the_horizon_on_its_fullest_link() -> None:
     r = Retention(window=10.0, limit=100, horizon=2.0)
     assert r.young(0.0) == 0

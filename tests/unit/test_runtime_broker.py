@@ -26,6 +26,7 @@ from canopy_broker.procs import env_pki
 from canopy_broker.runtime import heap, server
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.framing import F_HELLO, control_frame, frame
+from canopy_broker.runtime.links import Link
 from canopy_broker.runtime.server import Broker
 
 MakeBroker = Callable[..., Awaitable[Broker]]
@@ -1554,6 +1555,77 @@ async def test_a_queue_of_few_large_notifications_is_a_slow_consumer_too(
         assert b.metrics.slow_consumers._value.get() == 1
         assert sent < 1000  # by its bytes: a few hundred, not 20,000
         await hang_up(writer)
+
+
+def test_a_links_queue_counts_its_bytes() -> None:
+    """A link's depth is its length, or its bytes in slots if more, through queue, ack and
+    clear (a reconnect's rewind acknowledges through ack too)."""
+    lk = Link("z", "s", dialer=True, address=None)
+    lk.slot = 1000
+    for _ in range(5):
+        lk.queue(b"x" * 10_000)
+    lk.queue(b"y")
+    assert lk.out_bytes == 50_001 and lk.depth == 50  # 6 messages, 50 slots
+    lk.sent = lk.base + len(lk.out)  # all sent
+    lk.ack(lk.base + 1)  # the first two
+    assert lk.out_bytes == 30_001 and lk.depth == 30
+    lk.ack(lk.base + 3)  # the rest
+    assert lk.out_bytes == 0 and lk.depth == 0 and not lk.out
+    lk.queue(b"z" * 5000)
+    lk.clear_out()
+    assert lk.out_bytes == 0 and lk.depth == 0
+    lk.slot = 0  # off: by count only
+    lk.queue(b"x" * 100_000)
+    assert lk.depth == 1
+
+
+async def test_a_links_queue_of_few_large_notifications_slows_the_publishers(
+    make_broker: MakeBroker,
+) -> None:
+    """High water counts a link's bytes too: 300 notifications of 2 MB to a neighbour were
+    far under 20,000 and the publisher's broker reached 1.9 GB without slowing anyone. Here
+    the neighbour stops reading for a moment and 60 notifications of 64 KiB (3.9 MB, far under
+    20,000 messages) pass 1 MiB of high water: the publishers wait, and get going again once
+    the neighbour reads; the subscriber gets each once, in order."""
+    slow = {"heartbeat_interval": 2.0}  # the neighbour's pause must not look like a death
+    a = await make_broker("a", high_water=20_000, high_water_bytes=1024 * 1024, **slow)
+    z = await make_broker("z", **slow)
+    await link(a, z)
+    async with await connect(addr(z)) as sub, await connect(addr(a), "pub") as pub:
+        await sub.subscribe("n >= 0")
+        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
+        z_side = z.links["a"].conn
+        assert z_side is not None
+        z_side.pause("test")
+        for n in range(60):
+            pub.publish_nowait({"n": n, "pad": "x" * 65536})
+        await eventually(lambda: a.publishers_paused, 5.0)
+        assert len(a.links["z"].out) < 60 < a.links["z"].depth  # by its bytes, not its count
+        z_side.resume("test")
+        assert [x.seq for x in await collect(sub, 60)] == list(range(1, 61))
+        await eventually(lambda: not a.publishers_paused, 5.0)
+
+
+async def test_a_retention_of_few_large_notifications_slows_the_publishers(
+    make_broker: MakeBroker,
+) -> None:
+    """Retention is bounded by bytes too (--retention-bytes): 40 notifications of 64 KiB
+    (2.6 MB) against 1 MiB are far under the count's limit of 100,000, yet fill it while
+    they are younger than the detection time: publishers wait until they age out."""
+    a = await make_broker("a", retention_bytes=1024 * 1024)  # detection 0.6 s
+    z = await make_broker("z")
+    await link(a, z)
+    async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
+        await far.subscribe("n >= 0")
+        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
+        for n in range(40):
+            pub.publish_nowait({"n": n, "pad": "x" * 65536})
+        await eventually(lambda: a.custody_full and a.publishers_paused, 5.0)
+        retention = a.status()["retention"]
+        assert retention["full"] and retention["limit_bytes"] == 1024 * 1024
+        assert retention["bytes"] >= 1024 * 1024 and retention["depth"] < 100_000
+        await eventually(lambda: not a.custody_full and not a.publishers_paused, 5.0)
+        assert [x.seq for x in await collect(far, 40)] == list(range(1, 41))
 
 
 async def test_a_slow_consumer_never_stalls_another_subscriber(make_broker: MakeBroker) -> None:

@@ -172,6 +172,7 @@ class BrokerCore:
         announce_neighbours: bool = False,
         retention_window: float = 0.0,
         retention_limit: int = 100_000,
+        retention_bytes: int = 0,
         repair_timeout: float = 10.0,
         started: float = 0.0,
         custody_horizon: float | None = None,
@@ -191,7 +192,11 @@ class BrokerCore:
         # and each publisher's last sequence number seen here (to drop replayed duplicates,
         # kept even with repair off: a client that fails over replays too).
         self.retention = Retention(
-            retention_window, retention_limit, origin=started, horizon=custody_horizon
+            retention_window,
+            retention_limit,
+            origin=started,
+            horizon=custody_horizon,
+            limit_bytes=retention_bytes,
         )
         self.repair_timeout = repair_timeout
         self.repairs: dict[str, RepairRun] = {}

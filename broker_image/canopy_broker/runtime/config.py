@@ -27,10 +27,11 @@ class BrokerConfig:
     high_water: int = 20_000
     low_water: int = 5_000
     client_hard_cap: int = 200_000
-    # A client's queue counts by its bytes too: this many bytes are as full as ``high_water``
-    # messages (and so on for the low mark and the hard cap); 0: by count only. An outside
-    # review's subscriber that read nothing held 500 MB of 250 notifications of 2 MB, far
-    # under 20,000, and was never timed as a slow consumer.
+    # A client's or link's queue counts by its bytes too: this many bytes are as full as
+    # ``high_water`` messages (and so on for the low mark and the hard cap); 0: by count only.
+    # An outside review's subscriber that read nothing held 500 MB of 250 notifications of
+    # 2 MB, far under 20,000, and was never timed as a slow consumer; 300 of them to a
+    # neighbour took the publisher's broker to 1.9 GB without slowing the publisher.
     high_water_bytes: int = 64 * 1024 * 1024
     # Notifications to clients are written at most once per this many seconds (0: at the end of
     # every loop turn). The first after a quiet spell is written at once; under steady traffic
@@ -63,6 +64,7 @@ class BrokerConfig:
     standby: bool = True  # keep standby links to the brokers a repair would link (with repair)
     retention_seconds: float = 15.0  # custody: forwarded notifications kept per link (0: off)
     retention_limit: int = 100_000  # ... and at most this many per link
+    retention_bytes: int = 128 * 1024 * 1024  # ... and about this many bytes per link (0: off)
     # Link-failure repair (paper 004): cycles of at most this many brokers through a standby
     # link are looked for, and a link that fails while its peer is alive is exchanged onto one.
     # Below 3 (no cycle that small): off, a link failure is taken for a death as before.
@@ -81,7 +83,7 @@ class BrokerConfig:
 
     @property
     def slot(self) -> int:
-        """Bytes of a client's queue that count as one message against the marks (0: off)."""
+        """Bytes of a queue that count as one message against the marks (0: off)."""
         return (
             max(1, self.high_water_bytes // max(1, self.high_water))
             if self.high_water_bytes > 0

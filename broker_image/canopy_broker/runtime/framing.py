@@ -585,6 +585,7 @@ class FrameProtocol(asyncio.Protocol):
         # every timeout of the runtime reads, so that tests can fake it with looptime).
         self.partial_since: float | None = None
         self.writing_paused = False
+        self.secured = False  # over TLS (known from connection_made on)
         self._loop = asyncio.get_running_loop()
         self.lost: asyncio.Future[None] = self._loop.create_future()
         self._drained: asyncio.Future[None] | None = None
@@ -607,6 +608,8 @@ class FrameProtocol(asyncio.Protocol):
         # A stream transport (asyncio's or uvloop's, which does not subclass asyncio.Transport).
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(high=self.write_high_water)
+        # Asked now: asyncio's TLS transport, once closed twice, raises on get_extra_info.
+        self.secured = transport.get_extra_info("sslcontext") is not None
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -657,7 +660,7 @@ class FrameProtocol(asyncio.Protocol):
         Over TLS it would first wait up to 30 s for the peer's close_notify, which a crashed
         or killed peer never sends, and all that time the connection looks closing but not
         lost: abort at once, so that a failover or a link's reconnect starts now."""
-        if self.transport is not None and self.transport.get_extra_info("sslcontext"):
+        if self.transport is not None and self.secured:
             self.transport.abort()
         return None
 

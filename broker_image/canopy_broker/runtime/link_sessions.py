@@ -177,6 +177,7 @@ class LinkHost(ConnOwner, Protocol):
     fenced_by: str | None
     secure: bool
     tls_client: ssl.SSLContext | None
+    queue_slot: int  # bytes of a link's queue counted as one message (BrokerConfig.slot)
 
     def now(self) -> float: ...
 
@@ -309,6 +310,7 @@ class LinkSessions:
     def _new_link(self, link: Link) -> Link:
         """Register a new link or channel (metrics, table) and start dialing if it is ours."""
         peer, kind, dialer = link.peer, link.kind, link.dialer
+        link.slot = self.host.queue_slot
         if kind == "link":
             self._as_link(link)
         self._table(kind, dialer)[peer] = link
@@ -385,7 +387,7 @@ class LinkSessions:
             if bye:
                 conn.write(control_frame(F_BYE, bye))
             conn.close()
-        link.out.clear()
+        link.clear_out()
         host.update_pressure()
         log.info("%s: %s to %s removed", self.name, link.kind, link.peer)
 
@@ -426,7 +428,7 @@ class LinkSessions:
             ch = self._new_link(
                 Link(peer, uuid.uuid4().hex, dialer=True, address=None, kind="peer")
             )
-        ch.out.append(encode_generic(msg))
+        ch.queue(encode_generic(msg))
         self.host.mark_dirty(ch)
 
     # ------------------------------------------------------------------ the core's links
@@ -1054,7 +1056,7 @@ class LinkSessions:
                 host.apply(host.core.handle(RemoveLink(link.peer), host.now()))
             link.reset_session(uuid.uuid4().hex)
             if link.kind != "peer":
-                link.out.clear()  # a link's core state is exchanged afresh on the new session
+                link.clear_out()  # a link's core state is exchanged afresh on the new session
             # A channel keeps what it holds: the peer restarted, and what was queued since its
             # old process died is for the new one (an exchange that includes it). Messages of
             # the old process's exchanges are dropped there as out of context (``data``).

@@ -219,6 +219,7 @@ class Broker:
             announce_neighbours=config.repair,
             retention_window=config.retention_seconds if config.repair else 0.0,
             retention_limit=config.retention_limit,
+            retention_bytes=config.retention_bytes,
             repair_timeout=max(10.0, 5 * detection),
             started=asyncio.get_running_loop().time(),
             custody_horizon=detection + config.heartbeat_interval,
@@ -1213,7 +1214,8 @@ class Broker:
                         self._warned.add(f"link:{peer}")
                         log.error("%s: the core sent to %s, which has no link", self.name, peer)
                     continue
-                link.out.append(last_bytes)
+                link.out.append(last_bytes)  # Link.queue, inline: the hot path
+                link.out_bytes += len(last_bytes)
                 if not link.dirty:
                     self.mark_dirty(link)
             elif isinstance(eff, DeliverMarker):
@@ -1611,6 +1613,8 @@ class Broker:
             "depth": r.depth(),
             "young": r.young(self._loop.time()),
             "limit": r.limit if r.enabled else 0,
+            "bytes": r.size(),
+            "limit_bytes": r.limit_bytes if r.enabled else 0,
             "horizon_s": r.horizon,
             "full": self.custody_full,
         }

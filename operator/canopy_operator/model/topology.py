@@ -75,6 +75,7 @@ FIELDS: dict[str, Any] = {
             "deadAfter": _ANY,
             "heartbeatSeconds": _ANY,
             "retentionLimit": _ANY,
+            "retentionBytes": _ANY,
             "retentionSeconds": _ANY,
             "standbyLinks": _ANY,
         },
@@ -151,6 +152,7 @@ class OverlaySpec:
     standby: bool = True  # spec.failureDetection.standbyLinks
     retention_seconds: float = 15.0  # spec.failureDetection.retentionSeconds (custody)
     retention_limit: int = 100_000  # spec.failureDetection.retentionLimit (per link)
+    retention_bytes: int = 128 * 1024 * 1024  # spec.failureDetection.retentionBytes (per link)
     cycle_bound: int = 4  # spec.failureDetection.cycleBound: link-failure repair (paper 004)
     cycle_period: float = 2.0  # spec.failureDetection.cyclePeriodSeconds
     gateway: bool = False  # spec.gateway.enabled: the brokers' HTTP gateway (canopy_broker.gateway)
@@ -189,6 +191,8 @@ class OverlaySpec:
             repr(self.retention_seconds),
             "--retention-limit",
             str(self.retention_limit),
+            "--retention-bytes",
+            str(self.retention_bytes),
             *(() if self.standby else ("--no-standby",)),
             "--cycle-bound",
             str(self.cycle_bound),
@@ -312,6 +316,9 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         standby=_get(detection, "standbyLinks", bool, True, "spec.failureDetection"),
         retention_seconds=float(retention),
         retention_limit=_get(detection, "retentionLimit", int, 100_000, "spec.failureDetection"),
+        retention_bytes=_get(
+            detection, "retentionBytes", int, 128 * 1024 * 1024, "spec.failureDetection"
+        ),
         cycle_bound=_get(detection, "cycleBound", int, 4, "spec.failureDetection"),
         cycle_period=float(period),
         gateway=_get(gateway, "enabled", bool, False, "spec.gateway"),
@@ -393,6 +400,7 @@ def validate(spec: OverlaySpec) -> list[str]:
         problems.append(f"telemetry.history must not be negative, got {spec.telemetry_history}")
     for count, low, where in (
         (spec.retention_limit, 1, "failureDetection.retentionLimit"),
+        (spec.retention_bytes, 0, "failureDetection.retentionBytes (0: no byte bound)"),
         (spec.client_queue_limit, 100, "clients.queueLimit"),
         (spec.max_subscriptions, 1, "clients.maxSubscriptions"),
         (spec.max_connections_per_source, 1, "clients.maxConnectionsPerSource"),
