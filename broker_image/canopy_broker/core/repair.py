@@ -283,6 +283,9 @@ class Retention:
         # delivered; an outside review saw a relaying broker at 2.0 GB).
         self.limit_bytes = limit_bytes
         self.bytes_by_peer: dict[str, int] = {}
+        self.sizes_by_peer: dict[str, deque[int]] = {}  # each entry's, as ``by_peer``'s
+        self._sized: Event | None = None  # the last notification sized, and its size
+        self._size = 0
         self.horizon = window if horizon is None else min(horizon, window)
         self.by_peer: dict[str, deque[tuple[float, Event]]] = {}
         self._taken: dict[str, deque[tuple[float, Event]]] = {}
@@ -300,17 +303,26 @@ class Retention:
         kept = self.by_peer.get(peer)
         if kept is None:
             kept = self.by_peer[peer] = deque()
+            self.sizes_by_peer[peer] = deque()
             self.bytes_by_peer[peer] = 0
+        sizes = self.sizes_by_peer[peer]
+        if event is self._sized:  # the same notification kept for its next link: sized once
+            n = self._size
+        else:
+            n = self._size = event_size(event)
+            self._sized = event
         kept.append((now, event))
-        size = self.bytes_by_peer[peer] + event_size(event)
+        sizes.append(n)
+        size = self.bytes_by_peer[peer] + n
         oldest = now - self.window
         while kept[0][0] < oldest:
-            size -= event_size(kept.popleft()[1])
+            kept.popleft()
+            size -= sizes.popleft()
         young = now - self.horizon
         limit, limit_bytes = self.limit, self.limit_bytes or sys.maxsize
         while (len(kept) > limit or size > limit_bytes) and kept[0][0] < young:
-            when, gone = kept.popleft()
-            size -= event_size(gone)
+            when, _ = kept.popleft()
+            size -= sizes.popleft()
             self.dropped += 1
             self.dropped_until = max(self.dropped_until, when)
         self.bytes_by_peer[peer] = size
@@ -326,9 +338,11 @@ class Retention:
         oldest = now - self.window
         limit_bytes = self.limit_bytes or sys.maxsize
         for peer, kept in self.by_peer.items():
+            sizes = self.sizes_by_peer[peer]
             size = self.bytes_by_peer[peer]
             while kept and kept[0][0] < oldest:
-                size -= event_size(kept.popleft()[1])
+                kept.popleft()
+                size -= sizes.popleft()
             self.bytes_by_peer[peer] = size
             at_limit = len(kept) >= self.limit or size >= limit_bytes
             if at_limit and kept and kept[0][0] >= now - self.horizon:
@@ -346,6 +360,7 @@ class Retention:
         no longer kept for the link (it is gone), still readable by :meth:`since`."""
         kept = self.by_peer.pop(peer, None)
         self.bytes_by_peer.pop(peer, None)
+        self.sizes_by_peer.pop(peer, None)
         if not kept:
             return []
         self._taken[peer] = kept

@@ -25,6 +25,8 @@ before ``start_tls`` took the connection over, and the handshake then waited for
 from __future__ import annotations
 
 import asyncio
+import errno
+import ipaddress
 import logging
 import socket
 import ssl
@@ -37,11 +39,27 @@ from canopy_broker.runtime.tasks import TaskSet
 log = logging.getLogger("canopy.accept")
 
 
+def source_key(host: str) -> str:
+    """What an address is counted as: itself for IPv4 (and an IPv4-mapped IPv6 address), its
+    /64 for any other IPv6 address but loopback (one client holds a whole /64, and each
+    address of it would otherwise have the limit), and as given if it is not an address."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        if not ip.is_loopback:
+            return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
 def source_of(transport: asyncio.BaseTransport | None) -> str:
-    """The remote address a transport is from, as :class:`SourceCounts` counts it ("?"
-    without one)."""
+    """The remote address a transport is from, as :class:`SourceCounts` counts it (see
+    :func:`source_key`; "?" without one)."""
     peer = transport.get_extra_info("peername") if transport is not None else None
-    return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+    return source_key(str(peer[0])) if isinstance(peer, tuple) and peer else "?"
 
 
 class SourceCounts:
@@ -108,6 +126,11 @@ def never(source: str) -> bool:
 
 ACCEPT_BACKLOG = 1024  # the kernel's queue of connections not accepted yet (a reconnect storm)
 RETRY_ACCEPT = 1.0  # seconds without accepting after the process ran out of descriptors
+OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+"""accept()'s errors that pause the listener (asyncio's set); any other is one connection's."""
+MAX_HANDSHAKES = 1024
+"""TLS handshakes in progress on one listener, from every counted address together (about
+50 MB): many addresses (a botnet, or an IPv6 client's /64) can not add up past it."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +171,7 @@ class Listener(asyncio.AbstractServer):
         self.tls = tls
         self.admission = admission
         self.counts = SourceCounts(admission.limit)
+        self.in_progress = 0  # counted handshakes under way, from every address
         self._loop = asyncio.get_running_loop()
         self._serving = False
 
@@ -194,8 +218,11 @@ class Listener(asyncio.AbstractServer):
                 sock, _peer = listening.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
-            except OSError as exc:  # out of descriptors or memory: pause, as asyncio does
-                log.error(
+            except OSError as exc:
+                if exc.errno not in OUT_OF_RESOURCES:  # a connection's own error: the next one
+                    log.debug("%s: accept failed: %s", self.admission.who, exc)
+                    continue
+                log.error(  # out of descriptors or memory: pause, as asyncio does
                     "%s: cannot accept connections (%s); trying again in %g s",
                     self.admission.who,
                     exc,
@@ -211,24 +238,29 @@ class Listener(asyncio.AbstractServer):
             self._loop.add_reader(listening.fileno(), self._accept, listening)
 
     def admit(self, sock: socket.socket) -> None:
-        """A socket accepted: its handshake starts if its address has room, else it is closed."""
+        """A socket accepted: its handshake starts if its address has room (and the listener:
+        :data:`MAX_HANDSHAKES` in progress from everywhere), else it is closed at once."""
         admission = self.admission
         if admission.on_accept is not None:
             admission.on_accept()
         try:
-            source = str(sock.getpeername()[0])
+            source = source_key(str(sock.getpeername()[0]))
+            sock.setblocking(False)
+            # As a listener's transports have it (a socket handed over is not given it: small
+            # TLS records then waited for Nagle's algorithm, and a failover test timed out).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # gone already
             sock.close()
             return
         counted = not admission.exempt(source)
-        if counted and not self.counts.take(source):
+        if counted and (self.in_progress >= MAX_HANDSHAKES or not self.counts.take(source)):
             self.counts.refused(source, log, admission.who, "TLS handshake(s)")
             if admission.on_refused is not None:
                 admission.on_refused()
             sock.close()
             return
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if counted:
+            self.in_progress += 1
         admission.tasks.spawn(
             self._handshake(sock, source if counted else None), f"TLS handshake of {source}"
         )
@@ -241,29 +273,44 @@ class Listener(asyncio.AbstractServer):
             )
         except OSError as exc:  # refused, reset, timed out (ssl.SSLError is an OSError)
             log.debug("%s: TLS handshake with %s failed: %s", self.admission.who, source, exc)
+        except Exception:  # the listener's protocol failed on one connection: that one only
+            log.exception("%s: a connection from %s failed as it began", self.admission.who, source)
         finally:  # the loop has closed the socket if the handshake failed or was cancelled
             if source is not None:
                 self.counts.give_back(source)
+                self.in_progress -= 1
 
 
 Serving = asyncio.Server | Listener
 """What :func:`listen` gives: asyncio's server, or a TLS :class:`Listener`."""
 
 
-def bound(host: str | None, port: int) -> list[socket.socket]:
+async def bound(host: str | None, port: int) -> list[socket.socket]:
     """Listening sockets on ``host:port``: one per address the name resolves to, as
-    ``create_server`` makes them (address reuse; IPv6 sockets for IPv6 only)."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    ``create_server`` makes them (address reuse; IPv6 sockets for IPv6 only; a family the
+    kernel lacks skipped, if another is there)."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
     sockets: list[socket.socket] = []
     try:
         for family, *_, address in dict.fromkeys(infos):
-            sock = socket.create_server(address, family=family, backlog=ACCEPT_BACKLOG)
+            try:
+                sock = socket.create_server(address, family=family, backlog=ACCEPT_BACKLOG)
+            except OSError as exc:
+                if exc.errno == errno.EAFNOSUPPORT and len(infos) > 1:
+                    continue
+                raise
             sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sockets.append(sock)
     except OSError:
         for sock in sockets:
             sock.close()
         raise
+    if not sockets:
+        raise OSError(errno.EAFNOSUPPORT, f"no address family of {host!r} is supported here")
     return sockets
 
 
@@ -279,7 +326,7 @@ async def listen(
     (``tls``) a :class:`Listener`, else asyncio's own (the protocol counts its address before
     it spends anything; ``admission`` then only hears of each accept)."""
     if tls is not None:
-        listener = Listener(bound(host, port), factory, tls, admission)
+        listener = Listener(await bound(host, port), factory, tls, admission)
         listener._serve()
         return listener
     accepted = admission.on_accept

@@ -1057,6 +1057,7 @@ class LinkSessions:
             link.reset_session(uuid.uuid4().hex)
             if link.kind != "peer":
                 link.clear_out()  # a link's core state is exchanged afresh on the new session
+                host.link_acked(link)  # emptied: publishers it held back may go
             # A channel keeps what it holds: the peer restarted, and what was queued since its
             # old process died is for the new one (an exchange that includes it). Messages of
             # the old process's exchanges are dropped there as out of context (``data``).

@@ -60,7 +60,8 @@ class _StateCollector(Collector):
         )
         depth = GaugeMetricFamily(
             "canopy_link_queue_depth",
-            "Messages queued or unacknowledged on a link",
+            "Messages queued or unacknowledged on a link, or its bytes in slots of "
+            "--queue-bytes / high water if more (the count high water is checked against)",
             labels=["peer"],
         )
         up = GaugeMetricFamily(
@@ -73,7 +74,8 @@ class _StateCollector(Collector):
         yield up
         yield GaugeMetricFamily(
             "canopy_client_queue_depth_max",
-            "Largest client outbound queue (messages waiting for a paused socket)",
+            "Largest client outbound queue (messages waiting for a paused socket, or its bytes "
+            "in slots if more)",
             value=g.client_queue_depth_max,
         )
         yield GaugeMetricFamily(
@@ -88,14 +90,15 @@ class _StateCollector(Collector):
         )
         yield GaugeMetricFamily(
             "canopy_retention_full",
-            "1 while a link's retention is at --retention-limit with entries younger than the "
-            "failure detection time (publishers are slowed until they age out)",
+            "1 while a link's retention is at --retention-limit or --retention-bytes with "
+            "entries younger than the failure detection time (publishers are slowed until "
+            "they age out)",
             value=int(g.retention_full),
         )
         yield CounterMetricFamily(
             "canopy_retention_dropped",
-            "Retained notifications dropped at --retention-limit, all older than the failure "
-            "detection time (custody no longer needed for them)",
+            "Retained notifications dropped at --retention-limit or --retention-bytes, all older "
+            "than the failure detection time (custody no longer needed for them)",
             value=g.retention_dropped,
         )
         yield CounterMetricFamily(

@@ -663,10 +663,12 @@ class Broker:
                 self.custody_full = full
                 if full:
                     log.warning(
-                        "%s: a link's retention holds %d notifications younger than %.1fs:"
-                        " publishers wait (raise --retention-limit for more throughput)",
+                        "%s: a link's retention holds %d notifications or %d bytes younger"
+                        " than %.1fs: publishers wait (raise --retention-limit or"
+                        " --retention-bytes for more throughput)",
                         self.name,
                         retention.limit,
+                        retention.limit_bytes,
                         retention.horizon,
                     )
                 self.update_pressure()

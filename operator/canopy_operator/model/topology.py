@@ -33,6 +33,8 @@ __all__ = [
     "validate_tree",
 ]
 
+RETENTION_BYTES = 128 * 1024 * 1024  # the broker's --retention-bytes default
+
 ROUTING_MODES = ("simple", "identity", "covering")
 SLOW_CONSUMER_POLICIES = ("disconnect", "backpressure")
 ALGORITHMS = ("coordinated", "path", "strawman")
@@ -152,7 +154,7 @@ class OverlaySpec:
     standby: bool = True  # spec.failureDetection.standbyLinks
     retention_seconds: float = 15.0  # spec.failureDetection.retentionSeconds (custody)
     retention_limit: int = 100_000  # spec.failureDetection.retentionLimit (per link)
-    retention_bytes: int = 128 * 1024 * 1024  # spec.failureDetection.retentionBytes (per link)
+    retention_bytes: int = RETENTION_BYTES  # spec.failureDetection.retentionBytes (per link)
     cycle_bound: int = 4  # spec.failureDetection.cycleBound: link-failure repair (paper 004)
     cycle_period: float = 2.0  # spec.failureDetection.cyclePeriodSeconds
     gateway: bool = False  # spec.gateway.enabled: the brokers' HTTP gateway (canopy_broker.gateway)
@@ -191,8 +193,13 @@ class OverlaySpec:
             repr(self.retention_seconds),
             "--retention-limit",
             str(self.retention_limit),
-            "--retention-bytes",
-            str(self.retention_bytes),
+            # Only when set: a broker image older than the flag (spec.broker.image pinned) runs
+            # on, and an operator upgrade does not roll every overlay for a default.
+            *(
+                ("--retention-bytes", str(self.retention_bytes))
+                if self.retention_bytes != RETENTION_BYTES
+                else ()
+            ),
             *(() if self.standby else ("--no-standby",)),
             "--cycle-bound",
             str(self.cycle_bound),
@@ -317,7 +324,7 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         retention_seconds=float(retention),
         retention_limit=_get(detection, "retentionLimit", int, 100_000, "spec.failureDetection"),
         retention_bytes=_get(
-            detection, "retentionBytes", int, 128 * 1024 * 1024, "spec.failureDetection"
+            detection, "retentionBytes", int, RETENTION_BYTES, "spec.failureDetection"
         ),
         cycle_bound=_get(detection, "cycleBound", int, 4, "spec.failureDetection"),
         cycle_period=float(period),
