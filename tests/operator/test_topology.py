@@ -16,8 +16,10 @@ from canopy_operator.backends.local import (
     NotOneTreeError,
     StateFileError,
 )
+from canopy_operator.backends.manifests import service_name
 from canopy_operator.model.topology import (
     FIELDS,
+    SERVICE_SUFFIX,
     SpecError,
     find_cycle,
     parse_overlay,
@@ -198,6 +200,31 @@ def test_an_overlay_name_that_is_not_a_dns_label_is_refused(name: str) -> None:
     doc["metadata"] = {"name": name}
     with pytest.raises(SpecError, match="is not a DNS label"):
         parse_overlay(doc)
+
+
+@pytest.mark.parametrize(
+    ("name", "brokers", "problem"),
+    [
+        ("1net", ["a"], "must begin with a letter"),
+        ("n" * 56, ["a"], "has 56 characters, at most 55"),
+        ("n" * 55, ["b" * 8], "its pod's host name"),  # 55 + 1 + 8 = 64
+    ],
+)
+def test_names_whose_kubernetes_objects_the_api_server_would_refuse_are_refused(
+    name: str, brokers: list[str], problem: str
+) -> None:
+    """The overlay's Service (NAME-brokers) is a DNS-1035 label and each pod's host name
+    (NAME-BROKER) a DNS label: the API server refused them after the operator had made the
+    rest. Refused up front now, each naming the object."""
+    doc = manifest(brokers, [])
+    doc["metadata"] = {"name": name}
+    with pytest.raises(SpecError, match=problem):
+        spec = parse_overlay(doc)
+        raise SpecError("; ".join(validate(spec)))
+    assert service_name("n" * 55) == "n" * 55 + SERVICE_SUFFIX and len(service_name("n" * 55)) == 63
+    ok = manifest(["b" * 7], [])
+    ok["metadata"] = {"name": "n" * 55}
+    assert not validate(parse_overlay(ok))  # 55 + 1 + 7 = 63: fits
 
 
 def test_telemetry_settings_reach_the_broker_command_line() -> None:

@@ -104,7 +104,12 @@ async def test_status_routing_and_metrics(make_broker: MakeBroker, serve: Serve)
         st = await admin.status()
         assert st["name"] == "b" and st["routing"] == "covering" and st["clients"] == 1
         assert st["neighbours"] == [] and st["ready"] and st["uptime_s"] >= 0
-        assert st["queue_depths"] == {"links": {}, "clients_total": 0, "clients_max": 0}
+        assert st["queue_depths"] == {
+            "links": {},
+            "clients_total": 0,
+            "clients_bytes": 0,
+            "clients_max": 0,
+        }
         routing = await admin.routing()
         assert routing["table"]["clients"] == {"c1": {"one": 'kind = "x"'}}
         assert routing["size"] == 1

@@ -1571,7 +1571,9 @@ class Broker:
             "clients": len(self.clients),
             "queue_depths": {
                 "links": {p: lk.depth for p, lk in sorted(self.links.items())},
-                "clients_total": sum(c.depth for c in self.clients.values()),
+                # messages waiting, and bytes; the largest queue as high water sees it
+                "clients_total": sum(len(c.pending) for c in self.clients.values()),
+                "clients_bytes": sum(c.outlet.pending_bytes for c in self.clients.values()),
                 "clients_max": max((c.depth for c in self.clients.values()), default=0),
             },
             "publishers_paused": self.publishers_paused,
@@ -1624,7 +1626,8 @@ class Broker:
     def _gauges(self) -> Gauges:
         self._take_ordering_delays()  # scrape time: the histogram is current when read
         self._count_delivered()
-        depths = [c.depth for c in self.clients.values()]
+        clients = self.clients.values()
+        depths = [c.depth for c in clients]
         return Gauges(
             routing_table_entries=self.core.routing_table_size(),
             clients=len(self.clients),
@@ -1632,7 +1635,7 @@ class Broker:
             link_queue_depth={p: lk.depth for p, lk in self.links.items()},
             link_up={p: lk.conn is not None for p, lk in self.links.items()},
             client_queue_depth_max=max(depths, default=0),
-            client_queued_messages=sum(depths),
+            client_queued_messages=sum(len(c.pending) for c in clients),
             retention_depth=self.core.retention.depth(),
             retention_full=self.custody_full,
             retention_dropped=self.core.retention.dropped,

@@ -23,7 +23,7 @@ from canopy_operator.backends.certs import (
     IssuerRef,
 )
 from canopy_operator.backends.kube import GROUP, KIND, VERSION
-from canopy_operator.model.topology import OverlaySpec, SpecError
+from canopy_operator.model.topology import SERVICE_SUFFIX, OverlaySpec, SpecError
 
 BROKER_PORT, LINK_PORT, ADMIN_PORT, GATEWAY_PORT, MQTT_PORT = 7000, 7001, 8080, 8081, 8883
 """Clients; overlay links (brokers only: the NetworkPolicy admits the overlay's broker pods);
@@ -72,7 +72,7 @@ def pod_name(overlay: str, broker: str) -> str:
 
 
 def service_name(overlay: str) -> str:
-    return f"{overlay}-brokers"
+    return f"{overlay}{SERVICE_SUFFIX}"  # the spec's check counts on the same suffix
 
 
 def secret_name(overlay: str) -> str:
