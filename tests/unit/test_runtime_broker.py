@@ -288,6 +288,18 @@ async def test_garbage_closes_only_that_connection(make_broker: MakeBroker, garb
     assert "canopy_malformed_frames_total{" in text
 
 
+@pytest.mark.parametrize(("role", "code"), [("spy", "bad-hello"), ("link", "wrong-port")])
+async def test_the_client_port_tells_an_unknown_role_from_a_brokers(
+    make_broker: MakeBroker, role: str, code: str
+) -> None:
+    """With a separate link port, a broker's hello on the client port is sent to the link
+    port; a role nobody has is a bad hello there too, not a broker at the wrong port."""
+    b = await make_broker("b", link_port=0)
+    reader, writer = await raw_connection(b)
+    writer.write(control_frame(0, {"v": 1, "role": role, "name": "x", "session": "s"}))
+    assert f'[7,"{code}"'.encode() in await closed_by_peer(reader, writer)
+
+
 @pytest.mark.parametrize(
     ("messages", "code"),
     [

@@ -1049,7 +1049,7 @@ class Broker:
                 f"clients connect to {where}",
                 "wrong-port",
             )
-        if conn.listener == "client" and role != "client":
+        if conn.listener == "client" and role in ("link", "peer", "standby", "probe"):
             raise AccessError(
                 f"this is broker {self.name}'s client port; brokers link to {self.advertised}",
                 "wrong-port",
