@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 from collections.abc import Callable, Coroutine
 from typing import Any, cast
@@ -142,11 +143,14 @@ def test_exempt_addresses_are_not_counted_and_handshakes_end_with_their_listener
 
 @LOOPS
 def test_handshakes_in_progress_on_a_listener_are_bounded_from_every_address_together(
-    new_loop: Callable[[], asyncio.AbstractEventLoop], monkeypatch: pytest.MonkeyPatch
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Many addresses (a botnet, an IPv6 client's /64) cannot add up past the listener's own
     bound: here 2, with room for 10 per address."""
     monkeypatch.setattr(accept, "MAX_HANDSHAKES", 2)
+    caplog.set_level(logging.WARNING, logger="canopy.accept")
 
     async def main() -> None:
         server, tasks, refused, port = await listener(10)
@@ -154,6 +158,7 @@ def test_handshakes_in_progress_on_a_listener_are_bounded_from_every_address_tog
         assert not any(await asyncio.gather(*(closed_at_once(r) for r, _ in idle)))
         extra, extra_writer = await asyncio.open_connection(HOST, port)
         assert await closed_at_once(extra) and refused == [1]
+        assert "refusing TLS handshakes: 2 in progress (the listener's limit)" in caplog.text
         for _, writer in [*idle, (extra, extra_writer)]:
             writer.close()
         server.close()

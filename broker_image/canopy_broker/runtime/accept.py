@@ -28,6 +28,7 @@ import asyncio
 import errno
 import ipaddress
 import logging
+import math
 import socket
 import ssl
 import time
@@ -172,6 +173,7 @@ class Listener(asyncio.AbstractServer):
         self.admission = admission
         self.counts = SourceCounts(admission.limit)
         self.in_progress = 0  # counted handshakes under way, from every address
+        self._told_full = -math.inf  # when the listener's limit was last logged
         self._loop = asyncio.get_running_loop()
         self._serving = False
 
@@ -253,17 +255,31 @@ class Listener(asyncio.AbstractServer):
             sock.close()
             return
         counted = not admission.exempt(source)
-        if counted and (self.in_progress >= MAX_HANDSHAKES or not self.counts.take(source)):
+        if counted and self.in_progress >= MAX_HANDSHAKES:
+            now = time.monotonic()
+            if now - self._told_full >= SourceCounts.TELL_EVERY:  # a line per 10 s at most
+                self._told_full = now
+                log.warning(
+                    "%s: refusing TLS handshakes: %d in progress (the listener's limit)",
+                    admission.who,
+                    self.in_progress,
+                )
+            self._refuse(sock)
+            return
+        if counted and not self.counts.take(source):
             self.counts.refused(source, log, admission.who, "TLS handshake(s)")
-            if admission.on_refused is not None:
-                admission.on_refused()
-            sock.close()
+            self._refuse(sock)
             return
         if counted:
             self.in_progress += 1
         admission.tasks.spawn(
             self._handshake(sock, source if counted else None), f"TLS handshake of {source}"
         )
+
+    def _refuse(self, sock: socket.socket) -> None:
+        if self.admission.on_refused is not None:
+            self.admission.on_refused()
+        sock.close()
 
     async def _handshake(self, sock: socket.socket, source: str | None) -> None:
         try:
