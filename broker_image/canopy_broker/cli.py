@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import platform
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -414,8 +415,14 @@ async def serve(args: argparse.Namespace) -> int:
         assert broker.address is not None
         admin_sock = runner.addresses[0]
         gateway: str | None = None
-        host = "127.0.0.1" if broker.address[0] in ("0.0.0.0", "::") else broker.address[0]
-        own = f"{host}:{broker.address[1]}"  # the gateways are clients of their own broker
+        # The gateways are clients of their own broker, over its loopback: IPv6's where it
+        # listens on IPv6's any address (a socket on "::" takes IPv6 only; dialing 127.0.0.1
+        # was refused, outside review).
+        bound_to = broker.address[0]
+        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(bound_to) or (
+            f"[{bound_to}]" if ":" in bound_to else bound_to
+        )
+        own = f"{host}:{broker.address[1]}"
         own_ca = client_files.ca if client_files is not None else None
         if args.gateway:
             gw_host, gw_port = parse_address(args.gateway)
@@ -486,6 +493,20 @@ TRIM_THRESHOLD = 8 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc's malloc.h)
 
 
+def raise_file_limit() -> int:
+    """Raise the soft limit of open files to the hard one (as Go's runtime does for NATS);
+    the soft limit it ends at. Left at a shell's usual 1,024, a flood of handshakes from two
+    addresses ran the broker out of descriptors before any bound of its own applied, and it
+    then accepted nobody, its own loopback included (outside review)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return want
+    return soft
+
+
 def tune_allocator() -> bool:
     """Serve the TLS reads' buffers from the heap, not from fresh mappings; True if set.
 
@@ -517,6 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format, overlay=args.overlay, broker=args.name)
     tune_gc()
     tune_allocator()
+    raise_file_limit()
     profile = os.environ.get(PROFILE_ENV)
     with contextlib.suppress(KeyboardInterrupt):
         if not profile:

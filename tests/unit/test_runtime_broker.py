@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import struct
 import time
@@ -1546,6 +1547,17 @@ async def test_a_lagging_consumer_that_catches_up_is_forgiven(make_broker: MakeB
     await hang_up(writer)
 
 
+async def published_until_cut(b: Broker, pub: Client) -> int:
+    """Publish 64 KiB notifications, ten at a time, until ``stuck`` is cut; how many."""
+    sent = 0
+    while "stuck" in b.clients:
+        for _ in range(10):
+            await pub.publish({"blob": "x" * 65536})
+        sent += 10
+        assert sent < 2000, "never cut"
+    return sent
+
+
 async def test_a_queue_of_few_large_notifications_is_a_slow_consumer_too(
     make_broker: MakeBroker,
 ) -> None:
@@ -1558,14 +1570,33 @@ async def test_a_queue_of_few_large_notifications_is_a_slow_consumer_too(
     )
     async with await connect(addr(b), "pub") as pub:
         writer = await stuck_subscriber(b)
-        sent = 0
-        while "stuck" in b.clients:
-            for _ in range(10):
-                await pub.publish({"blob": "x" * 65536})
-            sent += 10
-            assert sent < 2000, "never cut"
+        sent = await published_until_cut(b, pub)
         assert b.metrics.slow_consumers._value.get() == 1
         assert sent < 1000  # by its bytes: a few hundred, not 20,000
+        await hang_up(writer)
+
+
+async def test_a_client_holding_four_times_high_waters_bytes_is_cut_at_once(
+    make_broker: MakeBroker,
+) -> None:
+    """The count's limit scaled to bytes let a subscriber that read nothing hold 640 MiB of
+    3 MB notifications before it was cut (the broker at 1.4 GB): past four times
+    --queue-bytes it is cut at once, whatever its grace (60 s here) and its count's limit."""
+    b = await make_broker(
+        "b",
+        high_water_bytes=1024 * 1024,
+        client_hard_cap=10_000_000,
+        slow_consumer_grace=60,
+    )
+    trims: list[float] = []
+    b.heap = heap.HeapTrim(lambda: trims.append(1.0))
+    async with await connect(addr(b), "pub") as pub:
+        writer = await stuck_subscriber(b)
+        sent = await published_until_cut(b, pub)
+        # 4 MiB of 64 KiB ones, and the few MB the socket's buffers took; by its count's
+        # limit in slots (10,000,000 of 52 bytes) it would be about 8,000
+        assert sent < 600
+        await eventually(lambda: bool(trims), 5.0)  # its memory given back at the next tick
         await hang_up(writer)
 
 
@@ -1659,6 +1690,22 @@ async def test_a_slow_consumer_never_stalls_another_subscriber(make_broker: Make
         await eventually(lambda: "stuck" not in b.clients)
         assert b.metrics.slow_consumers._value.get() == 1
         await hang_up(writer)
+
+
+async def test_a_flood_of_silent_strangers_is_logged_once_with_their_address(
+    make_broker: MakeBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each stranger closed for saying nothing was a warning line of its own, naming no one:
+    256 in the same second from one flood (outside review). One line per reason per 10 s,
+    naming the address; the next says how many there were meanwhile."""
+    b = await make_broker("b", handshake_timeout=0.3)
+    caplog.set_level(logging.WARNING, logger="canopy.broker")
+    silent = [await raw_connection(b) for _ in range(5)]
+    said = await asyncio.gather(*(closed_by_peer(r, w) for r, w in silent))
+    assert all(b'[7,"hello-timeout"' in s for s in said)
+    lines = [m for r in caplog.records if "closing a connection" in (m := r.getMessage())]
+    assert lines == ["b: closing a connection from 127.0.0.1: no hello within 0.3s"]
+    assert b.metrics.malformed.labels("unknown", "hello-timeout")._value.get() == 5  # each
 
 
 @pytest.mark.looptime

@@ -136,9 +136,12 @@ def test_source_counts_forget_an_address_with_nothing_open(
         assert counts.take("a") and not counts.take("a")
         counts.refused("a", log, "t")
         counts.refused("a", log, "t")  # within the interval: quiet
-        counts.give_back("a")  # nothing open from it any more: forgotten
+        counts.give_back("a")  # nothing open from it any more: the quiet one told, forgotten
         assert counts.take("a") and not counts.take("a")
         counts.refused("a", log, "t")  # told again at once
+        counts.give_back("a")  # nothing untold: nothing more
     assert [r.getMessage() for r in caplog.records] == [
-        "t: refused 1 connection(s) from a: 1 open (the limit)"
-    ] * 2
+        "t: refused 1 connection(s) from a: 1 open (the limit)",
+        "t: refused 1 more connection(s) from a",  # a burst shorter than the interval
+        "t: refused 1 connection(s) from a: 1 open (the limit)",
+    ]

@@ -77,7 +77,8 @@ class SourceCounts:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._open: dict[str, int] = {}
-        self._told: dict[str, tuple[float, int]] = {}  # when last told, refused since
+        # when last told, refused since, and where to tell the rest
+        self._told: dict[str, tuple[float, int, logging.Logger, str, str]] = {}
 
     def count(self, source: str) -> int:
         return self._open.get(source, 0)
@@ -95,14 +96,15 @@ class SourceCounts:
     ) -> None:
         """After a refused :meth:`take`: log it, with those not logged yet, unless ``source``
         was told about less than :attr:`TELL_EVERY` s ago (a caller retrying in a loop would
-        write a line per attempt). Kept only while ``source`` has ``what`` open, so bounded by
-        the addresses at their limit."""
+        write a line per attempt); the rest are told when ``source`` has nothing open left.
+        Kept only while ``source`` has ``what`` open, so bounded by the addresses at their
+        limit."""
         now = time.monotonic()
-        told, since = self._told.get(source, (-self.TELL_EVERY, 0))
+        told, since, *_ = self._told.get(source, (-self.TELL_EVERY, 0))
         if now - told < self.TELL_EVERY:
-            self._told[source] = (told, since + 1)
+            self._told[source] = (told, since + 1, logger, who, what)
             return
-        self._told[source] = (now, 0)
+        self._told[source] = (now, 0, logger, who, what)
         logger.warning(
             "%s: refused %d %s from %s: %d open (the limit)",
             who,
@@ -116,8 +118,11 @@ class SourceCounts:
         left = self._open.pop(source, 0) - 1
         if left > 0:
             self._open[source] = left
-        else:
-            self._told.pop(source, None)
+            return
+        told = self._told.pop(source, None)
+        if told is not None and told[1]:  # a burst shorter than the interval: its count
+            _, since, logger, who, what = told
+            logger.warning("%s: refused %d more %s from %s", who, since, what, source)
 
 
 def never(source: str) -> bool:
@@ -129,9 +134,15 @@ ACCEPT_BACKLOG = 1024  # the kernel's queue of connections not accepted yet (a r
 RETRY_ACCEPT = 1.0  # seconds without accepting after the process ran out of descriptors
 OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 """accept()'s errors that pause the listener (asyncio's set); any other is one connection's."""
-MAX_HANDSHAKES = 1024
+HANDSHAKES_PER_SOURCE = 64
+"""TLS handshakes in progress from one address at most (or the listener's own limit per address,
+if lower). A handshake takes milliseconds: 64 at once is a reconnect storm of thousands a
+second from one address, while a flood of idle sockets from it costs at most about 3 MB."""
+MAX_HANDSHAKES = 4096
 """TLS handshakes in progress on one listener, from every counted address together (about
-50 MB): many addresses (a botnet, or an IPv6 client's /64) can not add up past it."""
+200 MB): many addresses (a botnet, IPv6 /64s) cannot add up past it. It takes 64 addresses
+renewing their sockets every handshake timeout to fill it (at 1,024 and 256 per address,
+four did, and locked every other stranger out: outside review)."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +182,7 @@ class Listener(asyncio.AbstractServer):
         self.factory = factory
         self.tls = tls
         self.admission = admission
-        self.counts = SourceCounts(admission.limit)
+        self.counts = SourceCounts(min(admission.limit, HANDSHAKES_PER_SOURCE))
         self.in_progress = 0  # counted handshakes under way, from every address
         self._told_full = -math.inf  # when the listener's limit was last logged
         self._loop = asyncio.get_running_loop()

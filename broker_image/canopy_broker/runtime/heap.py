@@ -53,6 +53,12 @@ class HeapTrim:
     def accepted(self) -> None:
         self.since += 1
 
+    def freed(self) -> None:
+        """Much was freed at once (a slow consumer's queue, cut): trim at the next tick that
+        may (the queue of a subscriber that read nothing, cut, left the broker 400-500 MB
+        above where it started)."""
+        self.since = max(self.since, AFTER)
+
     def tick(self, now: float) -> bool:
         """Trim if due; whether it did."""
         if self._trim is None or self.since < AFTER or now - self._last < EVERY:

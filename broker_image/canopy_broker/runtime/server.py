@@ -287,6 +287,9 @@ class Broker:
         self._over: set[Link | Client] = set()
         self._lagging: set[Client] = set()  # slow consumers under the disconnect policy
         self._sources = SourceCounts(config.max_connections_per_source)  # accepted ones
+        # Strangers' connections closed, by code: when last logged, how many since (a flood of
+        # idle TLS connections logged a line each, all in the same second).
+        self._strangers_told: dict[str, tuple[float, int]] = {}
         self.publishers_paused = False
         self.custody_full = False  # a link's retention is at its limit: publishers wait
         self._warned: set[str] = set()
@@ -736,6 +739,17 @@ class Broker:
         if exc.code == "joining":  # not an error: the client tries again (admission is logged)
             return
         self.metrics.malformed.labels(role, exc.code).inc()
+        if conn.role is None:  # a stranger's (no hello yet): named by its address
+            said = self._strangers_told.get(exc.code)
+            now = time.monotonic()
+            if said is not None and now - said[0] < SourceCounts.TELL_EVERY:
+                self._strangers_told[exc.code] = (said[0], said[1] + 1)  # a flood: told later
+                return
+            more = f" ({said[1]} more like it in the last {now - said[0]:.0f} s)" if said else ""
+            self._strangers_told[exc.code] = (now, 0)
+            source = conn.source or source_of(conn.transport)
+            log.warning("%s: closing a connection from %s: %s%s", self.name, source, exc, more)
+            return
         who = conn.link.peer if conn.link else conn.client.id if conn.client else "?"
         log.warning("%s: closing %s connection (%s): %s", self.name, role, who, exc)
 
@@ -844,9 +858,13 @@ class Broker:
                     self._decide(client, client.depth, high, low)
                     decide.append(client)
             if over or lagging:
+                cap_bytes = self.config.client_cap_bytes
                 for client in decide:
-                    if client.depth > cap:
-                        self._slow_consumer(client, f"queue above {cap}")
+                    queued = client.outlet.pending_bytes
+                    if cap_bytes and queued > cap_bytes:
+                        self._slow_consumer(client, f"{queued} bytes queued, above {cap_bytes}")
+                    elif client.depth > cap:
+                        self._slow_consumer(client, f"queue above {cap} messages")
         for link in links:
             link.dirty = False
             depth = link.flush()
@@ -943,6 +961,7 @@ class Broker:
         self.metrics.slow_consumers.inc()
         client.pending.clear()
         client.outlet.pending_bytes = 0
+        self.heap.freed()  # its queue's memory back to the system at the next tick
         self.unpressure(client)
         client.conn.write(control_frame(F_ERROR, "slow-consumer", why))
         client.conn.abort()
