@@ -157,7 +157,7 @@ async def kill_scenario(
         "standby": standby,
         "repair_link_ends_promoted": promoted,
         "repair_link_ends_dialed": dialed,
-        "published": last,
+        "published": last - first + 1,  # sequence numbers start from the clock
         "replayed": int(replayed),
         "subscribers": per_sub,
     }
