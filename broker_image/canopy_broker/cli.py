@@ -36,7 +36,7 @@ from canopy_broker.runtime import eventloop, httpsite
 from canopy_broker.runtime.accept import Serving
 from canopy_broker.runtime.admin import make_admin_app
 from canopy_broker.runtime.config import BrokerConfig
-from canopy_broker.runtime.framing import parse_address
+from canopy_broker.runtime.framing import join_address, parse_address
 from canopy_broker.runtime.security import SecurityError, TlsFiles
 from canopy_broker.runtime.server import Broker
 
@@ -433,7 +433,7 @@ async def serve(args: argparse.Namespace) -> int:
             gw_tls = broker.reloaded_context(client_files) if client_files is not None else None
             await httpsite.BoundedSite(gw, gw_host, gw_port, ssl_context=gw_tls).start()
             gw_sock = gw.addresses[0]
-            gateway = f"{gw_sock[0]}:{gw_sock[1]}"
+            gateway = join_address(gw_sock[0], gw_sock[1])
         if args.mqtt:
             mq_host, mq_port = parse_address(args.mqtt)
             mq_tls = broker.reloaded_context(client_files) if client_files is not None else None
@@ -445,14 +445,14 @@ async def serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         ready = {
             "name": broker.name,
-            "listen": f"{broker.address[0]}:{broker.address[1]}",
-            **({"link": "{}:{}".format(*broker.link_address)} if broker.link_address else {}),
-            "admin": f"{admin_sock[0]}:{admin_sock[1]}",
+            "listen": join_address(*broker.address),
+            **({"link": join_address(*broker.link_address)} if broker.link_address else {}),
+            "admin": join_address(admin_sock[0], admin_sock[1]),
             "routing": broker.core.mode.value,
             "tls": tls is not None,
             "pid": os.getpid(),
             **({"gateway": gateway} if gateway else {}),
-            **({"mqtt": f"{mq_sock[0]}:{mq_sock[1]}"} if mqtt else {}),
+            **({"mqtt": join_address(mq_sock[0], mq_sock[1])} if mqtt else {}),
         }
         print(READY_PREFIX + json.dumps(ready), flush=True)
         await stop.wait()

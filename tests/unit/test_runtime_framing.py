@@ -31,6 +31,7 @@ from canopy_broker.runtime.framing import (
     encode_link_message,
     frame,
     from_wire,
+    join_address,
     loads_frame,
     parse_address,
     to_wire,
@@ -347,6 +348,14 @@ def test_parse_address() -> None:
         parse_address("nohost")
     with pytest.raises(ValueError, match="up to 65535"):
         parse_address("10.0.0.1:99999")  # POST /links took it, and the link dialed for ever
+
+
+@pytest.mark.parametrize("host", ["10.0.0.1", "0.0.0.0", "::", "::1", "fd00::2", "broker-0.svc"])
+def test_an_address_joined_reads_back_as_it_was(host: str) -> None:
+    """A broker listening on IPv6 said ``:::7000`` (and ``fd00::2:7000``), which the reader
+    took apart wrongly or by luck: IPv6 hosts are joined in brackets."""
+    assert parse_address(join_address(host, 7000)) == (host, 7000)
+    assert join_address("fd00::2", 1) == "[fd00::2]:1"
 
 
 def test_generic_form_round_trips_core_values() -> None:

@@ -519,6 +519,12 @@ def parse_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, i
     return host, int(port)
 
 
+def join_address(host: str, port: int) -> str:
+    """(host, port) -> ``HOST:PORT``, an IPv6 host in brackets (what :func:`parse_address`
+    reads back: ``:::7000`` was read as host ``::`` by luck, ``fd00::2:7000`` not at all)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 # --------------------------------------------------------------------------- transport glue
 
 

@@ -91,6 +91,7 @@ from canopy_broker.runtime.framing import (
     encode_event_body,
     encode_link_message,
     error_detail,
+    join_address,
     loads_frame,
     parse_address,
 )
@@ -380,7 +381,7 @@ class Broker:
             )
             sock = self._link_server.sockets[0].getsockname()
             self.link_address = (sock[0], sock[1])
-        self.advertised = cfg.advertise or f"{sock[0]}:{sock[1]}"
+        self.advertised = cfg.advertise or join_address(sock[0], sock[1])
         # Clients reach the advertised host at the client port (--client-advertise otherwise).
         host = self.advertised.rpartition(":")[0]
         self.client_advertised = cfg.client_advertise or f"{host}:{self.address[1]}"
@@ -1062,7 +1063,7 @@ class Broker:
         """Separate listeners take only their own kind of hello: a client on the link port or
         a broker on the client port is refused, with where it should have gone."""
         if conn.listener == "link" and role == "client":
-            where = f"{self.address[0]}:{self.address[1]}" if self.address else "the client port"
+            where = join_address(*self.address) if self.address else "the client port"
             raise AccessError(
                 f"this is broker {self.name}'s link port, for brokers only; "
                 f"clients connect to {where}",
@@ -1576,7 +1577,7 @@ class Broker:
             "core": core_build(),  # "compiled" (mypyc, setup.py) or "pure-python"
             "event_loop": loop_name(self._loop),  # "uvloop" or "asyncio" (runtime/eventloop.py)
             "incarnation": self.incarnation,
-            "address": f"{self.address[0]}:{self.address[1]}" if self.address else None,
+            "address": join_address(*self.address) if self.address else None,
             "advertised": self.advertised,
             "client_advertised": self.client_advertised,
             "link_address": f"{self.link_address[0]}:{self.link_address[1]}"
