@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=64 * 1024 * 1024,
         metavar="BYTES",
         help="a client's or link's queue this many bytes long counts as over high water, as "
-        "20,000 messages do (the grace before the cut and the queue limit scale alike); "
-        "0: count messages only (default 64 MiB)",
+        "20,000 messages do (the low mark scales alike); a client with four times it queued "
+        "is cut at once; 0: count messages only (default 64 MiB)",
     )
     s.add_argument(
         "--client-write-interval-ms",
@@ -185,8 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-connections-per-source",
         type=int,
         default=256,
-        help="accepted connections per remote address, and as many TLS handshakes in progress"
-        " (more are refused)",
+        help="accepted connections per remote address (more are refused); TLS handshakes in "
+        "progress are counted apart, at most 64 per address",
     )
     s.add_argument(
         "--hold-clients",
@@ -497,14 +497,19 @@ def raise_file_limit() -> int:
     """Raise the soft limit of open files to the hard one (as Go's runtime does for NATS);
     the soft limit it ends at. Left at a shell's usual 1,024, a flood of handshakes from two
     addresses ran the broker out of descriptors before any bound of its own applied, and it
-    then accepted nobody, its own loopback included (outside review)."""
+    then accepted nobody, its own loopback included (outside review). An unlimited hard limit
+    (macOS) takes :data:`FILES_WANTED`."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    want = FILES_WANTED if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and want > soft:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            return want
+            soft = want
     return soft
+
+
+FILES_WANTED = 10_240  # open files asked for where the hard limit is unlimited (macOS's cap)
+FILES_ENOUGH = 8_192  # below this, a flood runs out of descriptors before the listeners' bounds
 
 
 def tune_allocator() -> bool:
@@ -538,7 +543,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format, overlay=args.overlay, broker=args.name)
     tune_gc()
     tune_allocator()
-    raise_file_limit()
+    files = raise_file_limit()
+    if files < FILES_ENOUGH:
+        logging.getLogger("canopy.broker").warning(
+            "open files limited to %d (ulimit -n): a flood of connections can exhaust them"
+            " before the broker's own bounds apply; raise the hard limit to %d or more",
+            files,
+            FILES_ENOUGH,
+        )
     profile = os.environ.get(PROFILE_ENV)
     with contextlib.suppress(KeyboardInterrupt):
         if not profile:

@@ -289,16 +289,21 @@ async def test_garbage_closes_only_that_connection(make_broker: MakeBroker, garb
     assert "canopy_malformed_frames_total{" in text
 
 
-@pytest.mark.parametrize(("role", "code"), [("spy", "bad-hello"), ("link", "wrong-port")])
+@pytest.mark.parametrize(
+    ("role", "code"),
+    [("spy", "bad-hello"), ("link", "wrong-port"), ([], "bad-hello"), ({}, "bad-hello")],
+)
 async def test_the_client_port_tells_an_unknown_role_from_a_brokers(
-    make_broker: MakeBroker, role: str, code: str
+    make_broker: MakeBroker, role: object, code: str
 ) -> None:
     """With a separate link port, a broker's hello on the client port is sent to the link
-    port; a role nobody has is a bad hello there too, not a broker at the wrong port."""
+    port; a role nobody has is a bad hello there too, not a broker at the wrong port (and a
+    role that is not a string, not an internal error)."""
     b = await make_broker("b", link_port=0)
     reader, writer = await raw_connection(b)
     writer.write(control_frame(0, {"v": 1, "role": role, "name": "x", "session": "s"}))
     assert f'[7,"{code}"'.encode() in await closed_by_peer(reader, writer)
+    assert b.metrics.malformed.labels("unknown", "internal")._value.get() == 0
 
 
 @pytest.mark.parametrize(
@@ -1585,6 +1590,7 @@ async def test_a_client_holding_four_times_high_waters_bytes_is_cut_at_once(
     b = await make_broker(
         "b",
         high_water_bytes=1024 * 1024,
+        max_frame=1024 * 1024,  # the cut is never under two frames: 4 MiB here
         client_hard_cap=10_000_000,
         slow_consumer_grace=60,
     )

@@ -151,3 +151,26 @@ def test_tune_allocator_sets_both_thresholds_unless_told_otherwise(
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     monkeypatch.setattr(cli.platform, "libc_ver", lambda: ("", ""))  # musl, macOS: no-op
     assert not cli.tune_allocator() and libc.calls == []
+
+
+@pytest.mark.parametrize(
+    ("limits", "asked", "ends_at"),
+    [
+        ((1024, 4096), (4096, 4096), 4096),  # up to the hard limit
+        ((1024, -1), (cli.FILES_WANTED, -1), cli.FILES_WANTED),  # unlimited (macOS): a cap
+        ((65536, 65536), None, 65536),  # already there: nothing asked
+    ],
+)
+def test_the_broker_raises_its_open_files_limit(
+    monkeypatch: pytest.MonkeyPatch,
+    limits: tuple[int, int],
+    asked: tuple[int, int] | None,
+    ends_at: int,
+) -> None:
+    """A shell's 1,024 ran out under a flood before the broker's own bounds applied."""
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(cli.resource, "RLIM_INFINITY", -1)
+    monkeypatch.setattr(cli.resource, "getrlimit", lambda what: limits)
+    monkeypatch.setattr(cli.resource, "setrlimit", lambda what, lim: calls.append(lim))
+    assert cli.raise_file_limit() == ends_at
+    assert calls == ([asked] if asked else [])

@@ -127,21 +127,28 @@ async def test_refusals_are_told_once_per_address_per_interval(
         held.close()
 
 
-def test_source_counts_forget_an_address_with_nothing_open(
-    caplog: pytest.LogCaptureFixture,
+def test_source_counts_tell_an_address_once_per_interval_and_then_the_rest(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """An address that fills its place and lets go in a loop is told once per interval (it
+    was twice per loop); the rest of its refusals is told once it has nothing open after the
+    interval, and then it is forgotten."""
+    now = [100.0]
+    monkeypatch.setattr(accept.time, "monotonic", lambda: now[0])
     log = logging.getLogger("canopy.test")
     counts = accept.SourceCounts(1)
     with caplog.at_level(logging.WARNING, logger="canopy.test"):
-        assert counts.take("a") and not counts.take("a")
-        counts.refused("a", log, "t")
-        counts.refused("a", log, "t")  # within the interval: quiet
-        counts.give_back("a")  # nothing open from it any more: the quiet one told, forgotten
+        for _ in range(3):  # fill, be refused, let go: three times within the interval
+            assert counts.take("a") and not counts.take("a")
+            counts.refused("a", log, "t")
+            counts.give_back("a")
+        now[0] += accept.SourceCounts.TELL_EVERY
+        assert counts.take("a")
+        counts.give_back("a")  # after the interval, nothing open: the rest told, forgotten
         assert counts.take("a") and not counts.take("a")
         counts.refused("a", log, "t")  # told again at once
-        counts.give_back("a")  # nothing untold: nothing more
     assert [r.getMessage() for r in caplog.records] == [
         "t: refused 1 connection(s) from a: 1 open (the limit)",
-        "t: refused 1 more connection(s) from a",  # a burst shorter than the interval
+        "t: refused 2 more connection(s) from a",
         "t: refused 1 connection(s) from a: 1 open (the limit)",
     ]

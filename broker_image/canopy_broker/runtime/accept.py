@@ -73,6 +73,7 @@ class SourceCounts:
     flood of the log from one address."""
 
     TELL_EVERY = 10.0
+    KEEP_TOLD = 4096  # addresses told about, past which the stale ones are forgotten
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -99,6 +100,7 @@ class SourceCounts:
         write a line per attempt); the rest are told when ``source`` has nothing open left.
         Kept only while ``source`` has ``what`` open, so bounded by the addresses at their
         limit."""
+        self._forget_old()
         now = time.monotonic()
         told, since, *_ = self._told.get(source, (-self.TELL_EVERY, 0))
         if now - told < self.TELL_EVERY:
@@ -119,10 +121,25 @@ class SourceCounts:
         if left > 0:
             self._open[source] = left
             return
-        told = self._told.pop(source, None)
-        if told is not None and told[1]:  # a burst shorter than the interval: its count
+        told = self._told.get(source)
+        if told is None or time.monotonic() - told[0] < self.TELL_EVERY:
+            # Kept while it is recent, so that an address that fills its place and lets go
+            # in a loop is told once per interval, not twice per loop (review); the oldest
+            # go when there are many (:meth:`_forget_old`).
+            return
+        del self._told[source]
+        if told[1]:  # the rest of a burst, told when it is over
             _, since, logger, who, what = told
             logger.warning("%s: refused %d more %s from %s", who, since, what, source)
+
+    def _forget_old(self) -> None:
+        """Forget what was told about addresses with nothing open, long enough ago (their
+        untold rest is then lost to the log; the metrics count every refusal)."""
+        if len(self._told) < self.KEEP_TOLD:
+            return
+        stale = time.monotonic() - self.TELL_EVERY
+        for source in [s for s, t in self._told.items() if t[0] < stale and s not in self._open]:
+            del self._told[source]
 
 
 def never(source: str) -> bool:

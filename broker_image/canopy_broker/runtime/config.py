@@ -87,7 +87,11 @@ class BrokerConfig:
         ``high_water_bytes``. The count's limit (``client_hard_cap``, ten times high water)
         scaled to bytes let a subscriber that read nothing hold 640 MiB of 3 MB notifications
         before it was cut, the broker at 1.4 GB (outside review)."""
-        return 4 * self.high_water_bytes if self.high_water_bytes > 0 else 0
+        if self.high_water_bytes <= 0:
+            return 0
+        # never below two of the largest frames: a small --queue-bytes would cut a client on
+        # its second large notification during a moment's pause of its socket
+        return max(4 * self.high_water_bytes, 2 * self.max_frame)
 
     @property
     def slot(self) -> int:

@@ -746,7 +746,7 @@ class Broker:
             if said is not None and now - said[0] < SourceCounts.TELL_EVERY:
                 self._strangers_told[exc.code] = (said[0], said[1] + 1)  # a flood: told later
                 return
-            more = f" ({said[1]} more like it in the last {now - said[0]:.0f} s)" if said else ""
+            more = f" ({said[1]} more since, {now - said[0]:.0f} s ago)" if said and said[1] else ""
             self._strangers_told[exc.code] = (now, 0)
             source = conn.source or source_of(conn.transport)
             log.warning("%s: closing a connection from %s: %s%s", self.name, source, exc, more)
@@ -1010,6 +1010,8 @@ class Broker:
                 f"protocol version {hello.get('v')!r} is not {PROTOCOL_VERSION}", "version"
             )
         role = hello.get("role")
+        if not isinstance(role, str):  # [] or {} raised on the role checks (internal error)
+            raise FrameError(f"hello role must be a string, got {type(role).__name__}", "bad-hello")
         try:
             self._check_port(conn, role)
             if role == "client":
@@ -1580,9 +1582,7 @@ class Broker:
             "address": join_address(*self.address) if self.address else None,
             "advertised": self.advertised,
             "client_advertised": self.client_advertised,
-            "link_address": f"{self.link_address[0]}:{self.link_address[1]}"
-            if self.link_address
-            else None,
+            "link_address": join_address(*self.link_address) if self.link_address else None,
             "placement": {"zone": self.placement.current.zone, "node": self.placement.current.node},
             "uptime_s": round(time.monotonic() - self.started, 3),
             "ready": self.ready,

@@ -23,7 +23,7 @@ from canopy_operator.backends.certs import (
     IssuerRef,
 )
 from canopy_operator.backends.kube import GROUP, KIND, VERSION
-from canopy_operator.model.topology import SERVICE_SUFFIX, OverlaySpec, SpecError
+from canopy_operator.model.topology import OverlaySpec, SpecError
 
 BROKER_PORT, LINK_PORT, ADMIN_PORT, GATEWAY_PORT, MQTT_PORT = 7000, 7001, 8080, 8081, 8883
 """Clients; overlay links (brokers only: the NetworkPolicy admits the overlay's broker pods);
@@ -71,8 +71,38 @@ def pod_name(overlay: str, broker: str) -> str:
     return f"{overlay}-{broker}"
 
 
+SERVICE_SUFFIX = "-brokers"
+MAX_OVERLAY_NAME = 63 - len(SERVICE_SUFFIX)
+
+
 def service_name(overlay: str) -> str:
-    return f"{overlay}{SERVICE_SUFFIX}"  # the spec's check counts on the same suffix
+    return f"{overlay}{SERVICE_SUFFIX}"
+
+
+def name_problems(spec: OverlaySpec) -> list[str]:
+    """What the API server would refuse in the objects named after ``spec``: its Service
+    (NAME-brokers) is a DNS-1035 label, each pod's host name (NAME-BROKER) a DNS label. Before
+    this check the operator made the rest and the Service or a pod was refused. Kubernetes
+    only: a local overlay has neither, and one made under such a name runs on."""
+    name, problems = spec.name, []
+    if not name[:1].isalpha():
+        problems.append(
+            f"metadata.name {name!r} must begin with a letter (its Service, "
+            f"{service_name(name)}, is a DNS-1035 label)"
+        )
+    if len(name) > MAX_OVERLAY_NAME:
+        problems.append(
+            f"metadata.name {name!r} has {len(name)} characters, at most {MAX_OVERLAY_NAME} "
+            f"(its Service, NAME{SERVICE_SUFFIX}, has at most 63)"
+        )
+    for broker in spec.broker_names:
+        host = pod_name(name, broker)
+        if len(host) > 63:
+            problems.append(
+                f"broker name {broker!r} is too long for overlay {name!r}: its pod's host name "
+                f"{host} has {len(host)} characters, at most 63"
+            )
+    return problems
 
 
 def secret_name(overlay: str) -> str:

@@ -66,6 +66,7 @@ from canopy_operator.backends.manifests import (
     client_secret_name,
     dns_resolver,
     link_network_policy,
+    name_problems,
     owned,
     owner_reference,
     policy_name,
@@ -253,7 +254,7 @@ class Reconciler:
             self.security(spec)
         except SpecError as exc:
             return None, [str(exc)]
-        return spec, validate(spec)
+        return spec, name_problems(spec) + validate(spec)
 
     async def ensure_security(self, spec: OverlaySpec, security: Security) -> Issuing | None:
         """The overlay's credentials, unless ``spec.security.tls`` is false (None then):

@@ -262,18 +262,6 @@ def parse_overlay(manifest: Mapping[str, Any]) -> OverlaySpec:
         # It names the overlay's directory (canopy up) and its Kubernetes objects: a name
         # such as "../../etc" put a local overlay's state two directories up.
         raise SpecError(f"metadata.name {name!r} is not {DNS_LABEL}")
-    # Its Service, NAME-brokers, must be a DNS-1035 label: the API server refused one that
-    # began with a digit or passed 63 characters, after the operator had made the rest.
-    if not name[0].isalpha():
-        raise SpecError(
-            f"metadata.name {name!r} must begin with a letter (its Service, "
-            f"{name}{SERVICE_SUFFIX}, is a DNS-1035 label)"
-        )
-    if len(name) > MAX_OVERLAY_NAME:
-        raise SpecError(
-            f"metadata.name {name!r} has {len(name)} characters, at most {MAX_OVERLAY_NAME} "
-            f"(its Service, NAME{SERVICE_SUFFIX}, has at most 63)"
-        )
     problem = unknown_field(manifest)
     if problem:
         raise SpecError(problem)
@@ -367,11 +355,7 @@ def validate(spec: OverlaySpec) -> list[str]:
     for n in names:
         if not _dns_label(n):
             problems.append(f"broker name {n!r} is not {DNS_LABEL}")
-        elif len(spec.name) + 1 + len(n) > 63:
-            problems.append(
-                f"broker name {n!r} is too long for overlay {spec.name!r}: its pod's host name "
-                f"{spec.name}-{n} has {len(spec.name) + 1 + len(n)} characters, at most 63"
-            )
+
     if spec.max_fan_out < 2:
         problems.append(f"maxFanOut must be at least 2, got {spec.max_fan_out}")
     if spec.max_concurrent < 1:
@@ -485,9 +469,6 @@ def validate_tree(brokers: set[str], links: Iterable[Edge], max_fan_out: int) ->
         )
     return problems
 
-
-SERVICE_SUFFIX = "-brokers"  # backends.manifests.service_name: OVERLAY-brokers
-MAX_OVERLAY_NAME = 63 - len(SERVICE_SUFFIX)
 
 DNS_LABEL = (
     "a DNS label (lower-case letters, digits and '-', at most 63 characters, starting and "
