@@ -345,7 +345,12 @@ async def bound(host: str | None, port: int) -> list[socket.socket]:
             except OSError as exc:
                 if exc.errno == errno.EAFNOSUPPORT and len(infos) > 1:
                     continue
-                raise
+                # as create_server says it (the supervisor and its tests read this line)
+                raise OSError(
+                    exc.errno,
+                    f"error while attempting to bind on address {address!r}: "
+                    f"{(exc.strerror or str(exc)).lower()}",
+                ) from None
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sockets.append(sock)
