@@ -419,10 +419,9 @@ async def serve(args: argparse.Namespace) -> int:
         # listens on IPv6's any address (a socket on "::" takes IPv6 only; dialing 127.0.0.1
         # was refused, outside review).
         bound_to = broker.address[0]
-        host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(bound_to) or (
-            f"[{bound_to}]" if ":" in bound_to else bound_to
+        own = join_address(
+            {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bound_to, bound_to), broker.address[1]
         )
-        own = f"{host}:{broker.address[1]}"
         own_ca = client_files.ca if client_files is not None else None
         if args.gateway:
             gw_host, gw_port = parse_address(args.gateway)

@@ -142,6 +142,29 @@ class SourceCounts:
             del self._told[source]
 
 
+class Quiet:
+    """When a line about ``key`` may be logged: at most once per :attr:`TELL_EVERY` seconds,
+    saying how many were held back since. For floods that would write a line each (strangers
+    closed for silence, a listener at its limit); :class:`SourceCounts` keeps its own, per
+    address, with the rest told when the address lets go."""
+
+    TELL_EVERY = SourceCounts.TELL_EVERY
+
+    def __init__(self) -> None:
+        self._told: dict[str, tuple[float, int]] = {}  # when last told, held back since
+
+    def due(self, key: str) -> tuple[int, float] | None:
+        """None: keep quiet (this one is counted); else how many were held back since the
+        last line about ``key``, and how long ago that was (0 and inf the first time)."""
+        now = time.monotonic()
+        told, held = self._told.get(key, (-math.inf, 0))
+        if now - told < self.TELL_EVERY:
+            self._told[key] = (told, held + 1)
+            return None
+        self._told[key] = (now, 0)
+        return held, now - told
+
+
 def never(source: str) -> bool:
     """No address is exempt from the count."""
     return False
@@ -201,7 +224,7 @@ class Listener(asyncio.AbstractServer):
         self.admission = admission
         self.counts = SourceCounts(min(admission.limit, HANDSHAKES_PER_SOURCE))
         self.in_progress = 0  # counted handshakes under way, from every address
-        self._told_full = -math.inf  # when the listener's limit was last logged
+        self._quiet = Quiet()  # when the listener's limit was last logged
         self._loop = asyncio.get_running_loop()
         self._serving = False
 
@@ -284,9 +307,7 @@ class Listener(asyncio.AbstractServer):
             return
         counted = not admission.exempt(source)
         if counted and self.in_progress >= MAX_HANDSHAKES:
-            now = time.monotonic()
-            if now - self._told_full >= SourceCounts.TELL_EVERY:  # a line per 10 s at most
-                self._told_full = now
+            if self._quiet.due("full") is not None:  # a line per 10 s at most
                 log.warning(
                     "%s: refusing TLS handshakes: %d in progress (the listener's limit)",
                     admission.who,
@@ -352,7 +373,6 @@ async def bound(host: str | None, port: int) -> list[socket.socket]:
                     f"{(exc.strerror or str(exc)).lower()}",
                 ) from None
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sockets.append(sock)
     except OSError:
         for sock in sockets:

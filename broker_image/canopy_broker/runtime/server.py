@@ -67,7 +67,14 @@ from canopy_broker.core.messages import (
     TellGap,
     TimerFired,
 )
-from canopy_broker.runtime.accept import Admission, Serving, SourceCounts, listen, source_of
+from canopy_broker.runtime.accept import (
+    Admission,
+    Quiet,
+    Serving,
+    SourceCounts,
+    listen,
+    source_of,
+)
 from canopy_broker.runtime.client_sessions import ClientSessions
 from canopy_broker.runtime.config import BrokerConfig
 from canopy_broker.runtime.conn import Conn
@@ -288,9 +295,9 @@ class Broker:
         self._over: set[Link | Client] = set()
         self._lagging: set[Client] = set()  # slow consumers under the disconnect policy
         self._sources = SourceCounts(config.max_connections_per_source)  # accepted ones
-        # Strangers' connections closed, by code: when last logged, how many since (a flood of
-        # idle TLS connections logged a line each, all in the same second).
-        self._strangers_told: dict[str, tuple[float, int]] = {}
+        # Strangers' connections closed, logged once per code per interval (a flood of idle
+        # TLS connections logged a line each, all in the same second).
+        self._strangers_told = Quiet()
         self.publishers_paused = False
         self.custody_full = False  # a link's retention is at its limit: publishers wait
         self._warned: set[str] = set()
@@ -741,13 +748,11 @@ class Broker:
             return
         self.metrics.malformed.labels(role, exc.code).inc()
         if conn.role is None:  # a stranger's (no hello yet): named by its address
-            said = self._strangers_told.get(exc.code)
-            now = time.monotonic()
-            if said is not None and now - said[0] < SourceCounts.TELL_EVERY:
-                self._strangers_told[exc.code] = (said[0], said[1] + 1)  # a flood: told later
+            due = self._strangers_told.due(exc.code)
+            if due is None:  # a flood: counted, told with the next line
                 return
-            more = f" ({said[1]} more since, {now - said[0]:.0f} s ago)" if said and said[1] else ""
-            self._strangers_told[exc.code] = (now, 0)
+            held, ago = due
+            more = f" ({held} more since, {ago:.0f} s ago)" if held else ""
             source = conn.source or source_of(conn.transport)
             log.warning("%s: closing a connection from %s: %s%s", self.name, source, exc, more)
             return
