@@ -30,6 +30,7 @@ from tests.integration.crash_overlay import (
     FILTER,
     HEARTBEAT,
     SUBSCRIBERS,
+    Publisher,
     assert_all_delivered,
     assert_streams,
     attach_clients,
@@ -39,6 +40,7 @@ from tests.integration.crash_overlay import (
     publish_steadily,
     start,
     subscribe_all,
+    verdict,
     wait_repaired,
 )
 
@@ -87,6 +89,61 @@ async def test_an_inner_broker_killed_under_traffic_is_repaired_around(tmp_path:
         assert status["repairs"][-1]["dead"] == "b3"
         assert status["repairs"][-1]["chain"] == ["b1", "b4", "b5"]
         await close_all([pub, *clients.values()], drains)
+    finally:
+        await asyncio.gather(*(b.stop() for b in brokers.values()))
+
+
+async def test_two_neighbours_killed_together_are_bridged_and_nothing_is_lost(
+    tmp_path: Path,
+) -> None:
+    """b1 and b3, neighbours, are SIGKILLed together under traffic both ways (a node taking
+    both). b1's chain (b0, b2, b3) runs through b3 and b3's (b1, b4, b5) through b1: alone,
+    each falls apart there and the overlay stays split into {b0, b2} and {b4, b5, b6} until a
+    restore. b2 and b4, whose repair links to the other dead broker never connect, find it
+    dead by probing and link to each other instead (the bridge, from the lists each dead
+    broker told of the other), dialing with addresses told two hops on. Every subscriber has
+    every event of both publishers, once and in order, including what the two swallowed."""
+    brokers = await start(tmp_path)
+    try:
+        clients, received, drains = await subscribe_all(brokers)
+        p0 = await connect(brokers["b0"].listen, client_id="p0")
+        p6 = await connect(brokers["b6"].listen, client_id="p6")
+        await wait_settled(brokers.values())
+        publishers = {"p0": Publisher(p0), "p6": Publisher(p6)}
+        await asyncio.sleep(1.0)
+        killed_at = time.monotonic()
+        victims = [brokers.pop("b1"), brokers.pop("b3")]
+        for v in victims:
+            v.kill()
+        await asyncio.gather(*(v.stop() for v in victims))
+        bridged = {("b0", "b2"), ("b2", "b4"), ("b4", "b5"), ("b5", "b6")}
+        edges: set[tuple[str, str]] = set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(15):
+                while edges != bridged:
+                    edges = live_edges({n: await b.admin.status() for n, b in brokers.items()})
+                    await asyncio.sleep(0.05)
+        assert edges == bridged, f"not bridged: the survivors' links are {sorted(edges)}"
+        repair_s = time.monotonic() - killed_at
+        await wait_settled(brokers.values())
+        await asyncio.sleep(1.0)
+        last = {p: await pub.stop() for p, pub in publishers.items()}
+        async with asyncio.timeout(20):
+            while any(  # noqa: ASYNC110
+                [n.seq for n in got if n.publisher == p][-1:] != [end]
+                for got in received.values()
+                for p, end in last.items()
+            ):
+                await asyncio.sleep(0.05)
+        for sub, got in received.items():
+            for p, end in last.items():
+                missed, exact = verdict(got, end, p)
+                assert not missed, f"{sub} missed {len(missed)} of {p}'s: {missed[:10]}"
+                assert exact, f"{sub}: {p}'s duplicated or reordered"
+        records = (await brokers["b2"].admin.status())["repairs"]
+        assert any(r["dead"] == "b3" and r["linked"] == ["b4"] for r in records), records
+        print(f"bridged {repair_s:.2f}s after the kill; {last} published, none lost")
+        await close_all([p0, p6, *clients.values()], drains)
     finally:
         await asyncio.gather(*(b.stop() for b in brokers.values()))
 

@@ -83,7 +83,9 @@ def test_placement_travels_with_the_list_and_orders_the_neighbours_announcement(
     sent = {e.peer: e.message for e in out if isinstance(e, SendToLink)}
     assert set(sent) == {"a", "b", "c", "d"}
     msg = sent["a"]
-    assert msg == Neighbours(("b", "c", "d", "a"), "z1", "n1")
+    # With the others' lists (two hops, for a bridge), never a's own.
+    lists = (("b", ("n",)), ("c", ("n",)), ("d", ("n",)))
+    assert msg == Neighbours(("b", "c", "d", "a"), "z1", "n1", lists=lists)
     # What each neighbour keeps warm for n's death: never a broker of n's zone but for a,
     # which is in n's zone itself and has the last place.
     lists = {"n": msg.names}  # type: ignore[union-attr]

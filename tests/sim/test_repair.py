@@ -92,18 +92,8 @@ def verdict(sim: Simulator, dead: str, start: float) -> tuple[list[str], bool, i
 @pytest.mark.parametrize("seed", range(12))
 def test_the_survivors_close_the_tree_and_route_exactly(seed: int) -> None:
     sim, dead, start = crashed_overlay(seed, detect=True)
-    edges = sim.edges
-    assert all(dead not in e for e in edges)
-    # One tree again: n - 2 edges over the n - 1 survivors, all connected.
-    survivors = {b for b in sim.cores if b != dead}
-    assert len(edges) == len(survivors) - 1
-    reach, todo = set(), [next(iter(survivors))]
-    while todo:
-        b = todo.pop()
-        if b not in reach:
-            reach.add(b)
-            todo += [y if x == b else x for x, y in edges if b in (x, y)]
-    assert reach == survivors
+    assert all(dead not in e for e in sim.edges)
+    assert one_tree(sim, {b for b in sim.cores if b != dead})  # n - 2 edges, all connected
     problems, delivered, owed = verdict(sim, dead, start)
     assert problems == [] and delivered and owed > 50, problems
 
@@ -115,11 +105,13 @@ def test_negative_control_without_detection_the_checks_fail(seed: int) -> None:
     assert problems or not delivered
 
 
-def publishing_through_a_crash(seed: int, factory: object) -> tuple[Simulator, str]:
-    """Publishers on every broker publish before, during and after the crash of an inner
-    broker; its neighbours detect it 30 time units (3-30 link delays) later."""
+def populated(
+    seed: int, factory: object, fewest: int
+) -> tuple[Simulator, random.Random, list[str], list[tuple[str, str]], dict[str, int]]:
+    """A random tree of ``fewest`` to 14 brokers, each with a subscriber (``x`` one of 0-2) and
+    a publisher: the simulator, the random source it was drawn from, names, edges, degrees."""
     rng = random.Random(seed)
-    n = rng.randint(6, 14)
+    n = rng.randint(fewest, 14)
     edges = random_tree(n, rng)
     names = [f"b{i}" for i in range(n)]
     sim = Simulator(names, edges, seed=seed, core_factory=factory)  # type: ignore[arg-type]
@@ -128,6 +120,14 @@ def publishing_through_a_crash(seed: int, factory: object) -> tuple[Simulator, s
         sim.subscribe(f"s{i}", "x", Filter.parse(f"x = {rng.randrange(3)}"), at=1)
         sim.attach(f"p{i}", b, at=0)
     degree = {b: sum(b in e for e in edges) for b in names}
+    return sim, rng, names, edges, degree
+
+
+def publishing_through_a_crash(seed: int, factory: object) -> tuple[Simulator, str]:
+    """Publishers on every broker publish before, during and after the crash of an inner
+    broker; its neighbours detect it 30 time units (3-30 link delays) later."""
+    sim, rng, names, _, degree = populated(seed, factory, 6)
+    n = len(names)
     dead = rng.choice([b for b in names if degree[b] >= 2])
     for k in range(600):
         sim.publish(f"p{k % n}", {"x": k % 3}, at=200 + k * 0.4)
@@ -453,3 +453,98 @@ def test_two_repairs_sharing_a_chain_end_each_hold_it_until_their_own_sweep() ->
     assert to_e(done) == [1, 2, 3]  # once each, in order
     assert core.repair_holding is None
     assert to_e(core.handle(ClientPublish("p", Event("p", 4, {"n": 4})))) == [4]
+
+
+# --------------------------------------------------------------------------- two at once
+
+
+class NoBridge(BrokerCore):
+    """The strawman: each dead broker's neighbours chain up along its own list alone, as
+    before bridges (its chain runs through the other dead broker and falls apart there)."""
+
+    def _bridge(self, peer: str, out: list[Any]) -> bool:
+        return False
+
+
+def bridging(name: str, mode: RoutingMode) -> BrokerCore:
+    return BrokerCore(name, mode, announce_neighbours=True, retention_window=150.0)
+
+
+def strawman(name: str, mode: RoutingMode) -> BrokerCore:
+    return NoBridge(name, mode, announce_neighbours=True, retention_window=150.0)
+
+
+def pair_crash(
+    seed: int, factory: object, *, inner: bool = False, stagger: float = 0.0
+) -> tuple[Simulator, frozenset[str]]:
+    """Publishers on every broker publish before, during and after two neighbours crash at
+    the same moment (a node taking both, or a kill of two); each one's neighbours detect it
+    30 units later. Any edge of a random tree (a leaf of the other dead broker too), or one
+    whose ends both have other neighbours (``inner``: without a bridge, the two sides part).
+    ``stagger``: the second dies up to that much later (less than the detection time, so
+    that it is dead before any repair links to it, as when both are killed together), and
+    each neighbour's detector fires up to that much later than the others (real processes
+    differ)."""
+    sim, rng, names, edges, degree = populated(seed, factory, 7)
+    n = len(names)
+    inside = [e for e in edges if min(degree[e[0]], degree[e[1]]) >= 2]
+    dead = frozenset(rng.choice(inside if inner and inside else edges))
+    for k in range(900):
+        sim.publish(f"p{k % n}", {"x": k % 3}, at=200 + k * 0.4)
+    for b in sorted(dead):
+        at = 300 + rng.uniform(0, stagger)
+        sim.crash(b, at=at)
+        sim.detect_failure(b, at=at + 30, late={n: rng.uniform(0, stagger) for n in names})
+    sim.run()
+    return sim, dead
+
+
+def one_tree(sim: Simulator, survivors: set[str]) -> bool:
+    """Whether the survivors' links are one tree over all of them, and none leads to a dead
+    broker (the dead pair's own link stays in the simulator's edges: nobody closes it)."""
+    if any(len(survivors.intersection(e)) == 1 for e in sim.edges):
+        return False
+    edges = [e for e in sim.edges if survivors.issuperset(e)]
+    if len(edges) != len(survivors) - 1:
+        return False
+    reach, todo = set(), [min(survivors)]
+    while todo:
+        b = todo.pop()
+        if b not in reach:
+            reach.add(b)
+            todo += [y if x == b else x for x, y in edges if b in (x, y)]
+    return reach == survivors
+
+
+def pair_verdict(sim: Simulator, dead: frozenset[str]) -> tuple[bool, Any, list[str]]:
+    survivors = set(sim.cores) - dead
+    alive = {c for c, b in sim.client_broker.items() if b not in dead}
+    subs = [s for s in sim.subs if s.client in alive]
+    pubs = [p for p in sim.publications() if p.publisher in alive]
+    live = [d for d in sim.deliveries if d.client in alive and d.publisher in alive]
+    report = check_deliveries(subs, pubs, live)
+    live_cores = {b: c for b, c in sim.cores.items() if b in survivors}
+    by_broker = {b: s for b, s in sim.subscriptions_by_broker().items() if b in survivors}
+    return one_tree(sim, survivors), report, check_routing(live_cores, sim.edges, by_broker)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_two_neighbours_dead_together_are_bridged_and_lose_nothing(seed: int) -> None:
+    """Each dead broker's chain runs through the other. The survivors next to the other dead
+    broker in a chain find out from their link to it, which never connects, and link over
+    both instead (bridge_ends, from the lists each dead broker told of the other): the
+    overlay is one tree again, its routing tables canonical, and every live subscriber has
+    every live publisher's events once and in order, with what the dead pair swallowed."""
+    sim, dead = pair_crash(seed, bridging, stagger=0.0 if seed < 8 else 20.0)
+    tree, report, problems = pair_verdict(sim, dead)
+    assert tree, (sorted(dead), sim.edges)
+    assert report.ok and report.owed > 500, str(report)
+    assert problems == [], problems
+    assert set(sim.repaired) == set(dead)  # every repair finished, none left waiting
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_negative_control_without_the_bridge_the_overlay_stays_split(seed: int) -> None:
+    sim, dead = pair_crash(seed, strawman, inner=True)
+    tree, report, _ = pair_verdict(sim, dead)
+    assert not tree or not report.ok, (sorted(dead), sim.edges)

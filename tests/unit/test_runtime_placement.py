@@ -137,7 +137,7 @@ def test_a_neighbour_of_an_older_version_gets_the_list_by_name_and_without_place
     feed(FromLink("a", Neighbours(("n",), "z1", "n1")))  # a shares n's node
     feed(FromLink("c", Neighbours(("n",), "z2", "n3")))
     assert last["old"] == Neighbours(("a", "c", "old"))  # sorted, no placement fields
-    assert last["a"] == Neighbours(("a", "c", "old"), "z1", "n1")
+    assert last["a"] == Neighbours(("a", "c", "old"), "z1", "n1", lists=(("c", ("n",)),))
     assert encode_generic(last["old"]) == b'[3,{"$":"Neighbours","names":["a","c","old"]}]'
     # Rolled to the new version: the chain order comes back.
     out = core.handle(PeerFeatures("old", placement=True))

@@ -110,6 +110,8 @@ from canopy_broker.core.repair import (
     NeighbourLists,
     RepairRun,
     Retention,
+    bridge_ends,
+    chain_links,
     merged,
     standby_peers,
 )
@@ -200,6 +202,9 @@ class BrokerCore:
         )
         self.repair_timeout = repair_timeout
         self.repairs: dict[str, RepairRun] = {}
+        # A chain partner that died with the broker a repair is around, bridged over by that
+        # repair (see _bridge): its sweeps and ReplayEnds, named for it, belong to that run.
+        self._bridged: dict[str, RepairRun] = {}
         # Each chain end a repair under way waits for, with the runs that wait for it (two
         # repairs may share an end: each holds it until its own sweep came).
         self._holding: dict[str, list[RepairRun]] = {}
@@ -704,9 +709,13 @@ class BrokerCore:
             if self.routing.has_link(inp.peer):
                 self.from_link(inp, out)
 
+    def declared_dead(self, peer: str) -> bool:
+        """Whether ``peer`` was declared dead here and is being repaired around."""
+        return peer in self._ghosts
+
     def repair_uses(self, peer: str) -> bool:
         """Whether a repair under way here has ``peer`` as a chain partner."""
-        return any(peer in (run.previous, run.next) for run in self.repairs.values())
+        return any(peer in run.partners for run in self.repairs.values())
 
     @property
     def repair_holding(self) -> str | None:
@@ -762,6 +771,8 @@ class BrokerCore:
         link advertises what this end holds, as an added link does."""
         if not self.routing.has_link(peer) or peer in self._ghosts:
             raise ProtocolError(f"{self.name}: no link to {peer!r}")
+        if self.ex is None and self._bridge(peer, out):
+            return
         ex = self.ex
         if ex is not None and not ex.promised:
             # Locked, nothing changed yet: let the try go. Its path has lost a broker (final:
@@ -836,6 +847,7 @@ class BrokerCore:
             previous=chain_end(me - 1),
             next=chain_end(me + 1),
             retained=merged(carried, self.retention.take(peer, self.now)),
+            chain=chain,
             replay_also=(via,) if via is not None and self.routing.has_link(via) else (),
         )
         for partner in (run.previous, run.next):  # it came before this repair began here
@@ -847,9 +859,8 @@ class BrokerCore:
         handing = self.handovers.get(peer)
         if handing is not None and handing.ghost:
             handing.repair = run  # it hands over only once this is through
-        for end in (run.previous, run.next):
-            if end is not None:
-                self._holding.setdefault(end, []).append(run)
+        for end in run.partners:
+            self._holding.setdefault(end, []).append(run)
         if (
             ex is not None
             and ex.me == 0
@@ -871,6 +882,53 @@ class BrokerCore:
             self._finish_repair(run, out)
         else:
             out.append(StartTimer(f"repair:{peer}", self.repair_timeout))
+
+    def _bridge(self, peer: str, out: list[Effect]) -> bool:
+        """``peer``, a chain partner of a repair under way here, is dead too, and its link never
+        brought its list: it died with the broker that repair is around (two neighbours killed
+        together, or a node taking both). Each dead broker's chain then runs through the other
+        and falls apart there, and without more the overlay stays split until the operator's
+        restore joins it (chaos runs: 1,318-1,789 events lost, told, at subscribers whose
+        brokers never failed). Where the dead broker told this one ``peer``'s list (two hops,
+        ``Neighbours.lists``), this broker links instead to its partners on the bridge over the
+        two (:func:`~canopy_broker.core.repair.bridge_ends`), which the survivors on the other
+        side compute alike, and the run goes on over the larger tree: sweeps, replay and all.
+        False where it cannot (an exchange runs, or no such list): the repair around ``peer``
+        follows as before."""
+        if peer in self.neighbour_lists.lists:
+            return False  # it said its own list: the repair around it knows better
+        for run in self._holding.get(peer, ()):
+            theirs = self.neighbour_lists.list_via(run.dead, peer)
+            if run.phase is not RepairPhase.WAITING or theirs is None or run.dead not in theirs:
+                continue
+            ends = bridge_ends(run.dead, run.chain, peer, theirs)
+            partners = [
+                t for t in chain_links(ends, self.name) if t not in (run.previous, run.next)
+            ]
+            held = [r for r in self._holding.pop(peer) if r is not run]
+            if held:
+                self._holding[peer] = held
+            self._remove_link(peer, out)  # it never carried anything: nothing to wait for
+            opened: list[str] = []
+            for t in partners:
+                if not self.routing.has_link(t):
+                    out.append(OpenLink(t))  # first: its routes follow on it
+                    self.routing.add_link(t, out)
+                    opened.append(t)
+                self._holding.setdefault(t, []).append(run)
+            out.append(Repaired(peer, ends, tuple(opened)))
+            self._bridged[peer] = run
+            out.extend(run.bridge(peer, partners))  # behind this end's routes on the new links
+            if run.complete:
+                self._finish_repair(run, out)
+            else:  # the bridge needs its own time: the far side's probe came later too
+                out.append(StartTimer(f"repair:{run.dead}", self.repair_timeout))
+            return True
+        return False
+
+    def _run_for(self, dead: str) -> RepairRun | None:
+        """The repair under way here around ``dead``, or bridging over it."""
+        return self.repairs.get(dead) or self._bridged.get(dead)
 
     def _verdict_due(self, dead: str, out: list[Effect], via: str | None = None) -> None:
         """A verdict that waited (exchange.a2_dead_unlisted) goes ahead: the walk from the
@@ -983,6 +1041,9 @@ class BrokerCore:
         done = [d for d, r in self.repairs.items() if r.phase is RepairPhase.DONE]
         for dead in done[: max(0, len(done) - 16)]:
             del self.repairs[dead]
+        kept = set(map(id, self.repairs.values()))
+        for dead in [d for d, r in self._bridged.items() if id(r) not in kept]:
+            del self._bridged[dead]
 
     def _finish_repair(self, run: RepairRun, out: list[Effect], *, timed_out: bool = False) -> None:
         ex = self.ex
@@ -1035,12 +1096,13 @@ class BrokerCore:
         if run.phase is not RepairPhase.DONE:
             return
         ends = self.replaying(run)  # the partners that take a ReplayEnd, and send one
-        for partner, other in ((run.previous, run.next), (run.next, run.previous)):
+        partners = run.partners
+        for partner in partners:
             if partner not in ends or partner in run.replay_ends_sent:
                 continue
-            if other not in ends or other in run.replay_ends:
+            if all(o not in ends or o in run.replay_ends for o in partners if o != partner):
                 run.replay_ends_sent.add(partner)
-                out.append(SendToLink(partner, ReplayEnd(run.dead)))
+                out.append(SendToLink(partner, ReplayEnd(run.name_for(partner))))
 
     def _settle_after(self, run: RepairRun, out: list[Effect], *, now: bool = False) -> None:
         """Settle the exchange that waits on ``run`` (see exchange.defer_settle) once it is
@@ -1054,7 +1116,7 @@ class BrokerCore:
         coordinated.settle(self, ex, run.dead, run.dead, out)
 
     def _replay_ended(self, peer: str, dead: str, out: list[Effect]) -> None:
-        run = self.repairs.get(dead)
+        run = self._run_for(dead)
         if run is None:
             # Its repair may not have begun here yet: this broker's detector is slower, and
             # the partner's repair ended on its timer. A middle member of the chain says its
@@ -1067,7 +1129,7 @@ class BrokerCore:
             if len(early) < 256:
                 early[(peer, dead)] = self.now
             return
-        if peer not in (run.previous, run.next):
+        if peer not in run.partners:
             # One from before a later repair around a broker of the same name (a restarted one
             # died again), or from outside the chain: nothing waits on it here. Dropped, not
             # refused: the link it came over is sound.
@@ -1075,7 +1137,7 @@ class BrokerCore:
         run.replay_ends.add(peer)
         self._send_replay_ends(run, out)
         self._settle_after(run, out)
-        handover.repaired(self, dead, out)
+        handover.repaired(self, run.dead, out)
 
     def _partner_gone(self, out: list[Effect]) -> None:
         """A link went: if it was a chain partner whose ReplayEnd the exchange waits for, it
@@ -1090,7 +1152,7 @@ class BrokerCore:
             handover.repaired(self, dead, out)
 
     def _repair_msg(self, peer: str, msg: RepairSweep, out: list[Effect]) -> None:
-        run = self.repairs.get(msg.dead)
+        run = self._run_for(msg.dead)
         if run is None:
             raise ProtocolError(f"{self.name}: repair sweep for {msg.dead}, which it is not in")
         run.on_sweep(peer, msg, out)
@@ -1116,8 +1178,7 @@ class BrokerCore:
     def replaying(self, run: RepairRun) -> list[str]:
         """The chain partners of ``run`` whose ReplayEnd is to come: still linked, and sending
         one."""
-        partners = (run.previous, run.next)
-        return [p for p in partners if p and self.is_neighbour(p) and p not in self.no_replay_end]
+        return [p for p in run.partners if self.is_neighbour(p) and p not in self.no_replay_end]
 
     def drop_ghost(self, dead: str, out: list[Effect]) -> None:
         """A hand-over is through collecting at the ghost of ``dead``: its routes go, unless

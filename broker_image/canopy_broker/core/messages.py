@@ -347,11 +347,17 @@ class Neighbours:
     ordered list the neighbours need to repair the overlay around this broker if it dies
     (paper 001's NL_j), in the order of the repair chain, and where the sender runs (its
     ``zone`` and ``node``, "" when unknown), from which its neighbours order their own lists
-    so that the standby links a chain implies cross failure domains (paper 003)."""
+    so that the standby links a chain implies cross failure domains (paper 003).
+
+    ``lists``: each of the sender's other neighbours' own lists, as the sender last heard them
+    (never the receiver's own, which it knows). Two neighbours that die together leave each
+    side knowing only its own dead broker's list; with the other's it can bridge the two
+    (core.repair.bridge_ends). Older brokers leave the field out, and ignore it."""
 
     names: tuple[str, ...]
     zone: str = ""
     node: str = ""
+    lists: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @message

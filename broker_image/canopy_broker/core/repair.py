@@ -149,6 +149,31 @@ def standby_peers(
     return tuple(sorted(want))
 
 
+def bridge_ends(
+    one: str, one_list: Sequence[str], other: str, other_list: Sequence[str]
+) -> tuple[str, ...]:
+    """The bridge over two neighbours, ``one`` and ``other``, that died together, given each
+    one's last list: the survivors that each repair's chain linked to the other dead broker,
+    as one chain. Their links close the tree again.
+
+    Why: each dead broker's neighbours chain up along its list (:func:`chain_links`), and
+    that chain runs through the other dead broker, so it falls apart at it: into at most two
+    pieces on each side, four in all. Only the survivors next to the other dead broker in a
+    chain find out (their link to it never connects: the runtime's probe declares it dead),
+    so only they may take new links. Each piece has exactly one of them at an end, so the
+    pieces are joined by a chain over those, in an order every one of them computes alike:
+    first the list of the dead broker whose name sorts first, then the other's. Each gets at
+    most two new links, as in a single repair."""
+    first, second = sorted(((one, tuple(one_list)), (other, tuple(other_list))))
+    ends: list[str] = []
+    for (_, names), (partner, _) in ((first, second), (second, first)):
+        chain = list(dict.fromkeys(names))
+        if partner in chain:
+            i = chain.index(partner)
+            ends += [chain[j] for j in (i - 1, i + 1) if 0 <= j < len(chain)]
+    return tuple(n for n in dict.fromkeys(ends) if n not in (one, other))
+
+
 class NeighbourLists:
     """What each neighbour last said its neighbours are, and what this broker last said."""
 
@@ -161,6 +186,12 @@ class NeighbourLists:
         self._announced: tuple[object, ...] | None = None
         self._told: dict[str, Neighbours] = {}  # what each neighbour last heard from us
         self._pending = False  # a neighbour (behind a frozen link) has not heard the list yet
+        # Two hops: each neighbour's account of its other neighbours' lists (Neighbours.lists),
+        # and, for a dead neighbour, its list with that account, kept for a bridge
+        # (bridge_ends) once its repair has begun (the last 16).
+        self.second: dict[str, dict[str, tuple[str, ...]]] = {}
+        self.spent: dict[str, dict[str, tuple[str, ...]]] = {}
+        self._version = 0  # counts changes to the lists heard: each changes what is told
 
     def heard(self, peer: str, msg: Neighbours) -> None:
         if self.name not in msg.names or peer in msg.names:
@@ -168,8 +199,22 @@ class NeighbourLists:
                 f"{self.name}: {peer}'s neighbour list {list(msg.names)} must name this broker "
                 "and not itself"
             )
+        # Of the second hop, only what can be a list of a neighbour of ``peer``'s: one of its
+        # own, naming ``peer`` and not itself (anything else is stale or wrong: dropped, not
+        # refused; a bridge built on it would link brokers that never meet).
+        second = {
+            n: names
+            for n, names in msg.lists
+            if n in msg.names and n != self.name and peer in names and n not in names
+        }
+        if self.lists.get(peer) != msg.names or self.second.get(peer, {}) != second:
+            self._version += 1
         self.lists[peer] = msg.names
         self.where[peer] = (msg.zone, msg.node)
+        if second:
+            self.second[peer] = second
+        else:
+            self.second.pop(peer, None)
 
     def announce(
         self,
@@ -195,20 +240,24 @@ class NeighbourLists:
         for peer in [p for p in self.lists if p not in neighbours and p not in linked]:
             # The list and placement it said over that link; not ``legacy``, which says
             # what software it runs (a link back over a standby takes no new hello).
-            self.lists.pop(peer, None)
-            self.where.pop(peer, None)
+            self._drop(peer)
         old = self.legacy.intersection(neighbours)
         names = self.order(neighbours)
-        key = (names, self.own, frozenset(old))
+        key = (names, self.own, frozenset(old), self._version)
         if key == self._announced and not self._pending:
             return
         if key != self._announced:
             self._announced = key
             self._told = {p: t for p, t in self._told.items() if p in names}
-        full, bare = Neighbours(names, *self.own), Neighbours(names)
+        bare = Neighbours(names)
+        heard = [(n, self.lists[n]) for n in names if n in self.lists]
         self._pending = False
         for n in names:
-            msg = bare if n in old else full
+            if n in old:
+                msg = bare
+            else:
+                lists = tuple(item for item in heard if item[0] != n)
+                msg = Neighbours(names, *self.own, lists=lists)
             if self._told.get(n) == msg:
                 continue
             if frozen(n):
@@ -234,6 +283,8 @@ class NeighbourLists:
                 "and not itself"
             )
         if newest or peer not in self.lists:
+            if self.lists.get(peer) != names:
+                self._version += 1
             self.lists[peer] = names
 
     def chain_for(
@@ -242,13 +293,28 @@ class NeighbourLists:
         """(the dead broker's last known neighbours in its order, the ones this broker links
         to); ``without`` this broker, which is not one of them any more."""
         chain = tuple(dict.fromkeys(self.lists.pop(dead, ())))
+        self.spent.pop(dead, None)
+        self.spent[dead] = self.second.pop(dead, {})
+        while len(self.spent) > 16:
+            del self.spent[next(iter(self.spent))]
+        self._version += 1
         if without:
             chain = tuple(n for n in chain if n != self.name)
         return chain, chain_links(chain, self.name)
 
-    def forget(self, peer: str) -> None:
-        self.lists.pop(peer, None)
+    def list_via(self, dead: str, peer: str) -> tuple[str, ...] | None:
+        """``peer``'s list as the dead broker ``dead`` last told it here (two hops), if it
+        did, and the repair around ``dead`` has begun."""
+        return self.spent.get(dead, {}).get(peer)
+
+    def _drop(self, peer: str) -> None:
+        listed = self.lists.pop(peer, None) is not None
+        if self.second.pop(peer, {}) or listed:
+            self._version += 1
         self.where.pop(peer, None)
+
+    def forget(self, peer: str) -> None:
+        self._drop(peer)
         self.legacy.discard(peer)
 
 
@@ -468,30 +534,53 @@ class Phase(Enum):
 class Step(Enum):
     SWEEP_FROM_PREVIOUS = "sweep from the previous broker of the chain"
     SWEEP_FROM_NEXT = "sweep from the next broker of the chain"
+    SWEEP_OVER_BRIDGE = "sweep over a bridge link"
     TIMEOUT = "no sweep in time"
 
 
 TRANSITIONS: Final[dict[Phase, dict[Step, Phase]]] = {
     Phase.WAITING: {
-        Step.SWEEP_FROM_PREVIOUS: Phase.WAITING,  # DONE once both sweeps are in (see arrived)
+        # DONE once a sweep came from every partner (see complete)
+        Step.SWEEP_FROM_PREVIOUS: Phase.WAITING,
         Step.SWEEP_FROM_NEXT: Phase.WAITING,
+        Step.SWEEP_OVER_BRIDGE: Phase.WAITING,
         Step.TIMEOUT: Phase.DONE,
     },
     # A finished run still passes late sweeps on (the others need them) but changes nothing.
-    Phase.DONE: {Step.SWEEP_FROM_PREVIOUS: Phase.DONE, Step.SWEEP_FROM_NEXT: Phase.DONE},
+    Phase.DONE: {
+        Step.SWEEP_FROM_PREVIOUS: Phase.DONE,
+        Step.SWEEP_FROM_NEXT: Phase.DONE,
+        Step.SWEEP_OVER_BRIDGE: Phase.DONE,
+    },
 }
 
 
 @dataclass(eq=False)  # identity: a run is one process, hashed as such
 class RepairRun:
-    """This broker's part in the repair around ``dead``."""
+    """This broker's part in the repair around ``dead``.
+
+    Its *partners* are the brokers it linked to for it: its neighbours in the chain
+    (``previous``, ``next``) and, where two neighbours died together, its neighbours on the
+    bridge between the pieces of their chains (``bridges``, see :func:`bridge_ends`). The new
+    links form a tree, and the sweeps cross it as an echo does: a broker sends its sweep to a
+    partner once one came from every other partner (an end of a chain at once, a middle one
+    passes it on), so the sweep it sends travels behind the routes of everything on its side;
+    it has the routes of the whole tree once one came from every partner."""
 
     dead: str
     previous: str | None  # this broker's neighbours in the chain (None at an end)
     next: str | None
     retained: list[Event]  # sent to the dead broker lately, then routed here meanwhile
     phase: Phase = Phase.WAITING
-    swept: set[Step] = field(default_factory=set)
+    bridges: tuple[str, ...] = ()
+    chain: tuple[str, ...] = ()  # the dead broker's list the chain was read from
+    also_dead: tuple[str, ...] = ()  # the dead partners a bridge stands in for
+    # Each bridge partner's, the dead partner it stands in for: the name the sweeps and the
+    # ReplayEnd take over that link. A broker on the far side runs its repair around that
+    # one (or bridges over it too), so the name finds its run there.
+    bridged_for: dict[str, str] = field(default_factory=dict)
+    heard: set[str] = field(default_factory=set)  # partners whose sweep came
+    told: set[str] = field(default_factory=set)  # partners sent this broker's sweep
     finished_at: float | None = None
     replay_ends: set[str] = field(default_factory=set)  # chain partners whose ReplayEnd came
     replay_ends_sent: set[str] = field(default_factory=set)  # chain partners told ReplayEnd
@@ -499,69 +588,83 @@ class RepairRun:
     # link, kept because the chain left this broker out (exchange.a2_dead_unlisted).
     replay_also: tuple[str, ...] = ()
 
-    def __post_init__(self) -> None:
-        # An end of the chain needs no sweep from beyond it.
-        if self.previous is None:
-            self.swept.add(Step.SWEEP_FROM_PREVIOUS)
-        if self.next is None:
-            self.swept.add(Step.SWEEP_FROM_NEXT)
+    @property
+    def partners(self) -> tuple[str, ...]:
+        return tuple(p for p in (self.previous, self.next, *self.bridges) if p is not None)
 
     def step(self, step: Step, who: str) -> None:
         nxt = TRANSITIONS[self.phase].get(step)
         if nxt is None:
             raise ProtocolError(f"repair of {self.dead}: {step.value} from {who} in {self.phase}")
         self.phase = nxt
-        self.swept.add(step)
 
     @property
     def complete(self) -> bool:
-        return self.phase is Phase.WAITING and len(self.swept) == 2
+        return self.phase is Phase.WAITING and self.heard.issuperset(self.partners)
+
+    def sweeps_due(self) -> list[Effect]:
+        """The sweeps this broker owes now: to each partner not told yet whose others have all
+        sent theirs (at an end of a chain, the one partner at once)."""
+        out: list[Effect] = []
+        partners = self.partners
+        for q in partners:
+            if q not in self.told and all(p in self.heard for p in partners if p != q):
+                self.told.add(q)
+                sweep = RepairSweep(self.name_for(q), forward=q != self.previous)
+                out.append(SendToLink(q, sweep))
+        return out
+
+    def name_for(self, partner: str) -> str:
+        """The dead broker's name this run's messages to ``partner`` go under."""
+        return self.bridged_for.get(partner, self.dead)
 
     def sweeps_to_start(self) -> list[Effect]:
         """An end of the chain starts the sweep towards the other end."""
-        out: list[Effect] = []
-        if self.previous is None and self.next is not None:
-            out.append(SendToLink(self.next, RepairSweep(self.dead, forward=True)))
-        if self.next is None and self.previous is not None:
-            out.append(SendToLink(self.previous, RepairSweep(self.dead, forward=False)))
-        return out
+        return self.sweeps_due()
 
     def end_died(self, peer: str) -> list[Effect]:
-        """``peer``, this broker's neighbour in the chain, died too before its sweep came (a
-        node or zone failure takes several brokers at once): this broker is that end of the
-        chain now, and starts the sweep the dead end would have started, so the repair
-        completes on the survivors instead of waiting for its timer."""
-        out: list[Effect] = []
+        """``peer``, this broker's partner, died too before its sweep came (a node or zone
+        failure takes several brokers at once), or its link was withdrawn: this broker is that
+        end of the chain now, and sends what the dead end's sweep would have let it send, so
+        the repair completes on the survivors instead of waiting for its timer."""
         if self.phase is not Phase.WAITING:
-            return out
+            return []
+        self._drop_partner(peer)
+        return self.sweeps_due()
+
+    def _drop_partner(self, peer: str) -> None:
         if peer == self.next:
             self.next = None
-            if Step.SWEEP_FROM_NEXT not in self.swept:
-                self.swept.add(Step.SWEEP_FROM_NEXT)
-                if self.previous is not None:
-                    out.append(SendToLink(self.previous, RepairSweep(self.dead, forward=False)))
         if peer == self.previous:
             self.previous = None
-            if Step.SWEEP_FROM_PREVIOUS not in self.swept:
-                self.swept.add(Step.SWEEP_FROM_PREVIOUS)
-                if self.next is not None:
-                    out.append(SendToLink(self.next, RepairSweep(self.dead, forward=True)))
-        return out
+        self.bridges = tuple(b for b in self.bridges if b != peer)
+        self.heard.discard(peer)
+
+    def bridge(self, dead: str, partners: Sequence[str]) -> list[Effect]:
+        """Chain partner ``dead`` died with the broker this repair is around, before its link
+        ever connected: this broker links to ``partners`` on the bridge over the two instead
+        (:func:`bridge_ends`), and sends whatever sweeps that allows."""
+        self._drop_partner(dead)
+        self.also_dead = (*self.also_dead, dead)
+        self.bridges = tuple(dict.fromkeys((*self.bridges, *partners)))
+        for p in partners:
+            self.bridged_for.setdefault(p, dead)
+        return self.sweeps_due()
 
     def on_sweep(self, peer: str, sweep: RepairSweep, out: list[Effect]) -> None:
-        """Pass the sweep on along the chain, after everything this broker sent before."""
-        if sweep.forward:
-            if peer != self.previous:
-                raise ProtocolError(f"forward sweep of {self.dead} from {peer}, not the previous")
+        """Pass the sweep on, after everything this broker sent before (see the class). Its
+        direction is not checked: a bridge partner on the far side may see this broker as
+        its previous or next in a chain of its own, whichever way this one sees it."""
+        if peer == self.previous:
             self.step(Step.SWEEP_FROM_PREVIOUS, peer)
-            if self.next is not None:
-                out.append(SendToLink(self.next, sweep))
-        else:
-            if peer != self.next:
-                raise ProtocolError(f"backward sweep of {self.dead} from {peer}, not the next")
+        elif peer == self.next:
             self.step(Step.SWEEP_FROM_NEXT, peer)
-            if self.previous is not None:
-                out.append(SendToLink(self.previous, sweep))
+        elif peer in self.bridges:
+            self.step(Step.SWEEP_OVER_BRIDGE, peer)
+        else:
+            raise ProtocolError(f"sweep of {sweep.dead} from {peer}, not a partner of this repair")
+        self.heard.add(peer)
+        out.extend(self.sweeps_due())
 
     def finish(
         self,
@@ -577,8 +680,7 @@ class RepairRun:
         on the new links carry traffic as any link does."""
         self.phase = Phase.DONE
         self.finished_at = now
-        chain = {p for p in (self.previous, self.next, *self.replay_also) if p is not None}
-        chain -= set(skip)
+        chain = {*self.partners, *self.replay_also} - set(skip)
         replayed = 0
         for event in self.retained:
             for peer in sorted(chain.intersection(route(event))):
@@ -587,3 +689,4 @@ class RepairRun:
         held = len(self.retained)
         self.retained = []
         out.append(RepairFinished(self.dead, replayed, held, timed_out))
+        out.extend(RepairFinished(d, 0, 0, timed_out) for d in self.also_dead)

@@ -253,6 +253,8 @@ class LinkSessions:
         # join retried after a failure must still know since when the sides were apart.
         self.lifted_since: dict[str, float] = {}
         self._learned: dict[str, str] = {}  # addresses told by neighbours (F_PEERS)
+        # The last book of addresses told (see _tell_peers).
+        self._told_book: tuple[dict[str, str], dict[str, str]] | None = None
         self.repairs: list[dict[str, Any]] = []  # the last few, for the admin API
         self.standby: dict[str, Link] = {}  # standby links by peer, dialed or accepted
         self._probing: set[str] = set()  # unconnected repair links whose peer is being probed
@@ -756,6 +758,7 @@ class LinkSessions:
                         host.apply(handle(FromLink(peer, msg), host.now()))
                         if type(msg) is Neighbours:
                             self.update_standby()  # a repair's peers may have changed
+                            self._tell_peers(changed=True)  # and who is two hops away
                     n += 1
         finally:
             if n:
@@ -1664,10 +1667,15 @@ class LinkSessions:
                 continue
             rec.setdefault("withdrawn", []).append(peer)
 
-    def _tell_peers(self) -> None:
+    def _tell_peers(self, *, changed: bool = False) -> None:
         """Tell every neighbour the addresses of all the others: a repair links brokers that
         never talked, and each must be able to dial the other; and their client addresses,
-        which a client fails over to (with separate listeners they are other ports)."""
+        which a client fails over to (with separate listeners they are other ports).
+
+        Also those of the neighbours' own neighbours, as far as they are known here: a bridge
+        over two neighbours that died together links brokers two hops apart from either side
+        (core.repair.bridge_ends). ``changed``: only if the book differs from the last one
+        told (a neighbour's list or addresses changed), else to every connected link."""
         host = self.host
         book = {host.name: host.advertised}
         clients = {host.name: host.client_advertised}
@@ -1677,6 +1685,14 @@ class LinkSessions:
                 book[peer] = address
             if peer in host.client_peers:
                 clients[peer] = host.client_peers[peer]
+        for names in host.core.neighbour_lists.lists.values():
+            for name in names:
+                if name not in book and name in host.peers:
+                    book[name] = host.peers[name]
+        told = (book, clients)
+        if changed and told == self._told_book:
+            return
+        self._told_book = told
         frame = control_frame(F_PEERS, book, clients)
         for link in self.links.values():
             if link.conn is not None:
@@ -1692,6 +1708,7 @@ class LinkSessions:
                 if old is not None and old != address:
                     self.moved(name)
         self.host.client_peers.update(valid_addresses(clients, self.name))
+        self._tell_peers(changed=True)  # the second hop's addresses may be news to the others
 
     # ------------------------------------------------------------------ heartbeats
 

@@ -534,6 +534,8 @@ class Simulator:
 
     def _apply(self, broker: str, inp: Input) -> None:
         self.stats.inputs += 1
+        if isinstance(inp, PeerFailed) and self.cores[broker].declared_dead(inp.peer):
+            return  # a probe's verdict after the detector's (see _probe): said once
         if isinstance(inp, PeerFailed) and not self.cores[broker].routing.has_link(inp.peer):
             # The core has no such link any more (a walk repaired it first, see the core's
             # Settle handling): as the runtime's detector, nothing to repair; the link is gone.
@@ -754,6 +756,11 @@ class Simulator:
                 # The client library gives up waiting for the marker and leaves the old
                 # broker (then fails over from the dead one): its subscriptions there go.
                 self._issue_now(client, ClientDetach(client), m.old)
+        for dead, waiting in list(self._repairing.items()):
+            if broker in waiting:  # it will not finish its part: it died during it
+                waiting.discard(broker)
+                if not waiting:
+                    self._repair_complete(dead)
         self._repairing[broker] = set()
         token = f"repair:{broker}"
         for _, overlapped in self._unsettled:
@@ -1009,6 +1016,19 @@ class Simulator:
                 self._active_exchanges.discard(eff.xid)
             elif isinstance(eff, RepairFinished):
                 self._repaired_at(broker, eff.dead)
+            elif isinstance(eff, Repaired):
+                for peer in eff.links:
+                    if peer in self.crashed:
+                        self._probe(broker, peer)
+
+    def _probe(self, broker: str, dead: str) -> None:
+        """A repair at ``broker`` opened a link to ``dead``, which has crashed: the link never
+        connects, and the runtime probes such a link once it has been without a connection
+        for the detection time, and declares ``dead`` dead (LinkSessions.repaired and
+        _probe_unconnected; not other links a core opens). The failure
+        detector fires only at the dead broker's neighbours at its time, so a repair that
+        links to a broker that died with the one it repairs around learns it this way."""
+        self._schedule(self.now + self.detection_time, broker, PeerFailed(dead))
 
     def _repaired_at(self, broker: str, dead: str) -> None:
         """``broker``'s part of the repair around ``dead`` is done (or it had none)."""
