@@ -141,7 +141,9 @@ async def test_two_neighbours_killed_together_are_bridged_and_nothing_is_lost(
                 assert not missed, f"{sub} missed {len(missed)} of {p}'s: {missed[:10]}"
                 assert exact, f"{sub}: {p}'s duplicated or reordered"
         records = (await brokers["b2"].admin.status())["repairs"]
-        assert any(r["dead"] == "b3" and r["linked"] == ["b4"] for r in records), records
+        assert any(
+            r["dead"] == "b3" and r["linked"] == ["b4"] and r["died_with"] == "b1" for r in records
+        ), records
         print(f"bridged {repair_s:.2f}s after the kill; {last} published, none lost")
         await close_all([p0, p6, *clients.values()], drains)
     finally:

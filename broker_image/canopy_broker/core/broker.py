@@ -916,7 +916,7 @@ class BrokerCore:
                     self.routing.add_link(t, out)
                     opened.append(t)
                 self._holding.setdefault(t, []).append(run)
-            out.append(Repaired(peer, ends, tuple(opened)))
+            out.append(Repaired(peer, ends, tuple(opened), together=run.dead))
             self._bridged[peer] = run
             out.extend(run.bridge(peer, partners))  # behind this end's routes on the new links
             if run.complete:

@@ -841,11 +841,14 @@ class ExchangeFinished:
 @message
 class Repaired:
     """This broker removed its link to the dead broker ``dead`` and opened ``links`` (its part
-    of the chain through the dead broker's neighbours ``chain``); for logs and metrics."""
+    of the chain through the dead broker's neighbours ``chain``); for logs and metrics.
+    ``together``: the broker ``dead`` died together with, where this is a bridge over the two
+    (``chain`` is then the bridge's, core.repair.bridge_ends)."""
 
     dead: str
     chain: tuple[str, ...]
     links: tuple[str, ...]
+    together: str = ""
 
 
 @message

@@ -1582,9 +1582,12 @@ class LinkSessions:
             "known": [{"cycle": list(c), "round": r} for c, r in sorted(known.items())],
         }
 
-    def repaired(self, dead: str, chain: tuple[str, ...], links: tuple[str, ...]) -> None:
+    def repaired(
+        self, dead: str, chain: tuple[str, ...], links: tuple[str, ...], together: str = ""
+    ) -> None:
         """The core's account of a repair (its :class:`Repaired` effect): which of its new
-        links were promoted standby links and which were dialed."""
+        links were promoted standby links and which were dialed. ``together``: the broker
+        ``dead`` died with, where this is a bridge over the two."""
         how = {p: self._opened_how.pop(p, "dialed") for p in links}
         promoted = [p for p in links if how[p] == "promoted"]
         dialed = [p for p in links if how[p] != "promoted"]
@@ -1598,21 +1601,32 @@ class LinkSessions:
                 # repair link that never connects is suspected like one that lost its
                 # connection, so that death is detected and repaired too.
                 link.down_since = now
-        log.warning(
-            "%s: repair around %s: its neighbours %s form a chain; linking to %s "
-            "(standby links promoted: %s)",
-            self.name,
-            dead,
-            list(chain),
-            list(links) or "nobody new",
-            promoted or "none",
-        )
+        if together:
+            log.warning(
+                "%s: %s died with %s: bridging over both; the bridge is %s; linking to %s",
+                self.name,
+                dead,
+                together,
+                list(chain),
+                list(links) or "nobody new",
+            )
+        else:
+            log.warning(
+                "%s: repair around %s: its neighbours %s form a chain; linking to %s "
+                "(standby links promoted: %s)",
+                self.name,
+                dead,
+                list(chain),
+                list(links) or "nobody new",
+                promoted or "none",
+            )
         self.repairs = [
             *self.repairs[-9:],
             {
                 "dead": dead,
                 "chain": list(chain),
                 "linked": list(links),
+                **({"died_with": together} if together else {}),
                 "promoted": promoted,
                 "dialed": dialed,
                 "at": time.time(),

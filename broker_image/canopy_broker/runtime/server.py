@@ -1263,7 +1263,7 @@ class Broker:
             elif isinstance(eff, ExchangeFinished):
                 self._exchange_finished(eff)
             elif isinstance(eff, Repaired):
-                self.sessions.repaired(eff.dead, eff.chain, eff.links)
+                self.sessions.repaired(eff.dead, eff.chain, eff.links, eff.together)
             elif isinstance(eff, RepairFinished):
                 self.sessions.repair_finished(eff)
             elif isinstance(eff, Resumed):
