@@ -271,6 +271,9 @@ class Simulator:
         self._opened_at: dict[tuple[str, str], float] = {}
         self._closed_at: dict[tuple[str, str], float] = {}
         self._unopened: dict[tuple[str, str], list[FromLink]] = {}
+        # (sender, receiver) channels whose sender died with messages the receiver had not
+        # opened the link for: lost, and so is whatever of the sender's follows on them.
+        self._lost_with_sender: set[tuple[str, str]] = set()
         for a, b in edges:
             self._link_now(a, b)
 
@@ -555,6 +558,8 @@ class Simulator:
                 self._copy_done(msg.event)
             if not self.cores[broker].is_neighbour(inp.peer):
                 return  # the link was removed while this message travelled: it is lost
+            if (inp.peer, broker) in self._lost_with_sender:
+                return  # behind messages lost with their dead sender (see _dies)
         elif isinstance(inp, ClientSubscribe | ClientUnsubscribe | ClientDetach):
             self._control_in_flight -= 1
             self._withdrawal_takes_effect(inp)
@@ -746,6 +751,13 @@ class Simulator:
         to or from it) become victims, and a repair is owed until its neighbours finish it."""
         self.crashed.add(broker)
         for key in [k for k in self._unopened if broker in k]:  # lost with it
+            if key[0] == broker:
+                # The runtime refused them (the receiver's core had not opened the link), and
+                # nobody will send them again; a link session is FIFO, so what the dead sender
+                # sent after them cannot be taken either. Delivered after the open, the later
+                # messages lost only the earlier ones: a repair's sweep came in without the
+                # routes sent ahead of it, and its replay left out what those routes led to.
+                self._lost_with_sender.add(key)
             for inp in self._unopened.pop(key):
                 self._schedule(self.now, key[1], inp)
         for client, b in self.client_broker.items():
