@@ -43,6 +43,7 @@ from canopy_broker.core.messages import (
     ClientResume,
     ClientSubscribe,
     ClientUnsubscribe,
+    CloseLink,
     CtrlMsg,
     CycleFound,
     CycleProbe,
@@ -205,6 +206,8 @@ class BrokerCore:
         # A chain partner that died with the broker a repair is around, bridged over by that
         # repair (see _bridge): its sweeps and ReplayEnds, named for it, belong to that run.
         self._bridged: dict[str, RepairRun] = {}
+        # Bridge partners not heard from yet, with the run that waits for them (see _bridge).
+        self._unanswered: dict[str, RepairRun] = {}
         # Each chain end a repair under way waits for, with the runs that wait for it (two
         # repairs may share an end: each holds it until its own sweep came).
         self._holding: dict[str, list[RepairRun]] = {}
@@ -409,6 +412,8 @@ class BrokerCore:
             kind, _, name = inp.key.partition(":")
             if kind == "repair":
                 self.repair_timer(name, out)
+            elif kind == "bridge":
+                self._bridge_timer(name, out)
             elif kind == "verdict":
                 self._verdict_due(name, out)
             elif kind == "handover":
@@ -423,6 +428,8 @@ class BrokerCore:
         if not self.routing.has_link(inp.peer):
             raise ProtocolError(f"{self.name}: message from {inp.peer!r}, which is not a neighbour")
         msg = inp.message
+        if self._unanswered:
+            self._unanswered.pop(inp.peer, None)  # it opened its end: it bridges too
         ex = self.ex
         if ex is not None and ex.bridge is not None and inp.peer in ex.bridge_peers:
             ex.bridged.append(inp)  # until the removed link has done (see defer_settle)
@@ -894,7 +901,13 @@ class BrokerCore:
         two (:func:`~canopy_broker.core.repair.bridge_ends`), which the survivors on the other
         side compute alike, and the run goes on over the larger tree: sweeps, replay and all.
         False where it cannot (an exchange runs, or no such list): the repair around ``peer``
-        follows as before."""
+        follows as before.
+
+        A far end that never bridges back (older software, an exchange there, lists that
+        differ) would hold this run, and every chain partner's behind it, until the repair's
+        timer: a bridge partner not heard from within half of it is dropped as a dead chain
+        end would be (:meth:`_bridge_timer`), and the run completes on the rest, split there
+        as it was before bridges (review)."""
         if peer in self.neighbour_lists.lists:
             return False  # it said its own list: the repair around it knows better
         for run in self._holding.get(peer, ()):
@@ -905,9 +918,14 @@ class BrokerCore:
             partners = [
                 t for t in chain_links(ends, self.name) if t not in (run.previous, run.next)
             ]
-            held = [r for r in self._holding.pop(peer) if r is not run]
-            if held:
-                self._holding[peer] = held
+            # Another repair that holds the same dead partner cannot wait for it either (its
+            # link goes now): it ends there, and what it kept is replayed by this one, which
+            # reaches beyond (as _chain_end_gone hands it to the repair around a dead end).
+            for other in [r for r in self._holding.pop(peer) if r is not run]:
+                run.retained = merged(run.retained, other.retained)
+                out.extend(other.end_died(peer))
+                if other.complete:
+                    self._finish_repair(other, out)
             self._remove_link(peer, out)  # it never carried anything: nothing to wait for
             opened: list[str] = []
             for t in partners:
@@ -916,6 +934,7 @@ class BrokerCore:
                     self.routing.add_link(t, out)
                     opened.append(t)
                 self._holding.setdefault(t, []).append(run)
+                self._unanswered[t] = run
             out.append(Repaired(peer, ends, tuple(opened), together=run.dead))
             self._bridged[peer] = run
             out.extend(run.bridge(peer, partners))  # behind this end's routes on the new links
@@ -923,12 +942,41 @@ class BrokerCore:
                 self._finish_repair(run, out)
             else:  # the bridge needs its own time: the far side's probe came later too
                 out.append(StartTimer(f"repair:{run.dead}", self.repair_timeout))
+                out.append(StartTimer(f"bridge:{run.dead}", self.repair_timeout / 2))
             return True
         return False
 
-    def _run_for(self, dead: str) -> RepairRun | None:
-        """The repair under way here around ``dead``, or bridging over it."""
-        return self.repairs.get(dead) or self._bridged.get(dead)
+    def _bridge_timer(self, dead: str, out: list[Effect]) -> None:
+        """The bridge of the repair around ``dead`` had half a repair timeout: its partners
+        that never answered (opened their end and said anything) are not bridging back. Each
+        is dropped as a dead chain end, and its link closed; the run completes on the rest."""
+        run = self.repairs.get(dead)
+        if run is None or run.phase is not RepairPhase.WAITING:
+            return
+        for partner in [p for p, r in self._unanswered.items() if r is run]:
+            del self._unanswered[partner]
+            if partner not in run.bridges:
+                continue
+            self._holding[partner] = [r for r in self._holding.get(partner, ()) if r is not run]
+            if not self._holding[partner]:
+                del self._holding[partner]
+            out.extend(run.end_died(partner))
+            if self.routing.has_link(partner) and partner not in self._ghosts:
+                self._remove_link(partner, out)
+                out.append(CloseLink(partner))
+        if run.complete:
+            self._finish_repair(run, out)
+
+    def _run_for(self, dead: str, peer: str) -> RepairRun | None:
+        """The repair under way here that ``peer``'s message about ``dead`` belongs to: the one
+        around ``dead``, or the one bridging over it, whichever has ``peer`` as a partner (a
+        finished repair around an earlier broker of the same name may still be kept; review).
+        Else the one around ``dead``, if any."""
+        around, bridging = self.repairs.get(dead), self._bridged.get(dead)
+        for run in (around, bridging):
+            if run is not None and peer in run.partners:
+                return run
+        return around
 
     def _verdict_due(self, dead: str, out: list[Effect], via: str | None = None) -> None:
         """A verdict that waited (exchange.a2_dead_unlisted) goes ahead: the walk from the
@@ -1044,8 +1092,12 @@ class BrokerCore:
         kept = set(map(id, self.repairs.values()))
         for dead in [d for d, r in self._bridged.items() if id(r) not in kept]:
             del self._bridged[dead]
+        for peer in [p for p, r in self._unanswered.items() if id(r) not in kept]:
+            del self._unanswered[peer]
 
     def _finish_repair(self, run: RepairRun, out: list[Effect], *, timed_out: bool = False) -> None:
+        for partner in [p for p, r in self._unanswered.items() if r is run]:
+            del self._unanswered[partner]  # done: nothing waits for its answer any more
         ex = self.ex
         if ex is not None and ex.bridge == run.dead:
             # A2's repair around A1 gave up waiting, or lost its chain end, before the walk
@@ -1116,7 +1168,7 @@ class BrokerCore:
         coordinated.settle(self, ex, run.dead, run.dead, out)
 
     def _replay_ended(self, peer: str, dead: str, out: list[Effect]) -> None:
-        run = self._run_for(dead)
+        run = self._run_for(dead, peer)
         if run is None:
             # Its repair may not have begun here yet: this broker's detector is slower, and
             # the partner's repair ended on its timer. A middle member of the chain says its
@@ -1152,7 +1204,7 @@ class BrokerCore:
             handover.repaired(self, dead, out)
 
     def _repair_msg(self, peer: str, msg: RepairSweep, out: list[Effect]) -> None:
-        run = self._run_for(msg.dead)
+        run = self._run_for(msg.dead, peer)
         if run is None:
             raise ProtocolError(f"{self.name}: repair sweep for {msg.dead}, which it is not in")
         run.on_sweep(peer, msg, out)

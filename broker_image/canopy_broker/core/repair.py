@@ -60,6 +60,12 @@ from canopy_broker.core.messages import (
 )
 
 K = TypeVar("K", int, str)
+RELAYED_AT_MOST: Final = 256
+"""A neighbour's list is passed on (two hops, ``Neighbours.lists``) only up to this many names,
+and no more than this many lists are taken from one message: each message carries every other
+neighbour's list, so its size grows with the square of the degree (review: a peer's message of
+16,000 names took 2 s to read before the names were a set). A broker with more neighbours than
+this is not bridged over (its neighbours repair around it as before)."""
 Where = tuple[str, str]
 """A broker's (zone, node); "" for what is not known."""
 NOWHERE: Final[Where] = ("", "")
@@ -202,10 +208,15 @@ class NeighbourLists:
         # Of the second hop, only what can be a list of a neighbour of ``peer``'s: one of its
         # own, naming ``peer`` and not itself (anything else is stale or wrong: dropped, not
         # refused; a bridge built on it would link brokers that never meet).
+        listed = frozenset(msg.names)
         second = {
             n: names
-            for n, names in msg.lists
-            if n in msg.names and n != self.name and peer in names and n not in names
+            for n, names in msg.lists[:RELAYED_AT_MOST]
+            if n in listed
+            and n != self.name
+            and len(names) <= RELAYED_AT_MOST
+            and peer in names
+            and n not in names
         }
         if self.lists.get(peer) != msg.names or self.second.get(peer, {}) != second:
             self._version += 1
@@ -250,7 +261,11 @@ class NeighbourLists:
             self._announced = key
             self._told = {p: t for p, t in self._told.items() if p in names}
         bare = Neighbours(names)
-        heard = [(n, self.lists[n]) for n in names if n in self.lists]
+        heard = [
+            (n, self.lists[n])
+            for n in names
+            if n in self.lists and len(self.lists[n]) <= RELAYED_AT_MOST
+        ][:RELAYED_AT_MOST]
         self._pending = False
         for n in names:
             if n in old:
