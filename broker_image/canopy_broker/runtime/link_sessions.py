@@ -1316,7 +1316,16 @@ class LinkSessions:
         """For each overlay neighbour heard lately: how long ago it was last heard, and for how
         long its connection has been up (seconds). Sent with a ``not-open`` refusal and in a
         probe's answer, so that a broker repairing around one of them learns it is alive here
-        (see _alive_there)."""
+        (see _alive_there).
+
+        Nothing while this broker's own loop has just stalled past the detection timeout: it
+        was paused, its neighbours have likely declared it dead, and what it hears is a
+        neighbour paused with it (an old connection, neither side read it meanwhile). Said,
+        that made the survivors take the pair for a healed partition and withdraw the repair
+        links a bridge over both needed (an outside attack: two neighbours SIGSTOPped 2-6 s
+        together, the overlay split until the restore)."""
+        if self._just_woke():
+            return {}
         now = self.host.now()
         return {
             p: [round(now - lk.last_heard, 3), round(now - lk.up_since, 3)]
