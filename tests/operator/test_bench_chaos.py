@@ -4,10 +4,11 @@ something), and a short run of real processes under kills comes out clean."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 from typing import Any
 
 from canopy_broker.client import Gap
-from canopy_operator.commands.bench_chaos import Counts, judge, verdict
+from canopy_operator.commands.bench_chaos import Chaos, Counts, judge, verdict
 from tests.cli.test_commands import canopy, last_json
 
 
@@ -77,4 +78,34 @@ def test_a_short_run_under_kills_is_clean() -> None:
         counts = sub["counts"]
         assert counts["lost_untold"] == counts["duplicated"] == counts["reordered"] == 0
         assert counts["expected"] > 100
+        # Whose notifications it lacked, apart: they add up to the totals.
+        apart = [p["counts"] for p in sub["by_publisher"].values()]
+        assert set(sub["by_publisher"]) <= set(data["published"])
+        for key in ("lost_told", "lost_told_slack", "lost_after_giving_up"):
+            assert sum(c[key] for c in apart) == counts[key], (key, sub)
     assert "VERDICT CLEAN" in result.stdout
+
+
+def test_the_result_names_whose_notifications_a_subscriber_lacked() -> None:
+    """``by_publisher`` keeps each publisher's counts apart (only those with something to
+    say), adding up to the subscriber's totals: a HARD run's losses name their publisher."""
+    books = {"p0": {s: (float(s), {"n": s, "sym": "X", "price": 1}) for s in range(1, 13)}}
+    books["p1"] = dict(books["p0"])
+    chaos = SimpleNamespace(
+        pubs={"p0": SimpleNamespace(client_id="c0"), "p1": SimpleNamespace(client_id="c1")},
+        subs={"s0": SimpleNamespace(failovers=0)},
+        received={"s0": [("c0", s) for s in range(1, 13)] + [("c1", s) for s in range(1, 9)]},
+        sub_filter={"s0": 0},
+        books=books,
+        gaps={"s0": []},
+        gave_up_at={},
+        home={"s0": "b0"},
+        on_failed={},
+        t0=0.0,
+    )
+    out = Chaos.judged(chaos, {"p0": [], "p1": []})  # type: ignore[arg-type]
+    s0 = out["s0"]
+    assert s0["counts"].lost_untold == 4
+    assert set(s0["by_publisher"]) == {"p1"}  # p0's stream was exact
+    assert s0["by_publisher"]["p1"]["counts"].lost_untold == 4
+    assert s0["by_publisher"]["p1"]["untold_at"] == [9.0, 10.0, 11.0, 12.0]

@@ -675,6 +675,17 @@ class Chaos:
                 "on_failed": self.on_failed.get(sid, []),
                 "counts": total,
                 "untold_at": [round(t - self.t0, 3) for t in total.untold_at],
+                # Each publisher whose notifications this subscriber lacked or had twice, apart:
+                # the totals alone did not say whose (a helper tracing a HARD run had to infer
+                # the publisher from the times).
+                "by_publisher": {
+                    pid: {
+                        "counts": cnt,
+                        "untold_at": [round(t - self.t0, 3) for t in cnt.untold_at],
+                    }
+                    for pid, cnt in per.items()
+                    if cnt.hard or cnt.told or cnt.lost_after_giving_up
+                },
                 "gaps": [
                     {
                         "since": round(g.since - self.t0, 3),
