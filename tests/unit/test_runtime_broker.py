@@ -1229,12 +1229,8 @@ async def test_a_full_retention_slows_publishers_instead_of_dropping_custody(
 ) -> None:
     """At --retention-limit, entries younger than the failure detection time are not dropped
     (the neighbour could still die holding them): publishers wait until they age out."""
-    a = await make_broker("a", retention_limit=50)  # detection 0.6 s: horizon 0.8 s
-    z = await make_broker("z")
-    await link(a, z)
-    async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
-        await far.subscribe("n >= 0")
-        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
+    # detection 0.6 s: horizon 0.8 s
+    async with across_a_link(make_broker, retention_limit=50) as (a, _z, pub, far):
         for n in range(200):
             pub.publish_nowait({"n": n})
         await pub.flush()
@@ -1260,12 +1256,16 @@ async def test_a_full_retention_slows_publishers_instead_of_dropping_custody(
 
 @contextlib.asynccontextmanager
 async def across_a_link(
-    make_broker: MakeBroker, retention: float
+    make_broker: MakeBroker, retention: float | None = None, *, both: Any = None, **on_a: Any
 ) -> AsyncIterator[tuple[Broker, Broker, Client, Client]]:
-    """Brokers a - z (``retention``: their custody window), a publisher "p" on a and a
-    subscriber to every ``n`` on z, once a's table routes to z."""
-    a = await make_broker("a", retention_seconds=retention)
-    z = await make_broker("z", retention_seconds=retention)
+    """Brokers a - z (``retention``: their custody window; ``both``: more configuration for
+    both, ``on_a``: for a alone), a publisher "p" on a and a subscriber to every ``n`` on z,
+    once a's table routes to z."""
+    common = dict(both or {})
+    if retention is not None:
+        common["retention_seconds"] = retention
+    a = await make_broker("a", **common, **on_a)
+    z = await make_broker("z", **common)
     await link(a, z)
     async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
         await far.subscribe("n >= 0")
@@ -1637,12 +1637,8 @@ async def test_a_links_queue_of_few_large_notifications_slows_the_publishers(
     20,000 messages) pass 1 MiB of high water: the publishers wait, and get going again once
     the neighbour reads; the subscriber gets each once, in order."""
     slow = {"heartbeat_interval": 2.0}  # the neighbour's pause must not look like a death
-    a = await make_broker("a", high_water=20_000, high_water_bytes=1024 * 1024, **slow)
-    z = await make_broker("z", **slow)
-    await link(a, z)
-    async with await connect(addr(z)) as sub, await connect(addr(a), "pub") as pub:
-        await sub.subscribe("n >= 0")
-        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
+    high = {"high_water": 20_000, "high_water_bytes": 1024 * 1024}
+    async with across_a_link(make_broker, both=slow, **high) as (a, z, pub, sub):
         z_side = z.links["a"].conn
         assert z_side is not None
         z_side.pause("test")
@@ -1661,12 +1657,8 @@ async def test_a_retention_of_few_large_notifications_slows_the_publishers(
     """Retention is bounded by bytes too (--retention-bytes): 40 notifications of 64 KiB
     (2.6 MB) against 1 MiB are far under the count's limit of 100,000, yet fill it while
     they are younger than the detection time: publishers wait until they age out."""
-    a = await make_broker("a", retention_bytes=1024 * 1024)  # detection 0.6 s
-    z = await make_broker("z")
-    await link(a, z)
-    async with await connect(addr(z)) as far, await connect(addr(a), "p") as pub:
-        await far.subscribe("n >= 0")
-        await eventually(lambda: bool(a.core.routing_table().links.get("z")))
+    # detection 0.6 s
+    async with across_a_link(make_broker, retention_bytes=1024 * 1024) as (a, _z, pub, far):
         for n in range(40):
             pub.publish_nowait({"n": n, "pad": "x" * 65536})
         await eventually(lambda: a.custody_full and a.publishers_paused, 5.0)
