@@ -631,3 +631,23 @@ def test_neighbour_lists_pass_on_no_list_longer_than_the_bound() -> None:
     told = {e.peer: e.message.lists for e in out}
     assert told["c"] == (("a", ("b", "c")),)
     assert told["a"] == ()  # c's list is over the bound: not passed on
+
+
+def test_another_repair_holding_the_bridged_partner_ends_there_into_the_bridge() -> None:
+    """q repairs around p (chain r, q, d) and around p2 (chain q, d) at once: both hold d.
+    d turns out dead with p, and q bridges over them; the repair around p2 cannot wait for
+    d's sweep either (its link goes): it ends there, and what it kept is replayed by the
+    bridge's run, which reaches beyond (review: it waited for its timer)."""
+    core = BrokerCore("q", RoutingMode.IDENTITY, announce_neighbours=True, retention_window=150.0)
+    core.handle(ClientAttach("c"))
+    for peer in ("p", "p2"):
+        core.handle(AddLink(peer))
+    core.handle(FromLink("p", Neighbours(("r", "q", "d"), lists=(("d", ("x", "p")),))))
+    core.handle(FromLink("p2", Neighbours(("q", "d"))))
+    core.handle(PeerFailed("p"), 1.0)
+    core.handle(PeerFailed("p2"), 1.0)
+    core.handle(ClientPublish("c", Event("c", 1, {"n": 1})), 1.5)  # held by both repairs
+    out = core.handle(PeerFailed("d"), 2.0)  # the runtime's probe: d never answered
+    assert any(isinstance(e, RepairFinished) and e.dead == "p2" for e in out), out
+    assert [(e.publisher, e.seq) for e in core.repairs["p"].retained] == [("c", 1)]
+    assert "x" in core.repairs["p"].bridges

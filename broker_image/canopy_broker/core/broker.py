@@ -711,7 +711,7 @@ class BrokerCore:
         self.handovers.pop(dead, None)
         run = self.repairs.get(dead)
         if run is not None:
-            out.extend(run.sweeps_to_start())
+            out.extend(run.sweeps_due())
         for _at, inp in queued:
             if self.routing.has_link(inp.peer):
                 self.from_link(inp, out)
@@ -884,7 +884,7 @@ class BrokerCore:
             # (simulator: 45 events; and this end waited in the exchange for its lease).
             ex.sweep_held = peer
         else:
-            out.extend(run.sweeps_to_start())  # behind this end's routes on the new link
+            out.extend(run.sweeps_due())  # behind this end's routes on the new link
         if run.complete:
             self._finish_repair(run, out)
         else:
@@ -920,12 +920,9 @@ class BrokerCore:
             ]
             # Another repair that holds the same dead partner cannot wait for it either (its
             # link goes now): it ends there, and what it kept is replayed by this one, which
-            # reaches beyond (as _chain_end_gone hands it to the repair around a dead end).
-            for other in [r for r in self._holding.pop(peer) if r is not run]:
-                run.retained = merged(run.retained, other.retained)
-                out.extend(other.end_died(peer))
-                if other.complete:
-                    self._finish_repair(other, out)
+            # reaches beyond, as it would be by the repair around a dead chain end.
+            self._holding[peer] = [r for r in self._holding[peer] if r is not run]
+            run.retained = merged(run.retained, self._chain_end_gone(peer, out))
             self._remove_link(peer, out)  # it never carried anything: nothing to wait for
             opened: list[str] = []
             for t in partners:

@@ -633,10 +633,6 @@ class RepairRun:
         """The dead broker's name this run's messages to ``partner`` go under."""
         return self.bridged_for.get(partner, self.dead)
 
-    def sweeps_to_start(self) -> list[Effect]:
-        """An end of the chain starts the sweep towards the other end."""
-        return self.sweeps_due()
-
     def end_died(self, peer: str) -> list[Effect]:
         """``peer``, this broker's partner, died too before its sweep came (a node or zone
         failure takes several brokers at once), or its link was withdrawn: this broker is that
