@@ -768,11 +768,8 @@ class Simulator:
                 # The client library gives up waiting for the marker and leaves the old
                 # broker (then fails over from the dead one): its subscriptions there go.
                 self._issue_now(client, ClientDetach(client), m.old)
-        for dead, waiting in list(self._repairing.items()):
-            if broker in waiting:  # it will not finish its part: it died during it
-                waiting.discard(broker)
-                if not waiting:
-                    self._repair_complete(dead)
+        for dead in [d for d, waiting in self._repairing.items() if broker in waiting]:
+            self._repaired_at(broker, dead)  # it will not finish its part: it died during it
         self._repairing[broker] = set()
         token = f"repair:{broker}"
         for _, overlapped in self._unsettled:
